@@ -1,0 +1,1 @@
+"""Benchmark drivers; each prints JSON lines, one per measured configuration."""

@@ -1,0 +1,1 @@
+"""The compute's side: walproposer bridge, pagestream client, synthetic WAL for tests."""

@@ -1,0 +1,1 @@
+"""The ``pagestore`` CLI and the local cluster it launches and wires."""

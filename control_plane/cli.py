@@ -1,0 +1,72 @@
+"""The ``pagestore`` command line: one entry point, subcommands owned by their rooms.
+
+Each subcommand lives in the module of the room that owns it and exposes two functions:
+``configure(parser: argparse.ArgumentParser) -> None`` and ``run(args: argparse.Namespace) -> int``.
+``COMMANDS`` maps a command path (``"waldump"``, ``"bench ingest"``) to ``"module"``. Modules
+are imported only when their command runs or its help is asked for, so a slow import in one
+room never slows another's command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Protocol, cast
+
+# command path -> (module, one-line help). Keep sorted by path.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "waldump": ("control_plane.cmd_waldump", "print WAL records of segment files as JSON lines"),
+}
+
+GROUP_HELP = {
+    "bench": "benchmarks; each prints JSON lines",
+    "tenant": "create and list tenants",
+    "timeline": "branch, list and import timelines",
+    "endpoint": "start and stop PostgreSQL computes on pagestore",
+}
+
+
+class CommandModule(Protocol):
+    def configure(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _load(module: str) -> CommandModule:
+    return cast(CommandModule, importlib.import_module(module))
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagestore", description="Disaggregated storage for PostgreSQL, on trio."
+    )
+    top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
+    # Only the module of the command actually named on the command line is imported.
+    wanted = " ".join(a for a in argv[:2] if not a.startswith("-"))
+    for path, (module, help_text) in sorted(COMMANDS.items()):
+        head, _, tail = path.partition(" ")
+        if tail:
+            if head not in groups:
+                gp = top.add_parser(head, help=GROUP_HELP.get(head, head))
+                groups[head] = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
+            sub = groups[head].add_parser(tail, help=help_text, description=help_text)
+        else:
+            sub = top.add_parser(path, help=help_text, description=help_text)
+        sub.set_defaults(_module=module)
+        if wanted == path or (not tail and argv[:1] == [path]):
+            _load(module).configure(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(args_list)
+    args = parser.parse_args(args_list)
+    return _load(args._module).run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""``pagestore waldump``: placeholder module replaced by the WAL decoder's owner."""

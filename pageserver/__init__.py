@@ -1,0 +1,1 @@
+"""The pageserver: tenants, timelines, the storage engine, WAL ingest and redo, page service."""

@@ -1,0 +1,1 @@
+"""The safekeeper: a quorum member that stores the compute's WAL durably and streams it on."""

@@ -1,0 +1,31 @@
+"""Shared test configuration: hypothesis profiles and fixtures every room uses."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    max_examples=100,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", deadline=None, max_examples=50)
+settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+@pytest.fixture
+def pg_tmp_path() -> Iterator[Path]:
+    """A temporary directory the postgres user can traverse (pytest's tmp_path is 0700 root)."""
+    path = Path(tempfile.mkdtemp(prefix="pagestore-test-", dir="/tmp"))
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -17,6 +17,7 @@ from typing import Protocol, cast
 
 # command path -> (module, one-line help). Keep sorted by path.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "safekeeper": ("safekeeper.node", "run a safekeeper node (pagestore safekeeper -c FILE)"),
     "waldump": ("control_plane.cmd_waldump", "print WAL records of segment files as JSON lines"),
 }
 

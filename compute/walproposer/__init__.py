@@ -1,0 +1,1 @@
+"""The walproposer bridge: a vanilla PostgreSQL's WAL made durable on a quorum of safekeepers."""

@@ -1,0 +1,538 @@
+"""The walproposer bridge: the process beside a vanilla PostgreSQL 15 that makes N safekeepers
+its durable WAL store.
+
+Data path::
+
+    PostgreSQL ──START_REPLICATION SLOT s PHYSICAL──► WalBuffer ──AppendRequest──► safekeeper × N
+        ▲                                                                               │
+        └──── standby status update: write = flush = apply = quorum flush LSN ◄─AppendResponse
+
+PostgreSQL names the bridge in ``synchronous_standby_names`` (the bridge connects with that
+``application_name``), so a commit returns to its client only once the bridge reports a flush
+position past it, and the bridge reports only the LSN a quorum of safekeepers has fsynced
+(``Proposer.commit_lsn``). The physical slot keeps PostgreSQL's WAL from that position on.
+
+Tasks (one trio nursery per term; any task's failure ends the term):
+
+- one per safekeeper: connect, ``START_WAL_PUSH (proto_version '3')``, greeting; then a reader
+  (acceptor messages -> ``Proposer``) and a sender (vote/elected messages the proposer queued for
+  it, then AppendRequests from its position, an empty one as heartbeat or to carry a new
+  commit_lsn). A lost connection is retried with backoff; the rest keep going.
+- one for PostgreSQL, started once we are elected: streams into the ``WalBuffer`` from the lowest
+  position the voters need, answers keepalives and sends status updates when commit_lsn moves.
+- a safekeeper whose position is older than the window catches up on a replication stream of
+  its own from PostgreSQL (no slot), then returns to the shared window.
+
+``ProposerRejected`` (a safekeeper in a higher term) ends the term: the bridge starts over with a
+term above the one it saw, which is also what happens after the bridge itself restarts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Final, Protocol
+
+import attrs
+import structlog
+import trio
+
+from compute.walproposer.proposer import Phase, Proposer, ProposerRejected
+from compute.walproposer.walbuffer import WalBuffer
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import INVALID_LSN, Lsn, format_lsn, parse_lsn
+from protocol.replication import (
+    CreateReplicationSlot,
+    IdentifySystem,
+    PrimaryKeepalive,
+    ReadReplicationSlot,
+    StandbyStatusUpdate,
+    StartReplication,
+    StartWalPush,
+    XLogData,
+    decode_server_copy_data,
+    encode_copy_message,
+)
+from protocol.safekeeper import (
+    MAX_SEND_SIZE,
+    AcceptorGreeting,
+    AppendRequest,
+    AppendResponse,
+    ProposerElected,
+    ProposerGreeting,
+    VoteRequest,
+    VoteResponse,
+    decode_acceptor_message,
+    encode_append_request_header,
+    encode_message,
+)
+
+log = structlog.get_logger("walproposer")
+
+PROTO_VERSION: Final = 3
+PG_EPOCH_OFFSET_S = 946_684_800  # 2000-01-01 in Unix seconds
+
+
+def pg_now() -> int:
+    """PostgreSQL's TimestampTz for now: microseconds since 2000-01-01."""
+    return int((time.time() - PG_EPOCH_OFFSET_S) * 1_000_000)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the bridge needs from a libpq client connection
+
+
+class PgConnection(Protocol):
+    """A libpq client connection (replication or START_WAL_PUSH)."""
+
+    async def query(self, sql: str) -> list[tuple[str | None, ...]]:
+        """Run a simple query; returns its rows as text (ErrorResponse -> exception)."""
+        ...
+
+    async def start_copy_both(self, sql: str) -> None:
+        """Send a query that answers CopyBothResponse."""
+        ...
+
+    async def send_copy_data(self, payload: bytes) -> None: ...
+
+    async def receive_copy_data(self) -> bytes:
+        """The next CopyData payload; the end of the stream or an error raises."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+Connector = Callable[[str, int, dict[str, str]], Awaitable[PgConnection]]
+
+# What ends one connection without ending the bridge.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    trio.TooSlowError,
+    RemoteProtocolError,
+    EOFError,
+)
+
+
+def register_connection_errors(*errors: type[BaseException]) -> None:
+    """Let a client library add the exception types that mean "this connection failed"."""
+    global CONNECTION_ERRORS
+    CONNECTION_ERRORS = (*CONNECTION_ERRORS, *errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+
+
+@attrs.frozen
+class SafekeeperAddr:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> SafekeeperAddr:
+        host, sep, port = text.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"safekeeper address {text!r} is not host:port")
+        return cls(host, int(port))
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@attrs.frozen
+class BridgeConfig:
+    pg_host: str
+    pg_port: int
+    safekeepers: tuple[SafekeeperAddr, ...]
+    tenant_id: TenantId
+    timeline_id: TimelineId
+    pg_user: str = "postgres"
+    # The name PostgreSQL's synchronous_standby_names lists.
+    application_name: str = "walproposer"
+    slot_name: str = "walproposer"
+    # Where WAL starts on a fresh timeline; None: the slot's restart_lsn (see docs/walproposer.md).
+    start_lsn: Lsn | None = None
+    buffer_bytes: int = 64 * 1024 * 1024
+    heartbeat_s: float = 1.0
+    status_interval_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    max_backoff_s: float = 2.0
+
+
+@attrs.frozen
+class PostgresInfo:
+    system_id: int
+    pg_version: int
+    wal_seg_size: int
+    bootstrap_lsn: Lsn
+
+
+def parse_size(text: str) -> int:
+    """``SHOW wal_segment_size`` text (``16MB``) as bytes."""
+    units = {"kB": 1024, "MB": 1024**2, "GB": 1024**3}
+    for unit, mult in units.items():
+        if text.endswith(unit) and text[: -len(unit)].isdigit():
+            return int(text[: -len(unit)]) * mult
+    if text.isdigit():
+        return int(text)
+    raise RemoteProtocolError(f"cannot parse size {text!r}")
+
+
+class _Signal:
+    """A level-free wakeup: ``event`` is captured before checking state, then awaited."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+
+    def fire(self) -> None:
+        self.event.set()
+        self.event = trio.Event()
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for e in exc.exceptions:
+            yield from _leaves(e)
+    else:
+        yield exc
+
+
+# ---------------------------------------------------------------------------------------------
+# The bridge
+
+
+class Bridge:
+    """Runs terms until cancelled; ``statistics()`` tells where it is."""
+
+    def __init__(self, cfg: BridgeConfig, connect: Connector) -> None:
+        if not cfg.safekeepers:
+            raise ValueError("no safekeepers configured")
+        self.cfg = cfg
+        self._connect = connect
+        self.info: PostgresInfo | None = None
+        n = len(cfg.safekeepers)
+        self.proposer = Proposer(n, bootstrap_lsn=INVALID_LSN)
+        self.buffer = WalBuffer(INVALID_LSN, cfg.buffer_bytes)
+        self._pending: list[deque[VoteRequest | ProposerElected]] = [deque() for _ in range(n)]
+        self._wake = [_Signal() for _ in range(n)]
+        self._commit_changed = _Signal()
+        self._elected = trio.Event()
+        self.terms_run = 0
+        self.reported_flush_lsn = INVALID_LSN
+        self._status_requested = False
+
+    # -- public --------------------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, object]:
+        p = self.proposer
+        return {
+            "term": p.term,
+            "elected": p.elected,
+            "commit_lsn": format_lsn(p.commit_lsn),
+            "reported_flush_lsn": format_lsn(self.reported_flush_lsn),
+            "buffer": [format_lsn(self.buffer.start), format_lsn(self.buffer.end)],
+            "safekeepers": [
+                {
+                    "addr": str(self.cfg.safekeepers[i]),
+                    "phase": s.phase.value,
+                    "flush_lsn": format_lsn(s.acked_flush_lsn),
+                    "streaming_at": None if s.streaming_at is None else format_lsn(s.streaming_at),
+                }
+                for i, s in enumerate(p.slots)
+            ],
+        }
+
+    async def wait_commit(self, lsn: Lsn) -> None:
+        """Wait until a quorum has flushed ``lsn`` (tests and tools use it)."""
+        while self.proposer.commit_lsn < lsn:
+            await self._commit_changed.event.wait()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.info = await self._prepare_postgres()
+        log.info(
+            "postgres ready",
+            system_id=self.info.system_id,
+            pg_version=self.info.pg_version,
+            bootstrap_lsn=format_lsn(self.info.bootstrap_lsn),
+        )
+        task_status.started()
+        min_term = 0
+        while True:
+            try:
+                await self._run_term(self.info, min_term)
+            except BaseExceptionGroup as eg:
+                rejected = [e for e in _leaves(eg) if isinstance(e, ProposerRejected)]
+                others = [e for e in _leaves(eg) if not isinstance(e, ProposerRejected)]
+                if others or not rejected:
+                    raise
+                min_term = max(min_term, *(e.seen_term for e in rejected if isinstance(e, ProposerRejected)))
+                log.warning("term lost, starting over", reason=str(rejected[0]), min_term=min_term)
+                await trio.sleep(0.2)
+
+    # -- PostgreSQL setup ----------------------------------------------------------------------
+
+    async def _pg_connect(self, application_name: str) -> PgConnection:
+        params = {
+            "user": self.cfg.pg_user,
+            "replication": "true",
+            "application_name": application_name,
+        }
+        with trio.fail_after(self.cfg.connect_timeout_s):
+            return await self._connect(self.cfg.pg_host, self.cfg.pg_port, params)
+
+    async def _prepare_postgres(self) -> PostgresInfo:
+        """System id, version, segment size; the slot; where a fresh timeline's WAL starts."""
+        conn = await self._pg_connect(f"{self.cfg.application_name}_setup")
+        try:
+            (ident,) = await conn.query(IdentifySystem().to_sql())
+            system_id = int(ident[0] or 0)
+            ((version,),) = await conn.query("SHOW server_version_num")
+            ((seg,),) = await conn.query("SHOW wal_segment_size")
+            slot = await self._ensure_slot(conn)
+        finally:
+            await conn.aclose()
+        bootstrap = self.cfg.start_lsn if self.cfg.start_lsn is not None else slot
+        return PostgresInfo(system_id, int(version or 0), parse_size(seg or ""), bootstrap)
+
+    async def _ensure_slot(self, conn: PgConnection) -> Lsn:
+        name = self.cfg.slot_name
+        rows = await conn.query(ReadReplicationSlot(name).to_sql())
+        if not rows or rows[0][0] is None:
+            # RESERVE_WAL pins WAL from the last checkpoint's redo point: a record start that
+            # PostgreSQL still has, where a fresh timeline can begin.
+            await conn.query(CreateReplicationSlot(name, reserve_wal=True).to_sql())
+            log.info("created physical replication slot", slot=name)
+            rows = await conn.query(ReadReplicationSlot(name).to_sql())
+        if not rows or rows[0][0] != "physical" or rows[0][1] is None:
+            raise LocalProtocolError(f"slot {name!r} is not a physical slot holding WAL: {rows!r}")
+        return parse_lsn(rows[0][1])
+
+    # -- one term ------------------------------------------------------------------------------
+
+    async def _run_term(self, info: PostgresInfo, min_term: int) -> None:
+        n = len(self.cfg.safekeepers)
+        self.terms_run += 1
+        self.proposer = Proposer(n, bootstrap_lsn=info.bootstrap_lsn, min_term=min_term)
+        self._pending = [deque() for _ in range(n)]
+        self._elected = trio.Event()
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(self._safekeeper_loop, i, info)
+            nursery.start_soon(self._postgres_loop)
+
+    async def _safekeeper_loop(self, i: int, info: PostgresInfo) -> None:
+        addr = self.cfg.safekeepers[i]
+        backoff = 0.05
+        slog = log.bind(safekeeper=str(addr))
+        while True:
+            try:
+                await self._safekeeper_session(i, info)
+            except* CONNECTION_ERRORS as eg:
+                slog.info("safekeeper connection lost", error=repr(next(_leaves(eg))))
+            finally:
+                if self.proposer.slots[i].phase is not Phase.OFFLINE:
+                    self.proposer.disconnected(i)
+                self._pending[i].clear()
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, self.cfg.max_backoff_s)
+
+    async def _safekeeper_session(self, i: int, info: PostgresInfo) -> None:
+        addr = self.cfg.safekeepers[i]
+        params = {
+            "dbname": "replication",
+            "application_name": self.cfg.application_name,
+            "options": f"-c timeline_id={self.cfg.timeline_id} tenant_id={self.cfg.tenant_id}",
+        }
+        with trio.fail_after(self.cfg.connect_timeout_s):
+            conn = await self._connect(addr.host, addr.port, params)
+        try:
+            with trio.fail_after(self.cfg.connect_timeout_s):
+                await conn.start_copy_both(StartWalPush(PROTO_VERSION, True).to_sql())
+                greeting = ProposerGreeting(
+                    tenant_id=self.cfg.tenant_id,
+                    timeline_id=self.cfg.timeline_id,
+                    pg_version=info.pg_version,
+                    system_id=info.system_id,
+                    wal_seg_size=info.wal_seg_size,
+                )
+                await conn.send_copy_data(encode_message(greeting, PROTO_VERSION))
+            self.proposer.connected(i)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._safekeeper_reader, i, conn)
+                nursery.start_soon(self._safekeeper_sender, i, conn)
+        finally:
+            with trio.CancelScope(shield=True):
+                await conn.aclose()
+
+    async def _safekeeper_reader(self, i: int, conn: PgConnection) -> None:
+        p = self.proposer
+        while True:
+            # A silent safekeeper is a dead one: heartbeats make it answer at least that often.
+            with trio.fail_after(max(10 * self.cfg.heartbeat_s, self.cfg.connect_timeout_s)):
+                payload = await conn.receive_copy_data()
+            msg = decode_acceptor_message(payload, PROTO_VERSION)
+            match msg:
+                case AcceptorGreeting():
+                    log.info("acceptor greeting", i=i, node_id=msg.node_id, term=msg.term)
+                    out = p.on_greeting(i, msg)
+                case VoteResponse():
+                    was_elected = p.elected
+                    out = p.on_vote(i, msg)
+                    if p.election is not None and not was_elected:
+                        self._on_elected(out)
+                case AppendResponse():
+                    if p.on_append_response(i, msg):
+                        self._on_commit()
+                    out = []
+            for j, m in out:
+                self._pending[j].append(m)
+                self._wake[j].fire()
+
+    def _on_elected(self, out: Sequence[tuple[int, VoteRequest | ProposerElected]]) -> None:
+        election = self.proposer.election
+        assert election is not None
+        starts = [m.start_streaming_at for _, m in out if isinstance(m, ProposerElected)]
+        # The window starts at the lowest position a voter needs; later voters below it catch
+        # up on their own stream.
+        self.buffer = WalBuffer(Lsn(min(starts)), self.cfg.buffer_bytes)
+        log.info(
+            "elected",
+            term=election.term,
+            epoch_start_lsn=format_lsn(election.epoch_start_lsn),
+            donor=str(self.cfg.safekeepers[election.donor]),
+            stream_from=format_lsn(self.buffer.start),
+            history=[(e.term, format_lsn(e.lsn)) for e in election.term_history],
+        )
+        self._elected.set()
+
+    def _on_commit(self) -> None:
+        for w in self._wake:
+            w.fire()
+        self._commit_changed.fire()
+
+    async def _safekeeper_sender(self, i: int, conn: PgConnection) -> None:
+        p = self.proposer
+        slot = p.slots[i]
+        last_commit_sent = -1
+        last_sent_at = trio.current_time()
+        while True:
+            woken = self._wake[i].event
+            while self._pending[i]:
+                await conn.send_copy_data(encode_message(self._pending[i].popleft(), PROTO_VERSION))
+            if slot.phase is Phase.ACTIVE:
+                assert slot.streaming_at is not None
+                if slot.streaming_at < self.buffer.start:
+                    await self._catch_up(i, conn)
+                    continue
+                while True:
+                    begin, end = p.next_append(i, self.buffer.end)
+                    heartbeat_due = trio.current_time() - last_sent_at >= self.cfg.heartbeat_s
+                    if begin == end and p.commit_lsn == last_commit_sent and not heartbeat_due:
+                        break
+                    await self._send_append(i, conn, begin, self.buffer.read(begin, end - begin))
+                    last_commit_sent = p.commit_lsn
+                    last_sent_at = trio.current_time()
+                    if end >= self.buffer.end:
+                        break
+            with trio.move_on_after(self.cfg.heartbeat_s):
+                await woken.wait()
+
+    async def _send_append(self, i: int, conn: PgConnection, begin: Lsn, wal: bytes) -> None:
+        p = self.proposer
+        end = Lsn(begin + len(wal))
+        req = AppendRequest(p.term, begin, end, p.commit_lsn, p.truncate_lsn, wal)
+        await conn.send_copy_data(encode_append_request_header(req, PROTO_VERSION) + wal)
+        p.sent(i, end)
+
+    async def _catch_up(self, i: int, conn: PgConnection) -> None:
+        """Feed safekeeper ``i`` from its own PostgreSQL stream until it reaches the window."""
+        slot = self.proposer.slots[i]
+        assert slot.streaming_at is not None
+        log.info(
+            "safekeeper behind the window, catching up from postgres",
+            i=i,
+            at=format_lsn(slot.streaming_at),
+            window_start=format_lsn(self.buffer.start),
+        )
+        pg = await self._pg_connect(f"{self.cfg.application_name}_catchup_{i}")
+        try:
+            await pg.start_copy_both(StartReplication(slot.streaming_at).to_sql())
+            while slot.streaming_at is not None and slot.streaming_at < self.buffer.start:
+                msg = decode_server_copy_data(await pg.receive_copy_data())
+                if not isinstance(msg, XLogData):
+                    continue
+                data = memoryview(msg.data)
+                skip = slot.streaming_at - msg.wal_start
+                if skip < 0:
+                    raise RemoteProtocolError(
+                        f"catch-up stream jumped to {format_lsn(msg.wal_start)}, "
+                        f"expected {format_lsn(slot.streaming_at)}"
+                    )
+                for off in range(skip, len(data), MAX_SEND_SIZE):
+                    chunk = bytes(data[off : off + MAX_SEND_SIZE])
+                    await self._send_append(i, conn, slot.streaming_at, chunk)
+        finally:
+            with trio.CancelScope(shield=True):
+                await pg.aclose()
+
+    # -- PostgreSQL stream ---------------------------------------------------------------------
+
+    async def _postgres_loop(self) -> None:
+        await self._elected.wait()
+        backoff = 0.05
+        while True:
+            try:
+                await self._postgres_session()
+            except* CONNECTION_ERRORS as eg:
+                log.warning("postgres replication stream lost", error=repr(next(_leaves(eg))))
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, self.cfg.max_backoff_s)
+
+    async def _postgres_session(self) -> None:
+        conn = await self._pg_connect(self.cfg.application_name)
+        try:
+            start = self.buffer.end
+            cmd = StartReplication(start, slot=self.cfg.slot_name)
+            await conn.start_copy_both(cmd.to_sql())
+            log.info("streaming from postgres", start=format_lsn(start))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._postgres_status_sender, conn)
+                while True:
+                    msg = decode_server_copy_data(await conn.receive_copy_data())
+                    if isinstance(msg, XLogData):
+                        self.buffer.append(msg.wal_start, msg.data)
+                        for w in self._wake:
+                            w.fire()
+                    elif isinstance(msg, PrimaryKeepalive) and msg.reply_requested:
+                        # The status task is the stream's only writer; ask it to answer.
+                        self._status_requested = True
+                        self._commit_changed.fire()
+        finally:
+            with trio.CancelScope(shield=True):
+                await conn.aclose()
+
+    async def _postgres_status_sender(self, conn: PgConnection) -> None:
+        due = False
+        while True:
+            woken = self._commit_changed.event
+            if due or self._status_requested or self.proposer.commit_lsn > self.reported_flush_lsn:
+                self._status_requested = False
+                await self._send_status(conn)
+            with trio.move_on_after(self.cfg.status_interval_s):
+                await woken.wait()
+            due = not woken.is_set()
+
+    async def _send_status(self, conn: PgConnection) -> None:
+        # Only WAL a quorum fsynced counts as flushed: that is what releases synchronous commits.
+        # Never report less than before (a new term starts with no acknowledgements).
+        flush = Lsn(max(self.proposer.commit_lsn, self.reported_flush_lsn))
+        msg = StandbyStatusUpdate(flush, flush, flush, pg_now(), False)
+        await conn.send_copy_data(encode_copy_message(msg))
+        self.reported_flush_lsn = flush
+

@@ -1,0 +1,85 @@
+"""``pagestore walproposer``: run the bridge beside a vanilla PostgreSQL until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+
+import trio
+
+from compute.walproposer.bridge import Bridge, BridgeConfig, SafekeeperAddr
+from compute.walproposer.pgconn import connect
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import parse_lsn
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pg-host", default="127.0.0.1", help="PostgreSQL host (default 127.0.0.1)")
+    parser.add_argument("--pg-port", type=int, required=True, help="PostgreSQL port")
+    parser.add_argument("--pg-user", default="postgres", help="a role with REPLICATION")
+    parser.add_argument(
+        "--safekeepers", required=True, help="comma-separated host:port list of safekeepers"
+    )
+    parser.add_argument("--tenant-id", required=True, help="32 hex chars")
+    parser.add_argument("--timeline-id", required=True, help="32 hex chars")
+    parser.add_argument(
+        "--start-lsn",
+        default=None,
+        help="X/Y where a fresh timeline's WAL starts (a record start); "
+        "default: the physical slot's restart_lsn (the last checkpoint's redo point)",
+    )
+    parser.add_argument(
+        "--application-name",
+        default="walproposer",
+        help="the name synchronous_standby_names lists (default walproposer)",
+    )
+    parser.add_argument("--slot-name", default="walproposer", help="physical slot (created if missing)")
+    parser.add_argument("--buffer-mb", type=int, default=64, help="WAL window kept in memory")
+    parser.add_argument(
+        "--status-file",
+        default=None,
+        help="write statistics() as JSON to this file every second (for tests and tools)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> BridgeConfig:
+    return BridgeConfig(
+        pg_host=args.pg_host,
+        pg_port=args.pg_port,
+        pg_user=args.pg_user,
+        safekeepers=tuple(SafekeeperAddr.parse(s) for s in args.safekeepers.split(",") if s.strip()),
+        tenant_id=TenantId.parse(args.tenant_id),
+        timeline_id=TimelineId.parse(args.timeline_id),
+        start_lsn=None if args.start_lsn is None else parse_lsn(args.start_lsn),
+        application_name=args.application_name,
+        slot_name=args.slot_name,
+        buffer_bytes=args.buffer_mb * 1024 * 1024,
+    )
+
+
+async def _write_status(bridge: Bridge, path: str) -> None:
+    while True:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(bridge.statistics(), f)
+        os.replace(tmp, path)
+        await trio.sleep(1)
+
+
+async def amain(cfg: BridgeConfig, status_file: str | None) -> None:
+    bridge = Bridge(cfg, connect)
+    async with trio.open_nursery() as nursery:
+        if status_file:
+            nursery.start_soon(_write_status, bridge, status_file)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            nursery.start_soon(bridge.run)
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
+
+
+def run(args: argparse.Namespace) -> int:
+    trio.run(amain, config_from_args(args), args.status_file)
+    return 0

@@ -1,0 +1,511 @@
+"""The pagestream sub-protocol once the connection is in CopyBoth: serial and pipelined.
+
+``serve_pagestream(stream, decoder, ctx)`` runs until the client ends the stream and returns
+how it ended (``StreamEnd``); a stream-ending failure raises (``RemoteProtocolError`` for a bad
+message, ``StreamEndingError`` for Reconnect/Shutdown, trio's Broken/ClosedResourceError when
+the client vanished). The caller (the libpq handler) turns that into an ErrorResponse.
+
+Serial mode reads one request, answers it, repeats. It is the oracle of the pipelined mode: for
+the same request bytes both must write the same response bytes (tests check it with
+hypothesis over request sequences and TCP segmentations).
+
+PIPELINED MODE (style.md §3.3, neon ``handle_pagerequests_pipelined``)
+
+Three sibling tasks in one nursery:
+- Reading owns the receive side: bytes -> request. A decode error is *sent downstream as a
+  value* and Reading returns, so requests decoded before it are still answered.
+- Batching resolves the timeline, computes the effective LSN (protocols.md §1.4) and folds
+  into a ``FoldChannel``. Only GetPages fold; everything else (and every request already decided
+  to fail) is a batch of one. A GetPage joins the pending batch only if the batch has room, is a
+  GetPage batch of the same timeline, and the LSN rule holds: ``uniform-lsn`` needs the same
+  effective LSN; ``scattered-lsn`` allows any mix except the same page at two different LSNs,
+  so batching keeps working while WAL is ingested (neon#10765). A request that must wait for WAL
+  never joins a batch of requests that need not wait: it would hold them back (neon#9379).
+- Execution owns the send side: takes the pending batch the moment it is idle (no timer),
+  waits once for the batch's highest LSN, does one vectored read, and writes all responses in
+  request order with one ``send_all``.
+
+ERROR PROPAGATION: per-request failures become pagestream Error responses. A stream-ending
+failure travels as a ``Fatal`` item behind everything queued before it and is raised by
+Execution once those are answered; raising cancels the other two stages, and the nursery's
+exception group is unwrapped here, so callers see one plain exception.
+
+CANCELLATION / CLEAN SHUTDOWN: only Reading ends the pipeline cleanly (EOF, Terminate or
+CopyDone closes its channel, Batching drains and closes the fold channel, Execution answers the
+last batch and returns). Shutdown of the server or timeline (``ctx.shutdown``) cancels the
+pipeline from outside and raises ``Shutdown`` (57P01). Sends are shielded from cancellation
+(bounded by ``send_timeout_s``), so a cancelled pipeline never leaves half a response on the
+wire and the caller can still write its ErrorResponse.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Final, TypeAlias, cast
+
+import attrs
+import trio
+
+from pageserver.page_service.config import (
+    PageServiceConfig,
+    PipelinedPipelining,
+    SerialPipelining,
+)
+from pageserver.page_service.fold import FoldChannel
+from pageserver.page_service.metrics import PageServiceMetrics
+from pageserver.page_service.reader import (
+    BadRequest,
+    NotFound,
+    PageRead,
+    PageReader,
+    PageRequestError,
+    Reconnect,
+    Shutdown,
+    StreamEndingError,
+    TimelineResolver,
+)
+from protocol.errors import RemoteProtocolError
+from protocol.lsn import Lsn, format_lsn
+from protocol.pagestream import (
+    NEED_DATA,
+    DbSizeRequest,
+    ExistsRequest,
+    GetPageRequest,
+    GetSlruSegmentRequest,
+    NblocksRequest,
+    PagestreamVersion,
+    Request,
+    RequestStreamDecoder,
+    ResponseWriter,
+    StreamEnd,
+)
+
+MAX_RECV: Final = 64 * 1024
+MAX_FORKNUM: Final = 3  # init fork
+
+REQUEST_TYPE: Final[dict[type, str]] = {
+    ExistsRequest: "exists",
+    NblocksRequest: "nblocks",
+    GetPageRequest: "get_page",
+    DbSizeRequest: "db_size",
+    GetSlruSegmentRequest: "get_slru_segment",
+}
+
+
+@attrs.frozen
+class PagestreamContext:
+    """Everything one pagestream needs besides the stream itself."""
+
+    version: PagestreamVersion
+    resolver: TimelineResolver
+    config: PageServiceConfig = attrs.field(factory=PageServiceConfig)
+    metrics: PageServiceMetrics | None = None
+    # Returns when the server or timeline starts shutting down; the stream then ends with 57P01.
+    shutdown: Callable[[], Awaitable[object]] | None = None
+
+
+@attrs.frozen
+class Pending:
+    """A decoded request on its way to Execution.
+
+    ``error`` is a per-request failure decided while batching (bad LSNs, relnode 0); such a
+    request is answered with an Error response and never folds.
+    """
+
+    request: Request
+    timeline: PageReader | None
+    lsn: Lsn
+    needs_wait: bool
+    error: PageRequestError | None
+    received_at: float
+
+
+@attrs.frozen
+class Fatal:
+    """A stream-ending failure, raised by Execution after everything before it is answered."""
+
+    error: Exception
+
+
+Item: TypeAlias = Pending | Fatal
+ReadItem: TypeAlias = tuple[Request, float] | RemoteProtocolError
+
+
+# ---------------------------------------------------------------------------------------------
+# Preparing a request: timeline, effective LSN, early errors (shared by both modes)
+
+
+def effective_lsn(request: Request, last_record_lsn: Lsn, gc_cutoff_lsn: Lsn) -> Lsn:
+    """protocols.md §1.4: validate the two LSNs and pick the version to read."""
+    lsn, nms = request.request_lsn, request.not_modified_since
+    if lsn < nms:
+        raise BadRequest(
+            f"invalid request with request LSN {format_lsn(lsn)} and not_modified_since "
+            f"{format_lsn(nms)}"
+        )
+    if lsn == 0:
+        raise BadRequest("invalid LSN(0) in request")
+    if lsn < gc_cutoff_lsn:
+        raise BadRequest(
+            f"tried to request a page version that was garbage collected. requested at "
+            f"{format_lsn(lsn)} gc cutoff {format_lsn(gc_cutoff_lsn)}"
+        )
+    if nms > last_record_lsn:
+        return nms
+    return Lsn(min(last_record_lsn, lsn))
+
+
+def prepare(request: Request, received_at: float, resolver: TimelineResolver) -> Item:
+    try:
+        timeline = resolver.resolve(request)
+    except NotFound as exc:
+        # A GetPage for a timeline we do not have was misrouted: the compute must reconnect.
+        if isinstance(request, GetPageRequest):
+            return Fatal(Reconnect(f"reconnect: {exc}"))
+        return Fatal(StreamEndingError(str(exc)))
+    except StreamEndingError as exc:
+        return Fatal(exc)
+    try:
+        if isinstance(request, ExistsRequest | NblocksRequest | GetPageRequest):
+            rel = request.rel
+            if rel.relnode == 0:
+                raise BadRequest(f"invalid relnode 0 in relation {rel}")
+            if rel.forknum > MAX_FORKNUM:
+                raise BadRequest(f"invalid fork number {rel.forknum} in relation {rel}")
+        last = timeline.last_record_lsn
+        lsn = effective_lsn(request, last, timeline.gc_cutoff_lsn)
+    except PageRequestError as exc:
+        return Pending(request, timeline, Lsn(0), False, exc, received_at)
+    return Pending(request, timeline, lsn, lsn > last, None, received_at)
+
+
+def make_can_fold(cfg: PipelinedPipelining) -> Callable[[list[Item], Item], bool]:
+    max_batch_size = cfg.max_batch_size
+    scattered = cfg.batching == "scattered-lsn"
+
+    def can_fold(batch: list[Item], item: Item) -> bool:
+        if len(batch) >= max_batch_size:
+            return False
+        if not _is_getpage(item) or not _is_getpage(first := batch[0]):
+            return False
+        item = cast(Pending, item)
+        if item.timeline is not cast(Pending, first).timeline:
+            return False
+        last = cast(Pending, batch[-1])
+        if item.needs_wait and not last.needs_wait:
+            return False
+        if not scattered:
+            return item.lsn == last.lsn
+        req = cast(GetPageRequest, item.request)
+        for other in cast(list[Pending], batch):
+            o = cast(GetPageRequest, other.request)
+            if o.blkno == req.blkno and other.lsn != item.lsn and o.rel == req.rel:
+                return False
+        return True
+
+    return can_fold
+
+
+def _is_getpage(item: Item) -> bool:
+    return (
+        isinstance(item, Pending)
+        and item.error is None
+        and isinstance(item.request, GetPageRequest)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Execution (shared by both modes)
+
+
+async def _wait_for(timeline: PageReader, lsn: Lsn, timeout_s: float) -> None:
+    if lsn > timeline.last_record_lsn:
+        await timeline.wait_lsn(lsn, timeout_s)
+
+
+def _count(metrics: PageServiceMetrics | None, request: Request, ok: bool) -> None:
+    if metrics is not None:
+        metrics.requests.labels(REQUEST_TYPE[type(request)], "ok" if ok else "error").inc()
+
+
+async def execute_batch(
+    batch: list[Pending], writer: ResponseWriter, ctx: PagestreamContext
+) -> None:
+    """Answer ``batch`` into ``writer``, in request order."""
+    first = batch[0]
+    if first.error is None and isinstance(first.request, GetPageRequest):
+        await _execute_getpages(batch, writer, ctx)
+        return
+    if len(batch) != 1:
+        raise AssertionError(f"only GetPage batches hold more than one request: {batch!r}")
+    request, metrics = first.request, ctx.metrics
+    try:
+        if first.error is not None:
+            raise first.error
+        timeline = first.timeline
+        assert timeline is not None
+        await _wait_for(timeline, first.lsn, ctx.config.wait_lsn_timeout_s)
+        match request:
+            case ExistsRequest():
+                writer.exists(request, await timeline.get_rel_exists(request.rel, first.lsn))
+            case NblocksRequest():
+                writer.nblocks(request, await timeline.get_rel_size(request.rel, first.lsn))
+            case DbSizeRequest():
+                writer.db_size(request, await timeline.get_db_size(request.dbnode, first.lsn))
+            case GetSlruSegmentRequest():
+                segment = await timeline.get_slru_segment(request.kind, request.segno, first.lsn)
+                writer.slru_segment(request, segment)
+            case GetPageRequest():  # only with a decided error, raised above
+                raise AssertionError("unreachable")
+    except PageRequestError as exc:
+        writer.error(request, str(exc))
+        _count(metrics, request, False)
+    else:
+        _count(metrics, request, True)
+
+
+async def _execute_getpages(
+    batch: list[Pending], writer: ResponseWriter, ctx: PagestreamContext
+) -> None:
+    timeline = batch[0].timeline
+    assert timeline is not None
+    requests = cast(list[GetPageRequest], [p.request for p in batch])
+    results: list[bytes | PageRequestError]
+    wait_error: PageRequestError | None = None
+    try:
+        await _wait_for(timeline, max(p.lsn for p in batch), ctx.config.wait_lsn_timeout_s)
+    except PageRequestError as exc:
+        wait_error = exc
+    # A failed wait fails only the requests whose LSN was not reached: a request that was
+    # ready when it folded must not inherit a later request's timeout (serial would serve it).
+    last = timeline.last_record_lsn
+    serve = [i for i, p in enumerate(batch) if wait_error is None or p.lsn <= last]
+    results = [wait_error] * len(batch)  # type: ignore[list-item]
+    if serve:
+        reads = [PageRead(requests[i].rel, requests[i].blkno, batch[i].lsn) for i in serve]
+        try:
+            got = await timeline.get_pages(reads)
+            if len(got) != len(reads):
+                raise AssertionError(f"get_pages returned {len(got)} results for {len(reads)}")
+        except PageRequestError as exc:
+            got = [exc] * len(reads)  # the walk itself failed: every read of it fails
+        for i, result in zip(serve, got, strict=True):
+            results[i] = result
+    metrics = ctx.metrics
+    for request, result in zip(requests, results, strict=True):
+        if isinstance(result, PageRequestError):
+            writer.error(request, str(result))
+            _count(metrics, request, False)
+        else:
+            writer.get_page(request, result)
+            _count(metrics, request, True)
+
+
+async def _send(stream: trio.abc.SendStream, data: bytearray, timeout_s: float) -> None:
+    # Shielded: a cancelled send_all leaves the stream mid-message, after which nobody could
+    # write the ErrorResponse that tells the client why the stream ends.
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + timeout_s) as scope:
+        await stream.send_all(data)
+    if scope.cancelled_caught:
+        raise trio.BrokenResourceError(f"client did not read {len(data)} bytes in {timeout_s}s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Serial mode
+
+
+async def _serve_serial(
+    stream: trio.abc.Stream, decoder: RequestStreamDecoder, ctx: PagestreamContext
+) -> StreamEnd:
+    writer = ResponseWriter(ctx.version)
+    while True:
+        event = decoder.next_event()
+        if event is NEED_DATA:
+            decoder.receive_data(await stream.receive_some(MAX_RECV))
+            continue
+        if isinstance(event, StreamEnd):
+            return event
+        item = prepare(event, time.perf_counter(), ctx.resolver)
+        if isinstance(item, Fatal):
+            raise item.error
+        taken = time.perf_counter()
+        await execute_batch([item], writer, ctx)
+        await _send(stream, writer.take(), ctx.config.send_timeout_s)
+        _observe(ctx.metrics, [item], taken)
+
+
+def _observe(metrics: PageServiceMetrics | None, batch: list[Pending], taken: float) -> None:
+    if metrics is None:
+        return
+    done = time.perf_counter()
+    metrics.batch_size.observe(len(batch))
+    for p in batch:
+        metrics.time_in_batcher_seconds.observe(taken - p.received_at)
+        if isinstance(p.request, GetPageRequest):
+            metrics.getpage_execution_seconds.observe(done - taken)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipelined mode
+
+
+@attrs.define
+class _ReadState:
+    end: StreamEnd | None = None
+
+
+async def _read_stage(
+    stream: trio.abc.ReceiveStream,
+    decoder: RequestStreamDecoder,
+    out: trio.MemorySendChannel[ReadItem],
+    state: _ReadState,
+) -> None:
+    async with out:  # closing tells Batching there is nothing more
+        while True:
+            try:
+                event = decoder.next_event()
+            except RemoteProtocolError as exc:
+                await out.send(exc)  # answered after everything decoded before it
+                return
+            if event is NEED_DATA:
+                decoder.receive_data(await stream.receive_some(MAX_RECV))
+            elif isinstance(event, StreamEnd):
+                state.end = event
+                return
+            else:
+                await out.send((event, time.perf_counter()))
+
+
+async def _batch_stage(
+    requests: trio.MemoryReceiveChannel[ReadItem],
+    batches: FoldChannel[Item],
+    resolver: TimelineResolver,
+) -> None:
+    try:
+        async with requests:
+            async for item in requests:
+                if isinstance(item, RemoteProtocolError):
+                    await batches.send(Fatal(item))
+                else:
+                    await batches.send(prepare(item[0], item[1], resolver))
+    finally:
+        batches.close()
+
+
+async def _execute_stage(
+    stream: trio.abc.SendStream, batches: FoldChannel[Item], ctx: PagestreamContext
+) -> None:
+    writer = ResponseWriter(ctx.version)
+    try:
+        while True:
+            try:
+                batch = await batches.receive()
+            except trio.EndOfChannel:
+                return
+            taken = time.perf_counter()
+            first = batch[0]
+            if isinstance(first, Fatal):
+                raise first.error  # everything folded before it has been answered
+            pending = cast(list[Pending], batch)
+            await execute_batch(pending, writer, ctx)
+            await _send(stream, writer.take(), ctx.config.send_timeout_s)
+            _observe(ctx.metrics, pending, taken)
+    finally:
+        batches.close_receiver()
+
+
+async def _serve_pipelined(
+    stream: trio.abc.Stream,
+    decoder: RequestStreamDecoder,
+    ctx: PagestreamContext,
+    cfg: PipelinedPipelining,
+) -> StreamEnd:
+    state = _ReadState()
+    requests_tx, requests_rx = trio.open_memory_channel[ReadItem](ctx.config.read_queue)
+    batches = FoldChannel[Item](make_can_fold(cfg))
+    async with _unwrapped(), trio.open_nursery() as nursery:
+        nursery.start_soon(_read_stage, stream, decoder, requests_tx, state, name="pagestream.read")
+        nursery.start_soon(
+            _batch_stage, requests_rx, batches, ctx.resolver, name="pagestream.batch"
+        )
+        nursery.start_soon(_execute_stage, stream, batches, ctx, name="pagestream.execute")
+    if state.end is None:
+        raise AssertionError("pipeline finished without the reader seeing the end of the stream")
+    return state.end
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+async def serve_pagestream(
+    stream: trio.abc.Stream, decoder: RequestStreamDecoder, ctx: PagestreamContext
+) -> StreamEnd:
+    """Serve requests until the client ends the stream (see the module docstring)."""
+    mode = ctx.config.page_service_pipelining
+    if ctx.shutdown is None:
+        return await _serve_mode(stream, decoder, ctx, mode)
+    shutdown = ctx.shutdown
+    pipeline = trio.CancelScope()
+    result: StreamEnd | None = None
+
+    async def watch_shutdown() -> None:
+        await shutdown()
+        pipeline.cancel()
+
+    async with _unwrapped(), trio.open_nursery() as nursery:
+        nursery.start_soon(watch_shutdown, name="pagestream.shutdown")
+        try:
+            with pipeline:
+                result = await _serve_mode(stream, decoder, ctx, mode)
+        finally:
+            nursery.cancel_scope.cancel()
+    if result is None:
+        # Only the shutdown watcher cancels ``pipeline``; anything else raised above.
+        raise Shutdown()
+    return result
+
+
+async def _serve_mode(
+    stream: trio.abc.Stream,
+    decoder: RequestStreamDecoder,
+    ctx: PagestreamContext,
+    mode: SerialPipelining | PipelinedPipelining,
+) -> StreamEnd:
+    if isinstance(mode, SerialPipelining):
+        return await _serve_serial(stream, decoder, ctx)
+    return await _serve_pipelined(stream, decoder, ctx, mode)
+
+
+class _unwrapped:
+    """Turn a nursery's exception group with one real error into that error.
+
+    The pipeline is built so that one stage fails and the others are cancelled; callers (and
+    their ``except`` clauses) should see that one failure, not a group. Groups of only
+    ``Cancelled`` pass through untouched (trio's cancel scopes handle them).
+    """
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> bool:
+        if not isinstance(exc, BaseExceptionGroup):
+            return False
+        leaves = list(_leaves(exc))
+        real = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+        if len(real) == 1:
+            raise real[0]
+        return False
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            out += _leaves(e)
+        else:
+            out.append(e)
+    return out

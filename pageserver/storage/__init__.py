@@ -1,0 +1,1 @@
+"""The storage engine: keys, values, layers, layer map, read paths, compaction, GC."""

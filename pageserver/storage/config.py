@@ -1,0 +1,56 @@
+"""Per-tenant storage settings, with Neon's defaults (storage.md §2.10).
+
+Values are attrs fields so the pageserver config loader (cattrs, ``forbid_extra_keys``) can
+structure them from TOML; the validators reject bad values with a message naming the key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+MiB = 1024 * 1024
+
+
+def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
+    if value <= 0:
+        raise ValueError(f"{attr.name} must be positive, got {value}")
+
+
+def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{attr.name} must not be negative, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class StorageConfig:
+    # freezing the open in-memory layer
+    checkpoint_distance: int = attrs.field(default=256 * MiB, validator=_positive)
+    checkpoint_timeout_s: float = attrs.field(default=600.0, validator=_non_negative)
+    # compaction
+    compaction_target_size: int = attrs.field(default=128 * MiB, validator=_positive)
+    compaction_period_s: float = attrs.field(default=20.0, validator=_non_negative)
+    compaction_threshold: int = attrs.field(default=10, validator=_positive)
+    image_creation_threshold: int = attrs.field(default=3, validator=_positive)
+    # GC
+    gc_horizon: int = attrs.field(default=64 * MiB, validator=_non_negative)
+    gc_period_s: float = attrs.field(default=3600.0, validator=_non_negative)
+    pitr_interval_s: float = attrs.field(default=7 * 24 * 3600.0, validator=_non_negative)
+    # read path
+    get_impl: Literal["vectored", "legacy"] = attrs.field(
+        default="vectored", validator=attrs.validators.in_(("vectored", "legacy"))
+    )
+    validate_get: bool = False
+    max_vectored_read_bytes: int = attrs.field(default=128 * 1024, validator=_positive)
+    # materialized page cache, in bytes (Neon: 8192 slots x 8 KiB)
+    page_cache_size: int = attrs.field(default=64 * MiB, validator=_non_negative)
+    # how many decoded layer-index blocks stay cached (Neon keeps B-tree nodes in its PageCache)
+    index_cache_blocks: int = attrs.field(default=8192, validator=_non_negative)
+    # IO (engineer F's IoEngine and BufferedWriter)
+    io_engine: Literal["blocking", "threadpool"] = attrs.field(
+        default="blocking", validator=attrs.validators.in_(("blocking", "threadpool"))
+    )
+    write_buffer_size: int = attrs.field(default=64 * 1024, validator=_positive)
+    double_buffering: bool = True
+    wait_lsn_timeout_s: float = attrs.field(default=60.0, validator=_non_negative)

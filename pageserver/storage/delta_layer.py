@@ -1,0 +1,261 @@
+"""Persistent layers (delta and image) over a layer file, and their two read paths.
+
+``PersistentLayer`` is the read side of both kinds (they share ``layer_file``'s format; the
+image layer subclass in ``image_layer`` only changes what an absent key means). Each layer
+answers:
+
+- the legacy, per-key read (``get_value_legacy``): index lookup for one key, then one ``pread``
+  per blob, newest first, stopping at an image or a will_init record;
+- the vectored read (``get_values_vectored``): one index scan per key range for all keys routed
+  here; a plan keeps, per key, the blobs from its newest will_init entry upward (and above its
+  cached LSN); physically adjacent planned blobs are read with one ``preadv`` up to
+  ``max_vectored_read_bytes``; then values are applied newest first.
+
+``write_delta_layer`` builds a delta layer file from (key, lsn, blob, will_init) entries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+
+import attrs
+
+from pageserver.storage.io_engine import IoEngine
+from pageserver.storage.key import KEY_SIZE, Key, KeyRange, KeySpace, key_next
+from pageserver.storage.layer_file import (
+    IndexBlockCache,
+    IndexEntry,
+    LayerDesc,
+    LayerFileReader,
+    LayerFileWriter,
+    prefix_of,
+)
+from pageserver.storage.reconstruct import KeyState
+from pageserver.storage.value import decode_value
+from protocol.lsn import MAX_LSN, Lsn
+
+_layer_ids = itertools.count(1)
+# preadv takes at most IOV_MAX buffers (1024 on Linux)
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
+
+
+@attrs.define(slots=True)
+class ReadContext:
+    """Settings and counters of one read (the benchmark prints the counters)."""
+
+    max_vectored_read_bytes: int = 128 * 1024
+    layers_visited: int = 0
+    vectored_reads: int = 0
+    blobs_read: int = 0
+
+
+def _lsn_of(prefix: bytes) -> int:
+    return int.from_bytes(prefix[KEY_SIZE:], "big")
+
+
+def _range_end_prefix(key: Key, cont: int) -> bytes:
+    """Prefix bound just past (key, cont - 1)."""
+    if cont > MAX_LSN:
+        return prefix_of(key_next(key), 0)
+    return prefix_of(key, cont)
+
+
+class PersistentLayer:
+    """A delta layer file; also the base of ``ImageLayer``."""
+
+    def __init__(self, desc: LayerDesc, reader: LayerFileReader) -> None:
+        self.desc = desc
+        self.reader = reader
+        self.layer_id = next(_layer_ids)
+        self.file_size = reader.summary.file_size
+
+    @classmethod
+    async def open(
+        cls, engine: IoEngine, path: Path, cache: IndexBlockCache
+    ) -> PersistentLayer:
+        """Open and check a layer file; the class follows from its name (image or delta)."""
+        from pageserver.storage.image_layer import ImageLayer
+        from pageserver.storage.layer_file import DELTA_MAGIC, LayerCorruptionError
+
+        desc = LayerDesc.parse_file_name(path.name)
+        if desc is None:
+            raise LayerCorruptionError(path, "not a layer file name")
+        reader = await LayerFileReader.open(engine, path, cache)
+        s = reader.summary
+        expected = LayerDesc(s.key_range, s.lsn_start, s.lsn_end, s.magic == DELTA_MAGIC)
+        if expected != desc:
+            await reader.aclose()
+            raise LayerCorruptionError(path, f"summary describes {expected}, not its name")
+        return ImageLayer(desc, reader) if not desc.is_delta else cls(desc, reader)
+
+    @property
+    def path(self) -> Path:
+        return self.reader.path
+
+    async def aclose(self) -> None:
+        await self.reader.aclose()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.desc}>"
+
+    # -- legacy per-key path --------------------------------------------------------------
+
+    async def get_value_legacy(self, key: Key, floor: int, cont: int, state: KeyState) -> None:
+        r = self.reader
+        entries: list[IndexEntry] = []
+        async for block, lo, hi in r.scan(prefix_of(key, floor), _range_end_prefix(key, cont)):
+            entries.extend(block.entry(i) for i in range(lo, hi))
+        for e in reversed(entries):
+            blob = await r.read_blob(e.offset, e.length, e.crc)
+            if state.add(e.lsn, decode_value(blob)):
+                break
+        if not entries:
+            self._absent(state, floor)
+
+    def _absent(self, state: KeyState, floor: int) -> None:
+        """A key routed here has nothing in range. Deltas: keep walking down."""
+
+    # -- vectored path --------------------------------------------------------------------
+
+    async def get_values_vectored(
+        self,
+        keyspace: KeySpace,
+        floor: int,
+        cont: int,
+        states: dict[Key, KeyState],
+        ctx: ReadContext,
+    ) -> None:
+        r = self.reader
+        ctx.layers_visited += 1
+        # key -> [(lsn, offset, length, crc)], oldest first, from the newest will_init up
+        planned: dict[bytes, list[tuple[int, int, int, int]]] = {}
+        for rng in keyspace.ranges:
+            async for block, lo, hi in r.scan(prefix_of(rng.start, 0), prefix_of(rng.end, 0)):
+                prefixes, positions = block.prefixes, block.positions
+                lengths, crcs = block.lengths, block.crcs
+                for i in range(lo, hi):
+                    p = prefixes[i]
+                    lsn = _lsn_of(p)
+                    if lsn < floor or lsn >= cont:
+                        continue
+                    key = p[:KEY_SIZE]
+                    st = states.get(Key(key))
+                    if st is None or st.complete or lsn <= st.cached_lsn:
+                        continue
+                    pos = positions[i]
+                    blob = (lsn, pos >> 1, lengths[i], crcs[i])
+                    lst = planned.get(key)
+                    if lst is None or pos & 1:
+                        planned[key] = [blob]
+                    else:
+                        lst.append(blob)
+        # Plan: blobs in file order; a read grows while the next blob starts where it ends.
+        blobs = sorted(
+            ((off, length, crc, key, lsn) for key, lst in planned.items() for lsn, off, length, crc in lst)
+        )
+        values: dict[bytes, list[tuple[int, bytes | bytearray]]] = {}
+        max_bytes = ctx.max_vectored_read_bytes
+        i = 0
+        while i < len(blobs):
+            start = blobs[i][0]
+            end = start + blobs[i][1]
+            j = i + 1
+            while (
+                j < len(blobs)
+                and blobs[j][0] == end
+                and end + blobs[j][1] - start <= max_bytes
+                and j - i < _IOV_MAX
+            ):
+                end += blobs[j][1]
+                j += 1
+            run = blobs[i:j]
+            buffers = await r.read_blobs(start, [b[1] for b in run])
+            ctx.vectored_reads += 1
+            ctx.blobs_read += len(run)
+            for (off, length, crc, key, lsn), data in zip(run, buffers, strict=True):
+                r.check_blob(off, length, crc, data)
+                values.setdefault(key, []).append((lsn, data))
+            i = j
+        for key, got in values.items():
+            st = states[Key(key)]
+            for blob_lsn, blob_data in sorted(got, key=lambda t: t[0], reverse=True):
+                if st.add(Lsn(blob_lsn), decode_value(blob_data)):
+                    break
+        self._finish_keys(keyspace, floor, states, planned)
+
+    def _finish_keys(
+        self,
+        keyspace: KeySpace,
+        floor: int,
+        states: dict[Key, KeyState],
+        planned: dict[bytes, list[tuple[int, int, int, int]]],
+    ) -> None:
+        # Keys whose cached page is at or above this layer's floor are done (PR #7477).
+        for key in keys_with_state(keyspace, states):
+            states[key].floor_reached(floor)
+
+    # -- whole-layer access (compaction, key collection) -----------------------------------
+
+    async def iter_entries(self, batch_bytes: int = 1 << 20) -> AsyncIterator[tuple[Key, Lsn, bytes, bool]]:
+        """Every (key, lsn, blob, will_init) in order; blobs read sequentially in big chunks."""
+        r = self.reader
+        for blkno in range(r.summary.n_index_blocks):
+            block = await r.block(blkno)
+            n = len(block.prefixes)
+            i = 0
+            while i < n:
+                j = i
+                start = block.positions[i] >> 1
+                total = 0
+                while j < n and total < batch_bytes:
+                    total += block.lengths[j]
+                    j += 1
+                chunk = await r.read_blobs(start, [block.lengths[k] for k in range(i, j)])
+                for k, data in zip(range(i, j), chunk, strict=True):
+                    off = block.positions[k] >> 1
+                    r.check_blob(off, block.lengths[k], block.crcs[k], data)
+                    p = block.prefixes[k]
+                    yield Key(p[:KEY_SIZE]), Lsn(_lsn_of(p)), bytes(data), bool(block.positions[k] & 1)
+                i = j
+
+    async def iter_index(self) -> AsyncIterator[tuple[Key, Lsn, int]]:
+        """(key, lsn, blob length) of every entry, from the index alone."""
+        r = self.reader
+        for blkno in range(r.summary.n_index_blocks):
+            block = await r.block(blkno)
+            for p, length in zip(block.prefixes, block.lengths, strict=True):
+                yield Key(p[:KEY_SIZE]), Lsn(_lsn_of(p)), length
+
+
+def keys_with_state(keyspace: KeySpace, states: dict[Key, KeyState]) -> Iterable[Key]:
+    if keyspace.key_count() <= 4 * len(states):
+        return (k for k in keyspace.iter_keys() if k in states)
+    return (k for k in states if keyspace.contains(k))
+
+
+async def write_delta_layer(
+    engine: IoEngine,
+    directory: Path,
+    key_range: KeyRange,
+    lsn_start: Lsn,
+    lsn_end: Lsn,
+    entries: AsyncIterator[tuple[Key, Lsn, bytes | bytearray | memoryview, bool]],
+    *,
+    buffer_size: int = 64 * 1024,
+) -> Path | None:
+    """Write a delta layer from entries in (key, lsn) order; None if there were none."""
+    desc = LayerDesc(key_range, lsn_start, lsn_end, True)
+    writer = await LayerFileWriter.create(engine, directory, desc, buffer_size)
+    try:
+        async for key, lsn, blob, will_init in entries:
+            await writer.put(key, lsn, blob, will_init)
+    except BaseException:
+        await writer.abort()
+        raise
+    if writer.n_entries == 0:
+        await writer.abort()
+        return None
+    return await writer.finish()

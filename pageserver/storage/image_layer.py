@@ -1,0 +1,66 @@
+"""Image layers: one value per existing key of a key range, as of one LSN.
+
+Same file format as delta layers (``layer_file``), magic ``PSIM``, every entry at the image LSN,
+``lsn_range = [L, L+1)``. An image layer is complete for its key range: a key routed to it but
+absent from it does not exist at that LSN, on both read paths (``MissingKeyError``), unless the
+materialized page cache already covers the key at or above L.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from pageserver.storage.delta_layer import PersistentLayer, keys_with_state
+from pageserver.storage.io_engine import IoEngine
+from pageserver.storage.key import Key, KeyRange, KeySpace
+from pageserver.storage.layer_file import LayerDesc, LayerFileWriter
+from pageserver.storage.reconstruct import KeyState
+from pageserver.storage.value import Image, encode_value
+from protocol.lsn import Lsn
+
+
+class ImageLayer(PersistentLayer):
+    def _absent(self, state: KeyState, floor: int) -> None:
+        state.floor_reached(self.desc.image_lsn)
+        if not state.complete and state.cached_lsn >= self.desc.image_lsn:
+            state.complete = True
+        if not state.complete:
+            state.missing = True
+            state.complete = True
+
+    def _finish_keys(
+        self,
+        keyspace: KeySpace,
+        floor: int,
+        states: dict[Key, KeyState],
+        planned: dict[bytes, list[tuple[int, int, int, int]]],
+    ) -> None:
+        for key in keys_with_state(keyspace, states):
+            st = states[key]
+            if not st.complete:
+                self._absent(st, floor)
+
+
+async def write_image_layer(
+    engine: IoEngine,
+    directory: Path,
+    key_range: KeyRange,
+    lsn: Lsn,
+    images: AsyncIterator[tuple[Key, bytes]],
+    *,
+    buffer_size: int = 64 * 1024,
+) -> Path | None:
+    """Write an image layer from (key, page) in key order; None if there were none."""
+    desc = LayerDesc(key_range, lsn, Lsn(lsn + 1), False)
+    writer = await LayerFileWriter.create(engine, directory, desc, buffer_size)
+    try:
+        async for key, page in images:
+            await writer.put(key, lsn, encode_value(Image(page)), True)
+    except BaseException:
+        await writer.abort()
+        raise
+    if writer.n_entries == 0:
+        await writer.abort()
+        return None
+    return await writer.finish()

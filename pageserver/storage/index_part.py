@@ -1,0 +1,88 @@
+"""``index_part.json``: the durable list of a timeline's layers and its ``disk_consistent_lsn``.
+
+It is the single source of truth at load: exactly the listed layers are opened (their sizes
+checked), anything else in the timeline directory (temp files of an interrupted flush or
+compaction, ephemeral files, layers a compaction or GC replaced) is deleted. It is written to a
+temp file, fsynced, renamed over the old one and the directory fsynced (``durable_rename``), so
+a crash leaves either the old or the new list, never a torn one. A layer file is made durable
+before any index_part that lists it is written, and deleted only after one that no longer lists
+it was written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from pageserver.storage.io_engine import IoEngine, durable_rename
+from protocol.errors import RemoteProtocolError
+from protocol.lsn import INVALID_LSN, Lsn, format_lsn, parse_lsn
+
+INDEX_PART = "index_part.json"
+INDEX_PART_VERSION = 1
+
+
+@attrs.frozen
+class IndexPart:
+    layers: dict[str, int]  # file name -> size in bytes
+    disk_consistent_lsn: Lsn
+    latest_gc_cutoff_lsn: Lsn = INVALID_LSN
+    ancestor_timeline_id: str | None = None
+    ancestor_lsn: Lsn = INVALID_LSN
+
+    def to_json(self) -> bytes:
+        doc: dict[str, Any] = {
+            "version": INDEX_PART_VERSION,
+            "disk_consistent_lsn": format_lsn(self.disk_consistent_lsn),
+            "latest_gc_cutoff_lsn": format_lsn(self.latest_gc_cutoff_lsn),
+            "ancestor_timeline_id": self.ancestor_timeline_id,
+            "ancestor_lsn": format_lsn(self.ancestor_lsn),
+            "layers": {name: {"file_size": size} for name, size in sorted(self.layers.items())},
+        }
+        return json.dumps(doc, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, path: Path, raw: bytes) -> IndexPart:
+        try:
+            doc = json.loads(raw)
+            if doc["version"] != INDEX_PART_VERSION:
+                raise ValueError(f"unsupported version {doc['version']}")
+            layers = {str(name): int(meta["file_size"]) for name, meta in doc["layers"].items()}
+            anc = doc["ancestor_timeline_id"]
+            return cls(
+                layers=layers,
+                disk_consistent_lsn=parse_lsn(doc["disk_consistent_lsn"]),
+                latest_gc_cutoff_lsn=parse_lsn(doc["latest_gc_cutoff_lsn"]),
+                ancestor_timeline_id=None if anc is None else str(anc),
+                ancestor_lsn=parse_lsn(doc["ancestor_lsn"]),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, RemoteProtocolError) as exc:
+            raise RemoteProtocolError(f"{path}: invalid index_part: {exc}", sqlstate="XX001") from exc
+
+
+async def write_index_part(engine: IoEngine, directory: Path, part: IndexPart) -> None:
+    tmp = directory / (INDEX_PART + ".___temp")
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    file = await engine.open_file(tmp, "x")
+    try:
+        await file.write_at(0, part.to_json())
+    finally:
+        await file.aclose()
+    await durable_rename(engine, tmp, directory / INDEX_PART)
+
+
+async def read_index_part(engine: IoEngine, directory: Path) -> IndexPart:
+    path = directory / INDEX_PART
+    file = await engine.open_file(path, "r")
+    try:
+        raw = await file.read_at(0, await file.size())
+    finally:
+        await file.aclose()
+    return IndexPart.from_json(path, raw)

@@ -1,0 +1,161 @@
+"""The in-memory layer: recent writes of a timeline, backed by an ephemeral file.
+
+Values are appended (encoded) to an ``EphemeralFile`` (engineer F's, buffered and optionally
+double-buffered); the index keeps, per key, one ``array('Q')`` of flat triples
+``(lsn, offset << 1 | will_init, length)``. So the Python-object cost is per *key* (a dict slot
+and one array), never per value: 256 MiB of small values over few keys costs 24 bytes per value
+in array memory (issue 3's memory goal). Writes arrive in LSN order, so each key's triples are
+sorted by LSN; a second put of the same key at the same LSN replaces the first.
+
+Freezing sets ``end_lsn`` and stops appends; ``write_l0`` streams the frozen layer into an L0
+delta layer file in (key, lsn) order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from array import array
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from pageserver.storage.delta_layer import ReadContext, keys_with_state, write_delta_layer
+from pageserver.storage.ephemeral_file import EphemeralFile
+from pageserver.storage.io_engine import IoEngine
+from pageserver.storage.key import Key, KeyRange, KeySpace
+from pageserver.storage.reconstruct import KeyState
+from pageserver.storage.value import decode_value
+from protocol.lsn import MAX_LSN, Lsn
+
+
+class InMemoryLayer:
+    def __init__(self, file: EphemeralFile, start_lsn: Lsn) -> None:
+        self.file = file
+        self.start_lsn = start_lsn
+        self.end_lsn: Lsn | None = None  # exclusive; set by freeze
+        self.max_lsn: Lsn | None = None
+        self.index: dict[Key, array[int]] = {}
+        self.opened_at = time.monotonic()
+        self._sorted_keys: list[Key] | None = None
+
+    @property
+    def size(self) -> int:
+        return self.file.length
+
+    @property
+    def lsn_end_or_max(self) -> int:
+        return self.end_lsn if self.end_lsn is not None else MAX_LSN + 1
+
+    def __repr__(self) -> str:
+        return f"<InMemoryLayer {self.start_lsn:X}-{self.end_lsn or 0:X}>"
+
+    async def put(self, key: Key, lsn: Lsn, blob: bytes, will_init: bool) -> None:
+        if self.end_lsn is not None:
+            raise AssertionError("put into a frozen in-memory layer")
+        if lsn < self.start_lsn:
+            raise ValueError(f"put at {lsn:X} below the layer start {self.start_lsn:X}")
+        offset = await self.file.append(blob)
+        entries = self.index.get(key)
+        if entries is None:
+            self.index[key] = array("Q", (lsn, (offset << 1) | will_init, len(blob)))
+            self._sorted_keys = None
+        elif entries[-3] == lsn:
+            entries[-2] = (offset << 1) | will_init
+            entries[-1] = len(blob)
+        elif entries[-3] > lsn:
+            raise ValueError(f"put at {lsn:X} below an earlier put of the same key")
+        else:
+            entries.extend((lsn, (offset << 1) | will_init, len(blob)))
+        if self.max_lsn is None or lsn > self.max_lsn:
+            self.max_lsn = lsn
+
+    async def freeze(self, end_lsn: Lsn) -> None:
+        self.end_lsn = end_lsn
+        await self.file.freeze()
+
+    async def aclose(self) -> None:
+        await self.file.aclose()
+
+    # -- reads ----------------------------------------------------------------------------
+
+    async def get_value_legacy(self, key: Key, floor: int, cont: int, state: KeyState) -> None:
+        entries = self.index.get(key)
+        if entries is None:
+            return
+        for i in range(len(entries) - 3, -1, -3):
+            lsn = entries[i]
+            if lsn >= cont:
+                continue
+            if lsn < floor:
+                break
+            pos, length = entries[i + 1], entries[i + 2]
+            blob = await self.file.read_at(pos >> 1, length)
+            if state.add(Lsn(lsn), decode_value(blob)):
+                break
+
+    def _keys_in(self, keyspace: KeySpace) -> list[Key]:
+        if keyspace.key_count() <= 64:
+            return [k for k in keyspace.iter_keys() if k in self.index]
+        if self._sorted_keys is None:
+            self._sorted_keys = sorted(self.index)
+        keys = self._sorted_keys
+        out: list[Key] = []
+        for r in keyspace.ranges:
+            lo = bisect.bisect_left(keys, r.start)
+            hi = bisect.bisect_left(keys, r.end, lo)
+            out.extend(keys[lo:hi])
+        return out
+
+    async def get_values_vectored(
+        self,
+        keyspace: KeySpace,
+        floor: int,
+        cont: int,
+        states: dict[Key, KeyState],
+        ctx: ReadContext,
+    ) -> None:
+        ctx.layers_visited += 1
+        for key in self._keys_in(keyspace):
+            st = states.get(key)
+            if st is None or st.complete:
+                continue
+            entries = self.index[key]
+            for i in range(len(entries) - 3, -1, -3):
+                lsn = entries[i]
+                if lsn >= cont:
+                    continue
+                if lsn < floor:
+                    break
+                pos, length = entries[i + 1], entries[i + 2]
+                blob = await self.file.read_at(pos >> 1, length)
+                ctx.blobs_read += 1
+                if st.add(Lsn(lsn), decode_value(blob)):
+                    break
+        for key in keys_with_state(keyspace, states):
+            states[key].floor_reached(floor)
+
+    # -- flush ----------------------------------------------------------------------------
+
+    async def _entries(self) -> AsyncIterator[tuple[Key, Lsn, bytes | bytearray | memoryview, bool]]:
+        # The frozen file is read once, whole, then sliced per value: one big sequential read
+        # instead of a syscall per value.
+        data = memoryview(await self.file.read_all())
+        for key in sorted(self.index):
+            entries = self.index[key]
+            for i in range(0, len(entries), 3):
+                pos, length = entries[i + 1], entries[i + 2]
+                off = pos >> 1
+                yield key, Lsn(entries[i]), data[off : off + length], bool(pos & 1)
+
+    async def write_l0(self, engine: IoEngine, directory: Path, buffer_size: int) -> Path | None:
+        if self.end_lsn is None:
+            raise AssertionError("only a frozen in-memory layer is written to disk")
+        return await write_delta_layer(
+            engine,
+            directory,
+            KeyRange.full(),
+            self.start_lsn,
+            self.end_lsn,
+            self._entries(),
+            buffer_size=buffer_size,
+        )

@@ -1,0 +1,510 @@
+"""The on-disk layer file format shared by delta and image layers (docs/storage-format.md).
+
+Layout (all integers big-endian)::
+
+    [0, 4096)                 summary (SUMMARY.size bytes used, rest zero)
+    [4096, data_end)          blobs: encoded Values, in (key, lsn) order, back to back
+    [data_end, fence_start)   index blocks, INDEX_BLOCK_SIZE each: u32 crc32c(rest), u16 n, u16 0,
+                              n entries of ENTRY (key 18 | lsn 8 | pos 8 | len 4 | crc32c 4),
+                              pos = offset << 1 | will_init
+    [fence_start, file_size)  fences: the first (key, lsn) of every index block, 26 bytes each
+
+The summary has its own crc32c and records the crc32c of the fence section and the file size,
+so opening a layer checks magic, version, size (truncation) and both checksums without touching
+the data. Index blocks are checked when read, each blob when read (its crc32c is in its index
+entry), so a flipped bit anywhere gives ``LayerCorruptionError`` naming the file, never a wrong
+page. Blobs of neighbouring (key, lsn) entries are physically adjacent: the vectored reader reads
+a run of them with one ``preadv``.
+
+Image layers use the same format with every entry at the image LSN and ``lsn_range =
+[L, L+1)``; only the magic differs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Final
+
+import attrs
+import crc32c
+
+from pageserver.storage.io_engine import IoEngine, IoFile
+from pageserver.storage.key import KEY_SIZE, Key, KeyRange, key_hex, key_parse_hex
+from protocol.errors import RemoteProtocolError
+from protocol.lsn import Lsn
+
+DATA_CORRUPTED = "XX001"
+
+DELTA_MAGIC: Final = b"PSDL"
+IMAGE_MAGIC: Final = b"PSIM"
+FORMAT_VERSION: Final = 1
+DATA_START: Final = 4096
+INDEX_BLOCK_SIZE: Final = 8192
+
+# magic, version, flags, key start, key end, lsn start, lsn end, data_end, index_start,
+# n_index_blocks, n_entries, fence_start, file_size, fences_crc; then crc32c of all that.
+_SUMMARY_BODY = struct.Struct(">4sHH18s18sQQQQIQQQI")
+_SUMMARY_CRC = struct.Struct(">I")
+SUMMARY_SIZE: Final = _SUMMARY_BODY.size + _SUMMARY_CRC.size
+
+ENTRY = struct.Struct(">26sQII")
+_BLOCK_HDR = struct.Struct(">IHH")
+ENTRIES_PER_BLOCK: Final = (INDEX_BLOCK_SIZE - _BLOCK_HDR.size) // ENTRY.size
+_PREFIX = KEY_SIZE + 8
+_LSN = struct.Struct(">Q")
+
+
+class LayerCorruptionError(RemoteProtocolError):
+    """A layer file failed a check; the message names the file. SQLSTATE XX001."""
+
+    def __init__(self, path: Path | str, what: str) -> None:
+        super().__init__(f"layer file {path}: {what}", sqlstate=DATA_CORRUPTED)
+        self.path = Path(path)
+
+
+@attrs.frozen
+class LayerDesc:
+    """What a layer covers; its file name is derived from this (storage.md §2.5)."""
+
+    key_range: KeyRange
+    lsn_start: Lsn
+    lsn_end: Lsn  # exclusive; an image at L has lsn_end = L + 1
+    is_delta: bool
+
+    @property
+    def image_lsn(self) -> Lsn:
+        return self.lsn_start
+
+    @property
+    def is_l0(self) -> bool:
+        return self.is_delta and self.key_range == KeyRange.full()
+
+    def file_name(self) -> str:
+        keys = f"{key_hex(self.key_range.start)}-{key_hex(self.key_range.end)}"
+        if self.is_delta:
+            return f"{keys}__{self.lsn_start:016X}-{self.lsn_end:016X}"
+        return f"{keys}__{self.lsn_start:016X}"
+
+    @classmethod
+    def parse_file_name(cls, name: str) -> LayerDesc | None:
+        """Inverse of ``file_name``; None for names that are not layer files."""
+        keys, sep, lsns = name.partition("__")
+        start, dash, end = keys.partition("-")
+        if not sep or not dash or len(start) != 36 or len(end) != 36:
+            return None
+        try:
+            kr = KeyRange(key_parse_hex(start), key_parse_hex(end))
+            if "-" in lsns:
+                lo, _, hi = lsns.partition("-")
+                if len(lo) != 16 or len(hi) != 16:
+                    return None
+                return cls(kr, Lsn(int(lo, 16)), Lsn(int(hi, 16)), True)
+            if len(lsns) != 16:
+                return None
+            lsn = int(lsns, 16)
+            return cls(kr, Lsn(lsn), Lsn(lsn + 1), False)
+        except ValueError:
+            return None
+
+    def __str__(self) -> str:
+        return self.file_name()
+
+
+@attrs.frozen
+class Summary:
+    magic: bytes
+    key_range: KeyRange
+    lsn_start: Lsn
+    lsn_end: Lsn
+    data_end: int
+    index_start: int
+    n_index_blocks: int
+    n_entries: int
+    fence_start: int
+    file_size: int
+    fences_crc: int
+
+    def encode(self) -> bytes:
+        body = _SUMMARY_BODY.pack(
+            self.magic,
+            FORMAT_VERSION,
+            0,
+            self.key_range.start,
+            self.key_range.end,
+            self.lsn_start,
+            self.lsn_end,
+            self.data_end,
+            self.index_start,
+            self.n_index_blocks,
+            self.n_entries,
+            self.fence_start,
+            self.file_size,
+            self.fences_crc,
+        )
+        return body + _SUMMARY_CRC.pack(crc32c.crc32c(body))
+
+    @classmethod
+    def decode(cls, path: Path, raw: bytes) -> Summary:
+        if len(raw) < SUMMARY_SIZE:
+            raise LayerCorruptionError(path, f"truncated summary ({len(raw)} bytes)")
+        body = raw[: _SUMMARY_BODY.size]
+        (crc,) = _SUMMARY_CRC.unpack_from(raw, _SUMMARY_BODY.size)
+        fields = _SUMMARY_BODY.unpack(body)
+        magic, version = fields[0], fields[1]
+        if magic not in (DELTA_MAGIC, IMAGE_MAGIC):
+            raise LayerCorruptionError(path, f"bad magic {magic!r}: not a pagestore layer file")
+        if version != FORMAT_VERSION:
+            raise LayerCorruptionError(path, f"unsupported format version {version}")
+        if crc != crc32c.crc32c(body):
+            raise LayerCorruptionError(path, "summary checksum mismatch")
+        s = cls(
+            magic=magic,
+            key_range=KeyRange(Key(fields[3]), Key(fields[4])),
+            lsn_start=Lsn(fields[5]),
+            lsn_end=Lsn(fields[6]),
+            data_end=fields[7],
+            index_start=fields[8],
+            n_index_blocks=fields[9],
+            n_entries=fields[10],
+            fence_start=fields[11],
+            file_size=fields[12],
+            fences_crc=fields[13],
+        )
+        if not (
+            DATA_START <= s.data_end == s.index_start
+            and s.fence_start == s.index_start + s.n_index_blocks * INDEX_BLOCK_SIZE
+            and s.file_size == s.fence_start + s.n_index_blocks * _PREFIX
+            and s.n_entries <= s.n_index_blocks * ENTRIES_PER_BLOCK
+        ):
+            raise LayerCorruptionError(path, "inconsistent summary offsets")
+        return s
+
+
+@attrs.frozen(slots=True)
+class IndexEntry:
+    key: Key
+    lsn: Lsn
+    offset: int
+    length: int
+    will_init: bool
+    crc: int
+
+
+class IndexBlock:
+    """A decoded index block: parallel lists, bisectable by the 26-byte (key, lsn) prefix."""
+
+    __slots__ = ("crcs", "lengths", "positions", "prefixes")
+
+    def __init__(self, raw: bytes | memoryview, n: int) -> None:
+        rows = list(ENTRY.iter_unpack(raw[_BLOCK_HDR.size : _BLOCK_HDR.size + n * ENTRY.size]))
+        self.prefixes: list[bytes] = [r[0] for r in rows]
+        self.positions: list[int] = [r[1] for r in rows]
+        self.lengths: list[int] = [r[2] for r in rows]
+        self.crcs: list[int] = [r[3] for r in rows]
+
+    def entry(self, i: int) -> IndexEntry:
+        prefix = self.prefixes[i]
+        pos = self.positions[i]
+        return IndexEntry(
+            Key(prefix[:KEY_SIZE]),
+            Lsn(_LSN.unpack_from(prefix, KEY_SIZE)[0]),
+            pos >> 1,
+            self.lengths[i],
+            bool(pos & 1),
+            self.crcs[i],
+        )
+
+
+class IndexBlockCache:
+    """Bounded LRU of decoded index blocks of all layer files (like Neon's B-tree page cache)."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = capacity_blocks
+        self._blocks: OrderedDict[tuple[int, int], IndexBlock] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, file_id: int, blkno: int) -> IndexBlock | None:
+        block = self._blocks.get((file_id, blkno))
+        if block is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._blocks.move_to_end((file_id, blkno))
+        return block
+
+    def put(self, file_id: int, blkno: int, block: IndexBlock) -> None:
+        if self.capacity <= 0:
+            return
+        self._blocks[(file_id, blkno)] = block
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+    def forget_file(self, file_id: int) -> None:
+        for k in [k for k in self._blocks if k[0] == file_id]:
+            del self._blocks[k]
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+
+_next_file_id = 0
+
+
+def _new_file_id() -> int:
+    global _next_file_id
+    _next_file_id += 1
+    return _next_file_id
+
+
+def prefix_of(key: bytes, lsn: int) -> bytes:
+    return key + _LSN.pack(lsn)
+
+
+class LayerFileReader:
+    """An open, checked layer file. Index blocks are read on demand through the block cache."""
+
+    def __init__(
+        self,
+        path: Path,
+        file: IoFile,
+        summary: Summary,
+        fences: list[bytes],
+        cache: IndexBlockCache,
+    ) -> None:
+        self.path = path
+        self.file = file
+        self.summary = summary
+        self.fences = fences
+        self.cache = cache
+        self.file_id = _new_file_id()
+
+    @classmethod
+    async def open(cls, engine: IoEngine, path: Path, cache: IndexBlockCache) -> LayerFileReader:
+        try:
+            file = await engine.open_file(path, "r")
+        except FileNotFoundError:
+            raise LayerCorruptionError(path, "file is missing") from None
+        try:
+            size = await file.size()
+            head = await file.read_at(0, SUMMARY_SIZE)
+            summary = Summary.decode(path, head)
+            if size != summary.file_size:
+                raise LayerCorruptionError(
+                    path, f"file has {size} bytes, summary says {summary.file_size} (truncated?)"
+                )
+            raw = await file.read_at(summary.fence_start, summary.file_size - summary.fence_start)
+            if crc32c.crc32c(raw) != summary.fences_crc:
+                raise LayerCorruptionError(path, "fence section checksum mismatch")
+            fences = [raw[i : i + _PREFIX] for i in range(0, len(raw), _PREFIX)]
+            if any(a > b for a, b in itertools.pairwise(fences)):
+                raise LayerCorruptionError(path, "fences out of order")
+        except BaseException:
+            await file.aclose()
+            raise
+        return cls(path, file, summary, fences, cache)
+
+    async def aclose(self) -> None:
+        self.cache.forget_file(self.file_id)
+        await self.file.aclose()
+
+    @property
+    def engine(self) -> IoEngine:
+        return self.file.engine
+
+    async def block(self, blkno: int) -> IndexBlock:
+        cached = self.cache.get(self.file_id, blkno)
+        if cached is not None:
+            return cached
+        s = self.summary
+        raw = await self.file.read_at(s.index_start + blkno * INDEX_BLOCK_SIZE, INDEX_BLOCK_SIZE)
+        if len(raw) != INDEX_BLOCK_SIZE:
+            raise LayerCorruptionError(self.path, f"index block {blkno} is truncated")
+        crc, n, _ = _BLOCK_HDR.unpack_from(raw)
+        if crc != crc32c.crc32c(memoryview(raw)[4:]) or n > ENTRIES_PER_BLOCK:
+            raise LayerCorruptionError(self.path, f"index block {blkno} checksum mismatch")
+        block = IndexBlock(raw, n)
+        if not block.prefixes or block.prefixes[0] != self.fences[blkno]:
+            raise LayerCorruptionError(self.path, f"index block {blkno} disagrees with its fence")
+        self.cache.put(self.file_id, blkno, block)
+        return block
+
+    def first_block_for(self, prefix: bytes) -> int:
+        """The index block holding the first entry >= prefix (may be one past it)."""
+        return max(0, bisect.bisect_right(self.fences, prefix) - 1)
+
+    async def scan(self, start: bytes, end: bytes) -> AsyncIterator[tuple[IndexBlock, int, int]]:
+        """Yield (block, lo, hi): runs of entries with ``start <= prefix < end``, in order."""
+        blkno = self.first_block_for(start)
+        n_blocks = self.summary.n_index_blocks
+        first = True
+        while blkno < n_blocks:
+            if not first and self.fences[blkno] >= end:
+                return
+            block = await self.block(blkno)
+            lo = bisect.bisect_left(block.prefixes, start) if first else 0
+            hi = bisect.bisect_left(block.prefixes, end, lo)
+            if hi > lo:
+                yield block, lo, hi
+            if hi < len(block.prefixes):
+                return
+            first = False
+            blkno += 1
+
+    def check_blob(self, offset: int, length: int, crc: int, data: bytes | bytearray) -> None:
+        if len(data) != length:
+            raise LayerCorruptionError(
+                self.path, f"blob at offset {offset} truncated: {len(data)} of {length} bytes"
+            )
+        if crc32c.crc32c(data) != crc:
+            raise LayerCorruptionError(self.path, f"blob at offset {offset} checksum mismatch")
+
+    def check_entry(self, offset: int, length: int) -> None:
+        if offset < DATA_START or offset + length > self.summary.data_end:
+            raise LayerCorruptionError(self.path, f"index entry points outside the data section: {offset}+{length}")
+
+    async def read_blob(self, offset: int, length: int, crc: int) -> bytes:
+        """One blob, one pread (the legacy path's way)."""
+        self.check_entry(offset, length)
+        data = await self.file.read_at(offset, length)
+        self.check_blob(offset, length, crc, data)
+        return data
+
+    async def read_blobs(self, offset: int, lengths: Sequence[int]) -> list[bytearray]:
+        """Physically adjacent blobs starting at ``offset``: one preadv, a buffer per blob."""
+        buffers = [bytearray(n) for n in lengths]
+        total = sum(lengths)
+        self.check_entry(offset, total)
+        got = await self.engine.preadv(self.file.fd, buffers, offset)
+        if got != total:
+            raise LayerCorruptionError(self.path, f"short read at {offset}: {got} of {total} bytes")
+        return buffers
+
+
+class LayerFileWriter:
+    """Builds a layer file under a temp name; ``finish`` makes it durable under its final name.
+
+    Entries must arrive in strictly increasing (key, lsn) order (invariant 1, storage.md §6).
+    """
+
+    def __init__(self, engine: IoEngine, file: IoFile, tmp_path: Path, final_path: Path,
+                 desc: LayerDesc, buffer_size: int) -> None:
+        self.engine = engine
+        self.file = file
+        self.tmp_path = tmp_path
+        self.final_path = final_path
+        self.desc = desc
+        self.buffer_size = buffer_size
+        self._buf = bytearray()
+        self._buf_start = DATA_START
+        self._offset = DATA_START
+        self._index = bytearray()
+        self._fences: list[bytes] = []
+        self._n_entries = 0
+        self._n_in_block = 0
+        self._block_start = 0
+        self._last_prefix = b""
+
+    @classmethod
+    async def create(cls, engine: IoEngine, directory: Path, desc: LayerDesc,
+                     buffer_size: int = 64 * 1024) -> LayerFileWriter:
+        final = directory / desc.file_name()
+        tmp = directory / (desc.file_name() + ".___temp")
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        file = await engine.open_file(tmp, "x")
+        return cls(engine, file, tmp, final, desc, buffer_size)
+
+    @property
+    def n_entries(self) -> int:
+        return self._n_entries
+
+    @property
+    def data_size(self) -> int:
+        return self._offset - DATA_START
+
+    async def put(self, key: Key, lsn: int, blob: bytes | bytearray | memoryview, will_init: bool) -> None:
+        prefix = key + _LSN.pack(lsn)
+        if prefix <= self._last_prefix:
+            raise ValueError(f"{self.final_path.name}: entries out of order at {key_hex(key)}@{lsn:X}")
+        if key not in self.desc.key_range or not self.desc.lsn_start <= lsn < self.desc.lsn_end:
+            raise ValueError(f"{self.final_path.name}: ({key_hex(key)}, {lsn:X}) outside the layer")
+        self._last_prefix = prefix
+        length = len(blob)
+        if self._n_entries == 0 or self._n_in_block == ENTRIES_PER_BLOCK:
+            if self._n_entries:
+                self._close_block()
+            self._block_start = len(self._index)
+            self._index += bytes(_BLOCK_HDR.size)
+            self._fences.append(prefix)
+            self._n_in_block = 0
+        self._index += ENTRY.pack(prefix, (self._offset << 1) | will_init, length, crc32c.crc32c(blob))
+        self._n_in_block += 1
+        self._n_entries += 1
+        self._buf += blob
+        self._offset += length
+        if len(self._buf) >= self.buffer_size:
+            await self._flush()
+
+    def _close_block(self) -> None:
+        start = self._block_start
+        self._index += bytes(INDEX_BLOCK_SIZE - (len(self._index) - start))
+        _BLOCK_HDR.pack_into(self._index, start, 0, self._n_in_block, 0)
+        crc = crc32c.crc32c(memoryview(self._index)[start + 4 : start + INDEX_BLOCK_SIZE])
+        struct.pack_into(">I", self._index, start, crc)
+
+    async def _flush(self) -> None:
+        if self._buf:
+            await self.file.write_at(self._buf_start, self._buf)
+            self._buf_start += len(self._buf)
+            self._buf = bytearray()
+
+    async def finish(self) -> Path:
+        """Write index, fences and summary, fsync, rename into place, fsync the directory."""
+        from pageserver.storage.io_engine import durable_rename
+
+        try:
+            await self._flush()
+            if self._n_entries:
+                self._close_block()
+            index_start = self._offset
+            n_blocks = len(self._index) // INDEX_BLOCK_SIZE
+            fences = b"".join(self._fences)
+            fence_start = index_start + len(self._index)
+            summary = Summary(
+                magic=DELTA_MAGIC if self.desc.is_delta else IMAGE_MAGIC,
+                key_range=self.desc.key_range,
+                lsn_start=self.desc.lsn_start,
+                lsn_end=self.desc.lsn_end,
+                data_end=index_start,
+                index_start=index_start,
+                n_index_blocks=n_blocks,
+                n_entries=self._n_entries,
+                fence_start=fence_start,
+                file_size=fence_start + len(fences),
+                fences_crc=crc32c.crc32c(fences),
+            )
+            await self.file.write_at(index_start, bytes(self._index) + fences)
+            header = summary.encode()
+            await self.file.write_at(0, header + bytes(DATA_START - len(header)))
+            await self.file.aclose()
+            await durable_rename(self.engine, self.tmp_path, self.final_path)
+        except BaseException:
+            await self.abort()
+            raise
+        return self.final_path
+
+    async def abort(self) -> None:
+        await self.file.aclose()
+        try:
+            os.unlink(self.tmp_path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,185 @@
+"""The two read paths over a timeline's layers: legacy per-key ``get`` and ``get_vectored``.
+
+Both fill ``KeyState``s (records newest-first + maybe a base image); ``Timeline`` then
+reconstructs, memorizes and (with ``validate_get``) compares them. Neither path does redo.
+
+Legacy (storage.md §3.3), per key: ``cont_lsn = lsn + 1``; repeatedly read the newest layer
+below ``cont_lsn`` (open in-memory layer, frozen ones newest first, then the layer map's
+``search``) over ``[max(cached + 1, floor), cont_lsn)`` and lower ``cont_lsn`` to that floor,
+until the key is complete; below the branch point continue on the ancestor.
+
+Vectored (storage.md §3.4), for all keys at once: a walk newest-first with a *fringe* (a heap of
+pending layer reads keyed by LSN range, highest first). Each step maps the still-unmapped keys
+at ``cont_lsn`` to layers (one in-memory layer for all of them, or ``range_search``), merging
+the key spaces of reads of the same layer and range so each layer is read once for all keys
+routed to it; pops the highest read, runs it, and continues below its floor with the keys it
+did not complete. A key leaves the walk at an image, a will_init record, or when the walk's floor
+reaches its cached page (``KeyState.floor_reached``, the #7477 fix). Keys no layer of this
+timeline holds go on to the ancestor, at ``min(lsn, ancestor_lsn) + 1``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import Protocol
+
+from pageserver.storage.delta_layer import PersistentLayer, ReadContext
+from pageserver.storage.inmemory_layer import InMemoryLayer
+from pageserver.storage.key import Key, KeySpace, is_inherited_key, key_hex
+from pageserver.storage.layer_map import LayerMap
+from pageserver.storage.reconstruct import KeyState
+from protocol.lsn import Lsn
+
+Layer = InMemoryLayer | PersistentLayer
+
+
+class LayerStuckError(Exception):
+    """The walk did not make progress (a layer-map inconsistency: a bug, not missing data)."""
+
+
+class ReadableTimeline(Protocol):
+    @property
+    def layer_map(self) -> LayerMap: ...
+
+    @property
+    def ancestor_timeline(self) -> ReadableTimeline | None: ...
+
+    @property
+    def ancestor_lsn(self) -> Lsn: ...
+
+    def in_memory_layers(self) -> Sequence[InMemoryLayer]:
+        """Open layer first, then frozen layers newest first."""
+        ...
+
+
+def _first_in_memory(tl: ReadableTimeline, cont_lsn: int) -> InMemoryLayer | None:
+    for layer in tl.in_memory_layers():
+        if layer.start_lsn < cont_lsn:
+            return layer
+    return None
+
+
+async def get_legacy(tl: ReadableTimeline, key: Key, lsn: Lsn, state: KeyState) -> None:
+    """Fill ``state`` for ``key`` at ``lsn``; leaves it incomplete if the key does not exist."""
+    timeline: ReadableTimeline = tl
+    cont_lsn = lsn + 1
+    cached_floor = state.cached_lsn + 1 if state.cached_lsn >= 0 else 0
+    while not state.complete:
+        if cont_lsn <= cached_floor:
+            state.complete = True
+            break
+        ancestor = timeline.ancestor_timeline
+        if ancestor is not None and cont_lsn - 1 <= timeline.ancestor_lsn:
+            if not is_inherited_key(key):
+                return
+            timeline = ancestor
+            continue
+        layer: Layer | None
+        mem = _first_in_memory(timeline, cont_lsn)
+        if mem is not None:
+            layer = mem
+            floor = max(cached_floor, mem.start_lsn)
+        else:
+            hit = timeline.layer_map.search(key, cont_lsn)
+            if hit is None:
+                if ancestor is None:
+                    return
+                cont_lsn = min(cont_lsn, timeline.ancestor_lsn + 1)
+                continue
+            layer, layer_floor = hit
+            floor = max(cached_floor, layer_floor)
+        await layer.get_value_legacy(key, floor, cont_lsn, state)
+        if floor >= cont_lsn:
+            raise LayerStuckError(f"read of {key_hex(key)} stuck at {cont_lsn:X} in {layer!r}")
+        cont_lsn = floor
+
+
+class _Fringe:
+    """Pending layer reads, highest LSN range first; same (layer, range) reads are merged."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, int]] = []
+        self._reads: dict[tuple[int, int, int], tuple[Layer, KeySpace]] = {}
+
+    def push(self, layer: Layer, keyspace: KeySpace, floor: int, cont: int) -> None:
+        ident = (id(layer), floor, cont)
+        old = self._reads.get(ident)
+        if old is not None:
+            self._reads[ident] = (layer, old[1].merge(keyspace))
+            return
+        self._reads[ident] = (layer, keyspace)
+        heapq.heappush(self._heap, (-cont, floor, id(layer)))
+
+    def pop(self) -> tuple[Layer, KeySpace, int, int] | None:
+        if not self._heap:
+            return None
+        neg_cont, floor, ident = heapq.heappop(self._heap)
+        layer, keyspace = self._reads.pop((ident, floor, -neg_cont))
+        return layer, keyspace, floor, -neg_cont
+
+
+def _pending(keyspace: KeySpace, states: dict[Key, KeyState], cont_lsn: int) -> KeySpace:
+    """The keys of ``keyspace`` still to be searched below ``cont_lsn``."""
+    done: list[Key] = []
+    for key in keyspace.iter_keys():
+        st = states[key]
+        if not st.complete:
+            st.floor_reached(cont_lsn)
+        if st.complete:
+            done.append(key)
+    return keyspace.subtract(KeySpace.from_keys(done)) if done else keyspace
+
+
+async def _walk_timeline(
+    tl: ReadableTimeline,
+    keyspace: KeySpace,
+    cont_lsn: int,
+    states: dict[Key, KeyState],
+    ctx: ReadContext,
+) -> None:
+    unmapped = keyspace
+    fringe = _Fringe()
+    while True:
+        unmapped = _pending(unmapped, states, cont_lsn)
+        if not unmapped.is_empty():
+            mem = _first_in_memory(tl, cont_lsn)
+            if mem is not None:
+                fringe.push(mem, unmapped, mem.start_lsn, cont_lsn)
+            else:
+                for rng in unmapped.ranges:
+                    found, _missing = tl.layer_map.range_search(rng, cont_lsn)
+                    for hist, hist_floor, sub in found:
+                        fringe.push(hist, KeySpace.single(sub), hist_floor, cont_lsn)
+        item = fringe.pop()
+        if item is None:
+            return
+        layer, ks, floor, cont = item
+        ks = _pending(ks, states, cont)
+        if ks.is_empty():
+            unmapped = ks
+            continue
+        await layer.get_values_vectored(ks, floor, cont, states, ctx)
+        unmapped = ks
+        cont_lsn = floor
+
+
+async def get_vectored(
+    tl: ReadableTimeline,
+    keys: Sequence[Key],
+    lsn: Lsn,
+    states: dict[Key, KeyState],
+    ctx: ReadContext,
+) -> None:
+    """Fill ``states`` (one per key, already seeded from the page cache) for ``keys`` at
+    ``lsn``; keys that do not exist stay incomplete."""
+    timeline: ReadableTimeline | None = tl
+    cont_lsn = lsn + 1
+    pending = [k for k in keys if not states[k].complete]
+    while pending and timeline is not None:
+        await _walk_timeline(timeline, KeySpace.from_keys(pending), cont_lsn, states, ctx)
+        pending = [k for k in pending if not states[k].complete and is_inherited_key(k)]
+        if timeline.ancestor_timeline is None:
+            break
+        cont_lsn = min(cont_lsn, timeline.ancestor_lsn + 1)
+        timeline = timeline.ancestor_timeline

@@ -1,0 +1,194 @@
+"""A tenant: its directory, its timelines (with their ancestry), and loading them on restart.
+
+Layout: ``<tenant dir>/timelines/<timeline id>/`` holds ``index_part.json``, the layer files it
+lists and, while running, ephemeral files. A timeline exists once its first ``index_part.json``
+is durable; a directory without one is the leftover of an interrupted creation and is removed at
+load. Loading opens exactly the layers index_part lists (checking each file's size and summary)
+and deletes every other file in the directory (temp files, ephemeral files, layers that a
+compaction or GC had already unlisted). Timelines load ancestors first.
+
+The materialized page cache and the layer-index block cache are shared by the tenant's
+timelines; so is the graveyard that defers deleting replaced layers until no read is running.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import trio
+
+from pageserver.storage.config import StorageConfig
+from pageserver.storage.delta_layer import PersistentLayer
+from pageserver.storage.index_part import INDEX_PART, read_index_part
+from pageserver.storage.io_engine import IoEngine, fsync_dir, make_io_engine
+from pageserver.storage.layer_file import IndexBlockCache, LayerCorruptionError
+from pageserver.storage.page_cache import PageCache
+from pageserver.storage.reconstruct import RedoManager, TestRedoManager
+from pageserver.timeline import LayerGraveyard, Timeline
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import INVALID_LSN, Lsn, format_lsn
+
+
+class TimelineExistsError(Exception):
+    pass
+
+
+class Tenant:
+    def __init__(
+        self,
+        path: Path,
+        tenant_id: TenantId,
+        config: StorageConfig,
+        *,
+        engine: IoEngine | None = None,
+        redo: RedoManager | None = None,
+        nursery: trio.Nursery | None = None,
+    ) -> None:
+        self.path = path
+        self.tenant_id = tenant_id
+        self.config = config
+        self.engine = engine if engine is not None else make_io_engine(config.io_engine)
+        self.redo: RedoManager = redo if redo is not None else TestRedoManager()
+        self.nursery = nursery
+        self.page_cache = PageCache(config.page_cache_size)
+        self.index_cache = IndexBlockCache(config.index_cache_blocks)
+        self.graveyard = LayerGraveyard()
+        self.timelines: dict[TimelineId, Timeline] = {}
+
+    @property
+    def timelines_dir(self) -> Path:
+        return self.path / "timelines"
+
+    def _new_timeline(
+        self, timeline_id: TimelineId, ancestor: Timeline | None, ancestor_lsn: Lsn, start_lsn: Lsn
+    ) -> Timeline:
+        return Timeline(
+            tenant_id=self.tenant_id,
+            timeline_id=timeline_id,
+            path=self.timelines_dir / timeline_id.hex,
+            config=self.config,
+            engine=self.engine,
+            redo=self.redo,
+            page_cache=self.page_cache,
+            index_cache=self.index_cache,
+            graveyard=self.graveyard,
+            ancestor=ancestor,
+            ancestor_lsn=ancestor_lsn,
+            start_lsn=start_lsn,
+            nursery=self.nursery,
+        )
+
+    async def create_timeline(
+        self,
+        timeline_id: TimelineId,
+        *,
+        ancestor: Timeline | None = None,
+        ancestor_lsn: Lsn | None = None,
+        start_lsn: Lsn = INVALID_LSN,
+    ) -> Timeline:
+        """A new empty timeline, or a branch of ``ancestor`` at ``ancestor_lsn`` (default: its
+        ``last_record_lsn``). Durable when this returns."""
+        if timeline_id in self.timelines:
+            raise TimelineExistsError(f"timeline {timeline_id} already exists")
+        if ancestor is not None:
+            lsn = ancestor.last_record_lsn if ancestor_lsn is None else ancestor_lsn
+            if lsn > ancestor.last_record_lsn:
+                raise ValueError(
+                    f"branch point {format_lsn(lsn)} is above the ancestor's last_record_lsn "
+                    f"{format_lsn(ancestor.last_record_lsn)}"
+                )
+            if lsn < ancestor.latest_gc_cutoff_lsn:
+                raise ValueError(
+                    f"branch point {format_lsn(lsn)} is below the ancestor's GC cutoff "
+                    f"{format_lsn(ancestor.latest_gc_cutoff_lsn)}"
+                )
+            start_lsn = lsn
+        else:
+            lsn = INVALID_LSN
+        tl = self._new_timeline(timeline_id, ancestor, lsn, start_lsn)
+        tl.path.mkdir(parents=True, exist_ok=False)
+        await tl.write_index_part()
+        await fsync_dir(self.engine, self.timelines_dir)
+        self.timelines[timeline_id] = tl
+        return tl
+
+    def children_branch_points(self, timeline: Timeline) -> list[Lsn]:
+        return sorted(
+            t.ancestor_lsn for t in self.timelines.values() if t.ancestor is timeline
+        )
+
+    async def gc(self) -> dict[TimelineId, list[str]]:
+        """GC every timeline, keeping what child branches read below their branch points."""
+        removed: dict[TimelineId, list[str]] = {}
+        for tid, tl in self.timelines.items():
+            removed[tid] = await tl.gc(self.children_branch_points(tl))
+        return removed
+
+    @classmethod
+    async def load(
+        cls,
+        path: Path,
+        tenant_id: TenantId,
+        config: StorageConfig,
+        *,
+        engine: IoEngine | None = None,
+        redo: RedoManager | None = None,
+        nursery: trio.Nursery | None = None,
+    ) -> Tenant:
+        tenant = cls(path, tenant_id, config, engine=engine, redo=redo, nursery=nursery)
+        tdir = tenant.timelines_dir
+        tdir.mkdir(parents=True, exist_ok=True)
+        parts = {}
+        for entry in sorted(tdir.iterdir()):
+            if not (entry / INDEX_PART).exists():
+                shutil.rmtree(entry)  # an interrupted create_timeline
+                continue
+            parts[TimelineId.parse(entry.name)] = await read_index_part(tenant.engine, entry)
+        remaining = dict(parts)
+        while remaining:
+            progressed = False
+            for tid, part in list(remaining.items()):
+                ancestor: Timeline | None = None
+                if part.ancestor_timeline_id is not None:
+                    aid = TimelineId.parse(part.ancestor_timeline_id)
+                    if aid not in parts:
+                        raise LayerCorruptionError(tdir / tid.hex / INDEX_PART, f"ancestor {aid} is missing")
+                    if aid not in tenant.timelines:
+                        continue
+                    ancestor = tenant.timelines[aid]
+                tl = tenant._new_timeline(tid, ancestor, part.ancestor_lsn, part.disk_consistent_lsn)
+                tl.latest_gc_cutoff_lsn = part.latest_gc_cutoff_lsn
+                await _load_layers(tl, part.layers)
+                tenant.timelines[tid] = tl
+                del remaining[tid]
+                progressed = True
+            if not progressed:
+                raise LayerCorruptionError(tdir, "timeline ancestry has a cycle")
+        return tenant
+
+    async def shutdown(self) -> None:
+        for tl in self.timelines.values():
+            await tl.shutdown()
+        self.graveyard.readers = 0
+        await self.graveyard.collect()
+
+
+async def _load_layers(tl: Timeline, listed: dict[str, int]) -> None:
+    opened: list[PersistentLayer] = []
+    for entry in sorted(tl.path.iterdir()):
+        name = entry.name
+        if name == INDEX_PART:
+            continue
+        if name not in listed:
+            os.unlink(entry)  # temp, ephemeral, or a layer index_part no longer lists
+            continue
+    for name, size in listed.items():
+        layer = await PersistentLayer.open(tl.engine, tl.path / name, tl.index_cache)
+        if layer.file_size != size:
+            await layer.aclose()
+            raise LayerCorruptionError(layer.path, f"size {layer.file_size} but index_part says {size}")
+        opened.append(layer)
+    tl.layer_map.replace([], opened)
+    await fsync_dir(tl.engine, tl.path)

@@ -1,0 +1,488 @@
+"""A timeline: one branch of a tenant's history, its layers, its LSNs and its reads.
+
+Public interface (stable; other rooms build on it):
+
+- writes (WAL ingest): ``await put(key, lsn, value)`` for every value of a record, then
+  ``finish_write(lsn)`` once the record is complete. LSNs never go backwards; puts at one LSN
+  must all come before ``finish_write`` of it.
+- LSNs: ``last_record_lsn`` (advanced by ``finish_write``), ``await wait_lsn(lsn, timeout_s)``,
+  ``disk_consistent_lsn`` (everything at or below it is in layer files listed in
+  ``index_part.json``), ``latest_gc_cutoff_lsn`` (reads below it are refused).
+- reads: ``await get(key, lsn) -> bytes``; ``await get_vectored(keys, lsn) -> dict[Key, bytes]``;
+  ``await get_vectored_results(keys, lsn) -> dict[Key, bytes | PageReconstructError]`` (per-key
+  errors); ``await get_pages([(key, lsn), ...]) -> list[bytes | PageReconstructError]`` (one walk
+  per distinct LSN, for the page service); ``get_rel_size`` / ``get_rel_exists``.
+- maintenance: ``freeze()``, ``flush()`` (freeze + write L0s + index_part), ``compact()``
+  (L0 -> L1, then image layers), ``gc(retain_lsns)`` (normally via ``Tenant.gc``).
+
+Reads: ``get_impl`` picks the vectored walk or the legacy per-key path (``read_path``); with
+``validate_get`` both run (the second one without the materialized page cache, so it is an
+independent oracle) and any difference in bytes or error kind raises ``GetValidationError``,
+bumps ``pageserver_get_validation_mismatches_total`` and logs the diff.
+
+Branches: a timeline may have an ancestor and ``ancestor_lsn``; reads at or below it fall
+through to the ancestor (``read_path``).
+
+Concurrency: structural changes (freeze/flush, compaction, GC) hold ``_layers_lock``; readers
+don't lock, and layers replaced while a read may still hold them are closed and deleted only
+when no read is in progress (``LayerGraveyard``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import struct
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import structlog
+import trio
+from prometheus_client import Counter
+
+from pageserver.storage import read_path
+from pageserver.storage.config import StorageConfig
+from pageserver.storage.delta_layer import PersistentLayer, ReadContext
+from pageserver.storage.ephemeral_file import EphemeralFile
+from pageserver.storage.index_part import IndexPart, write_index_part
+from pageserver.storage.inmemory_layer import InMemoryLayer
+from pageserver.storage.io_engine import IoEngine
+from pageserver.storage.key import Key, KeySpace, key_hex, rel_size_key
+from pageserver.storage.layer_file import IndexBlockCache
+from pageserver.storage.layer_map import LayerMap
+from pageserver.storage.page_cache import PageCache
+from pageserver.storage.reconstruct import (
+    KeyState,
+    MissingKeyError,
+    PageReconstructError,
+    RedoManager,
+    reconstruct_value,
+)
+from pageserver.storage.value import Value, encode_value
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import INVALID_LSN, Lsn, format_lsn
+
+if TYPE_CHECKING:
+    from pageserver.storage.read_path import ReadableTimeline
+
+log = structlog.get_logger(__name__)
+
+GET_VALIDATION_MISMATCHES = Counter(
+    "pageserver_get_validation_mismatches",
+    "reads where the vectored and the legacy path disagreed (validate_get)",
+)
+
+Result = bytes | PageReconstructError
+
+
+class GetValidationError(AssertionError):
+    """``validate_get`` found the two read paths disagreeing: a bug, never a user error."""
+
+
+class LsnTimeoutError(TimeoutError):
+    pass
+
+
+class LsnBelowGcCutoffError(PageReconstructError):
+    pass
+
+
+class LayerGraveyard:
+    """Defers closing and deleting replaced layers until no read is in progress (per tenant)."""
+
+    def __init__(self) -> None:
+        self.readers = 0
+        self._dead: list[PersistentLayer | InMemoryLayer] = []
+
+    def bury(self, layers: Iterable[PersistentLayer | InMemoryLayer]) -> None:
+        self._dead.extend(layers)
+
+    async def collect(self) -> None:
+        if self.readers or not self._dead:
+            return
+        dead, self._dead = self._dead, []
+        for layer in dead:
+            await layer.aclose()
+            if isinstance(layer, PersistentLayer):
+                try:
+                    os.unlink(layer.path)
+                except FileNotFoundError:
+                    pass
+
+
+def _describe(result: Result) -> str:
+    if isinstance(result, bytes):
+        return f"{len(result)} bytes {result[:48]!r}"
+    return f"{type(result).__name__}: {result}"
+
+
+def _same(a: Result, b: Result) -> bool:
+    if isinstance(a, bytes) or isinstance(b, bytes):
+        return a == b
+    return type(a) is type(b)
+
+
+class Timeline:
+    def __init__(
+        self,
+        *,
+        tenant_id: TenantId,
+        timeline_id: TimelineId,
+        path: Path,
+        config: StorageConfig,
+        engine: IoEngine,
+        redo: RedoManager,
+        page_cache: PageCache,
+        index_cache: IndexBlockCache,
+        graveyard: LayerGraveyard,
+        ancestor: Timeline | None = None,
+        ancestor_lsn: Lsn = INVALID_LSN,
+        start_lsn: Lsn = INVALID_LSN,
+        nursery: trio.Nursery | None = None,
+    ) -> None:
+        self.tenant_id = tenant_id
+        self.timeline_id = timeline_id
+        self.path = path
+        self.config = config
+        self.engine = engine
+        self.redo = redo
+        self.page_cache = page_cache
+        self.index_cache = index_cache
+        self.graveyard = graveyard
+        self.ancestor = ancestor
+        self._ancestor_lsn = ancestor_lsn
+        self.nursery = nursery
+        self._layer_map = LayerMap()
+        self.open_layer: InMemoryLayer | None = None
+        self.frozen_layers: list[InMemoryLayer] = []  # oldest first
+        self._last_record_lsn = start_lsn
+        self.disk_consistent_lsn = start_lsn
+        self.latest_gc_cutoff_lsn = INVALID_LSN
+        self._next_layer_start = Lsn(start_lsn + 1)
+        self._max_put_lsn = start_lsn
+        self._waiters: list[tuple[int, int, trio.Event]] = []
+        self._waiter_seq = 0
+        self._layers_lock: trio.Lock | None = None
+        # (monotonic time, lsn) samples for pitr_interval: at most one per second
+        self._lsn_times: list[tuple[float, Lsn]] = []
+        self.last_image_check_lsn = INVALID_LSN
+        self._key = timeline_id.raw
+
+    # -- ReadableTimeline ------------------------------------------------------------------
+
+    @property
+    def layer_map(self) -> LayerMap:
+        return self._layer_map
+
+    @property
+    def ancestor_timeline(self) -> ReadableTimeline | None:
+        return self.ancestor
+
+    @property
+    def ancestor_lsn(self) -> Lsn:
+        return self._ancestor_lsn
+
+    def in_memory_layers(self) -> Sequence[InMemoryLayer]:
+        layers = self.frozen_layers[::-1]
+        if self.open_layer is not None:
+            layers.insert(0, self.open_layer)
+        return layers
+
+    # -- LSNs ------------------------------------------------------------------------------
+
+    @property
+    def last_record_lsn(self) -> Lsn:
+        return self._last_record_lsn
+
+    def finish_write(self, lsn: Lsn) -> None:
+        """Every value of the record ending at ``lsn`` has been put: readers may see it."""
+        if lsn < self._last_record_lsn:
+            raise ValueError(
+                f"finish_write({format_lsn(lsn)}) below last_record_lsn {format_lsn(self._last_record_lsn)}"
+            )
+        self._last_record_lsn = lsn
+        now = time.monotonic()
+        if not self._lsn_times or now - self._lsn_times[-1][0] >= 1.0:
+            self._lsn_times.append((now, lsn))
+        while self._waiters and self._waiters[0][0] <= lsn:
+            heapq.heappop(self._waiters)[2].set()
+
+    async def wait_lsn(self, lsn: Lsn, timeout_s: float | None = None) -> None:
+        """Return once ``last_record_lsn >= lsn``; ``LsnTimeoutError`` after ``timeout_s``
+        (default ``wait_lsn_timeout_s``)."""
+        if self._last_record_lsn >= lsn:
+            return
+        event = trio.Event()
+        self._waiter_seq += 1
+        heapq.heappush(self._waiters, (lsn, self._waiter_seq, event))
+        timeout = self.config.wait_lsn_timeout_s if timeout_s is None else timeout_s
+        with trio.move_on_after(timeout):
+            await event.wait()
+            return
+        raise LsnTimeoutError(
+            f"timed out after {timeout}s waiting for WAL up to {format_lsn(lsn)}; "
+            f"last_record_lsn is {format_lsn(self._last_record_lsn)}"
+        )
+
+    # -- writes ----------------------------------------------------------------------------
+
+    @property
+    def _lock(self) -> trio.Lock:
+        if self._layers_lock is None:
+            self._layers_lock = trio.Lock()
+        return self._layers_lock
+
+    async def put(self, key: Key, lsn: Lsn, value: Value) -> None:
+        """Store ``value`` at (key, lsn). ``lsn`` must be above ``last_record_lsn``."""
+        if lsn <= self._last_record_lsn or lsn < self._max_put_lsn or lsn < self._next_layer_start:
+            raise ValueError(
+                f"put at {format_lsn(lsn)} is not above last_record_lsn "
+                f"{format_lsn(self._last_record_lsn)} / earlier puts"
+            )
+        blob = encode_value(value)
+        layer = self.open_layer
+        if layer is not None and lsn > self._max_put_lsn and self._should_roll(layer, lsn, len(blob)):
+            await self.flush()
+            layer = None
+        if layer is None:
+            layer = await self._open_new_layer()
+        self._max_put_lsn = lsn
+        await layer.put(key, lsn, blob, value.will_init)
+
+    def _should_roll(self, layer: InMemoryLayer, lsn: Lsn, size: int) -> bool:
+        cfg = self.config
+        return (
+            layer.size + size > cfg.checkpoint_distance
+            or lsn - layer.start_lsn >= cfg.checkpoint_distance
+            or time.monotonic() - layer.opened_at >= cfg.checkpoint_timeout_s
+        )
+
+    async def _open_new_layer(self) -> InMemoryLayer:
+        cfg = self.config
+        file = await EphemeralFile.create(
+            self.engine,
+            self.path,
+            nursery=self.nursery,
+            write_buffer_size=cfg.write_buffer_size,
+            double_buffering=cfg.double_buffering,
+        )
+        self.open_layer = InMemoryLayer(file, self._next_layer_start)
+        return self.open_layer
+
+    async def freeze(self) -> None:
+        """Close the open layer at ``max(put LSNs, last_record_lsn) + 1``; no-op if empty."""
+        layer = self.open_layer
+        if layer is None or not layer.index:
+            return
+        end = Lsn(max(self._max_put_lsn, self._last_record_lsn) + 1)
+        self.open_layer = None
+        self._next_layer_start = end
+        await layer.freeze(end)
+        self.frozen_layers.append(layer)
+
+    async def flush(self) -> None:
+        """Freeze, then write every frozen layer to an L0 file and record it in index_part."""
+        async with self._lock:
+            await self.freeze()
+            while self.frozen_layers:
+                layer = self.frozen_layers[0]
+                assert layer.end_lsn is not None
+                path = await layer.write_l0(self.engine, self.path, self.config.write_buffer_size)
+                added: list[PersistentLayer] = []
+                if path is not None:
+                    added.append(await PersistentLayer.open(self.engine, path, self.index_cache))
+                self._layer_map.replace([], added)
+                self.frozen_layers.pop(0)
+                self.disk_consistent_lsn = Lsn(layer.end_lsn - 1)
+                await self.write_index_part()
+                self.graveyard.bury([layer])
+            await self.graveyard.collect()
+
+    async def write_index_part(self) -> None:
+        await write_index_part(self.engine, self.path, self.index_part())
+
+    def index_part(self) -> IndexPart:
+        return IndexPart(
+            layers={x.path.name: x.file_size for x in self._layer_map},
+            disk_consistent_lsn=self.disk_consistent_lsn,
+            latest_gc_cutoff_lsn=self.latest_gc_cutoff_lsn,
+            ancestor_timeline_id=None if self.ancestor is None else self.ancestor.timeline_id.hex,
+            ancestor_lsn=self._ancestor_lsn,
+        )
+
+    # -- maintenance -----------------------------------------------------------------------
+
+    async def compact(self, *, force_image: bool = False) -> None:
+        """L0 -> L1 when ``compaction_threshold`` L0s wait, then image layers where the delta
+        stack reaches ``image_creation_threshold`` (every partition if ``force_image``)."""
+        from pageserver.storage.compaction import compact_level0, create_image_layers
+
+        async with self._lock:
+            await compact_level0(self)
+            await create_image_layers(self, force=force_image)
+            await self.graveyard.collect()
+
+    def gc_cutoff(self, now: float | None = None) -> Lsn:
+        cfg = self.config
+        horizon = Lsn(min(max(0, self._last_record_lsn - cfg.gc_horizon), self.disk_consistent_lsn))
+        if cfg.pitr_interval_s <= 0:
+            pitr = self._last_record_lsn
+        else:
+            limit = (time.monotonic() if now is None else now) - cfg.pitr_interval_s
+            older = [lsn for t, lsn in self._lsn_times if t <= limit]
+            pitr = older[-1] if older else self.latest_gc_cutoff_lsn
+        return Lsn(min(horizon, pitr))
+
+    async def gc(self, retain_lsns: Sequence[Lsn] = ()) -> list[str]:
+        """Remove layers below the cutoff that nothing needs; returns their names."""
+        from pageserver.storage.gc import select_gc_victims
+
+        async with self._lock:
+            cutoff = self.gc_cutoff()
+            if cutoff > self.latest_gc_cutoff_lsn:
+                self.latest_gc_cutoff_lsn = cutoff
+            victims = select_gc_victims(list(self._layer_map), self.latest_gc_cutoff_lsn, retain_lsns)
+            # Persist the cutoff before deleting anything, even if nothing goes.
+            self._layer_map.replace(victims, [])
+            await self.write_index_part()
+            self.graveyard.bury(victims)
+            await self.graveyard.collect()
+            return [v.path.name for v in victims]
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def _check_lsn(self, key: Key, lsn: Lsn) -> None:
+        if lsn < self.latest_gc_cutoff_lsn:
+            raise LsnBelowGcCutoffError(
+                key, lsn, f"below the GC cutoff {format_lsn(self.latest_gc_cutoff_lsn)}"
+            )
+
+    async def _read(
+        self, keys: Sequence[Key], lsn: Lsn, impl: Literal["vectored", "legacy"], use_cache: bool,
+        ctx: ReadContext | None = None,
+    ) -> dict[Key, Result]:
+        states: dict[Key, KeyState] = {}
+        for key in keys:
+            hit = self.page_cache.lookup(self._key, key, lsn) if use_cache else None
+            states[key] = KeyState() if hit is None else KeyState(hit[0], hit[1])
+        ctx = ctx or ReadContext(max_vectored_read_bytes=self.config.max_vectored_read_bytes)
+        self.graveyard.readers += 1
+        try:
+            if impl == "vectored":
+                await read_path.get_vectored(self, list(states), lsn, states, ctx)
+            else:
+                for key, st in states.items():
+                    await read_path.get_legacy(self, key, lsn, st)
+        finally:
+            self.graveyard.readers -= 1
+        await self.graveyard.collect()
+        out: dict[Key, Result] = {}
+        for key, st in states.items():
+            try:
+                page, applied = reconstruct_value(key, lsn, st, self.redo)
+            except PageReconstructError as exc:
+                out[key] = exc
+                continue
+            if use_cache and applied is not None:
+                self.page_cache.memorize(self._key, key, applied, page)
+            out[key] = page
+        return out
+
+    async def get_vectored_results(
+        self, keys: KeySpace | Iterable[Key], lsn: Lsn, ctx: ReadContext | None = None
+    ) -> dict[Key, Result]:
+        """Values of ``keys`` at ``lsn``, each bytes or its own ``PageReconstructError``."""
+        key_list = list(keys.iter_keys()) if isinstance(keys, KeySpace) else list(dict.fromkeys(keys))
+        for key in key_list:
+            self._check_lsn(key, lsn)
+        impl = self.config.get_impl
+        results = await self._read(key_list, lsn, impl, use_cache=True, ctx=ctx)
+        if self.config.validate_get:
+            other: Literal["vectored", "legacy"] = "legacy" if impl == "vectored" else "vectored"
+            oracle = await self._read(key_list, lsn, other, use_cache=False)
+            self._validate(lsn, results, oracle, impl, other)
+        return results
+
+    def _validate(
+        self, lsn: Lsn, got: dict[Key, Result], oracle: dict[Key, Result], impl: str, other: str
+    ) -> None:
+        bad = [k for k in got if not _same(got[k], oracle[k])]
+        if not bad:
+            return
+        GET_VALIDATION_MISMATCHES.inc()
+        diff = [
+            f"{key_hex(k)}: {impl}={_describe(got[k])} {other}={_describe(oracle[k])}" for k in bad
+        ]
+        log.error(
+            "get validation mismatch",
+            tenant_id=self.tenant_id.hex,
+            timeline_id=self.timeline_id.hex,
+            lsn=format_lsn(lsn),
+            diff=diff,
+        )
+        raise GetValidationError(
+            f"read paths disagree at {format_lsn(lsn)} on {len(bad)} key(s): " + "; ".join(diff[:5])
+        )
+
+    async def get_vectored(
+        self, keys: KeySpace | Iterable[Key], lsn: Lsn, ctx: ReadContext | None = None
+    ) -> dict[Key, bytes]:
+        """Values of ``keys`` at ``lsn``; raises the first per-key error."""
+        out: dict[Key, bytes] = {}
+        for key, result in (await self.get_vectored_results(keys, lsn, ctx)).items():
+            if not isinstance(result, bytes):
+                raise result
+            out[key] = result
+        return out
+
+    async def get(self, key: Key, lsn: Lsn) -> bytes:
+        """The value of ``key`` at ``lsn`` (``MissingKeyError`` if it does not exist)."""
+        result = (await self.get_vectored_results([key], lsn))[key]
+        if not isinstance(result, bytes):
+            raise result
+        return result
+
+    async def get_pages(self, requests: Sequence[tuple[Key, Lsn]]) -> list[Result]:
+        """Many (key, lsn) requests: one walk per distinct LSN; results in request order."""
+        by_lsn: dict[Lsn, list[Key]] = {}
+        for key, lsn in requests:
+            by_lsn.setdefault(lsn, []).append(key)
+        answers: dict[tuple[Key, Lsn], Result] = {}
+        for lsn, keys in by_lsn.items():
+            try:
+                results = await self.get_vectored_results(keys, lsn)
+            except LsnBelowGcCutoffError as exc:
+                results = dict.fromkeys(keys, exc)
+            for key, result in results.items():
+                answers[(key, lsn)] = result
+        return [answers[(key, lsn)] for key, lsn in requests]
+
+    async def get_rel_size(self, spcnode: int, dbnode: int, relnode: int, forknum: int, lsn: Lsn) -> int:
+        """Number of blocks (the rel-size key holds a u32 little-endian)."""
+        raw = await self.get(rel_size_key(spcnode, dbnode, relnode, forknum), lsn)
+        if len(raw) != 4:
+            raise PageReconstructError(
+                rel_size_key(spcnode, dbnode, relnode, forknum), lsn, f"rel size value has {len(raw)} bytes"
+            )
+        return int(struct.unpack("<I", raw)[0])
+
+    async def get_rel_exists(self, spcnode: int, dbnode: int, relnode: int, forknum: int, lsn: Lsn) -> bool:
+        try:
+            await self.get_rel_size(spcnode, dbnode, relnode, forknum, lsn)
+        except MissingKeyError:
+            return False
+        return True
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Drop in-memory layers (their WAL is re-ingested after a restart) and close files."""
+        for layer in self.in_memory_layers():
+            await layer.aclose()
+        self.open_layer = None
+        self.frozen_layers = []
+        for hist in list(self._layer_map):
+            await hist.aclose()
+        self._layer_map = LayerMap()

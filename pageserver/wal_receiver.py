@@ -1,0 +1,276 @@
+"""The pageserver's WAL receiver: one trio task per timeline pulling WAL from a safekeeper.
+
+It connects to one safekeeper at a time (``START_REPLICATION PHYSICAL X/Y`` with the
+``tenant_id``/``timeline_id`` options, protocols.md §3.6), feeds the XLogData bytes to the WAL
+stream decoder and hands every decoded record, in order, to the injected ``on_record``
+callable (the ingest). ``X/Y`` is the end of the last record handed over, so a reconnection
+neither skips nor repeats a record. Standby status updates tell the safekeeper how far the
+pageserver got: write = last record received, flush = ``disk_consistent_lsn``, apply =
+``remote_consistent_lsn`` (both from the injected ``progress`` callable).
+
+On any failure (refused connection, a stream that ends, a safekeeper silent for
+``idle_timeout_s``, WAL that does not decode) it moves on to the next safekeeper in the list,
+with exponential backoff once every safekeeper has failed in a row. Cancellation stops it
+at once: the connection is closed under a short shielded deadline.
+
+A vanilla PostgreSQL speaks the same replication protocol, so ``WalReceiver`` can pull from it
+as well (tests use that).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
+
+import attrs
+import structlog
+import trio
+
+from protocol.errors import RemoteProtocolError
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import Lsn, format_lsn
+from protocol.replication import (
+    PrimaryKeepalive,
+    StandbyStatusUpdate,
+    StartReplication,
+    XLogData,
+    decode_server_copy_data,
+    encode_copy_message,
+)
+from protocol.wal.reader import EndOfWal, WalStreamDecoder
+from protocol.wal.record import DecodedRecord
+
+log = structlog.get_logger("wal_receiver")
+
+PG_EPOCH_OFFSET_S = 946_684_800
+
+
+class PgConnection(Protocol):
+    """The libpq client connection the receiver drives."""
+
+    async def start_copy_both(self, sql: str) -> None: ...
+
+    async def send_copy_data(self, payload: bytes) -> None: ...
+
+    async def receive_copy_data(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+Connector = Callable[[str, int, dict[str, str]], Awaitable[PgConnection]]
+OnRecord = Callable[[DecodedRecord], Awaitable[None]]
+
+
+@attrs.frozen
+class Progress:
+    """What the pageserver has durably done with the WAL it received."""
+
+    disk_consistent_lsn: Lsn
+    remote_consistent_lsn: Lsn
+
+
+ProgressFn = Callable[[], Progress]
+
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    EOFError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    trio.TooSlowError,
+    RemoteProtocolError,
+)
+
+
+def register_connection_errors(*errors: type[BaseException]) -> None:
+    """Let the client library add the exception types that mean "this connection failed"."""
+    global CONNECTION_ERRORS
+    CONNECTION_ERRORS = (*CONNECTION_ERRORS, *errors)
+
+
+class WalDecodeError(RemoteProtocolError):
+    """The WAL from the safekeeper stopped decoding before the stream ended."""
+
+
+@attrs.frozen
+class WalReceiverConfig:
+    safekeepers: tuple[tuple[str, int], ...]
+    tenant_id: TenantId | None = None
+    timeline_id: TimelineId | None = None
+    application_name: str = "pageserver"
+    user: str = "postgres"
+    status_interval_s: float = 1.0
+    idle_timeout_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    min_backoff_s: float = 0.05
+    max_backoff_s: float = 5.0
+
+
+class _Wakeup:
+    """A request flag one task fires and another consumes."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+
+    def fire(self) -> None:
+        self.event.set()
+
+    def consume(self) -> None:
+        if self.event.is_set():
+            self.event = trio.Event()
+
+
+def _pg_now() -> int:
+    return int((time.time() - PG_EPOCH_OFFSET_S) * 1_000_000)
+
+
+class WalReceiver:
+    """Pulls a timeline's WAL from ``cfg.safekeepers`` starting at ``start_lsn``."""
+
+    def __init__(
+        self,
+        cfg: WalReceiverConfig,
+        *,
+        start_lsn: Lsn,
+        on_record: OnRecord,
+        connect: Connector,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        if not cfg.safekeepers:
+            raise ValueError("no safekeepers to receive WAL from")
+        self.cfg = cfg
+        self._connect = connect
+        self._on_record = on_record
+        self._progress = progress
+        # End of the last record handed to on_record: where the next session starts.
+        self.last_record_lsn = start_lsn
+        self.records_received = 0
+        self.sessions = 0
+        self.current: tuple[str, int] | None = None
+        self.last_error: str | None = None
+        self._advanced = trio.Event()
+
+    async def wait_for_lsn(self, lsn: Lsn) -> None:
+        """Wait until a record ending at or after ``lsn`` has been handed over."""
+        while self.last_record_lsn < lsn:
+            await self._advanced.wait()
+
+    async def run(self) -> None:
+        """Receive forever (until cancelled), switching safekeepers on failure."""
+        n = len(self.cfg.safekeepers)
+        index = 0
+        failures_in_row = 0
+        backoff = self.cfg.min_backoff_s
+        while True:
+            addr = self.cfg.safekeepers[index % n]
+            before = self.records_received
+            try:
+                await self._session(addr)
+            except* CONNECTION_ERRORS as eg:
+                exc = eg.exceptions[0]
+                while isinstance(exc, BaseExceptionGroup):
+                    exc = exc.exceptions[0]
+                self.last_error = f"{addr[0]}:{addr[1]}: {exc!r}"
+                log.info("wal receiver session ended", safekeeper=f"{addr[0]}:{addr[1]}",
+                         error=repr(exc), at=format_lsn(self.last_record_lsn))
+            finally:
+                self.current = None
+            if self.records_received > before:
+                failures_in_row = 0
+                backoff = self.cfg.min_backoff_s
+            else:
+                failures_in_row += 1
+            index += 1
+            if failures_in_row >= n:
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, self.cfg.max_backoff_s)
+
+    def _params(self) -> dict[str, str]:
+        params = {"user": self.cfg.user, "replication": "true",
+                  "application_name": self.cfg.application_name}
+        if self.cfg.tenant_id is not None and self.cfg.timeline_id is not None:
+            params["options"] = (
+                f"-c timeline_id={self.cfg.timeline_id} tenant_id={self.cfg.tenant_id}"
+            )
+        return params
+
+    async def _session(self, addr: tuple[str, int]) -> None:
+        with trio.fail_after(self.cfg.connect_timeout_s):
+            conn = await self._connect(addr[0], addr[1], self._params())
+        self.sessions += 1
+        self.current = addr
+        try:
+            start = self.last_record_lsn
+            with trio.fail_after(self.cfg.connect_timeout_s):
+                await conn.start_copy_both(StartReplication(start).to_sql())
+            log.info("receiving WAL", safekeeper=f"{addr[0]}:{addr[1]}", start=format_lsn(start))
+            decoder = WalStreamDecoder(start)
+            reply = _Wakeup()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._status_sender, conn, reply)
+                await self._receive(conn, decoder, reply)
+        finally:
+            with trio.move_on_after(1) as cleanup:
+                cleanup.shield = True
+                await conn.aclose()
+
+    async def _receive(self, conn: PgConnection, decoder: WalStreamDecoder, reply: _Wakeup) -> None:
+        while True:
+            with trio.fail_after(self.cfg.idle_timeout_s):
+                payload = await conn.receive_copy_data()
+            msg = decode_server_copy_data(payload)
+            if isinstance(msg, PrimaryKeepalive):
+                if msg.reply_requested:
+                    reply.fire()
+                continue
+            assert isinstance(msg, XLogData)
+            if msg.wal_start != decoder.fed_lsn:
+                raise WalDecodeError(
+                    f"XLogData at {format_lsn(msg.wal_start)}, expected {format_lsn(decoder.fed_lsn)}"
+                )
+            decoder.feed(msg.data)
+            while True:
+                item = decoder.next_record()
+                if isinstance(item, DecodedRecord):
+                    await self._on_record(item)
+                    self.last_record_lsn = max(self.last_record_lsn, item.lsn)
+                    self.records_received += 1
+                    self._advanced.set()
+                    self._advanced = trio.Event()
+                elif isinstance(item, EndOfWal):
+                    raise WalDecodeError(
+                        f"WAL stopped decoding at {format_lsn(item.error_lsn)}: {item.reason}"
+                    )
+                else:
+                    break
+
+    async def _status_sender(self, conn: PgConnection, reply: _Wakeup) -> None:
+        # The only writer on this stream: the receive loop only fires ``reply``.
+        while True:
+            with trio.move_on_after(self.cfg.status_interval_s):
+                await reply.event.wait()
+            reply.consume()
+            await conn.send_copy_data(encode_copy_message(self.status_update()))
+
+    def status_update(self) -> StandbyStatusUpdate:
+        received = self.last_record_lsn
+        if self._progress is not None:
+            p = self._progress()
+            flush, apply = p.disk_consistent_lsn, p.remote_consistent_lsn
+        else:
+            flush = apply = received
+        return StandbyStatusUpdate(received, flush, apply, _pg_now(), False)
+
+
+def parse_safekeepers(text: str | Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """``host:port,host:port`` (or a list of ``host:port``)."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for item in items:
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"safekeeper address {item!r} is not host:port")
+        out.append((host, int(port)))
+    return tuple(out)

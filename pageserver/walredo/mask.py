@@ -1,0 +1,131 @@
+"""PostgreSQL's page masking (``access/common/bufmask.c`` and each rmgr's ``rm_mask``).
+
+wal_consistency_checking compares a replayed page with the primary's image only after both
+went through the record's resource manager mask: fields that change without WAL (hint bits,
+LSN, checksum, free space, btree LP_DEAD flags...) are set to a fixed value. These functions
+mask a copy; the page passed in is never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pageserver.walredo import bufpage as bp
+from pageserver.walredo.errors import RedoError
+
+MASK_MARKER = 0
+
+# heap tuple header bits (htup_details.h)
+_HEAP_XACT_MASK = 0xFFF0
+_HEAP_XMIN_FROZEN = 0x0300
+_HEAP_XMAX_COMMITTED = 0x0400
+_HEAP_XMAX_INVALID = 0x0800
+_SPEC_TOKEN_OFFSET = 0xFFFE
+
+# btree special area: prev u32, next u32, level u32, flags u16, cycleid u16
+_BTP_LEAF = 0x0001
+_BTP_SPLIT_END = 0x0020
+_BTP_HAS_GARBAGE = 0x0040
+
+
+def mask_page_lsn_and_checksum(page: bytearray) -> None:
+    page[0:10] = bytes(10)
+
+
+def mask_page_hint_bits(page: bytearray) -> None:
+    bp.set_prune_xid(page, MASK_MARKER)
+    flags = bp.get_flags(page)
+    bp.set_flags(page, flags & ~(bp.PD_PAGE_FULL | bp.PD_HAS_FREE_LINES | bp.PD_ALL_VISIBLE))
+
+
+def mask_unused_space(page: bytearray) -> None:
+    lower, upper, special = bp.LOWER_UPPER_SPECIAL.unpack_from(page, bp.OFF_LOWER)
+    if lower > upper or special < upper or lower < bp.SIZE_OF_PAGE_HEADER or special > bp.BLCKSZ:
+        raise RedoError(f"invalid page pd_lower {lower} pd_upper {upper} pd_special {special}")
+    page[lower:upper] = bytes(upper - lower)
+
+
+def mask_lp_flags(page: bytearray) -> None:
+    for off in range(1, bp.max_offset(page) + 1):
+        pos = bp.itemid_pos(off)
+        raw = bp.U32.unpack_from(page, pos)[0]
+        if (raw >> 15) & 3:
+            bp.U32.pack_into(page, pos, raw & ~(3 << 15))
+
+
+def mask_page_content(page: bytearray) -> None:
+    page[bp.SIZE_OF_PAGE_HEADER :] = bytes(bp.BLCKSZ - bp.SIZE_OF_PAGE_HEADER)
+    bp.set_lower(page, MASK_MARKER)
+    bp.set_upper(page, MASK_MARKER)
+
+
+def heap_mask(page: bytearray, blkno: int) -> None:
+    mask_page_lsn_and_checksum(page)
+    mask_page_hint_bits(page)
+    mask_unused_space(page)
+    u16 = bp.U16
+    for off in range(1, bp.max_offset(page) + 1):
+        raw = bp.get_itemid(page, off)
+        item = raw & 0x7FFF
+        length = raw >> 17
+        if (raw >> 15) & 3 == bp.LP_NORMAL:
+            (infomask,) = u16.unpack_from(page, item + 20)
+            if infomask & _HEAP_XMIN_FROZEN != _HEAP_XMIN_FROZEN:
+                infomask &= ~_HEAP_XACT_MASK
+            else:
+                infomask &= ~(_HEAP_XMAX_INVALID | _HEAP_XMAX_COMMITTED)
+            u16.pack_into(page, item + 20, infomask)
+            bp.U32.pack_into(page, item + 8, MASK_MARKER)
+            if u16.unpack_from(page, item + 16)[0] == _SPEC_TOKEN_OFFSET:
+                bp.U16.pack_into(page, item + 12, blkno >> 16)
+                bp.U16.pack_into(page, item + 14, blkno & 0xFFFF)
+                bp.U16.pack_into(page, item + 16, off)
+        if length:
+            pad = bp.maxalign(length) - length
+            if pad:
+                page[item + length : item + length + pad] = bytes(pad)
+
+
+def btree_mask(page: bytearray, blkno: int) -> None:
+    mask_page_lsn_and_checksum(page)
+    mask_page_hint_bits(page)
+    mask_unused_space(page)
+    special = bp.get_special(page)
+    flags_pos = special + 12
+    (flags,) = bp.U16.unpack_from(page, flags_pos)
+    if flags & _BTP_LEAF:
+        mask_lp_flags(page)
+    bp.U16.pack_into(page, flags_pos, flags & ~(_BTP_HAS_GARBAGE | _BTP_SPLIT_END))
+    bp.U16.pack_into(page, flags_pos + 2, 0)
+
+
+def seq_mask(page: bytearray, blkno: int) -> None:
+    mask_page_lsn_and_checksum(page)
+    mask_unused_space(page)
+
+
+def no_mask(page: bytearray, blkno: int) -> None:
+    """Resource managers without rm_mask (XLOG): images are compared as they are."""
+
+
+def fsm_vm_mask(page: bytearray, blkno: int) -> None:
+    """Not a PostgreSQL mask: LSN and checksum only, for VM pages compared by tests."""
+    mask_page_lsn_and_checksum(page)
+
+
+MaskFn = Callable[[bytearray, int], None]
+
+# rmid -> rm_mask
+RM_MASKS: dict[int, MaskFn] = {
+    0: no_mask,
+    9: heap_mask,
+    10: heap_mask,
+    11: btree_mask,
+    15: seq_mask,
+}
+
+
+def masked(page: bytes | bytearray, blkno: int, mask: MaskFn) -> bytes:
+    copy = bytearray(page)
+    mask(copy, blkno)
+    return bytes(copy)

@@ -1,0 +1,293 @@
+"""PostgreSQL 15 resource managers: ids, the names pg_waldump prints, and record-type constants.
+
+``xl_info``'s low nibble is generic (``XLR_SPECIAL_REL_UPDATE``, ``XLR_CHECK_CONSISTENCY``);
+the high nibble is the record type of the resource manager. Heap and Heap2 use ``0x70`` as
+the opcode and ``0x80`` as ``XLOG_HEAP_INIT_PAGE``; Transaction uses ``0x70`` as the opcode
+and ``0x80`` as ``XLOG_XACT_HAS_INFO``. ``record_type_name`` gives pg_waldump's identify
+string (``INSERT+INIT``, ``COMMIT``...) for the resource managers pagestore meets.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class RmgrId(IntEnum):
+    XLOG = 0
+    XACT = 1
+    SMGR = 2
+    CLOG = 3
+    DBASE = 4
+    TBLSPC = 5
+    MULTIXACT = 6
+    RELMAP = 7
+    STANDBY = 8
+    HEAP2 = 9
+    HEAP = 10
+    BTREE = 11
+    HASH = 12
+    GIN = 13
+    GIST = 14
+    SEQ = 15
+    SPGIST = 16
+    BRIN = 17
+    COMMIT_TS = 18
+    REPLORIGIN = 19
+    GENERIC = 20
+    LOGICALMSG = 21
+
+
+RM_MAX_BUILTIN_ID = 21
+RM_MIN_CUSTOM_ID = 128
+
+# The names pg_waldump prints in its "rmgr:" column (rmgrlist.h).
+RMGR_NAMES: tuple[str, ...] = (
+    "XLOG",
+    "Transaction",
+    "Storage",
+    "CLOG",
+    "Database",
+    "Tablespace",
+    "MultiXact",
+    "RelMap",
+    "Standby",
+    "Heap2",
+    "Heap",
+    "Btree",
+    "Hash",
+    "Gin",
+    "Gist",
+    "Sequence",
+    "SPGist",
+    "BRIN",
+    "CommitTs",
+    "ReplicationOrigin",
+    "Generic",
+    "LogicalMessage",
+)
+
+
+def rmgr_id_is_valid(rmid: int) -> bool:
+    """PostgreSQL's ``RmgrIdIsValid``: a built-in id or one of the custom range 128..255."""
+    return rmid <= RM_MAX_BUILTIN_ID or RM_MIN_CUSTOM_ID <= rmid <= 255
+
+
+def rmgr_name(rmid: int) -> str:
+    if rmid <= RM_MAX_BUILTIN_ID:
+        return RMGR_NAMES[rmid]
+    return f"custom{rmid:03d}"
+
+
+# Generic xl_info bits.
+XLR_INFO_MASK = 0x0F
+XLR_RMGR_INFO_MASK = 0xF0
+XLR_SPECIAL_REL_UPDATE = 0x01
+XLR_CHECK_CONSISTENCY = 0x02
+
+# XLOG (rmid 0)
+XLOG_CHECKPOINT_SHUTDOWN = 0x00
+XLOG_CHECKPOINT_ONLINE = 0x10
+XLOG_NOOP = 0x20
+XLOG_NEXTOID = 0x30
+XLOG_SWITCH = 0x40
+XLOG_BACKUP_END = 0x50
+XLOG_PARAMETER_CHANGE = 0x60
+XLOG_RESTORE_POINT = 0x70
+XLOG_FPW_CHANGE = 0x80
+XLOG_END_OF_RECOVERY = 0x90
+XLOG_FPI_FOR_HINT = 0xA0
+XLOG_FPI = 0xB0
+XLOG_OVERWRITE_CONTRECORD = 0xD0
+
+# Transaction (rmid 1)
+XLOG_XACT_COMMIT = 0x00
+XLOG_XACT_PREPARE = 0x10
+XLOG_XACT_ABORT = 0x20
+XLOG_XACT_COMMIT_PREPARED = 0x30
+XLOG_XACT_ABORT_PREPARED = 0x40
+XLOG_XACT_ASSIGNMENT = 0x50
+XLOG_XACT_INVALIDATIONS = 0x60
+XLOG_XACT_OPMASK = 0x70
+XLOG_XACT_HAS_INFO = 0x80
+
+# Storage (rmid 2)
+XLOG_SMGR_CREATE = 0x10
+XLOG_SMGR_TRUNCATE = 0x20
+
+# CLOG (rmid 3)
+CLOG_ZEROPAGE = 0x00
+CLOG_TRUNCATE = 0x10
+
+# Database (rmid 4)
+XLOG_DBASE_CREATE_FILE_COPY = 0x00
+XLOG_DBASE_CREATE_WAL_LOG = 0x10
+XLOG_DBASE_DROP = 0x20
+
+# Tablespace (rmid 5)
+XLOG_TBLSPC_CREATE = 0x00
+XLOG_TBLSPC_DROP = 0x10
+
+# MultiXact (rmid 6)
+XLOG_MULTIXACT_ZERO_OFF_PAGE = 0x00
+XLOG_MULTIXACT_ZERO_MEM_PAGE = 0x10
+XLOG_MULTIXACT_CREATE_ID = 0x20
+XLOG_MULTIXACT_TRUNCATE_ID = 0x30
+
+# RelMap (rmid 7)
+XLOG_RELMAP_UPDATE = 0x00
+
+# Standby (rmid 8)
+XLOG_STANDBY_LOCK = 0x00
+XLOG_RUNNING_XACTS = 0x10
+XLOG_INVALIDATIONS = 0x20
+
+# Heap2 (rmid 9) and Heap (rmid 10)
+XLOG_HEAP_OPMASK = 0x70
+XLOG_HEAP_INIT_PAGE = 0x80
+XLOG_HEAP2_REWRITE = 0x00
+XLOG_HEAP2_PRUNE = 0x10
+XLOG_HEAP2_VACUUM = 0x20
+XLOG_HEAP2_FREEZE_PAGE = 0x30
+XLOG_HEAP2_VISIBLE = 0x40
+XLOG_HEAP2_MULTI_INSERT = 0x50
+XLOG_HEAP2_LOCK_UPDATED = 0x60
+XLOG_HEAP2_NEW_CID = 0x70
+XLOG_HEAP_INSERT = 0x00
+XLOG_HEAP_DELETE = 0x10
+XLOG_HEAP_UPDATE = 0x20
+XLOG_HEAP_TRUNCATE = 0x30
+XLOG_HEAP_HOT_UPDATE = 0x40
+XLOG_HEAP_CONFIRM = 0x50
+XLOG_HEAP_LOCK = 0x60
+XLOG_HEAP_INPLACE = 0x70
+
+# Btree (rmid 11)
+XLOG_BTREE_INSERT_LEAF = 0x00
+XLOG_BTREE_INSERT_UPPER = 0x10
+XLOG_BTREE_INSERT_META = 0x20
+XLOG_BTREE_SPLIT_L = 0x30
+XLOG_BTREE_SPLIT_R = 0x40
+XLOG_BTREE_INSERT_POST = 0x50
+XLOG_BTREE_DEDUP = 0x60
+XLOG_BTREE_DELETE = 0x70
+XLOG_BTREE_UNLINK_PAGE = 0x80
+XLOG_BTREE_UNLINK_PAGE_META = 0x90
+XLOG_BTREE_NEWROOT = 0xA0
+XLOG_BTREE_MARK_PAGE_HALFDEAD = 0xB0
+XLOG_BTREE_VACUUM = 0xC0
+XLOG_BTREE_REUSE_PAGE = 0xD0
+XLOG_BTREE_META_CLEANUP = 0xE0
+
+# Sequence (rmid 15)
+XLOG_SEQ_LOG = 0x00
+
+# LogicalMessage (rmid 21)
+XLOG_LOGICAL_MESSAGE = 0x00
+
+_XLOG_TYPES = {
+    XLOG_CHECKPOINT_SHUTDOWN: "CHECKPOINT_SHUTDOWN",
+    XLOG_CHECKPOINT_ONLINE: "CHECKPOINT_ONLINE",
+    XLOG_NOOP: "NOOP",
+    XLOG_NEXTOID: "NEXTOID",
+    XLOG_SWITCH: "SWITCH",
+    XLOG_BACKUP_END: "BACKUP_END",
+    XLOG_PARAMETER_CHANGE: "PARAMETER_CHANGE",
+    XLOG_RESTORE_POINT: "RESTORE_POINT",
+    XLOG_FPW_CHANGE: "FPW_CHANGE",
+    XLOG_END_OF_RECOVERY: "END_OF_RECOVERY",
+    XLOG_FPI_FOR_HINT: "FPI_FOR_HINT",
+    XLOG_FPI: "FPI",
+    XLOG_OVERWRITE_CONTRECORD: "OVERWRITE_CONTRECORD",
+}
+_XACT_TYPES = {
+    XLOG_XACT_COMMIT: "COMMIT",
+    XLOG_XACT_PREPARE: "PREPARE",
+    XLOG_XACT_ABORT: "ABORT",
+    XLOG_XACT_COMMIT_PREPARED: "COMMIT_PREPARED",
+    XLOG_XACT_ABORT_PREPARED: "ABORT_PREPARED",
+    XLOG_XACT_ASSIGNMENT: "ASSIGNMENT",
+    XLOG_XACT_INVALIDATIONS: "INVALIDATION",
+}
+_HEAP_TYPES = {
+    XLOG_HEAP_INSERT: "INSERT",
+    XLOG_HEAP_DELETE: "DELETE",
+    XLOG_HEAP_UPDATE: "UPDATE",
+    XLOG_HEAP_TRUNCATE: "TRUNCATE",
+    XLOG_HEAP_HOT_UPDATE: "HOT_UPDATE",
+    XLOG_HEAP_CONFIRM: "HEAP_CONFIRM",
+    XLOG_HEAP_LOCK: "LOCK",
+    XLOG_HEAP_INPLACE: "INPLACE",
+}
+_HEAP2_TYPES = {
+    XLOG_HEAP2_REWRITE: "REWRITE",
+    XLOG_HEAP2_PRUNE: "PRUNE",
+    XLOG_HEAP2_VACUUM: "VACUUM",
+    XLOG_HEAP2_FREEZE_PAGE: "FREEZE_PAGE",
+    XLOG_HEAP2_VISIBLE: "VISIBLE",
+    XLOG_HEAP2_MULTI_INSERT: "MULTI_INSERT",
+    XLOG_HEAP2_LOCK_UPDATED: "LOCK_UPDATED",
+    XLOG_HEAP2_NEW_CID: "NEW_CID",
+}
+_BTREE_TYPES = {
+    XLOG_BTREE_INSERT_LEAF: "INSERT_LEAF",
+    XLOG_BTREE_INSERT_UPPER: "INSERT_UPPER",
+    XLOG_BTREE_INSERT_META: "INSERT_META",
+    XLOG_BTREE_SPLIT_L: "SPLIT_L",
+    XLOG_BTREE_SPLIT_R: "SPLIT_R",
+    XLOG_BTREE_INSERT_POST: "INSERT_POST",
+    XLOG_BTREE_DEDUP: "DEDUP",
+    XLOG_BTREE_DELETE: "DELETE",
+    XLOG_BTREE_UNLINK_PAGE: "UNLINK_PAGE",
+    XLOG_BTREE_UNLINK_PAGE_META: "UNLINK_PAGE_META",
+    XLOG_BTREE_NEWROOT: "NEWROOT",
+    XLOG_BTREE_MARK_PAGE_HALFDEAD: "MARK_PAGE_HALFDEAD",
+    XLOG_BTREE_VACUUM: "VACUUM",
+    XLOG_BTREE_REUSE_PAGE: "REUSE_PAGE",
+    XLOG_BTREE_META_CLEANUP: "META_CLEANUP",
+}
+_SIMPLE_TYPES: dict[int, dict[int, str]] = {
+    RmgrId.XLOG: _XLOG_TYPES,
+    RmgrId.SMGR: {XLOG_SMGR_CREATE: "CREATE", XLOG_SMGR_TRUNCATE: "TRUNCATE"},
+    RmgrId.CLOG: {CLOG_ZEROPAGE: "ZEROPAGE", CLOG_TRUNCATE: "TRUNCATE"},
+    RmgrId.DBASE: {
+        XLOG_DBASE_CREATE_FILE_COPY: "CREATE_FILE_COPY",
+        XLOG_DBASE_CREATE_WAL_LOG: "CREATE_WAL_LOG",
+        XLOG_DBASE_DROP: "DROP",
+    },
+    RmgrId.TBLSPC: {XLOG_TBLSPC_CREATE: "CREATE", XLOG_TBLSPC_DROP: "DROP"},
+    RmgrId.MULTIXACT: {
+        XLOG_MULTIXACT_ZERO_OFF_PAGE: "ZERO_OFF_PAGE",
+        XLOG_MULTIXACT_ZERO_MEM_PAGE: "ZERO_MEM_PAGE",
+        XLOG_MULTIXACT_CREATE_ID: "CREATE_ID",
+        XLOG_MULTIXACT_TRUNCATE_ID: "TRUNCATE_ID",
+    },
+    RmgrId.RELMAP: {XLOG_RELMAP_UPDATE: "UPDATE"},
+    RmgrId.STANDBY: {
+        XLOG_STANDBY_LOCK: "LOCK",
+        XLOG_RUNNING_XACTS: "RUNNING_XACTS",
+        XLOG_INVALIDATIONS: "INVALIDATIONS",
+    },
+    RmgrId.BTREE: _BTREE_TYPES,
+    RmgrId.SEQ: {XLOG_SEQ_LOG: "LOG"},
+    RmgrId.LOGICALMSG: {XLOG_LOGICAL_MESSAGE: "MESSAGE"},
+}
+
+
+def record_type_name(rmid: int, info: int) -> str:
+    """pg_waldump's identify string for ``(rmid, xl_info)``; ``UNKNOWN (xx)`` otherwise."""
+    if rmid == RmgrId.HEAP or rmid == RmgrId.HEAP2:
+        table = _HEAP_TYPES if rmid == RmgrId.HEAP else _HEAP2_TYPES
+        name = table.get(info & XLOG_HEAP_OPMASK)
+        if name is not None:
+            return name + "+INIT" if info & XLOG_HEAP_INIT_PAGE else name
+    elif rmid == RmgrId.XACT:
+        name = _XACT_TYPES.get(info & XLOG_XACT_OPMASK)
+        if name is not None:
+            return name
+    else:
+        types = _SIMPLE_TYPES.get(rmid)
+        if types is not None:
+            name = types.get(info & XLR_RMGR_INFO_MASK)
+            if name is not None:
+                return name
+    return f"UNKNOWN ({info & XLR_RMGR_INFO_MASK:x})"

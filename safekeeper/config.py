@@ -1,0 +1,97 @@
+"""Safekeeper node configuration: one TOML file, structured into attrs classes by cattrs.
+
+Unknown keys and bad values stop start-up with a message naming the key.
+
+    id = 1
+    listen_pg = "127.0.0.1:5454"
+    listen_http = "127.0.0.1:7676"
+    data_dir = "/var/lib/pagestore/sk1"
+    no_sync = false
+    ingest_queue = 4096          # AppendRequests buffered between the reader and the writer
+    max_write_bytes = 1048576    # coalesce up to this much WAL per write+fsync; 0 = off
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import attrs
+import cattrs
+
+DEFAULT_PG_PORT = 5454
+DEFAULT_HTTP_PORT = 7676
+
+
+class ConfigError(Exception):
+    """The configuration file is unreadable or names an unknown key / a bad value."""
+
+
+def _check_addr(_inst: object, attr: attrs.Attribute[str], value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{attr.name} must be HOST:PORT, got {value!r}")
+
+
+def _non_negative(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{attr.name} must be >= 0, got {value}")
+
+
+def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attr.name} must be >= 1, got {value}")
+
+
+@attrs.frozen
+class SafekeeperConfig:
+    data_dir: str
+    id: int = attrs.field(default=1, validator=_non_negative)
+    listen_pg: str = attrs.field(default=f"127.0.0.1:{DEFAULT_PG_PORT}", validator=_check_addr)
+    listen_http: str = attrs.field(default=f"127.0.0.1:{DEFAULT_HTTP_PORT}", validator=_check_addr)
+    no_sync: bool = False
+    ingest_queue: int = attrs.field(default=4096, validator=_positive)
+    max_write_bytes: int = attrs.field(default=1 << 20, validator=_non_negative)
+    log_level: str = "info"
+    log_file: str | None = None
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir)
+
+    @property
+    def pg_addr(self) -> tuple[str, int]:
+        host, _, port = self.listen_pg.rpartition(":")
+        return host, int(port)
+
+    @property
+    def http_addr(self) -> tuple[str, int]:
+        host, _, port = self.listen_http.rpartition(":")
+        return host, int(port)
+
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def _format(exc: BaseException, type_: type | None) -> str:
+    if isinstance(exc, ValueError) and str(exc):
+        return str(exc)
+    return cattrs.v.format_exception(exc, type_)
+
+
+def parse_config(data: dict[str, object]) -> SafekeeperConfig:
+    try:
+        return _converter.structure(data, SafekeeperConfig)
+    except cattrs.BaseValidationError as exc:
+        messages = cattrs.transform_error(exc, format_exception=_format)
+        raise ConfigError("invalid safekeeper config: " + "; ".join(messages)) from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"invalid safekeeper config: {exc}") from None
+
+
+def load_config(path: Path) -> SafekeeperConfig:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    return parse_config(data)

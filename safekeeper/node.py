@@ -1,0 +1,285 @@
+"""The safekeeper node process: ``pagestore safekeeper -c FILE``.
+
+Owns the timelines of one node (loaded from ``data_dir/<tenant>/<timeline>/`` at start-up,
+created on a proposer's greeting), the libpq port (walproposers push, replicas pull) and the
+HTTP port (status, metrics). SIGTERM / SIGINT: stop accepting, tell clients 57P01, save every
+timeline's control file, exit 0.
+
+Commands on the libpq port (tenant and timeline come from the startup ``options``:
+``-c tenant_id=<hex> timeline_id=<hex>``; aliases ``ztenantid`` / ``ztimelineid``):
+``START_WAL_PUSH [(proto_version '3', allow_timeline_creation 'true')]``,
+``START_REPLICATION [SLOT s] [PHYSICAL] X/Y [TIMELINE 1] [(term='N')]``, ``IDENTIFY_SYSTEM``,
+``TIMELINE_STATUS``, ``TIMELINE_HISTORY n``, ``SHOW wal_segment_size``,
+``SHOW data_directory_mode``, ``READ_REPLICATION_SLOT s`` (no slots here), ``SET ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import structlog
+import trio
+
+from common.pgserver import PgConnection, PgServer, PgServerConfig
+from protocol.errors import RemoteProtocolError
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import format_lsn
+from protocol.pgwire import sqlstate
+from protocol.pgwire.errors import PgError
+from protocol.replication import (
+    CreateReplicationSlot,
+    IdentifySystem,
+    ReadReplicationSlot,
+    SetCommand,
+    Show,
+    StartReplication,
+    StartWalPush,
+    TimelineHistory,
+    TimelineStatus,
+    parse_replication_command,
+)
+from safekeeper.config import ConfigError, SafekeeperConfig, load_config
+from safekeeper.http_api import HttpApi
+from safekeeper.receive_wal import IngestConfig, serve_wal_push
+from safekeeper.send_wal import serve_replication
+from safekeeper.timeline import Timeline
+
+log = structlog.get_logger("safekeeper")
+
+
+class SafekeeperNode:
+    def __init__(self, cfg: SafekeeperConfig) -> None:
+        self.cfg = cfg
+        self.timelines: dict[tuple[TenantId, TimelineId], Timeline] = {}
+        self._create_lock = trio.Lock()
+        self.pg_port: int | None = None
+        self.http_port: int | None = None
+        self.pg_server = PgServer(
+            SafekeeperHandler(self),
+            PgServerConfig(host=cfg.pg_addr[0], port=cfg.pg_addr[1], idle_timeout_s=None),
+        )
+        self.ingest = IngestConfig(cfg.ingest_queue, cfg.max_write_bytes)
+        self._stop = trio.Event()
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown (what SIGTERM does)."""
+        self._stop.set()
+
+    def timeline_dir(self, tenant_id: TenantId, timeline_id: TimelineId) -> Path:
+        return self.cfg.data_path / tenant_id.hex / timeline_id.hex
+
+    def load_timelines(self) -> None:
+        root = self.cfg.data_path
+        root.mkdir(parents=True, exist_ok=True)
+        for tenant_dir in sorted(root.iterdir()):
+            if not tenant_dir.is_dir():
+                continue
+            for tl_dir in sorted(tenant_dir.iterdir()):
+                if (tl_dir / "safekeeper.control").exists():
+                    tl = Timeline.load(tl_dir, self.cfg.id, no_sync=self.cfg.no_sync)
+                    self.timelines[(tl.tenant_id, tl.timeline_id)] = tl
+
+    def find_timeline(self, tenant_hex: str, timeline_hex: str) -> Timeline | None:
+        try:
+            key = (TenantId.parse(tenant_hex), TimelineId.parse(timeline_hex))
+        except RemoteProtocolError:
+            return None
+        return self.timelines.get(key)
+
+    async def get_timeline(
+        self, tenant_id: TenantId, timeline_id: TimelineId, create: bool
+    ) -> Timeline | None:
+        key = (tenant_id, timeline_id)
+        async with self._create_lock:
+            tl = self.timelines.get(key)
+            if tl is None and create:
+                tl = await trio.to_thread.run_sync(
+                    lambda: Timeline.create(
+                        self.timeline_dir(tenant_id, timeline_id),
+                        self.cfg.id,
+                        tenant_id,
+                        timeline_id,
+                        no_sync=self.cfg.no_sync,
+                    )
+                )
+                self.timelines[key] = tl
+                log.info("timeline created", tenant_id=tenant_id.hex, timeline_id=timeline_id.hex)
+            return tl
+
+    def status(self) -> dict[str, object]:
+        return {
+            "id": self.cfg.id,
+            "pg_port": self.pg_port,
+            "http_port": self.http_port,
+            "timelines": len(self.timelines),
+            "no_sync": self.cfg.no_sync,
+            "ingest_queue": self.cfg.ingest_queue,
+            "max_write_bytes": self.cfg.max_write_bytes,
+        }
+
+    async def run(self, *, task_status: trio.TaskStatus[tuple[int, int]] = trio.TASK_STATUS_IGNORED) -> None:
+        await trio.to_thread.run_sync(self.load_timelines)
+        http = HttpApi(self)
+        async with trio.open_nursery() as nursery:
+            self.pg_port = await nursery.start(self.pg_server.serve)
+            self.http_port = await nursery.start(http.serve, *self.cfg.http_addr)
+            log.info("safekeeper started", pg_port=self.pg_port, http_port=self.http_port, id=self.cfg.id)
+            task_status.started((self.pg_port, self.http_port))
+            if threading.current_thread() is threading.main_thread():
+                nursery.start_soon(self._watch_signals)
+            await self._stop.wait()
+            self.pg_server.shutdown()
+            with trio.move_on_after(self.pg_server.config.shutdown_timeout_s + 1):
+                while self.pg_server.connection_count:
+                    await trio.sleep(0.05)
+            for tl in self.timelines.values():
+                await tl.persist()
+            nursery.cancel_scope.cancel()
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("shutting down", signal=signal.Signals(signum).name)
+                self.stop()
+                return
+
+
+def _conn_ids(conn: PgConnection) -> tuple[TenantId, TimelineId]:
+    opts = conn.options
+    tenant = opts.get("tenant_id") or opts.get("ztenantid")
+    timeline = opts.get("timeline_id") or opts.get("ztimelineid")
+    if not tenant or not timeline:
+        raise PgError(
+            "tenant_id and timeline_id are required in the startup options "
+            "(options='-c tenant_id=<hex> timeline_id=<hex>')",
+            sqlstate.INVALID_PARAMETER_VALUE,
+        )
+    return TenantId.parse(tenant), TimelineId.parse(timeline)
+
+
+class SafekeeperHandler:
+    def __init__(self, node: SafekeeperNode) -> None:
+        self.node = node
+
+    async def _existing(self, conn: PgConnection) -> Timeline:
+        tenant_id, timeline_id = _conn_ids(conn)
+        tl = await self.node.get_timeline(tenant_id, timeline_id, False)
+        if tl is None:
+            raise PgError(f"timeline {tenant_id}/{timeline_id} not found", sqlstate.INTERNAL_ERROR)
+        return tl
+
+    async def handle_query(self, conn: PgConnection, query: str) -> None:
+        cmd = parse_replication_command(query)
+        if isinstance(cmd, SetCommand):
+            await conn.send_command_complete("SELECT 1")
+            return
+        tenant_id, timeline_id = _conn_ids(conn)
+        conn.bind_log(tenant_id=tenant_id.hex, timeline_id=timeline_id.hex)
+        match cmd:
+            case StartWalPush():
+                copy = await conn.enter_copy_both()
+                try:
+                    await serve_wal_push(
+                        copy,
+                        3 if cmd.proto_version == 3 else 2,
+                        self.node.get_timeline,
+                        cmd.allow_timeline_creation,
+                        self.node.ingest,
+                    )
+                except RemoteProtocolError as exc:
+                    # Neon closes the stream on any proposer error: FATAL ends the connection.
+                    raise PgError(exc.msg, exc.sqlstate, severity="FATAL") from None
+            case IdentifySystem():
+                tl = await self._existing(conn)
+                recovery = conn.startup_params.get("application_name", "").startswith(
+                    ("safekeeper", "wal_proposer_recovery")
+                )
+                pos = tl.acceptor.flush_lsn if recovery else tl.acceptor.commit_lsn
+                await conn.send_rows(
+                    ["systemid", "timeline", "xlogpos", "dbname"],
+                    [(str(tl.acceptor.state.system_id), "1", format_lsn(pos), None)],
+                    command_tag="IDENTIFY_SYSTEM",
+                )
+            case TimelineStatus():
+                tl = await self._existing(conn)
+                await conn.send_rows(
+                    ["flush_lsn", "commit_lsn"],
+                    [(format_lsn(tl.acceptor.flush_lsn), format_lsn(tl.acceptor.commit_lsn))],
+                    command_tag="TIMELINE_STATUS",
+                )
+            case Show():
+                await self._show(conn, cmd.name)
+            case TimelineHistory():
+                raise PgError(
+                    f"could not open file \"{cmd.timeline:08X}.history\": only timeline 1 exists",
+                    "58P01",  # undefined_file, as PostgreSQL answers
+                )
+            case ReadReplicationSlot():
+                await conn.send_rows(
+                    ["slot_type", "restart_lsn", "restart_tli"], [(None, None, None)],
+                    command_tag="READ_REPLICATION_SLOT",
+                )
+            case CreateReplicationSlot():
+                raise PgError(
+                    "replication slots are not supported by the safekeeper",
+                    sqlstate.FEATURE_NOT_SUPPORTED,
+                )
+            case StartReplication():
+                tl = await self._existing(conn)
+                if cmd.timeline not in (None, 1):
+                    raise PgError(f"requested timeline {cmd.timeline} is not in this server's history", "58P01")
+                copy = await conn.enter_copy_both("START_STREAMING")
+                name = conn.startup_params.get("application_name", "") or conn.peer
+                await serve_replication(copy, tl, cmd.start_lsn, name=name, term=cmd.term)
+
+    async def _show(self, conn: PgConnection, name: str) -> None:
+        values = {
+            "wal_segment_size": "16MB",
+            "data_directory_mode": "0700",
+            "server_version": "15.0",
+            "server_version_num": "150000",
+            "integer_datetimes": "on",
+        }
+        if name not in values:
+            raise PgError(f'unrecognized configuration parameter "{name}"', sqlstate.UNDEFINED_OBJECT)
+        await conn.send_rows([name], [(values[name],)], command_tag="SHOW")
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-c", "--config", required=True, type=Path, help="safekeeper TOML config")
+
+
+def _setup_logging(cfg: SafekeeperConfig) -> None:
+    level = getattr(logging, cfg.log_level.upper(), logging.INFO)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(
+            open(cfg.log_file, "a") if cfg.log_file else sys.stderr  # noqa: SIM115
+        ),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"safekeeper: {exc}", file=sys.stderr)
+        return 2
+    _setup_logging(cfg)
+    trio.run(SafekeeperNode(cfg).run)
+    return 0

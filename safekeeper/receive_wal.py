@@ -1,0 +1,167 @@
+"""``START_WAL_PUSH``: one walproposer connection's ingest loop.
+
+Shape (the design card's "drain memory channels into coalesced writes"):
+
+    reader task ── decoded messages ──► bounded memory channel (ingest_queue) ──► writer task
+                                                                 one write group, one flush,
+                                                                 ONE AppendResponse per group
+
+- The reader owns the receive side: CopyData payload -> proposer message. A decode error is
+  sent down the channel *as a value* and the reader stops, so everything queued before it is
+  still written and acknowledged before the ErrorResponse.
+- The writer owns the send side. It awaits one message, then takes everything already
+  queued with ``receive_nowait`` until ``max_write_bytes`` of WAL (or a non-append message)
+  and hands the batch to ``Timeline.process_batch``: one ``pwritev`` per segment, one
+  ``fdatasync``, one AppendResponse. ``max_write_bytes = 0`` turns coalescing off: one
+  write + flush + reply per message.
+- Both live in one nursery: an error in either cancels the other and ends the connection;
+  WAL already flushed stays. CopyDone or EOF from the proposer ends the reader; the writer
+  drains the channel and returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import attrs
+import structlog
+import trio
+
+from common.pgcopy import CopyBothStream
+from protocol.errors import INTERNAL_ERROR, RemoteProtocolError
+from protocol.ids import TenantId, TimelineId
+from protocol.safekeeper import (
+    AppendRequest,
+    ProposerGreeting,
+    ProposerMessage,
+    ProtocolVersion,
+    decode_proposer_message,
+    encode_message,
+)
+from safekeeper.timeline import Timeline
+
+log = structlog.get_logger("safekeeper.receive_wal")
+
+Item = ProposerMessage | RemoteProtocolError
+GetTimeline = Callable[[TenantId, TimelineId, bool], Awaitable[Timeline | None]]
+
+
+@attrs.frozen
+class IngestConfig:
+    ingest_queue: int = 4096
+    max_write_bytes: int = 1 << 20
+
+
+def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one real error of a pipeline (the other task only saw the cancellation)."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for e in exc.exceptions:
+                walk(e)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    return leaves[0] if len(leaves) == 1 else group
+
+
+async def serve_wal_push(
+    copy: CopyBothStream,
+    version: ProtocolVersion,
+    get_timeline: GetTimeline,
+    allow_timeline_creation: bool,
+    cfg: IngestConfig,
+) -> None:
+    """Run the proposer protocol on ``copy`` until the proposer stops or an error ends it."""
+    payload = await copy.receive()
+    if payload is None:
+        return
+    first = decode_proposer_message(payload, version)
+    if not isinstance(first, ProposerGreeting):
+        raise RemoteProtocolError(
+            f"the first message must be ProposerGreeting, got {type(first).__name__}",
+            sqlstate=INTERNAL_ERROR,
+        )
+    timeline = await get_timeline(first.tenant_id, first.timeline_id, allow_timeline_creation)
+    if timeline is None:
+        log.info("timeline does not exist and may not be created", tenant_id=str(first.tenant_id))
+        return
+    timeline.push_connections += 1
+    try:
+        replies, error = await timeline.process_batch([first])
+        await copy.send_many(encode_message(r, version) for r in replies)
+        if error is not None:
+            raise error
+        send, receive = trio.open_memory_channel[Item](max(cfg.ingest_queue, 1))
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_read_stage, copy, send, version, name="wal_push.read")
+                nursery.start_soon(
+                    _write_stage, copy, receive, timeline, version, cfg.max_write_bytes,
+                    name="wal_push.write",
+                )
+        except BaseExceptionGroup as group:
+            raise _single(group) from None
+    finally:
+        timeline.push_connections -= 1
+
+
+async def _read_stage(
+    copy: CopyBothStream, out: trio.MemorySendChannel[Item], version: ProtocolVersion
+) -> None:
+    async with out:
+        while True:
+            payload = await copy.receive()
+            if payload is None:
+                return
+            try:
+                msg = decode_proposer_message(payload, version)
+            except RemoteProtocolError as exc:
+                await out.send(exc)
+                return
+            await out.send(msg)
+
+
+async def _write_stage(
+    copy: CopyBothStream,
+    messages: trio.MemoryReceiveChannel[Item],
+    timeline: Timeline,
+    version: ProtocolVersion,
+    max_write_bytes: int,
+) -> None:
+    async with messages:
+        while True:
+            try:
+                first = await messages.receive()
+            except trio.EndOfChannel:
+                return
+            batch: list[ProposerMessage] = []
+            stop: RemoteProtocolError | None = None
+            if isinstance(first, RemoteProtocolError):
+                stop = first
+            else:
+                batch.append(first)
+                if max_write_bytes > 0 and isinstance(first, AppendRequest):
+                    size = len(first.wal)
+                    while size < max_write_bytes:
+                        try:
+                            item = messages.receive_nowait()
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                        if isinstance(item, RemoteProtocolError):
+                            stop = item
+                            break
+                        batch.append(item)
+                        if not isinstance(item, AppendRequest):
+                            break
+                        size += len(item.wal)
+            if batch:
+                replies, error = await timeline.process_batch(batch)
+                if replies:
+                    await copy.send_many(encode_message(r, version) for r in replies)
+                if error is not None:
+                    raise error
+            if stop is not None:
+                raise stop

@@ -1,0 +1,198 @@
+"""Record boundaries in a stream of raw PostgreSQL WAL (page headers included).
+
+The safekeeper reports ``flush_lsn`` on record boundaries, so it must know where each record
+ends; it never looks inside a record beyond its 24-byte header. ``RecordTracker`` is fed the
+bytes in LSN order, in pieces of any size, validates page headers and each record's CRC-32C,
+and exposes ``record_end``: the end LSN of the last complete record (PostgreSQL's EndRecPtr:
+MAXALIGNed; after an XLOG_SWITCH record, the next segment's start once its padding was fed).
+
+It must start at a record boundary. Invalid WAL raises ``InvalidWal``; the restart scan
+treats that as the end of WAL, the ingest path as the proposer's fault.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import crc32c
+
+from protocol.errors import RemoteProtocolError
+from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ, Lsn
+
+XLOG_PAGE_MAGIC = 0xD110
+XLP_FIRST_IS_CONTRECORD = 0x0001
+XLP_LONG_HEADER = 0x0002
+XLP_BKP_REMOVABLE = 0x0004
+XLP_ALL_FLAGS = 0x000F
+SHORT_PHD = 24
+LONG_PHD = 40
+RECORD_HEADER = 24
+MAX_RECORD_LEN = 0x3FFFFFFF
+RM_XLOG_ID = 0
+XLOG_SWITCH = 0x40
+
+_PAGE_HEADER = struct.Struct("<HHIQI")
+_LONG_TAIL = struct.Struct("<QII")
+_U32 = struct.Struct("<I")
+
+# What the next byte is: part of a page header, of a record header, of a record body, or
+# alignment / XLOG_SWITCH padding to skip.
+_PAGE_HDR, _REC_HDR, _REC_BODY, _SKIP = range(4)
+
+
+class InvalidWal(RemoteProtocolError):
+    """The bytes are not valid PostgreSQL 15 WAL at this position."""
+
+
+class RecordTracker:
+    """Streaming record-boundary finder with CRC checks; see the module docstring."""
+
+    __slots__ = (
+        "_after_page",
+        "_body_left",
+        "_crc",
+        "_phdr",
+        "_phdr_len",
+        "_rhdr",
+        "_skip_to",
+        "_state",
+        "_tot_len",
+        "pos",
+        "record_end",
+        "seg_size",
+    )
+
+    def __init__(self, start_lsn: Lsn, seg_size: int = WAL_SEGMENT_SIZE) -> None:
+        if start_lsn % 8:
+            raise ValueError(f"record boundary {start_lsn:#x} is not MAXALIGNed")
+        self.seg_size = seg_size
+        self.pos = start_lsn
+        self.record_end = start_lsn
+        self._phdr = bytearray()
+        self._phdr_len = 0
+        self._rhdr = bytearray()
+        self._tot_len = 0
+        self._body_left = 0
+        self._crc = 0
+        self._skip_to = 0
+        self._state = _REC_HDR
+        self._after_page = _REC_HDR
+        if start_lsn % XLOG_BLCKSZ == 0:
+            self._enter_page_header()
+
+    def _enter_page_header(self) -> None:
+        self._after_page = self._state
+        self._state = _PAGE_HDR
+        self._phdr = bytearray()
+        self._phdr_len = LONG_PHD if self.pos % self.seg_size == 0 else SHORT_PHD
+
+    def feed(self, data: bytes | bytearray | memoryview) -> Lsn:
+        """Consume ``data`` (the bytes at ``self.pos``); return the new ``record_end``."""
+        view = memoryview(data).cast("B")
+        i = 0
+        n = len(view)
+        while i < n:
+            pos = self.pos
+            page_left = XLOG_BLCKSZ - pos % XLOG_BLCKSZ
+            state = self._state
+            if state == _REC_BODY:
+                take = min(self._body_left, n - i, page_left)
+                self._crc = crc32c.crc32c(view[i : i + take], self._crc)
+                i += take
+                self.pos = Lsn(pos + take)
+                self._body_left -= take
+                if not self._body_left:
+                    self._finish_record()
+                elif take == page_left:
+                    self._enter_page_header()
+            elif state == _PAGE_HDR:
+                take = min(self._phdr_len - len(self._phdr), n - i)
+                self._phdr += view[i : i + take]
+                i += take
+                self.pos = Lsn(pos + take)
+                if len(self._phdr) == self._phdr_len:
+                    self._check_page_header(Lsn(self.pos - self._phdr_len))
+            elif state == _REC_HDR:
+                if not self._rhdr and pos % 8:
+                    self._skip_to = (pos + 7) & ~7
+                    self._state = _SKIP
+                    continue
+                take = min(RECORD_HEADER - len(self._rhdr), n - i, page_left)
+                self._rhdr += view[i : i + take]
+                i += take
+                self.pos = Lsn(pos + take)
+                if len(self._rhdr) >= 4 and not self._tot_len:
+                    (tot_len,) = _U32.unpack_from(self._rhdr, 0)
+                    if tot_len < RECORD_HEADER or tot_len > MAX_RECORD_LEN:
+                        raise InvalidWal(f"invalid record length {tot_len} at {pos:#x}")
+                    self._tot_len = tot_len
+                if len(self._rhdr) == RECORD_HEADER:
+                    self._body_left = self._tot_len - RECORD_HEADER
+                    self._crc = 0
+                    self._state = _REC_BODY
+                    if not self._body_left:
+                        self._finish_record()
+                        continue
+                if take == page_left:
+                    self._enter_page_header()
+            else:  # _SKIP
+                take = min(self._skip_to - pos, n - i)
+                i += take
+                self.pos = Lsn(pos + take)
+                if self.pos == self._skip_to:
+                    self._state = _REC_HDR
+                    if self.pos % self.seg_size == 0:
+                        # The end of an XLOG_SWITCH record's segment.
+                        self.record_end = self.pos
+                    if self.pos % XLOG_BLCKSZ == 0:
+                        self._enter_page_header()
+        return self.record_end
+
+    def _check_page_header(self, page_lsn: Lsn) -> None:
+        magic, info, _tli, pageaddr, rem_len = _PAGE_HEADER.unpack_from(self._phdr, 0)
+        where = f"WAL page at {page_lsn >> 32:X}/{page_lsn & 0xFFFFFFFF:X}"
+        if magic != XLOG_PAGE_MAGIC:
+            raise InvalidWal(f"bad page magic {magic:#06x} on {where}")
+        if pageaddr != page_lsn:
+            raise InvalidWal(f"page address {pageaddr:#x} on {where}")
+        if info & ~XLP_ALL_FLAGS:
+            raise InvalidWal(f"invalid page info bits {info:#x} on {where}")
+        is_long = bool(info & XLP_LONG_HEADER)
+        if is_long != (page_lsn % self.seg_size == 0):
+            raise InvalidWal(f"long header flag {is_long} does not fit {where}")
+        if is_long:
+            _sysid, seg_size, blcksz = _LONG_TAIL.unpack_from(self._phdr, SHORT_PHD)
+            if seg_size != self.seg_size or blcksz != XLOG_BLCKSZ:
+                raise InvalidWal(f"segment size {seg_size} / block size {blcksz} on {where}")
+        resume = self._after_page
+        if resume == _REC_BODY or (resume == _REC_HDR and self._rhdr):
+            left = self._tot_len - len(self._rhdr) if resume == _REC_HDR else self._body_left
+            if not self._tot_len:
+                # Only part of xl_tot_len was on the previous page: PostgreSQL never does that.
+                raise InvalidWal(f"record length split across pages before {where}")
+            if not info & XLP_FIRST_IS_CONTRECORD or rem_len != left:
+                raise InvalidWal(f"missing continuation ({rem_len} of {left} bytes) on {where}")
+            self._state = resume
+        else:
+            if info & XLP_FIRST_IS_CONTRECORD:
+                raise InvalidWal(f"unexpected continuation record on {where}")
+            self._state = _REC_HDR
+
+    def _finish_record(self) -> None:
+        rhdr = self._rhdr
+        crc = crc32c.crc32c(memoryview(rhdr)[:20], self._crc)
+        (stored,) = _U32.unpack_from(rhdr, 20)
+        if crc != stored:
+            raise InvalidWal(f"record CRC mismatch for the record ending at {self.pos:#x}")
+        is_switch = rhdr[17] == RM_XLOG_ID and rhdr[16] & 0xF0 == XLOG_SWITCH
+        self._rhdr = bytearray()
+        self._tot_len = 0
+        self._state = _REC_HDR
+        if is_switch and self.pos % self.seg_size:
+            # The rest of the segment is padding; the next record starts on the next segment.
+            self._skip_to = (self.pos // self.seg_size + 1) * self.seg_size
+            self._state = _SKIP
+        else:
+            self.record_end = Lsn((self.pos + 7) & ~7)
+        if self.pos % XLOG_BLCKSZ == 0:
+            self._enter_page_header()

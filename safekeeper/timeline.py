@@ -1,0 +1,276 @@
+"""One timeline on a safekeeper: the acceptor, its WAL storage and the LSNs others wait on.
+
+Owns the glue between the pure ``Acceptor`` and the blocking ``WalStorage`` /
+control-file IO: ``process_batch`` runs a batch of proposer messages under the timeline's
+lock, carries out the acceptor's effects in order (blocking IO in ``trio.to_thread``), writes
+all the batch's WAL as one group with one flush, and returns the replies. ``flush_lsn`` and
+``commit_lsn`` are ``trio_util.AsyncValue`` s: replication senders wait on ``commit_lsn``.
+
+Concurrency: any number of push connections and senders may share a timeline; the lock makes
+acceptor transitions and WAL writes one at a time. Senders only read completed bytes below
+``commit_lsn``, so they never need the lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import structlog
+import trio
+import trio_util
+
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import INVALID_LSN, Lsn
+from protocol.safekeeper import AcceptorMessage, AppendRequest, ProposerMessage
+from safekeeper.acceptor import (
+    Acceptor,
+    AcceptorError,
+    InitFirstSegment,
+    PersistControl,
+    Reply,
+    TruncateWal,
+    WriteWal,
+)
+from safekeeper.control_file import PersistentState, read_control_file, write_control_file
+from safekeeper.record_tracker import InvalidWal
+from safekeeper.wal_storage import WalStorage
+
+log = structlog.get_logger("safekeeper.timeline")
+
+
+@attrs.define
+class ReplicaState:
+    """What one replication receiver last told us (standby status / hot standby feedback)."""
+
+    name: str
+    write_lsn: Lsn = INVALID_LSN
+    flush_lsn: Lsn = INVALID_LSN
+    apply_lsn: Lsn = INVALID_LSN
+    hs_xmin: int = 0
+    hs_catalog_xmin: int = 0
+    sent_lsn: Lsn = INVALID_LSN
+    last_reply: float = 0.0
+
+
+@attrs.define
+class WriteStats:
+    groups: int = 0
+    messages: int = 0
+    bytes: int = 0
+    fsyncs: int = 0
+
+
+class Timeline:
+    def __init__(
+        self,
+        directory: Path,
+        acceptor: Acceptor,
+        storage: WalStorage,
+        *,
+        no_sync: bool,
+    ) -> None:
+        self.directory = directory
+        self.acceptor = acceptor
+        self.storage = storage
+        self.no_sync = no_sync
+        self.lock = trio.Lock()
+        self.flush_lsn: trio_util.AsyncValue[Lsn] = trio_util.AsyncValue(acceptor.flush_lsn)
+        self.commit_lsn: trio_util.AsyncValue[Lsn] = trio_util.AsyncValue(acceptor.commit_lsn)
+        self.term: trio_util.AsyncValue[int] = trio_util.AsyncValue(acceptor.term)
+        self.persisted = acceptor.persisted_state()
+        self.replicas: dict[int, ReplicaState] = {}
+        self.stats = WriteStats()
+        self.push_connections = 0
+
+    @property
+    def tenant_id(self) -> TenantId:
+        return self.acceptor.state.tenant_id
+
+    @property
+    def timeline_id(self) -> TimelineId:
+        return self.acceptor.state.timeline_id
+
+    @classmethod
+    def load(cls, directory: Path, node_id: int, *, no_sync: bool) -> Timeline:
+        """Open an existing timeline: read the control file, scan for the end of WAL."""
+        state = read_control_file(directory)
+        if state is None:
+            raise FileNotFoundError(f"no control file in {directory}")
+        storage = WalStorage(directory, seg_size=state.wal_seg_size, no_sync=no_sync)
+        end = storage.open(state.commit_lsn)
+        log.info(
+            "timeline loaded", path=str(directory), term=state.term, end_of_wal=f"{end:X}"
+        )
+        return cls(directory, Acceptor(node_id, state, end), storage, no_sync=no_sync)
+
+    @classmethod
+    def create(
+        cls, directory: Path, node_id: int, tenant_id: TenantId, timeline_id: TimelineId, *, no_sync: bool
+    ) -> Timeline:
+        directory.mkdir(parents=True, exist_ok=True)
+        state = PersistentState(tenant_id=tenant_id, timeline_id=timeline_id)
+        write_control_file(directory, state, no_sync=no_sync)
+        storage = WalStorage(directory, seg_size=state.wal_seg_size, no_sync=no_sync)
+        return cls(directory, Acceptor(node_id, state, INVALID_LSN), storage, no_sync=no_sync)
+
+    # -- the write path ----------------------------------------------------------------------
+
+    async def process_batch(
+        self, batch: Sequence[ProposerMessage]
+    ) -> tuple[list[AcceptorMessage], Exception | None]:
+        """Process proposer messages in order; appends share one write and one flush.
+
+        Returns the replies to send (at most one AppendResponse for all appends, after any
+        other replies in order) and the error that stopped the batch, if one did: messages
+        before it are fully processed and their WAL flushed.
+        """
+        replies: list[AcceptorMessage] = []
+        writes: list[WriteWal] = []
+        appended = False
+        error: Exception | None = None
+        async with self.lock:
+            try:
+                for msg in batch:
+                    if not isinstance(msg, AppendRequest) and writes:
+                        await self._write_group(writes)
+                        writes = []
+                    effects = self.acceptor.process(msg)
+                    appended = appended or (
+                        isinstance(msg, AppendRequest) and not any(isinstance(e, Reply) for e in effects)
+                    )
+                    for effect in effects:
+                        if isinstance(effect, WriteWal):
+                            writes.append(effect)
+                        elif isinstance(effect, Reply):
+                            replies.append(effect.msg)
+                        else:
+                            await self._apply(effect)
+                    self.stats.messages += 1
+            except (AcceptorError, InvalidWal) as exc:
+                error = exc
+            if writes:
+                try:
+                    await self._write_group(writes)
+                except InvalidWal as exc:
+                    error = error or exc
+            if appended:
+                replies.append(self.acceptor.append_response())
+            await self._publish()
+        return replies, error
+
+    async def _apply(self, effect: PersistControl | InitFirstSegment | TruncateWal) -> None:
+        if isinstance(effect, PersistControl):
+            await trio.to_thread.run_sync(
+                write_control_file, self.directory, effect.state, self.no_sync
+            )
+            self.persisted = effect.state
+        elif isinstance(effect, InitFirstSegment):
+            await trio.to_thread.run_sync(
+                self.storage.init_first_segment, effect.lsn, effect.system_id
+            )
+        else:
+            await trio.to_thread.run_sync(self.storage.truncate, effect.lsn)
+
+    async def _write_group(self, writes: list[WriteWal]) -> None:
+        storage = self.storage
+        begin = writes[0].begin_lsn
+        chunks = [w.wal for w in writes]
+        fsyncs_before = storage.fsync_count
+
+        def write_and_flush() -> None:
+            storage.write(begin, chunks)
+            storage.flush()
+
+        try:
+            await trio.to_thread.run_sync(write_and_flush)
+        finally:
+            # On invalid WAL the storage kept only the valid prefix; follow it.
+            self.acceptor.write_lsn = storage.write_lsn
+            self.acceptor.wal_flushed(storage.flush_record_lsn)
+        self.stats.groups += 1
+        self.stats.bytes += sum(len(c) for c in chunks)
+        self.stats.fsyncs += storage.fsync_count - fsyncs_before
+
+    async def _publish(self) -> None:
+        acc = self.acceptor
+        self.flush_lsn.value = acc.flush_lsn
+        self.commit_lsn.value = acc.commit_lsn
+        self.term.value = acc.term
+        # commit_lsn is persisted lazily: every segment, and when it first reaches the
+        # current term's start (what --sync-safekeepers waits for).
+        persisted = self.persisted.commit_lsn
+        seg = self.storage.seg_size
+        if acc.commit_lsn >= persisted + seg or (
+            acc.commit_lsn >= acc.term_start_lsn > persisted
+        ):
+            state = acc.persisted_state()
+            await trio.to_thread.run_sync(write_control_file, self.directory, state, self.no_sync)
+            self.persisted = state
+
+    async def persist(self) -> None:
+        """Save the in-memory LSNs (clean shutdown)."""
+        async with self.lock:
+            state = self.acceptor.persisted_state()
+            if state != self.persisted:
+                await trio.to_thread.run_sync(
+                    write_control_file, self.directory, state, self.no_sync
+                )
+                self.persisted = state
+
+    # -- the read path -----------------------------------------------------------------------
+
+    async def read_wal(self, lsn: Lsn, size: int) -> bytes:
+        """Bytes of WAL at ``lsn`` (below flush_lsn), never crossing a segment end."""
+        for _ in range(3):
+            try:
+                return await trio.to_thread.run_sync(self.storage.read, lsn, size)
+            except FileNotFoundError:
+                # The segment was renamed from .partial to its final name meanwhile.
+                continue
+        return await trio.to_thread.run_sync(self.storage.read, lsn, size)
+
+    def status(self) -> dict[str, object]:
+        acc = self.acceptor
+        st = acc.state
+        return {
+            "tenant_id": st.tenant_id.hex,
+            "timeline_id": st.timeline_id.hex,
+            "term": st.term,
+            "last_log_term": acc.last_log_term(),
+            "term_history": [{"term": e.term, "lsn": f"{e.lsn >> 32:X}/{e.lsn & 0xFFFFFFFF:X}"} for e in st.term_history],
+            "flush_lsn": _fmt(acc.flush_lsn),
+            "write_lsn": _fmt(acc.write_lsn),
+            "commit_lsn": _fmt(acc.commit_lsn),
+            "timeline_start_lsn": _fmt(st.timeline_start_lsn),
+            "local_start_lsn": _fmt(st.local_start_lsn),
+            "peer_horizon_lsn": _fmt(acc.peer_horizon_lsn),
+            "persisted_commit_lsn": _fmt(self.persisted.commit_lsn),
+            "pg_version": st.pg_version,
+            "system_id": st.system_id,
+            "wal_seg_size": st.wal_seg_size,
+            "generation": st.mconf.generation,
+            "push_connections": self.push_connections,
+            "write_groups": self.stats.groups,
+            "write_messages": self.stats.messages,
+            "write_bytes": self.stats.bytes,
+            "fsyncs": self.stats.fsyncs,
+            "replicas": [
+                {
+                    "name": r.name,
+                    "sent_lsn": _fmt(r.sent_lsn),
+                    "write_lsn": _fmt(r.write_lsn),
+                    "flush_lsn": _fmt(r.flush_lsn),
+                    "apply_lsn": _fmt(r.apply_lsn),
+                    "hs_xmin": r.hs_xmin,
+                }
+                for r in self.replicas.values()
+            ],
+            "now": time.time(),
+        }
+
+
+def _fmt(lsn: int) -> str:
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"

@@ -1,0 +1,337 @@
+"""One timeline's WAL on disk, as PostgreSQL segment files (blocking; callers use a thread).
+
+Owns the files in ``<data_dir>/<tenant>/<timeline>/``: 16 MiB segments named like
+PostgreSQL's (TLI 1), the one being written with the suffix ``.partial``. A new segment is
+created as ``waltmp``, preallocated to its full size, fsynced and renamed to ``.partial``
+(then the directory is fsynced), so a later ``fdatasync`` has no size change to carry.
+
+Rules:
+- Writes are strictly sequential (``begin == write_lsn``). ``write`` takes a whole group of
+  buffers and issues one ``os.pwritev`` per segment it touches; ``flush`` is one
+  ``fdatasync`` of the open segment. A segment written to its end is fdatasynced, renamed to
+  its final name and closed right away.
+- Every written byte goes through a ``RecordTracker``: ``flush_record_lsn`` (what the
+  proposer is told) is the end of the last complete, CRC-valid record that is flushed.
+- ``truncate`` cuts everything at or after an LSN (zeroes the rest of its segment, deletes
+  later segments, renames a completed segment back to ``.partial``).
+- ``open`` finds the end of WAL by a CRC-checked record scan from a known record boundary
+  (the persisted commit_lsn): the first invalid or missing byte ends WAL.
+- ``no_sync`` skips every fsync/fdatasync (tests, benchmarks of the CPU path).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, XLOG_BLCKSZ, Lsn, format_lsn
+from protocol.lsn import segment_file_name as _seg_name
+from protocol.wal.page import XLP_BKP_REMOVABLE, XLP_FIRST_IS_CONTRECORD, encode_page_header
+from safekeeper.control_file import fsync_dir
+from safekeeper.record_tracker import InvalidWal, RecordTracker
+
+TMP_SEGMENT = "waltmp"
+IOV_MAX = 1024
+SCAN_CHUNK = 1 << 20
+
+Buffer = bytes | bytearray | memoryview
+
+
+class WalStorageError(Exception):
+    """The WAL on disk is not what this node wrote (a bug or outside interference)."""
+
+
+class WalStorage:
+    """See the module docstring. Not thread-safe: one caller at a time."""
+
+    def __init__(
+        self, directory: Path, *, seg_size: int = WAL_SEGMENT_SIZE, no_sync: bool = False
+    ) -> None:
+        self.directory = directory
+        self.seg_size = seg_size
+        self.no_sync = no_sync
+        self.write_lsn = INVALID_LSN
+        self.flush_lsn = INVALID_LSN
+        self.flush_record_lsn = INVALID_LSN
+        self._tracker: RecordTracker | None = None
+        self._fd = -1
+        self._segno = -1
+        self.fsync_count = 0
+
+    # -- naming ------------------------------------------------------------------------------
+
+    def segment_name(self, segno: int) -> str:
+        return _seg_name(segno, segment_size=self.seg_size)
+
+    def segment_path(self, segno: int) -> Path | None:
+        """The file holding ``segno``, complete or ``.partial``; None if there is none."""
+        full = self.directory / self.segment_name(segno)
+        if full.exists():
+            return full
+        partial = full.with_name(full.name + ".partial")
+        if partial.exists():
+            return partial
+        return None
+
+    def segments(self) -> list[int]:
+        out = []
+        for entry in os.listdir(self.directory):
+            base = entry.removesuffix(".partial")
+            if len(base) == 24 and base.isalnum() and base.upper() == base:
+                try:
+                    out.append(int(base[8:16], 16) * (0x1_0000_0000 // self.seg_size) + int(base[16:], 16))
+                except ValueError:
+                    continue
+        return sorted(out)
+
+    # -- open / restart ----------------------------------------------------------------------
+
+    def open(self, scan_from: Lsn) -> Lsn:
+        """Find the end of WAL from the record boundary ``scan_from`` (0: there is no WAL)."""
+        self.close()
+        if scan_from == INVALID_LSN:
+            self.write_lsn = self.flush_lsn = self.flush_record_lsn = INVALID_LSN
+            self._tracker = None
+            return INVALID_LSN
+        end = self.scan_end_of_wal(scan_from)
+        self.write_lsn = self.flush_lsn = self.flush_record_lsn = end
+        self._tracker = RecordTracker(end, self.seg_size)
+        return end
+
+    def scan_end_of_wal(self, start: Lsn) -> Lsn:
+        tracker = RecordTracker(start, self.seg_size)
+        pos = start
+        try:
+            while True:
+                segno = pos // self.seg_size
+                path = self.segment_path(segno)
+                if path is None:
+                    break
+                with open(path, "rb") as f:
+                    f.seek(pos % self.seg_size)
+                    while pos // self.seg_size == segno:
+                        want = min(SCAN_CHUNK, (segno + 1) * self.seg_size - pos)
+                        data = f.read(want)
+                        if not data:
+                            break
+                        tracker.feed(data)
+                        pos = Lsn(pos + len(data))
+                        if len(data) < want:
+                            break
+                if pos // self.seg_size == segno:
+                    break
+        except InvalidWal:
+            pass
+        return tracker.record_end
+
+    # -- segments ----------------------------------------------------------------------------
+
+    def _open_segment(self, segno: int) -> int:
+        if self._segno == segno and self._fd >= 0:
+            return self._fd
+        self._close_fd()
+        final = self.directory / self.segment_name(segno)
+        partial = final.with_name(final.name + ".partial")
+        if final.exists():
+            raise WalStorageError(f"segment {final.name} is complete but WAL is being written there")
+        if not partial.exists():
+            tmp = self.directory / TMP_SEGMENT
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.seg_size)
+                if not self.no_sync:
+                    os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+            os.rename(tmp, partial)
+            if not self.no_sync:
+                fsync_dir(self.directory)
+        self._fd = os.open(partial, os.O_RDWR)
+        self._segno = segno
+        return self._fd
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = -1
+        self._segno = -1
+
+    def _complete_segment(self) -> None:
+        """The open segment is full: make it durable and give it its final name."""
+        if not self.no_sync:
+            os.fdatasync(self._fd)
+            self.fsync_count += 1
+        name = self.segment_name(self._segno)
+        self._close_fd()
+        os.rename(self.directory / (name + ".partial"), self.directory / name)
+
+    def close(self) -> None:
+        self._close_fd()
+
+    # -- write path --------------------------------------------------------------------------
+
+    def write(self, begin: Lsn, chunks: Sequence[Buffer]) -> None:
+        """Append ``chunks`` at ``begin``.
+
+        Invalid WAL in a chunk raises ``InvalidWal`` after the chunks before it were written
+        and flushed and WAL was cut back to the end of the last valid record, so that storage
+        and tracker agree again."""
+        if begin != self.write_lsn:
+            raise WalStorageError(
+                f"write at {format_lsn(begin)} but write_lsn is {format_lsn(self.write_lsn)}"
+            )
+        if self._tracker is None:
+            raise WalStorageError("write before the first election initialised WAL")
+        tracker = self._tracker
+        valid: list[memoryview] = []
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            good_end = tracker.record_end
+            try:
+                tracker.feed(view)
+            except InvalidWal:
+                # The tracker's state is now garbage; truncate() syncs and starts a new one.
+                self._pwrite_group(begin, valid)
+                self.truncate(good_end)
+                raise
+            valid.append(view)
+        self._pwrite_group(begin, valid)
+
+    def _pwrite_group(self, begin: Lsn, views: list[memoryview]) -> None:
+        pos = begin
+        queue = deque(v for v in views if len(v))
+        while queue:
+            seg_end = (pos // self.seg_size + 1) * self.seg_size
+            room = seg_end - pos
+            iov: list[memoryview] = []
+            size = 0
+            while queue and size < room:
+                buf = queue.popleft()
+                if size + len(buf) > room:
+                    # This buffer crosses the segment end: the rest goes to the next segment.
+                    cut = room - size
+                    iov.append(buf[:cut])
+                    queue.appendleft(buf[cut:])
+                    size = room
+                else:
+                    iov.append(buf)
+                    size += len(buf)
+            fd = self._open_segment(pos // self.seg_size)
+            self._pwritev_all(fd, iov, pos % self.seg_size, size)
+            pos = Lsn(pos + size)
+            self.write_lsn = pos
+            if pos == seg_end:
+                self._complete_segment()
+                self.flush_lsn = pos
+                assert self._tracker is not None
+                self.flush_record_lsn = Lsn(min(self._tracker.record_end, pos))
+
+    @staticmethod
+    def _pwritev_all(fd: int, iov: list[memoryview], offset: int, size: int) -> None:
+        done = 0
+        start = 0
+        while done < size:
+            batch = iov[start : start + IOV_MAX]
+            n = os.pwritev(fd, batch, offset + done)
+            done += n
+            # Drop fully written buffers; keep the rest of a partially written one.
+            rest: list[memoryview] = []
+            skip = n
+            for b in iov[start:]:
+                if skip >= len(b):
+                    skip -= len(b)
+                    continue
+                rest.append(b[skip:])
+                skip = 0
+            iov, start = rest, 0
+
+    def flush(self) -> Lsn:
+        """Make everything written durable; returns the new ``flush_record_lsn``."""
+        if self._fd >= 0 and self.flush_lsn < self.write_lsn and not self.no_sync:
+            os.fdatasync(self._fd)
+            self.fsync_count += 1
+        self.flush_lsn = self.write_lsn
+        if self._tracker is not None:
+            self.flush_record_lsn = self._tracker.record_end
+        return self.flush_record_lsn
+
+    # -- election-time operations ------------------------------------------------------------
+
+    def init_first_segment(self, lsn: Lsn, system_id: int) -> None:
+        """Write the page headers a proposer does not send when WAL starts at ``lsn``.
+
+        Every page from the segment start up to ``lsn``'s page gets a header marking its
+        content as the continuation of a record that ends exactly at ``lsn``. PostgreSQL's
+        readers (pg_waldump, a standby) look for the first record of a segment or page by
+        skipping ``xlp_rem_len`` continuation bytes, so they land on ``lsn`` itself.
+        """
+        segno = lsn // self.seg_size
+        seg_start = segno * self.seg_size
+        last_page = lsn - lsn % XLOG_BLCKSZ
+        if lsn == last_page:
+            # The proposer sends the header of lsn's page itself.
+            last_page -= XLOG_BLCKSZ
+        if last_page < seg_start:
+            return
+        headers: list[tuple[int, bytes]] = []
+        rem_len = 0
+        page = last_page
+        while page >= seg_start:
+            hdr_size = 40 if page == seg_start else 24
+            rem_len += min(lsn, page + XLOG_BLCKSZ) - (page + hdr_size)
+            info = XLP_BKP_REMOVABLE | (XLP_FIRST_IS_CONTRECORD if rem_len else 0)
+            hdr = encode_page_header(
+                page, info=info, rem_len=rem_len, sysid=system_id, segment_size=self.seg_size
+            )
+            headers.append((page - seg_start, hdr))
+            page -= XLOG_BLCKSZ
+        fd = self._open_segment(segno)
+        image = bytearray(last_page + XLOG_BLCKSZ - seg_start)
+        for offset, hdr in headers:
+            image[offset : offset + len(hdr)] = hdr
+        # Only the bytes before lsn: what follows is the proposer's.
+        os.pwrite(fd, memoryview(image)[: lsn - seg_start], 0)
+
+    def truncate(self, lsn: Lsn) -> None:
+        """Forget all WAL at and after ``lsn`` (a record boundary); WAL continues there."""
+        if self._fd >= 0 and not self.no_sync:
+            os.fdatasync(self._fd)
+        self._close_fd()
+        segno = lsn // self.seg_size
+        for other in self.segments():
+            if other > segno:
+                path = self.segment_path(other)
+                if path is not None:
+                    path.unlink()
+        offset = lsn % self.seg_size
+        path = self.segment_path(segno)
+        if path is not None and not path.name.endswith(".partial"):
+            os.rename(path, path.with_name(path.name + ".partial"))
+        fd = self._open_segment(segno)
+        # Zero the tail so a later restart scan cannot mistake old WAL for new.
+        os.ftruncate(fd, offset)
+        os.posix_fallocate(fd, 0, self.seg_size)
+        if not self.no_sync:
+            os.fsync(fd)
+            fsync_dir(self.directory)
+        self.write_lsn = self.flush_lsn = self.flush_record_lsn = lsn
+        self._tracker = RecordTracker(lsn, self.seg_size)
+
+    # -- read path (replication) -------------------------------------------------------------
+
+    def read(self, lsn: Lsn, size: int) -> bytes:
+        """Up to ``size`` bytes at ``lsn``, never crossing a segment end."""
+        segno = lsn // self.seg_size
+        size = min(size, (segno + 1) * self.seg_size - lsn)
+        path = self.segment_path(segno)
+        if path is None:
+            raise WalStorageError(f"WAL segment {self.segment_name(segno)} is not here")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return os.pread(fd, size, lsn % self.seg_size)
+        finally:
+            os.close(fd)

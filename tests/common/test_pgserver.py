@@ -1,0 +1,443 @@
+"""The libpq server loop: our own client over memory streams, plus psycopg and the real psql."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+
+import psycopg
+import pytest
+import structlog
+import trio
+import trio.testing
+
+from common.pgclient import PgClientConnection, connect
+from common.pgserver import (
+    CleartextPasswordAuthenticator,
+    Column,
+    PgConnection,
+    PgServer,
+    PgServerConfig,
+)
+from protocol.errors import RemoteProtocolError
+from protocol.pgwire import CLOSED, NEED_DATA, BackendDecoder, sqlstate
+from protocol.pgwire import messages as m
+from protocol.pgwire.errors import PgError
+
+PSQL = "/usr/lib/postgresql/15/bin/psql"
+
+
+class Handler:
+    """A test handler exercising every answer kind."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[dict[str, str], dict[str, str], str]] = []
+        self.copy_ended: list[str] = []
+
+    async def handle_query(self, conn: PgConnection, query: str) -> None:
+        self.seen.append((conn.startup_params, conn.options, query))
+        words = query.strip().rstrip(";").split()
+        if query.lower().startswith("select"):
+            await conn.send_rows(
+                [Column("n", m.OID_INT4), "s", "nothing"], [(1, "one", None), (2, "two", None)]
+            )
+        elif words[:1] == ["fail"]:
+            raise PgError("you asked for it", sqlstate.SYNTAX_ERROR, detail="details")
+        elif words[:1] == ["crash"]:
+            conn.bind_log(tenant_id="t1")
+            raise RuntimeError("handler bug")
+        elif words[:1] == ["group_fail"]:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.sleep_forever)
+                raise RemoteProtocolError("bad payload", sqlstate=sqlstate.PROTOCOL_VIOLATION)
+        elif words[:1] == ["sleep"]:
+            await trio.sleep(float(words[1]))
+            await conn.send_command_complete("SLEEP")
+        elif words[:1] == ["echo"]:
+            # Reader and writer as separate tasks, like the safekeeper and the page service.
+            copy = await conn.enter_copy_both("ECHO")
+            send, recv = trio.open_memory_channel[bytes](4)
+
+            async def writer() -> None:
+                async with recv:
+                    async for payload in recv:
+                        if payload == b"bad":
+                            raise RemoteProtocolError("bad payload in copy", sqlstate="22023")
+                        await copy.send_many([payload, payload.upper()])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(writer)
+                async with send:
+                    while (payload := await copy.receive()) is not None:
+                        await send.send(payload)
+            self.copy_ended.append("closed" if copy.peer_closed else "done")
+        elif words[:1] == ["stream"]:
+            copy = await conn.enter_copy_both("STREAM")
+            await copy.send_many(f"chunk {i}".encode() for i in range(int(words[1])))
+            await copy.send_done()
+            while await copy.receive() is not None:
+                pass
+        elif words[:1] == ["set"]:
+            return  # nothing sent: the loop answers CommandComplete "SET"
+        else:
+            raise PgError(f"unknown command {query!r}", sqlstate.SYNTAX_ERROR)
+
+
+@pytest.fixture
+def handler() -> Handler:
+    return Handler()
+
+
+@asynccontextmanager
+async def tcp_server(
+    handler: Handler, config: PgServerConfig | None = None, **kw: CleartextPasswordAuthenticator
+) -> AsyncIterator[PgServer]:
+    server = PgServer(handler, config, **kw)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        yield server
+        server.shutdown()
+
+
+@asynccontextmanager
+async def memory_client(
+    server: PgServer, **kw: str
+) -> AsyncIterator[tuple[PgClientConnection, trio.abc.Stream]]:
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.serve_connection, server_stream)
+        conn = await PgClientConnection.open(client_stream, user=kw.pop("user", "tester"), **kw)  # type: ignore[arg-type]
+        yield conn, client_stream
+        await conn.aclose()
+
+
+async def test_rows_error_and_options_over_memory_stream(handler: Handler) -> None:
+    server = PgServer(handler)
+    with trio.fail_after(5):
+        async with memory_client(
+            server, options="-c tenant_id=abc timeline_id=def", dbname="db"
+        ) as (conn, _):
+            assert conn.server_params["server_version"] == "15.0 (pagestore)"
+            assert conn.server_params["integer_datetimes"] == "on"
+            assert conn.server_params["client_encoding"] == "UTF8"
+            assert conn.backend_key is not None
+            result = await conn.execute("select")
+            assert result[0].columns == ("n", "s", "nothing")
+            assert result[0].rows == [("1", "one", None), ("2", "two", None)]
+            assert result[0].command_tag == "SELECT 2"
+            with pytest.raises(PgError) as info:
+                await conn.query("fail")
+            assert (info.value.sqlstate, info.value.message, info.value.detail) == (
+                "42601",
+                "you asked for it",
+                "details",
+            )
+            assert (await conn.execute("set x = 1"))[0].command_tag == "SET"
+            assert await conn.query("select") == [("1", "one", None), ("2", "two", None)]
+    params, options, _ = handler.seen[0]
+    assert params["database"] == "db"
+    assert options == {"tenant_id": "abc", "timeline_id": "def"}
+
+
+async def test_handler_bug_becomes_internal_error_and_connection_survives(handler: Handler) -> None:
+    server = PgServer(handler)
+    with structlog.testing.capture_logs() as logs, trio.fail_after(5):
+        async with memory_client(server) as (conn, _):
+            with pytest.raises(PgError) as info:
+                await conn.query("crash")
+            assert info.value.sqlstate == "XX000"
+            assert "handler bug" in info.value.message
+            with pytest.raises(PgError) as info:
+                await conn.query("group_fail")  # a one-member exception group is unwrapped
+            assert info.value.sqlstate == "08P01"
+            assert info.value.message == "bad payload"
+            assert len(await conn.query("select")) == 2
+    assert any(e["event"] == "query handler failed" for e in logs)
+
+
+async def test_copy_both_echo_with_concurrent_reader_and_writer(handler: Handler) -> None:
+    server = PgServer(handler)
+    with trio.fail_after(5):
+        async with memory_client(server) as (conn, _):
+            copy = await conn.copy_both("echo")
+            got = []
+            for i in range(20):
+                await copy.send(f"msg{i}".encode())
+            for _ in range(40):
+                payload = await copy.receive()
+                assert payload is not None
+                got.append(payload)
+            assert got[:4] == [b"msg0", b"MSG0", b"msg1", b"MSG1"]
+            results = await conn.finish_copy()
+            assert results[-1].command_tag == "ECHO"
+            # The connection is back in the query loop.
+            assert len(await conn.query("select")) == 2
+            # A payload the handler refuses ends COPY with its SQLSTATE; the connection lives.
+            copy = await conn.copy_both("echo")
+            await copy.send(b"bad")
+            with pytest.raises(PgError) as info:
+                await copy.receive()
+            assert info.value.sqlstate == "22023"
+            await conn.finish_copy()
+            assert len(await conn.query("select")) == 2
+    assert handler.copy_ended == ["done"]
+
+
+async def test_copy_both_server_ends_stream(handler: Handler) -> None:
+    server = PgServer(handler)
+    with trio.fail_after(5):
+        async with memory_client(server) as (conn, _):
+            copy = await conn.copy_both("stream 5")
+            got = []
+            while (payload := await copy.receive()) is not None:
+                got.append(payload)
+            assert got == [f"chunk {i}".encode() for i in range(5)]
+            assert copy.peer_done
+            await conn.finish_copy()
+            assert len(await conn.query("select")) == 2
+
+
+async def test_copy_client_eof_closes_quietly(handler: Handler) -> None:
+    server = PgServer(handler)
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve_connection, server_stream)
+            conn = await PgClientConnection.open(client_stream, user="u")
+            copy = await conn.copy_both("echo")
+            await copy.send(b"x")
+            assert await copy.receive() == b"x"
+            await client_stream.aclose()
+    assert handler.copy_ended == ["closed"]
+    assert server.connection_count == 0
+
+
+async def _raw_exchange(stream: trio.abc.Stream, data: bytes, until: type) -> list[object]:
+    """Send raw bytes, collect server messages until one of type ``until`` (or EOF)."""
+    await stream.send_all(data)
+    decoder = BackendDecoder()
+    out: list[object] = []
+    while True:
+        ev = decoder.next_event()
+        if ev is NEED_DATA:
+            decoder.receive_data(await stream.receive_some(65536))
+            continue
+        if ev is CLOSED:
+            out.append(CLOSED)
+            return out
+        out.append(ev)
+        if isinstance(ev, until):
+            return out
+
+
+async def test_ssl_gssenc_refused_then_startup_and_extended_protocol_rejected(
+    handler: Handler,
+) -> None:
+    server = PgServer(handler)
+    client, server_side = trio.testing.memory_stream_pair()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve_connection, server_side)
+            await client.send_all(m.encode(m.SSLRequest()))
+            assert await client.receive_some(1) == b"N"
+            await client.send_all(m.encode(m.GSSENCRequest()))
+            assert await client.receive_some(1) == b"N"
+            msgs = await _raw_exchange(
+                client, m.encode(m.StartupMessage({"user": "u"})), m.ReadyForQuery
+            )
+            assert isinstance(msgs[0], m.AuthenticationOk)
+            # Parse/Bind/Execute: one error, everything up to Sync skipped, then ReadyForQuery.
+            extended = m.encode(
+                m.Parse("", "select 1"), m.Bind("", ""), m.Describe("P", ""), m.Execute(""), m.Sync()
+            )
+            msgs = await _raw_exchange(client, extended, m.ReadyForQuery)
+            assert len(msgs) == 2
+            assert isinstance(msgs[0], m.ErrorResponse) and msgs[0].sqlstate == "0A000"
+            msgs = await _raw_exchange(client, m.encode(m.Query("select")), m.ReadyForQuery)
+            assert [type(x) for x in msgs] == [
+                m.RowDescription, m.DataRow, m.DataRow, m.CommandComplete, m.ReadyForQuery
+            ]
+            msgs = await _raw_exchange(client, m.encode(m.Terminate()), m.ReadyForQuery)
+            assert msgs == [CLOSED]
+
+
+async def test_garbage_on_one_connection_closes_only_it(handler: Handler) -> None:
+    with trio.fail_after(10):
+        async with tcp_server(handler) as server:
+            assert server.port is not None
+            good = await connect("127.0.0.1", server.port, user="good")
+            bad = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await _raw_exchange(bad, m.encode(m.StartupMessage({"user": "bad"})), m.ReadyForQuery)
+            msgs = await _raw_exchange(bad, b"\x01garbage garbage garbage", m.ErrorResponse)
+            err = msgs[0]
+            assert isinstance(err, m.ErrorResponse)
+            assert (err.severity, err.sqlstate) == ("FATAL", "08P01")
+            assert "unknown client message tag" in err.message
+            assert await _raw_exchange(bad, b"", m.ReadyForQuery) == [CLOSED]
+            # Garbage before the startup packet too.
+            worse = await trio.open_tcp_stream("127.0.0.1", server.port)
+            msgs = await _raw_exchange(worse, b"\xff\xff\xff\xff" * 4, m.ErrorResponse)
+            assert isinstance(msgs[0], m.ErrorResponse) and msgs[0].sqlstate == "08P01"
+            assert len(await good.query("select")) == 2
+            await good.aclose()
+            await bad.aclose()
+            await worse.aclose()
+
+
+async def test_shutdown_sends_57p01_and_enforces_deadline(handler: Handler) -> None:
+    server = PgServer(handler, PgServerConfig(shutdown_timeout_s=2))
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve)
+            idle = await connect("127.0.0.1", port, user="idle")
+            busy = await connect("127.0.0.1", port, user="busy")
+            await busy.send_bytes(m.encode(m.Query("sleep 1000")))
+            await trio.sleep(0.1)
+            start = trio.current_time()
+            server.shutdown()
+            for conn in (idle, busy):
+                msgs = await _raw_exchange(conn.transport, b"", m.ReadyForQuery)
+                err = msgs[0]
+                assert isinstance(err, m.ErrorResponse)
+                assert (err.severity, err.sqlstate) == ("FATAL", "57P01")
+                assert msgs[1:] == [CLOSED]
+        # serve() returned: every connection ended well before the deadline.
+        assert trio.current_time() - start < 2
+        assert server.connection_count == 0
+        with pytest.raises(OSError):
+            await trio.open_tcp_stream("127.0.0.1", port)
+
+
+async def test_idle_timeout(handler: Handler, autojump_clock: trio.testing.MockClock) -> None:
+    server = PgServer(handler, PgServerConfig(idle_timeout_s=30))
+    async with memory_client(server) as (conn, stream):
+        await trio.sleep(10)
+        assert len(await conn.query("select")) == 2  # activity resets the timer
+        start = trio.current_time()
+        msgs = await _raw_exchange(stream, b"", m.ErrorResponse)
+        assert trio.current_time() - start == pytest.approx(30)
+        err = msgs[0]
+        assert isinstance(err, m.ErrorResponse) and err.sqlstate == "57P05"
+
+
+async def test_startup_timeout(handler: Handler, autojump_clock: trio.testing.MockClock) -> None:
+    server = PgServer(handler, PgServerConfig(startup_timeout_s=3))
+    client, server_side = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.serve_connection, server_side)
+        await client.send_all(b"\x00\x00")  # half a length word, then nothing
+        assert await client.receive_some(10) == b""  # closed by the server
+
+
+async def test_cleartext_password(handler: Handler) -> None:
+    auth = CleartextPasswordAuthenticator(lambda user, pw: (user, pw) == ("alice", "secret"))
+    server = PgServer(handler, authenticator=auth)
+    with trio.fail_after(5):
+        async with memory_client(server, user="alice", password="secret") as (conn, _):
+            assert len(await conn.query("select")) == 2
+        client, server_side = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve_connection, server_side)
+            with pytest.raises(PgError) as info:
+                await PgClientConnection.open(client, user="alice", password="wrong")
+            assert info.value.sqlstate == "28P01"
+
+
+async def test_missing_user_is_fatal(handler: Handler) -> None:
+    server = PgServer(handler)
+    client, server_side = trio.testing.memory_stream_pair()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve_connection, server_side)
+            msgs = await _raw_exchange(client, m.encode(m.StartupMessage({})), m.ErrorResponse)
+            assert isinstance(msgs[0], m.ErrorResponse) and msgs[0].sqlstate == "28000"
+
+
+async def test_log_context_bound_per_connection(handler: Handler) -> None:
+    capture = structlog.testing.LogCapture()
+    structlog.configure(processors=[structlog.contextvars.merge_contextvars, capture])
+    try:
+        server = PgServer(handler)
+        with trio.fail_after(5):
+            async with memory_client(server) as (conn, _):
+                with pytest.raises(PgError):
+                    await conn.query("crash")
+    finally:
+        structlog.reset_defaults()
+    failed = [e for e in capture.entries if e["event"] == "query handler failed"]
+    assert len(failed) == 1
+    assert failed[0]["conn_id"] >= 1
+    assert (failed[0]["peer"], failed[0]["user"], failed[0]["tenant_id"]) == ("memory", "tester", "t1")
+    assert structlog.contextvars.get_contextvars() == {}
+
+
+# -- real libpq clients --------------------------------------------------------------------
+
+
+def _psycopg_session(port: int) -> Iterator[object]:
+    with psycopg.connect(
+        host="127.0.0.1", port=port, user="pg", dbname="x", autocommit=True, connect_timeout=5
+    ) as conn:
+        yield conn.execute("select 1").fetchall()
+        try:
+            conn.execute("fail")
+        except psycopg.Error as exc:
+            yield (type(exc).__name__, exc.sqlstate, str(exc))
+        try:
+            conn.execute("select %s", (1,))  # extended protocol
+        except psycopg.Error as exc:
+            yield (type(exc).__name__, exc.sqlstate)
+        yield conn.execute("select 2").fetchall()
+        yield conn.info.server_version
+
+
+async def test_psycopg_client(handler: Handler) -> None:
+    with trio.fail_after(20):
+        async with tcp_server(handler) as server:
+            assert server.port is not None
+            port = server.port
+            results = await trio.to_thread.run_sync(lambda: list(_psycopg_session(port)))
+    rows = [(1, "one", None), (2, "two", None)]  # psycopg parses the int4 column
+    assert results[0] == rows
+    assert results[1] == ("SyntaxError", "42601", "you asked for it\nDETAIL:  details")
+    assert results[2] == ("FeatureNotSupported", "0A000")
+    assert results[3] == rows
+    assert results[4] == 150000
+
+
+@pytest.mark.postgres
+async def test_psql_client(handler: Handler) -> None:
+    with trio.fail_after(20):
+        async with tcp_server(handler) as server:
+            args = [PSQL, "-X", "-h", "127.0.0.1", "-p", str(server.port), "-U", "someone", "-A"]
+            ok = await trio.run_process(
+                [*args, "-c", "select"], capture_stdout=True, capture_stderr=True, check=False
+            )
+            bad = await trio.run_process(
+                [*args, "-c", "fail"], capture_stdout=True, capture_stderr=True, check=False
+            )
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.decode().splitlines() == ["n|s|nothing", "1|one|", "2|two|", "(2 rows)"]
+    assert bad.returncode == 1
+    assert "ERROR:  you asked for it" in bad.stderr.decode()
+    assert handler.seen[0][0]["application_name"] == "psql"
+
+
+async def test_cancel_request_cancels_running_query(handler: Handler) -> None:
+    with trio.fail_after(10):
+        async with tcp_server(handler) as server:
+            assert server.port is not None
+            conn = await connect("127.0.0.1", server.port)
+            await conn.send_bytes(m.encode(m.Query("sleep 1000")))
+            await trio.sleep(0.1)
+            key = conn.backend_key
+            assert key is not None
+            canceller = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await canceller.send_all(m.encode(m.CancelRequest(key.process_id, key.secret_key)))
+            assert await canceller.receive_some(10) == b""
+            msgs = await _raw_exchange(conn.transport, b"", m.ReadyForQuery)
+            err = msgs[0]
+            assert isinstance(err, m.ErrorResponse) and err.sqlstate == "57014"
+            assert len(await conn.query("select")) == 2
+            await conn.aclose()
+            await canceller.aclose()

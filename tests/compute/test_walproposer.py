@@ -1,0 +1,355 @@
+"""The proposer state machine: quorum math, term choice, election, streaming points, commit.
+
+The last test drives ``Proposer`` against a small model of the acceptor (protocols.md §3.5)
+through random elections, appends, acknowledgements and disconnections, and checks the safety
+property the protocol exists for: WAL that a proposer counted as committed keeps the same
+content (the same writing term at every LSN) in every later term.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compute.walproposer.proposer import (
+    Phase,
+    Proposer,
+    ProposerRejected,
+    TermHistory,
+    elect,
+    quorum_lsn,
+    quorum_size,
+    start_streaming_point,
+)
+from protocol.errors import LocalProtocolError
+from protocol.lsn import Lsn
+from protocol.safekeeper import (
+    AcceptorGreeting,
+    AppendResponse,
+    ProposerElected,
+    TermSwitchEntry,
+    VoteRequest,
+    VoteResponse,
+)
+
+BOOT = Lsn(0x0100_0028)
+
+
+def test_quorum_size() -> None:
+    assert [quorum_size(n) for n in range(1, 8)] == [1, 2, 2, 3, 3, 4, 4]
+    with pytest.raises(ValueError):
+        quorum_size(0)
+
+
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=9), st.data())
+def test_quorum_lsn_is_highest_position_a_quorum_reached(flushes: list[int], data: st.DataObject) -> None:
+    q = data.draw(st.integers(1, len(flushes)))
+    got = quorum_lsn(flushes, q)
+    assert sum(f >= got for f in flushes) >= q
+    # Any higher value is reached by fewer than a quorum.
+    assert sum(f > got for f in flushes) < q
+
+
+def test_quorum_lsn_example() -> None:
+    assert quorum_lsn([30, 10, 20], 2) == 20
+    assert quorum_lsn([30, 10, 0], 2) == 10
+    with pytest.raises(ValueError):
+        quorum_lsn([1, 2], 3)
+
+
+def _vote(term: int, flush: int, history: TermHistory, *, given: bool = True, trunc: int = 0) -> VoteResponse:
+    return VoteResponse(term, given, Lsn(flush), Lsn(trunc), history)
+
+
+def h(*pairs: tuple[int, int]) -> TermHistory:
+    return tuple(TermSwitchEntry(t, Lsn(lsn)) for t, lsn in pairs)
+
+
+@given(st.integers(1, 7), st.data())
+def test_term_is_above_every_greeting_of_the_quorum(n: int, data: st.DataObject) -> None:
+    terms = data.draw(st.lists(st.integers(0, 1000), min_size=n, max_size=n))
+    order = data.draw(st.permutations(range(n)))
+    p = Proposer(n, bootstrap_lsn=BOOT)
+    sent: list[tuple[int, VoteRequest | ProposerElected]] = []
+    greeted: list[int] = []
+    for i in order:
+        p.connected(i)
+        try:
+            sent += p.on_greeting(i, AcceptorGreeting(node_id=i, term=terms[i]))
+        except ProposerRejected as e:
+            # Only a latecomer above the chosen term may reject us.
+            assert p.term and e.seen_term >= p.term
+            assert len(greeted) >= p.quorum
+            break
+        greeted.append(i)
+        if len(greeted) < p.quorum:
+            assert p.term == 0 and sent == []
+    q = quorum_size(n)
+    first = greeted[:q]
+    assert p.term == max(terms[i] for i in first) + 1
+    # Every greeted safekeeper got exactly one VoteRequest, for that term.
+    assert sorted(i for i, _ in sent) == sorted(greeted)
+    assert all(isinstance(m, VoteRequest) and m.term == p.term for _, m in sent)
+
+
+def test_min_term_is_respected() -> None:
+    p = Proposer(1, bootstrap_lsn=BOOT, min_term=41)
+    p.connected(0)
+    (_, req), = p.on_greeting(0, AcceptorGreeting(0, 3))
+    assert isinstance(req, VoteRequest) and req.term == 42
+
+
+def test_fresh_timeline_starts_at_bootstrap_lsn() -> None:
+    p = Proposer(3, bootstrap_lsn=BOOT)
+    for i in range(3):
+        p.connected(i)
+        p.on_greeting(i, AcceptorGreeting(i, 0))
+    assert p.term == 1
+    assert p.on_vote(0, _vote(1, 0, ())) == []
+    out = p.on_vote(1, _vote(1, 0, ()))
+    assert [i for i, _ in out] == [0, 1]
+    for _, m in out:
+        assert isinstance(m, ProposerElected)
+        assert m.start_streaming_at == BOOT
+        assert m.term_history == h((1, BOOT))
+    # The third votes after the election and is brought in at once.
+    ((i, m),) = p.on_vote(2, _vote(1, 0, ()))
+    assert i == 2 and isinstance(m, ProposerElected) and m.start_streaming_at == BOOT
+    assert p.slots[2].phase is Phase.ACTIVE
+
+
+def test_donor_is_highest_last_log_term_then_flush() -> None:
+    # sk0 has more WAL but in an older term; sk1's last term is newer, so it is the donor.
+    votes = {
+        0: _vote(9, 0x5000, h((1, 0x100), (3, 0x1000))),
+        1: _vote(9, 0x3000, h((1, 0x100), (4, 0x2000)), trunc=0x1500),
+        2: _vote(9, 0x2800, h((1, 0x100), (4, 0x2000)), trunc=0x1800),
+    }
+    e = elect(9, votes, BOOT)
+    assert e.donor == 1
+    assert e.epoch_start_lsn == 0x3000
+    assert e.truncate_lsn == 0x1800
+    assert e.term_history == h((1, 0x100), (4, 0x2000), (9, 0x3000))
+    # sk0 diverged: after term 1 it holds term-3 WAL that we do not have, so it keeps only
+    # term 1 (up to 0x1000, where its term 3 began) and is truncated there.
+    assert start_streaming_point(e.term_history, votes[0].term_history, Lsn(0x5000)) == 0x1000
+    # sk2 is in the donor's term but behind: streamed from its own end.
+    assert start_streaming_point(e.term_history, votes[2].term_history, Lsn(0x2800)) == 0x2800
+    assert start_streaming_point(e.term_history, (), Lsn(0)) == 0x100
+
+
+def test_refusals_reject_the_proposer() -> None:
+    p = Proposer(3, bootstrap_lsn=BOOT)
+    for i in range(2):
+        p.connected(i)
+        p.on_greeting(i, AcceptorGreeting(i, 5))
+    assert p.term == 6
+    with pytest.raises(ProposerRejected) as exc:
+        p.on_vote(0, _vote(6, 0, (), given=False))
+    assert exc.value.seen_term == 6
+    p2 = Proposer(3, bootstrap_lsn=BOOT)
+    for i in range(2):
+        p2.connected(i)
+        p2.on_greeting(i, AcceptorGreeting(i, 5))
+    with pytest.raises(ProposerRejected):
+        p2.on_vote(0, _vote(7, 0, (), given=False))
+    # A third safekeeper greeting above our term after the quorum: a rival proposer exists.
+    p2.connected(2)
+    with pytest.raises(ProposerRejected):
+        p2.on_greeting(2, AcceptorGreeting(2, 8))
+
+
+def test_messages_out_of_phase_are_our_bug() -> None:
+    p = Proposer(3, bootstrap_lsn=BOOT)
+    with pytest.raises(LocalProtocolError):
+        p.on_greeting(0, AcceptorGreeting(0, 1))
+    p.connected(0)
+    with pytest.raises(LocalProtocolError):
+        p.on_vote(0, _vote(1, 0, ()))
+
+
+def _elected_proposer(n: int = 3) -> Proposer:
+    p = Proposer(n, bootstrap_lsn=BOOT)
+    for i in range(n):
+        p.connected(i)
+        p.on_greeting(i, AcceptorGreeting(i, 0))
+    for i in range(n):
+        p.on_vote(i, _vote(1, 0, ()))
+    return p
+
+
+def test_commit_is_quorum_of_acks_in_our_term_and_survives_disconnect() -> None:
+    p = _elected_proposer()
+    assert p.next_append(0, Lsn(BOOT + 1_000_000)) == (BOOT, BOOT + 131072)
+    assert p.next_append(1, BOOT) == (BOOT, BOOT)
+    assert p.on_append_response(0, AppendResponse(1, Lsn(BOOT + 300), Lsn(0))) is False
+    assert p.commit_lsn == 0
+    assert p.on_append_response(1, AppendResponse(1, Lsn(BOOT + 200), Lsn(0))) is True
+    assert p.commit_lsn == BOOT + 200
+    assert p.truncate_lsn == BOOT  # sk2 has not acknowledged anything
+    p.disconnected(0)
+    # sk0's fsynced acknowledgement still counts.
+    assert p.on_append_response(1, AppendResponse(1, Lsn(BOOT + 400), Lsn(0))) is True
+    assert p.commit_lsn == BOOT + 300
+    # Acks never move commit back.
+    assert p.on_append_response(1, AppendResponse(1, Lsn(BOOT + 100), Lsn(0))) is False
+    assert p.commit_lsn == BOOT + 300
+    with pytest.raises(ProposerRejected):
+        p.on_append_response(2, AppendResponse(2, Lsn(0), Lsn(0)))
+
+
+def test_reconnected_voter_of_our_term_rejoins() -> None:
+    p = _elected_proposer()
+    p.disconnected(2)
+    p.connected(2)
+    (_, req), = p.on_greeting(2, AcceptorGreeting(2, 1))
+    assert isinstance(req, VoteRequest)
+    # It already voted for term 1, so it refuses, but we are elected: stream to it.
+    ((_, m),) = p.on_vote(2, _vote(1, BOOT + 64, h((1, BOOT)), given=False))
+    assert isinstance(m, ProposerElected) and m.start_streaming_at == BOOT + 64
+
+
+# ------------------------------------------------------------------------------------------------
+# Model-based check against a model acceptor
+
+
+@attrs.define
+class ModelAcceptor:
+    """Just enough of §3.5: term, history, flush; content is implied by (history, flush)."""
+
+    node_id: int
+    term: int = 0
+    history: TermHistory = ()
+    flush: int = 0
+
+    def vote(self, req: VoteRequest) -> VoteResponse:
+        given = req.term > self.term
+        if given:
+            self.term = req.term
+        hist = tuple(e for e in self.history if e.lsn <= self.flush)
+        return VoteResponse(self.term, given, Lsn(self.flush), Lsn(0), hist)
+
+    def elected(self, msg: ProposerElected) -> None:
+        if msg.term < self.term:
+            return
+        self.term = msg.term
+        self.flush = msg.start_streaming_at
+        self.history = msg.term_history
+
+    def append(self, term: int, begin: int, end: int) -> AppendResponse:
+        if term < self.term:
+            return AppendResponse(self.term, Lsn(0), Lsn(0))
+        assert begin == self.flush, "proposer sent a gap or a rewrite"
+        self.flush = end
+        return AppendResponse(self.term, Lsn(self.flush), Lsn(0))
+
+
+def segments(history: TermHistory, end: int) -> list[tuple[int, int, int]]:
+    """(start, end, term) pieces of WAL [first lsn, end) as written per ``history``."""
+    out: list[tuple[int, int, int]] = []
+    for k, e in enumerate(history):
+        seg_end = history[k + 1].lsn if k + 1 < len(history) else end
+        seg_end = min(seg_end, end)
+        if seg_end > e.lsn:
+            out.append((e.lsn, seg_end, e.term))
+    return out
+
+
+@settings(max_examples=300)
+@given(st.sampled_from([1, 2, 3, 5]), st.data())
+def test_committed_wal_survives_every_later_election(n: int, data: st.DataObject) -> None:
+    acceptors = [ModelAcceptor(i) for i in range(n)]
+    committed: list[tuple[TermHistory, int]] = []
+    min_term = 0
+    for _round in range(data.draw(st.integers(1, 5), label="rounds")):
+        p = Proposer(n, bootstrap_lsn=BOOT, min_term=min_term)
+        # Mostly a quorum or more, in random order; sometimes too few to elect.
+        order = data.draw(st.permutations(range(n)), label="order")
+        online = order[: data.draw(st.integers(max(1, quorum_size(n) - 1), n), label="online")]
+        wal_end = 0
+        try:
+            for i in online:
+                p.connected(i)
+                for j, req in p.on_greeting(i, AcceptorGreeting(i, acceptors[i].term)):
+                    assert isinstance(req, VoteRequest)
+                    for k, el in p.on_vote(j, acceptors[j].vote(req)):
+                        assert isinstance(el, ProposerElected)
+                        acceptors[k].elected(el)
+            if not p.elected:
+                continue
+            assert p.election is not None
+            # Leader completeness: every committed prefix is in our history.
+            for hist, c in committed:
+                assert segments(p.election.term_history, c) == segments(hist, c)
+            wal_end = p.election.epoch_start_lsn
+            for _step in range(data.draw(st.integers(0, 30), label="steps")):
+                action = data.draw(st.sampled_from(["wal", "send", "send", "drop"]), label="action")
+                active = [i for i in range(n) if p.slots[i].phase is Phase.ACTIVE]
+                if action == "wal":
+                    wal_end += data.draw(st.integers(1, 300_000))
+                elif action == "send" and active:
+                    i = data.draw(st.sampled_from(active))
+                    begin, end = p.next_append(i, Lsn(wal_end))
+                    p.sent(i, end)
+                    resp = acceptors[i].append(p.term, begin, end)
+                    if p.on_append_response(i, resp):
+                        committed.append((p.election.term_history, p.commit_lsn))
+                elif action == "drop" and active:
+                    p.disconnected(data.draw(st.sampled_from(active)))
+        except ProposerRejected as e:
+            min_term = max(min_term, e.seen_term)
+        # The commit point never runs ahead of what the proposer had.
+        assert p.commit_lsn <= max(wal_end, BOOT)
+    # Every acceptor that took part in the committing term or a later one agrees with the commit
+    # up to its own flush (a minority left behind in an older term may hold abandoned WAL).
+    for hist, c in committed:
+        for a in acceptors:
+            if not a.history or a.history[-1].term < hist[-1].term:
+                continue
+            upto = min(c, a.flush)
+            assert segments(a.history, upto) == segments(hist, upto)
+
+
+def _run_election(p: Proposer, acceptors: list[ModelAcceptor], online: list[int]) -> None:
+    for i in online:
+        p.connected(i)
+        for j, req in p.on_greeting(i, AcceptorGreeting(i, acceptors[i].term)):
+            assert isinstance(req, VoteRequest)
+            for k, el in p.on_vote(j, acceptors[j].vote(req)):
+                assert isinstance(el, ProposerElected)
+                acceptors[k].elected(el)
+
+
+def _push(p: Proposer, acceptors: list[ModelAcceptor], i: int, wal_end: int) -> None:
+    while True:
+        begin, end = p.next_append(i, Lsn(wal_end))
+        p.sent(i, end)
+        p.on_append_response(i, acceptors[i].append(p.term, begin, end))
+        if end == wal_end:
+            return
+
+
+def test_newer_term_beats_longer_log() -> None:
+    """A minority holding more WAL of an older term must not become the donor."""
+    acc = [ModelAcceptor(i) for i in range(3)]
+    p1 = Proposer(3, bootstrap_lsn=BOOT)
+    _run_election(p1, acc, [0, 1, 2])
+    _push(p1, acc, 0, BOOT + 5000)  # only sk0 got this: never committed
+    p1.disconnected(0)
+    p2 = Proposer(3, bootstrap_lsn=BOOT)
+    _run_election(p2, acc, [1, 2])
+    assert p2.term == 2 and p2.election is not None
+    assert p2.election.epoch_start_lsn == BOOT
+    _push(p2, acc, 1, BOOT + 2000)
+    _push(p2, acc, 2, BOOT + 2000)
+    assert p2.commit_lsn == BOOT + 2000
+    p3 = Proposer(3, bootstrap_lsn=BOOT)
+    _run_election(p3, acc, [0, 1])
+    assert p3.election is not None
+    assert p3.election.donor == 1
+    assert p3.election.term_history == h((1, BOOT), (2, BOOT), (3, BOOT + 2000))
+    # sk0 holds term-1 WAL where term 2 wrote: it is truncated back to where term 2 began.
+    assert p3.slots[0].start_streaming_at == BOOT
+    assert acc[0].flush == BOOT

@@ -1,0 +1,124 @@
+"""ReceiveBuffer, Reader and WriteBuffer: bounds, truncation errors, compaction, back-patching."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol.buffer import U32, Reader, ReceiveBuffer, WriteBuffer
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+
+
+def test_reader_integers_are_big_endian() -> None:
+    r = Reader(bytes.fromhex("01 0203 04050607 08090a0b0c0d0e0f ffff ffffffff fffffffffffffffe"))
+    assert r.u8() == 1
+    assert r.u16() == 0x0203
+    assert r.u32() == 0x04050607
+    assert r.u64() == 0x08090A0B0C0D0E0F
+    assert r.i16() == -1
+    assert r.i32() == -1
+    assert r.i64() == -2
+    assert r.at_end()
+    r.expect_end()
+
+
+@pytest.mark.parametrize("method", ["u8", "u16", "u32", "u64", "i16", "i32", "i64"])
+def test_reader_running_out_is_remote_error(method: str) -> None:
+    r = Reader(b"", "Thing")
+    with pytest.raises(RemoteProtocolError, match="truncated Thing") as info:
+        getattr(r, method)()
+    assert info.value.sqlstate == "08P01"
+
+
+def test_reader_cstrings_and_bytes() -> None:
+    data = memoryview(b"xxhello\x00w\xc3\xb6rld\x00rest")[2:]
+    r = Reader(data)
+    assert r.cstr() == "hello"
+    assert r.cstr() == "wörld"
+    assert r.bytes(2) == b"re"
+    assert r.rest() == b"st"
+    with pytest.raises(RemoteProtocolError, match="truncated"):
+        r.bytes(1)
+
+
+def test_reader_cstring_without_nul_and_bad_utf8() -> None:
+    with pytest.raises(RemoteProtocolError, match="NUL"):
+        Reader(b"abc").cstring()
+    with pytest.raises(RemoteProtocolError, match="UTF-8") as info:
+        Reader(b"\xff\x00").cstr()
+    assert info.value.sqlstate == "22021"
+
+
+def test_reader_trailing_bytes_detected() -> None:
+    r = Reader(b"\x00\x01\x02", "Msg")
+    r.u16()
+    with pytest.raises(RemoteProtocolError, match="1 trailing bytes"):
+        r.expect_end()
+
+
+def test_reader_negative_length_is_remote_error() -> None:
+    with pytest.raises(RemoteProtocolError):
+        Reader(b"abc").bytes(-1)
+
+
+@given(st.lists(st.binary(max_size=50), max_size=30))
+def test_receive_buffer_take_preserves_stream(chunks: list[bytes]) -> None:
+    buf = ReceiveBuffer()
+    whole = b"".join(chunks)
+    out = bytearray()
+    for i, c in enumerate(chunks):
+        buf.append(c)
+        n = min(len(buf), i % 7)
+        out += buf.take(n)
+    out += buf.take(len(buf))
+    assert bytes(out) == whole
+    assert len(buf) == 0
+    assert not buf
+
+
+def test_receive_buffer_compacts_lazily() -> None:
+    buf = ReceiveBuffer()
+    buf.append(b"a" * 200_000)
+    for _ in range(150):
+        buf.consume(1000)
+    # The dead prefix was dropped once it reached half of the array, not per consume.
+    assert len(buf._data) < 200_000
+    assert len(buf) == 50_000
+    assert buf.peek(3) == b"aaa"
+    with pytest.raises(LocalProtocolError):
+        buf.take(50_001)
+
+
+def test_receive_buffer_find_and_unpack() -> None:
+    buf = ReceiveBuffer()
+    buf.append(b"zz\x00\x00\x00\x07abc\x00")
+    buf.consume(2)
+    assert buf.unpack_from(U32) == (7,)
+    assert buf.find(0, 4) == 7
+    assert buf.byte_at(4) == ord("a")
+
+
+def test_write_buffer_backpatches_length() -> None:
+    w = WriteBuffer()
+    w.new_message(b"Q")
+    w.write_cstr("select 1")
+    w.end_message()
+    w.new_message(None)
+    w.write_u32(80877103)
+    w.end_message()
+    assert w.take() == b"Q\x00\x00\x00\x0dselect 1\x00" + b"\x00\x00\x00\x08\x04\xd2\x16\x2f"
+    assert len(w) == 0
+
+
+def test_write_buffer_misuse_is_local_error() -> None:
+    w = WriteBuffer()
+    with pytest.raises(LocalProtocolError):
+        w.end_message()
+    w.new_message(b"d")
+    with pytest.raises(LocalProtocolError):
+        w.new_message(b"d")
+    with pytest.raises(LocalProtocolError):
+        w.getvalue()
+    with pytest.raises(LocalProtocolError):
+        WriteBuffer().write_cstring(b"a\x00b")

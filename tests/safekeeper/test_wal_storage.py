@@ -1,0 +1,149 @@
+"""WAL storage: segment files, boundaries, truncation, restart scan, over real PostgreSQL WAL."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from compute.postgres import pg_binary
+from protocol.lsn import WAL_SEGMENT_SIZE, Lsn, format_lsn, segment_file_name
+from safekeeper.record_tracker import InvalidWal, RecordTracker
+from safekeeper.wal_storage import WalStorage, WalStorageError
+from tests.safekeeper.conftest import RealWal
+
+SEG = WAL_SEGMENT_SIZE
+
+
+def _chunks(data: bytes, seed: int, max_len: int = 200_000) -> list[bytes]:
+    rng = random.Random(seed)
+    out = []
+    i = 0
+    while i < len(data):
+        n = rng.randint(1, max_len)
+        out.append(data[i : i + n])
+        i += n
+    return out
+
+
+def _write_all(storage: WalStorage, start: Lsn, data: bytes, seed: int = 1) -> None:
+    pos = start
+    chunks = _chunks(data, seed)
+    # Groups of several chunks, like the ingest loop's coalesced writes.
+    for g in range(0, len(chunks), 7):
+        group = chunks[g : g + 7]
+        storage.write(pos, group)
+        pos = Lsn(pos + sum(len(c) for c in group))
+        storage.flush()
+
+
+def test_tracker_finds_every_record_end(real_wal: RealWal) -> None:
+    tracker = RecordTracker(real_wal.start)
+    ends = set()
+    for chunk in _chunks(real_wal.data, 7, 3000):
+        ends.add(tracker.feed(chunk))
+    assert tracker.record_end == real_wal.end
+    # Every reported end is the start of the next record, or the page boundary before it
+    # (or a segment end after a switch).
+    starts = set(real_wal.record_starts)
+    assert all(
+        e in starts or e + 24 in starts or e % SEG == 0 or e == real_wal.end for e in ends
+    )
+    assert len(ends) > 1000
+
+
+def test_tracker_rejects_corrupt_record(real_wal: RealWal) -> None:
+    data = bytearray(real_wal.data[:200_000])
+    victim = real_wal.record_starts[100] - real_wal.start
+    data[victim + 30] ^= 0xFF
+    tracker = RecordTracker(real_wal.start)
+    with pytest.raises(InvalidWal):
+        tracker.feed(data)
+    assert tracker.record_end <= real_wal.record_starts[101]
+
+
+def test_write_segments_and_restart_scan(real_wal: RealWal, tmp_path: Path) -> None:
+    storage = WalStorage(tmp_path)
+    storage.truncate(real_wal.start)
+    _write_all(storage, real_wal.start, real_wal.data)
+    assert storage.flush_record_lsn == real_wal.end
+    storage.close()
+    assert (tmp_path / segment_file_name(1)).exists()
+    assert (tmp_path / segment_file_name(2)).exists()
+    assert (tmp_path / (segment_file_name(3) + ".partial")).exists()
+    on_disk = b"".join((tmp_path / n).read_bytes() for n in sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("0000")))
+    assert on_disk[: len(real_wal.data)] == real_wal.data
+    assert len((tmp_path / (segment_file_name(3) + ".partial")).read_bytes()) == SEG
+
+    reopened = WalStorage(tmp_path)
+    assert reopened.open(real_wal.record_starts[5]) == real_wal.end
+    # Writing continues where the scan ended.
+    with pytest.raises(WalStorageError):
+        reopened.write(Lsn(real_wal.end + 8), [b"x"])
+
+
+def test_write_rejects_invalid_wal_after_valid_part(real_wal: RealWal, tmp_path: Path) -> None:
+    storage = WalStorage(tmp_path)
+    storage.truncate(real_wal.start)
+    good = real_wal.data[:100_000]
+    with pytest.raises(InvalidWal):
+        storage.write(real_wal.start, [good, b"\x00" * 8192])
+    assert storage.write_lsn == real_wal.start + len(good)
+
+
+def test_truncate_removes_later_segments_and_zeroes_tail(real_wal: RealWal, tmp_path: Path) -> None:
+    storage = WalStorage(tmp_path)
+    storage.truncate(real_wal.start)
+    _write_all(storage, real_wal.start, real_wal.data, seed=3)
+    cut = next(s for s in real_wal.record_starts if s > real_wal.start + SEG // 2 and s % 8192)
+    storage.truncate(cut)
+    storage.close()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("0000")) == [
+        segment_file_name(1) + ".partial"
+    ]
+    seg = (tmp_path / (segment_file_name(1) + ".partial")).read_bytes()
+    assert len(seg) == SEG
+    assert seg[: cut - SEG] == real_wal.data[: cut - SEG]
+    assert seg[cut - SEG :] == bytes(2 * SEG - cut)
+    assert WalStorage(tmp_path).open(real_wal.start) == cut
+
+    # The rest can be written again from the cut.
+    storage = WalStorage(tmp_path)
+    storage.open(real_wal.start)
+    _write_all(storage, cut, real_wal.data[cut - real_wal.start :], seed=4)
+    assert storage.flush_record_lsn == real_wal.end
+
+
+def test_first_segment_mid_segment_is_readable_by_pg_waldump(
+    real_wal: RealWal, pg_tmp_path: Path
+) -> None:
+    start = next(s for s in real_wal.record_starts if s > real_wal.start + 3 * 8192 + 100 and s % 8192 > 24)
+    storage = WalStorage(pg_tmp_path)
+    storage.init_first_segment(start, real_wal.system_id)
+    storage.truncate(start)
+    end = real_wal.record_starts[real_wal.record_starts.index(start) + 2000]
+    _write_all(storage, start, real_wal.data[start - real_wal.start : end - real_wal.start])
+    assert storage.flush_record_lsn == end
+    storage.close()
+    # pg_waldump does not read ``.partial`` files: give it the open segment under its name.
+    view = pg_tmp_path / "view"
+    view.mkdir()
+    name = segment_file_name(1)
+    shutil.copy(pg_tmp_path / (name + ".partial"), view / name)
+    proc = subprocess.run(
+        [pg_binary("pg_waldump"), "-p", str(view), "-s", format_lsn(start)],
+        capture_output=True,
+        check=False,
+    )
+    out = proc.stdout.decode()
+    assert f"lsn: {start >> 32:X}/{start & 0xFFFFFFFF:08X}," in out
+    assert out.count("rmgr:") == 2000
+    assert f"invalid record length at {format_lsn(end)}" in proc.stderr.decode()
+    # Without -s pg_waldump starts at the segment's first page and still finds ``start``.
+    whole = subprocess.run(
+        [pg_binary("pg_waldump"), str(view / name)], capture_output=True, check=False
+    )
+    assert whole.stdout.decode() == out

@@ -77,13 +77,18 @@ def _strict(kind: type, label: str, accept: tuple[type, ...]) -> Callable[[Any, 
 def make_converter() -> cattrs.Converter:
     """A cattrs converter for config files: strict primitives, unknown keys refused."""
     conv = cattrs.Converter(forbid_extra_keys=True)
+    strict_primitives(conv)
+    return conv
+
+
+def strict_primitives(conv: cattrs.Converter) -> None:
+    """No silent coercion: ``"12"`` is not an int, ``1`` is not a string (also for JSON)."""
     conv.register_structure_hook(int, _strict(int, "an integer", (int,)))
     conv.register_structure_hook(float, _strict(float, "a number", (int, float)))
     conv.register_structure_hook(str, _strict(str, "a string", (str,)))
     conv.register_structure_hook(bool, _strict(bool, "a boolean", (bool,)))
     conv.register_structure_hook(Path, _strict(Path, "a path string", (str,)))
     conv.register_unstructure_hook(Path, str)
-    return conv
 
 
 def register_tagged_union(

@@ -9,7 +9,11 @@ those payloads. This class is the one API for that phase on both ends:
 - ``receive_nowait()`` -> a payload already buffered, else ``trio.WouldBlock`` (drain what
   has arrived without waiting: batching);
 - ``await send(payload)``, ``await send_many(payloads)`` (all frames in one ``send_all``),
-  ``await send_done()``.
+  ``await send_raw(frames)`` (pre-framed CopyData bytes, for pipelines that build their
+  output incrementally with ``append_copy_data``), ``await send_done()``.
+
+Always write through these methods rather than ``transport.send_all``: the server
+connection tracks interrupted writes so it never appends an ErrorResponse to half a frame.
 
 Concurrency rule: ONE receiving task and ONE sending task at a time (they may be different
 tasks and run concurrently: a reader task and a writer task is the intended shape). Two
@@ -76,8 +80,7 @@ class CopyBothStream:
 
     @property
     def transport(self) -> trio.abc.Stream:
-        """The raw byte stream, for pipelines that frame their own output (see
-        ``protocol.pgwire.messages.append_copy_data``); obey the one-writer rule."""
+        """The raw byte stream (peer address, socket options). Write via ``send_raw``."""
         return self._endpoint.transport
 
     @property
@@ -118,6 +121,13 @@ class CopyBothStream:
             append_copy_data(out, p)
         if out:
             await self._endpoint.send_bytes(out)
+
+    async def send_raw(self, frames: bytes | bytearray) -> None:
+        """Write bytes that are already framed CopyData messages (built with
+        ``protocol.pgwire.messages.append_copy_data``), e.g. a whole batch of responses."""
+        self._check_send()
+        if frames:
+            await self._endpoint.send_bytes(frames)
 
     async def send_done(self) -> None:
         """Send CopyDone: no more CopyData from this side."""

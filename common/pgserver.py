@@ -149,7 +149,7 @@ class _ClientGone(Exception):
     """EOF or Terminate: end the connection quietly."""
 
 
-_EXTENDED = (m.Parse, m.Bind, m.Describe, m.Execute, m.Close, m.Flush)
+_EXTENDED = (m.Parse, m.Bind, m.Describe, m.Execute, m.Close)
 
 
 def _encode_value(v: object) -> bytes | None:
@@ -446,6 +446,8 @@ class PgConnection:
                 self._copy = None
             elif isinstance(msg, m.Sync):
                 await self.send_message(m.ReadyForQuery("I"))
+            elif isinstance(msg, m.Flush):
+                continue  # everything we write is already flushed
             elif isinstance(msg, _EXTENDED):
                 await self._reject_extended()
             elif isinstance(msg, m.CopyData | m.CopyDone | m.CopyFail):
@@ -607,10 +609,13 @@ class PgServer:
     async def serve_connection(self, stream: trio.abc.Stream, peer: str = "memory") -> None:
         """Run one connection to completion and close the stream (memory streams welcome)."""
         conn_id = next(self._ids)
+        conn = PgConnection(self, stream, conn_id, peer)
         self._open += 1
+        # bind_log() adds keys to the calling task's context; restore it afterwards in case
+        # the caller runs several connections in one task (tests do).
+        saved_log_context = structlog.contextvars.get_contextvars()
         try:
             with structlog.contextvars.bound_contextvars(conn_id=conn_id, peer=peer):
-                conn = PgConnection(self, stream, conn_id, peer)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._watch_shutdown, conn, nursery.cancel_scope)
                     await conn._run()
@@ -623,7 +628,9 @@ class PgServer:
                     )
         finally:
             self._open -= 1
-            self._by_key = {k: c for k, c in self._by_key.items() if c.conn_id != conn_id}
+            self._by_key.pop((conn.process_id, conn.secret_key), None)
+            structlog.contextvars.clear_contextvars()
+            structlog.contextvars.bind_contextvars(**saved_log_context)
             await trio.aclose_forcefully(stream)
 
     async def _watch_shutdown(self, conn: PgConnection, scope: trio.CancelScope) -> None:

@@ -17,8 +17,11 @@ from typing import Protocol, cast
 
 # command path -> (module, one-line help). Keep sorted by path.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "bench redo": ("bench.redo", "pure-Python WAL redo: records/s per record type, page reconstruct time"),
+    "bench wal-codec": ("bench.wal_codec", "WAL encoder and stream decoder throughput (MB/s, records/s)"),
     "safekeeper": ("safekeeper.node", "run a safekeeper node (pagestore safekeeper -c FILE)"),
     "waldump": ("control_plane.cmd_waldump", "print WAL records of segment files as JSON lines"),
+    "walproposer": ("compute.walproposer.main", "stream a vanilla PostgreSQL's WAL to a quorum of safekeepers"),
 }
 
 GROUP_HELP = {

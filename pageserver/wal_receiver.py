@@ -27,9 +27,11 @@ import attrs
 import structlog
 import trio
 
+from common import pgclient
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn
+from protocol.pgwire.errors import PgError
 from protocol.replication import (
     PrimaryKeepalive,
     StandbyStatusUpdate,
@@ -46,20 +48,32 @@ log = structlog.get_logger("wal_receiver")
 PG_EPOCH_OFFSET_S = 946_684_800
 
 
+class CopyStream(Protocol):
+    async def receive(self) -> bytes | None: ...
+
+    async def send(self, payload: bytes | bytearray | memoryview) -> None: ...
+
+
 class PgConnection(Protocol):
-    """The libpq client connection the receiver drives."""
+    """The part of ``common.pgclient.PgClientConnection`` the receiver drives."""
 
-    async def start_copy_both(self, sql: str) -> None: ...
-
-    async def send_copy_data(self, payload: bytes) -> None: ...
-
-    async def receive_copy_data(self) -> bytes: ...
+    async def copy_both(self, sql: str) -> CopyStream: ...
 
     async def aclose(self) -> None: ...
 
 
+# (host, port, startup parameters: user, options, replication, application_name)
 Connector = Callable[[str, int, dict[str, str]], Awaitable[PgConnection]]
 OnRecord = Callable[[DecodedRecord], Awaitable[None]]
+
+
+async def pgclient_connect(host: str, port: int, params: dict[str, str]) -> PgConnection:
+    """The production connector: ``common.pgclient``."""
+    rest = dict(params)
+    user = rest.pop("user", "postgres")
+    dbname = rest.pop("dbname", None)
+    options = rest.pop("options", None)
+    return await pgclient.connect(host, port, user=user, dbname=dbname, params=rest, options=options)
 
 
 @attrs.frozen
@@ -79,13 +93,8 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     trio.ClosedResourceError,
     trio.TooSlowError,
     RemoteProtocolError,
+    PgError,
 )
-
-
-def register_connection_errors(*errors: type[BaseException]) -> None:
-    """Let the client library add the exception types that mean "this connection failed"."""
-    global CONNECTION_ERRORS
-    CONNECTION_ERRORS = (*CONNECTION_ERRORS, *errors)
 
 
 class WalDecodeError(RemoteProtocolError):
@@ -135,7 +144,7 @@ class WalReceiver:
         *,
         start_lsn: Lsn,
         on_record: OnRecord,
-        connect: Connector,
+        connect: Connector = pgclient_connect,
         progress: ProgressFn | None = None,
     ) -> None:
         if not cfg.safekeepers:
@@ -204,22 +213,24 @@ class WalReceiver:
         try:
             start = self.last_record_lsn
             with trio.fail_after(self.cfg.connect_timeout_s):
-                await conn.start_copy_both(StartReplication(start).to_sql())
+                copy = await conn.copy_both(StartReplication(start).to_sql())
             log.info("receiving WAL", safekeeper=f"{addr[0]}:{addr[1]}", start=format_lsn(start))
             decoder = WalStreamDecoder(start)
             reply = _Wakeup()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._status_sender, conn, reply)
-                await self._receive(conn, decoder, reply)
+                nursery.start_soon(self._status_sender, copy, reply)
+                await self._receive(copy, decoder, reply)
         finally:
             with trio.move_on_after(1) as cleanup:
                 cleanup.shield = True
                 await conn.aclose()
 
-    async def _receive(self, conn: PgConnection, decoder: WalStreamDecoder, reply: _Wakeup) -> None:
+    async def _receive(self, copy: CopyStream, decoder: WalStreamDecoder, reply: _Wakeup) -> None:
         while True:
             with trio.fail_after(self.cfg.idle_timeout_s):
-                payload = await conn.receive_copy_data()
+                payload = await copy.receive()
+            if payload is None:
+                raise EOFError("the safekeeper ended the stream")
             msg = decode_server_copy_data(payload)
             if isinstance(msg, PrimaryKeepalive):
                 if msg.reply_requested:
@@ -235,7 +246,7 @@ class WalReceiver:
                 item = decoder.next_record()
                 if isinstance(item, DecodedRecord):
                     await self._on_record(item)
-                    self.last_record_lsn = max(self.last_record_lsn, item.lsn)
+                    self.last_record_lsn = item.end_lsn
                     self.records_received += 1
                     self._advanced.set()
                     self._advanced = trio.Event()
@@ -246,13 +257,13 @@ class WalReceiver:
                 else:
                     break
 
-    async def _status_sender(self, conn: PgConnection, reply: _Wakeup) -> None:
+    async def _status_sender(self, copy: CopyStream, reply: _Wakeup) -> None:
         # The only writer on this stream: the receive loop only fires ``reply``.
         while True:
             with trio.move_on_after(self.cfg.status_interval_s):
                 await reply.event.wait()
             reply.consume()
-            await conn.send_copy_data(encode_copy_message(self.status_update()))
+            await copy.send(encode_copy_message(self.status_update()))
 
     def status_update(self) -> StandbyStatusUpdate:
         received = self.last_record_lsn

@@ -38,11 +38,13 @@ import attrs
 import structlog
 import trio
 
+from common import pgclient
 from compute.walproposer.proposer import Phase, Proposer, ProposerRejected
 from compute.walproposer.walbuffer import WalBuffer
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, Lsn, format_lsn, parse_lsn
+from protocol.pgwire.errors import PgError
 from protocol.replication import (
     CreateReplicationSlot,
     IdentifySystem,
@@ -81,46 +83,55 @@ def pg_now() -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# What the bridge needs from a libpq client connection
+# What the bridge needs from a libpq client (``common.pgclient`` provides it; tests may fake it)
+
+
+class CopyStream(Protocol):
+    async def receive(self) -> bytes | None:
+        """The next CopyData payload; None when the peer ended the stream."""
+        ...
+
+    async def send(self, payload: bytes | bytearray | memoryview) -> None: ...
 
 
 class PgConnection(Protocol):
-    """A libpq client connection (replication or START_WAL_PUSH)."""
+    async def query(self, sql: str) -> list[tuple[str | None, ...]]: ...
 
-    async def query(self, sql: str) -> list[tuple[str | None, ...]]:
-        """Run a simple query; returns its rows as text (ErrorResponse -> exception)."""
-        ...
-
-    async def start_copy_both(self, sql: str) -> None:
-        """Send a query that answers CopyBothResponse."""
-        ...
-
-    async def send_copy_data(self, payload: bytes) -> None: ...
-
-    async def receive_copy_data(self) -> bytes:
-        """The next CopyData payload; the end of the stream or an error raises."""
-        ...
+    async def copy_both(self, sql: str) -> CopyStream: ...
 
     async def aclose(self) -> None: ...
 
 
+# (host, port, startup parameters: user, dbname, options, replication, application_name)
 Connector = Callable[[str, int, dict[str, str]], Awaitable[PgConnection]]
+
+
+async def pgclient_connect(host: str, port: int, params: dict[str, str]) -> PgConnection:
+    """The production connector: ``common.pgclient``."""
+    rest = dict(params)
+    user = rest.pop("user", "postgres")
+    dbname = rest.pop("dbname", None)
+    options = rest.pop("options", None)
+    return await pgclient.connect(host, port, user=user, dbname=dbname, params=rest, options=options)
+
+
+async def receive_payload(copy: CopyStream) -> bytes:
+    payload = await copy.receive()
+    if payload is None:
+        raise EOFError("the peer ended the COPY stream")
+    return payload
+
 
 # What ends one connection without ending the bridge.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
+    EOFError,
     trio.BrokenResourceError,
     trio.ClosedResourceError,
     trio.TooSlowError,
     RemoteProtocolError,
-    EOFError,
+    PgError,
 )
-
-
-def register_connection_errors(*errors: type[BaseException]) -> None:
-    """Let a client library add the exception types that mean "this connection failed"."""
-    global CONNECTION_ERRORS
-    CONNECTION_ERRORS = (*CONNECTION_ERRORS, *errors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +364,7 @@ class Bridge:
             conn = await self._connect(addr.host, addr.port, params)
         try:
             with trio.fail_after(self.cfg.connect_timeout_s):
-                await conn.start_copy_both(StartWalPush(PROTO_VERSION, True).to_sql())
+                copy = await conn.copy_both(StartWalPush(PROTO_VERSION, True).to_sql())
                 greeting = ProposerGreeting(
                     tenant_id=self.cfg.tenant_id,
                     timeline_id=self.cfg.timeline_id,
@@ -361,21 +372,21 @@ class Bridge:
                     system_id=info.system_id,
                     wal_seg_size=info.wal_seg_size,
                 )
-                await conn.send_copy_data(encode_message(greeting, PROTO_VERSION))
+                await copy.send(encode_message(greeting, PROTO_VERSION))
             self.proposer.connected(i)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._safekeeper_reader, i, conn)
-                nursery.start_soon(self._safekeeper_sender, i, conn)
+                nursery.start_soon(self._safekeeper_reader, i, copy)
+                nursery.start_soon(self._safekeeper_sender, i, copy)
         finally:
             with trio.CancelScope(shield=True):
                 await conn.aclose()
 
-    async def _safekeeper_reader(self, i: int, conn: PgConnection) -> None:
+    async def _safekeeper_reader(self, i: int, copy: CopyStream) -> None:
         p = self.proposer
         while True:
             # A silent safekeeper is a dead one: heartbeats make it answer at least that often.
             with trio.fail_after(max(10 * self.cfg.heartbeat_s, self.cfg.connect_timeout_s)):
-                payload = await conn.receive_copy_data()
+                payload = await receive_payload(copy)
             msg = decode_acceptor_message(payload, PROTO_VERSION)
             match msg:
                 case AcceptorGreeting():
@@ -416,7 +427,7 @@ class Bridge:
             w.fire()
         self._commit_changed.fire()
 
-    async def _safekeeper_sender(self, i: int, conn: PgConnection) -> None:
+    async def _safekeeper_sender(self, i: int, copy: CopyStream) -> None:
         p = self.proposer
         slot = p.slots[i]
         last_commit_sent = -1
@@ -424,18 +435,18 @@ class Bridge:
         while True:
             woken = self._wake[i].event
             while self._pending[i]:
-                await conn.send_copy_data(encode_message(self._pending[i].popleft(), PROTO_VERSION))
+                await copy.send(encode_message(self._pending[i].popleft(), PROTO_VERSION))
             if slot.phase is Phase.ACTIVE:
                 assert slot.streaming_at is not None
                 if slot.streaming_at < self.buffer.start:
-                    await self._catch_up(i, conn)
+                    await self._catch_up(i, copy)
                     continue
                 while True:
                     begin, end = p.next_append(i, self.buffer.end)
                     heartbeat_due = trio.current_time() - last_sent_at >= self.cfg.heartbeat_s
                     if begin == end and p.commit_lsn == last_commit_sent and not heartbeat_due:
                         break
-                    await self._send_append(i, conn, begin, self.buffer.read(begin, end - begin))
+                    await self._send_append(i, copy, begin, self.buffer.read(begin, end - begin))
                     last_commit_sent = p.commit_lsn
                     last_sent_at = trio.current_time()
                     if end >= self.buffer.end:
@@ -443,14 +454,14 @@ class Bridge:
             with trio.move_on_after(self.cfg.heartbeat_s):
                 await woken.wait()
 
-    async def _send_append(self, i: int, conn: PgConnection, begin: Lsn, wal: bytes) -> None:
+    async def _send_append(self, i: int, copy: CopyStream, begin: Lsn, wal: bytes) -> None:
         p = self.proposer
         end = Lsn(begin + len(wal))
         req = AppendRequest(p.term, begin, end, p.commit_lsn, p.truncate_lsn, wal)
-        await conn.send_copy_data(encode_append_request_header(req, PROTO_VERSION) + wal)
+        await copy.send(encode_append_request_header(req, PROTO_VERSION) + wal)
         p.sent(i, end)
 
-    async def _catch_up(self, i: int, conn: PgConnection) -> None:
+    async def _catch_up(self, i: int, copy: CopyStream) -> None:
         """Feed safekeeper ``i`` from its own PostgreSQL stream until it reaches the window."""
         slot = self.proposer.slots[i]
         assert slot.streaming_at is not None
@@ -462,9 +473,9 @@ class Bridge:
         )
         pg = await self._pg_connect(f"{self.cfg.application_name}_catchup_{i}")
         try:
-            await pg.start_copy_both(StartReplication(slot.streaming_at).to_sql())
+            source = await pg.copy_both(StartReplication(slot.streaming_at).to_sql())
             while slot.streaming_at is not None and slot.streaming_at < self.buffer.start:
-                msg = decode_server_copy_data(await pg.receive_copy_data())
+                msg = decode_server_copy_data(await receive_payload(source))
                 if not isinstance(msg, XLogData):
                     continue
                 data = memoryview(msg.data)
@@ -476,7 +487,7 @@ class Bridge:
                     )
                 for off in range(skip, len(data), MAX_SEND_SIZE):
                     chunk = bytes(data[off : off + MAX_SEND_SIZE])
-                    await self._send_append(i, conn, slot.streaming_at, chunk)
+                    await self._send_append(i, copy, slot.streaming_at, chunk)
         finally:
             with trio.CancelScope(shield=True):
                 await pg.aclose()
@@ -499,12 +510,12 @@ class Bridge:
         try:
             start = self.buffer.end
             cmd = StartReplication(start, slot=self.cfg.slot_name)
-            await conn.start_copy_both(cmd.to_sql())
+            copy = await conn.copy_both(cmd.to_sql())
             log.info("streaming from postgres", start=format_lsn(start))
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._postgres_status_sender, conn)
+                nursery.start_soon(self._postgres_status_sender, copy)
                 while True:
-                    msg = decode_server_copy_data(await conn.receive_copy_data())
+                    msg = decode_server_copy_data(await receive_payload(copy))
                     if isinstance(msg, XLogData):
                         self.buffer.append(msg.wal_start, msg.data)
                         for w in self._wake:
@@ -517,22 +528,22 @@ class Bridge:
             with trio.CancelScope(shield=True):
                 await conn.aclose()
 
-    async def _postgres_status_sender(self, conn: PgConnection) -> None:
+    async def _postgres_status_sender(self, copy: CopyStream) -> None:
         due = False
         while True:
             woken = self._commit_changed.event
             if due or self._status_requested or self.proposer.commit_lsn > self.reported_flush_lsn:
                 self._status_requested = False
-                await self._send_status(conn)
+                await self._send_status(copy)
             with trio.move_on_after(self.cfg.status_interval_s):
                 await woken.wait()
             due = not woken.is_set()
 
-    async def _send_status(self, conn: PgConnection) -> None:
+    async def _send_status(self, copy: CopyStream) -> None:
         # Only WAL a quorum fsynced counts as flushed: that is what releases synchronous commits.
         # Never report less than before (a new term starts with no acknowledgements).
         flush = Lsn(max(self.proposer.commit_lsn, self.reported_flush_lsn))
         msg = StandbyStatusUpdate(flush, flush, flush, pg_now(), False)
-        await conn.send_copy_data(encode_copy_message(msg))
+        await copy.send(encode_copy_message(msg))
         self.reported_flush_lsn = flush
 

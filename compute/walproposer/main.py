@@ -9,8 +9,7 @@ import signal
 
 import trio
 
-from compute.walproposer.bridge import Bridge, BridgeConfig, SafekeeperAddr
-from compute.walproposer.pgconn import connect
+from compute.walproposer.bridge import Bridge, BridgeConfig, SafekeeperAddr, pgclient_connect
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import parse_lsn
 
@@ -69,7 +68,7 @@ async def _write_status(bridge: Bridge, path: str) -> None:
 
 
 async def amain(cfg: BridgeConfig, status_file: str | None) -> None:
-    bridge = Bridge(cfg, connect)
+    bridge = Bridge(cfg, pgclient_connect)
     async with trio.open_nursery() as nursery:
         if status_file:
             nursery.start_soon(_write_status, bridge, status_file)

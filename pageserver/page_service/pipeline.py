@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Final, TypeAlias, cast
+from typing import Final, Protocol, TypeAlias, cast
 
 import attrs
 import trio
@@ -79,6 +79,7 @@ from protocol.pagestream import (
     RequestStreamDecoder,
     ResponseWriter,
     StreamEnd,
+    decode_request,
 )
 
 MAX_RECV: Final = 64 * 1024
@@ -130,6 +131,58 @@ class Fatal:
 
 Item: TypeAlias = Pending | Fatal
 ReadItem: TypeAlias = tuple[Request, float] | RemoteProtocolError
+
+
+class RequestSource(Protocol):
+    """Where requests come from: the next request, or how the client ended the stream.
+
+    Raises ``RemoteProtocolError`` for a message that cannot be decoded.
+    """
+
+    async def receive(self) -> Request | StreamEnd: ...
+
+
+class StreamRequestSource:
+    """Requests straight from the byte stream (the framing is parsed by ``decoder``)."""
+
+    __slots__ = ("decoder", "stream")
+
+    def __init__(self, stream: trio.abc.ReceiveStream, decoder: RequestStreamDecoder) -> None:
+        self.stream = stream
+        self.decoder = decoder
+
+    async def receive(self) -> Request | StreamEnd:
+        decoder = self.decoder
+        while True:
+            event = decoder.next_event()
+            if event is not NEED_DATA:
+                return event
+            decoder.receive_data(await self.stream.receive_some(MAX_RECV))
+
+
+class CopyPayloads(Protocol):
+    """The server loop's CopyBoth stream (``common.pgcopy.CopyBothStream``) as we use it."""
+
+    @property
+    def peer_done(self) -> bool: ...
+
+    async def receive(self) -> bytes | None: ...
+
+
+class CopyRequestSource:
+    """Requests from CopyData payloads the libpq server loop already framed."""
+
+    __slots__ = ("copy", "version")
+
+    def __init__(self, copy: CopyPayloads, version: PagestreamVersion) -> None:
+        self.copy = copy
+        self.version = version
+
+    async def receive(self) -> Request | StreamEnd:
+        payload = await self.copy.receive()
+        if payload is None:
+            return StreamEnd.COPY_DONE if self.copy.peer_done else StreamEnd.TERMINATE
+        return decode_request(payload, self.version)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,14 +369,11 @@ async def _send(stream: trio.abc.SendStream, data: bytearray, timeout_s: float) 
 
 
 async def _serve_serial(
-    stream: trio.abc.Stream, decoder: RequestStreamDecoder, ctx: PagestreamContext
+    source: RequestSource, sink: trio.abc.SendStream, ctx: PagestreamContext
 ) -> StreamEnd:
     writer = ResponseWriter(ctx.version)
     while True:
-        event = decoder.next_event()
-        if event is NEED_DATA:
-            decoder.receive_data(await stream.receive_some(MAX_RECV))
-            continue
+        event = await source.receive()
         if isinstance(event, StreamEnd):
             return event
         item = prepare(event, time.perf_counter(), ctx.resolver)
@@ -331,7 +381,7 @@ async def _serve_serial(
             raise item.error
         taken = time.perf_counter()
         await execute_batch([item], writer, ctx)
-        await _send(stream, writer.take(), ctx.config.send_timeout_s)
+        await _send(sink, writer.take(), ctx.config.send_timeout_s)
         _observe(ctx.metrics, [item], taken)
 
 
@@ -356,25 +406,19 @@ class _ReadState:
 
 
 async def _read_stage(
-    stream: trio.abc.ReceiveStream,
-    decoder: RequestStreamDecoder,
-    out: trio.MemorySendChannel[ReadItem],
-    state: _ReadState,
+    source: RequestSource, out: trio.MemorySendChannel[ReadItem], state: _ReadState
 ) -> None:
     async with out:  # closing tells Batching there is nothing more
         while True:
             try:
-                event = decoder.next_event()
+                event = await source.receive()
             except RemoteProtocolError as exc:
                 await out.send(exc)  # answered after everything decoded before it
                 return
-            if event is NEED_DATA:
-                decoder.receive_data(await stream.receive_some(MAX_RECV))
-            elif isinstance(event, StreamEnd):
+            if isinstance(event, StreamEnd):
                 state.end = event
                 return
-            else:
-                await out.send((event, time.perf_counter()))
+            await out.send((event, time.perf_counter()))
 
 
 async def _batch_stage(
@@ -394,7 +438,7 @@ async def _batch_stage(
 
 
 async def _execute_stage(
-    stream: trio.abc.SendStream, batches: FoldChannel[Item], ctx: PagestreamContext
+    sink: trio.abc.SendStream, batches: FoldChannel[Item], ctx: PagestreamContext
 ) -> None:
     writer = ResponseWriter(ctx.version)
     try:
@@ -409,15 +453,15 @@ async def _execute_stage(
                 raise first.error  # everything folded before it has been answered
             pending = cast(list[Pending], batch)
             await execute_batch(pending, writer, ctx)
-            await _send(stream, writer.take(), ctx.config.send_timeout_s)
+            await _send(sink, writer.take(), ctx.config.send_timeout_s)
             _observe(ctx.metrics, pending, taken)
     finally:
         batches.close_receiver()
 
 
 async def _serve_pipelined(
-    stream: trio.abc.Stream,
-    decoder: RequestStreamDecoder,
+    source: RequestSource,
+    sink: trio.abc.SendStream,
     ctx: PagestreamContext,
     cfg: PipelinedPipelining,
 ) -> StreamEnd:
@@ -425,11 +469,11 @@ async def _serve_pipelined(
     requests_tx, requests_rx = trio.open_memory_channel[ReadItem](ctx.config.read_queue)
     batches = FoldChannel[Item](make_can_fold(cfg))
     async with _unwrapped(), trio.open_nursery() as nursery:
-        nursery.start_soon(_read_stage, stream, decoder, requests_tx, state, name="pagestream.read")
+        nursery.start_soon(_read_stage, source, requests_tx, state, name="pagestream.read")
         nursery.start_soon(
             _batch_stage, requests_rx, batches, ctx.resolver, name="pagestream.batch"
         )
-        nursery.start_soon(_execute_stage, stream, batches, ctx, name="pagestream.execute")
+        nursery.start_soon(_execute_stage, sink, batches, ctx, name="pagestream.execute")
     if state.end is None:
         raise AssertionError("pipeline finished without the reader seeing the end of the stream")
     return state.end
@@ -439,13 +483,24 @@ async def _serve_pipelined(
 # Entry point
 
 
-async def serve_pagestream(
-    stream: trio.abc.Stream, decoder: RequestStreamDecoder, ctx: PagestreamContext
+async def serve_pagestream_bytes(
+    stream: trio.abc.Stream, ctx: PagestreamContext, initial: bytes = b""
 ) -> StreamEnd:
-    """Serve requests until the client ends the stream (see the module docstring)."""
+    """``serve_pagestream`` over a raw byte stream (after CopyBothResponse was sent)."""
+    source = StreamRequestSource(stream, RequestStreamDecoder(ctx.version, initial))
+    return await serve_pagestream(source, stream, ctx)
+
+
+async def serve_pagestream(
+    source: RequestSource, sink: trio.abc.SendStream, ctx: PagestreamContext
+) -> StreamEnd:
+    """Serve requests until the client ends the stream (see the module docstring).
+
+    ``sink`` receives framed CopyData responses; this function is its only writer meanwhile.
+    """
     mode = ctx.config.page_service_pipelining
     if ctx.shutdown is None:
-        return await _serve_mode(stream, decoder, ctx, mode)
+        return await _serve_mode(source, sink, ctx, mode)
     shutdown = ctx.shutdown
     pipeline = trio.CancelScope()
     result: StreamEnd | None = None
@@ -458,7 +513,7 @@ async def serve_pagestream(
         nursery.start_soon(watch_shutdown, name="pagestream.shutdown")
         try:
             with pipeline:
-                result = await _serve_mode(stream, decoder, ctx, mode)
+                result = await _serve_mode(source, sink, ctx, mode)
         finally:
             nursery.cancel_scope.cancel()
     if result is None:
@@ -468,14 +523,14 @@ async def serve_pagestream(
 
 
 async def _serve_mode(
-    stream: trio.abc.Stream,
-    decoder: RequestStreamDecoder,
+    source: RequestSource,
+    sink: trio.abc.SendStream,
     ctx: PagestreamContext,
     mode: SerialPipelining | PipelinedPipelining,
 ) -> StreamEnd:
     if isinstance(mode, SerialPipelining):
-        return await _serve_serial(stream, decoder, ctx)
-    return await _serve_pipelined(stream, decoder, ctx, mode)
+        return await _serve_serial(source, sink, ctx)
+    return await _serve_pipelined(source, sink, ctx, mode)
 
 
 class _unwrapped:

@@ -1,10 +1,10 @@
 """GC: which historic layers may be deleted (storage.md §2.9).
 
 A layer may go only if all of these hold: it ends at or below the GC cutoff
-(``min(horizon_cutoff, pitr_cutoff)``); newer image layers with LSNs in ``[layer end, cutoff]``
-cover its whole key range (so every read at or above the cutoff stops before reaching it); and
-for every child branch point ``retain_lsn >= layer start``, image layers in
-``[layer end, retain_lsn]`` cover it too (so reads of the child below its branch point never
+(``min(horizon_cutoff, pitr_cutoff)``); image layers at LSNs in ``[layer end - 1, cutoff]``
+(strictly newer than an image victim) cover its whole key range (so every read at or above the cutoff stops before reaching it); and
+for every child branch point ``retain_lsn >= layer start``, such image layers at or below
+``retain_lsn`` cover it too (so reads of the child below its branch point never
 need it). Whole files only.
 """
 
@@ -18,10 +18,14 @@ from pageserver.storage.key import KeySpace
 
 def _covered_by_images(layer: PersistentLayer, images: Sequence[PersistentLayer], up_to: int) -> bool:
     d = layer.desc
+    # A delta holds LSNs up to lsn_end - 1, so an image at that LSN already includes all of it.
+    # An image is only replaced by a strictly newer one (two images at one LSN must not
+    # justify removing each other).
+    lowest = d.lsn_end - 1 if d.is_delta else d.lsn_end
     cover = KeySpace.from_ranges(
         img.desc.key_range
         for img in images
-        if d.lsn_end <= img.desc.image_lsn <= up_to and img.desc.key_range.overlaps(d.key_range)
+        if lowest <= img.desc.image_lsn <= up_to and img.desc.key_range.overlaps(d.key_range)
     )
     return KeySpace.single(d.key_range).subtract(cover).is_empty()
 
@@ -34,8 +38,6 @@ def select_gc_victims(
     for layer in layers:
         d = layer.desc
         if d.lsn_end > cutoff:
-            continue
-        if not _covered_by_images(layer, images, cutoff):
             continue
         if any(
             r >= d.lsn_start and not _covered_by_images(layer, images, r) for r in retain_lsns

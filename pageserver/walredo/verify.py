@@ -11,6 +11,7 @@ would hide the whole bitmap.
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -20,9 +21,18 @@ import attrs
 from pageserver.walredo import bufpage as bp
 from pageserver.walredo.errors import RedoError, RedoValidationError
 from pageserver.walredo.heap import vm_clears
-from pageserver.walredo.manager import RM_HEAP, RM_HEAP2, PostgresRedoManager, RelBlock, record_name
+from pageserver.walredo.manager import (
+    RM_HEAP,
+    RM_HEAP2,
+    RM_SMGR,
+    SMGR_TRUNCATE_VM,
+    XLOG_SMGR_TRUNCATE,
+    PostgresRedoManager,
+    RelBlock,
+    record_name,
+)
 from pageserver.walredo.mask import fsm_vm_mask, masked
-from pageserver.walredo.visibilitymap import heapblk_to_mapblock
+from pageserver.walredo.visibilitymap import HEAPBLOCKS_PER_PAGE, heapblk_to_mapblock
 from protocol.lsn import WAL_SEGMENT_SIZE, format_lsn, segment_file_name
 from protocol.wal.reader import WalStreamDecoder
 from protocol.wal.record import VISIBILITYMAP_FORKNUM, DecodedRecord
@@ -72,6 +82,25 @@ class VerifyReport:
             f"{self.unchecked_blocks}; failures: {len(self.failures)}"
         )
         return "\n".join(lines)
+
+
+_SMGR_TRUNCATE = struct.Struct("<IIIIi")  # blkno, spc, db, rel, flags
+SMGR_TRUNCATE_HEAP = 0x0001
+
+
+def _truncate_tracked(mgr: PostgresRedoManager, pages: dict[RelBlock, bytearray], rec: DecodedRecord) -> None:
+    """Storage/TRUNCATE: forget pages past the cut; clear VM bits past it (manager does)."""
+    nblocks, spc, db, rel, flags = _SMGR_TRUNCATE.unpack_from(rec.main_data)
+    mapblock = heapblk_to_mapblock(nblocks)
+    partial = nblocks % HEAPBLOCKS_PER_PAGE != 0
+    for t in [t for t in pages if (t.spc, t.db, t.rel) == (spc, db, rel)]:
+        if t.fork == 0 and flags & SMGR_TRUNCATE_HEAP and t.blkno >= nblocks:
+            del pages[t]
+        elif t.fork == VISIBILITYMAP_FORKNUM and flags & SMGR_TRUNCATE_VM:
+            if t.blkno > mapblock or (t.blkno == mapblock and not partial):
+                del pages[t]
+            elif t.blkno == mapblock:
+                mgr.redo_page(t, pages[t], rec)
 
 
 def verify_records(records: Iterable[DecodedRecord], max_failures: int = 50) -> VerifyReport:
@@ -125,6 +154,8 @@ def verify_records(records: Iterable[DecodedRecord], max_failures: int = 50) -> 
                 vm = pages.get(vt)
                 if vm is not None:
                     mgr.redo_page(vt, vm, rec)
+        if rec.xl_rmid == RM_SMGR and rec.xl_info & 0xF0 == XLOG_SMGR_TRUNCATE:
+            _truncate_tracked(mgr, pages, rec)
         if len(report.failures) >= max_failures:
             break
     return report

@@ -218,6 +218,8 @@ class _Decoder:
             return self._at_eof()
         buf.consume(5)
         body = buf.take(length - 4)
+        if tag == b"d":  # hot path: CopyData carries every sub-protocol message
+            return m.CopyData(body)
         reader = Reader(body, names[tag])
         try:
             msg = decode(reader)

@@ -56,7 +56,7 @@ from protocol.wal.record import (
     decode_body,
     record_crc,
 )
-from protocol.wal.rmgr import XLOG_SWITCH, RmgrId, rmgr_id_is_valid
+from protocol.wal.rmgr import RM_MAX_BUILTIN_ID, XLOG_SWITCH, RmgrId, rmgr_id_is_valid
 
 __all__ = ["NEED_DATA", "EndOfWal", "NeedData", "WalStreamDecoder"]
 
@@ -363,7 +363,9 @@ class WalStreamDecoder:
             hdr = XLOG_RECORD_HEADER.unpack_from(buf, o)
             tot_len, _xid, prev, info, rmid, _crc = hdr
             # The common case in one test; the full check names the failed rule.
-            if not (tot_len >= SIZE_OF_XLOG_RECORD and rmid <= 21 and prev == self._prev):
+            if not (
+                tot_len >= SIZE_OF_XLOG_RECORD and rmid <= RM_MAX_BUILTIN_ID and prev == self._prev
+            ):
                 err = self._header_error(pos, tot_len, info, rmid, prev)
                 if err is not None:
                     return self._end(pos, err)

@@ -11,8 +11,8 @@ Names here are stable:
   ``bimg_len``, ``hole_offset``, ``hole_length``, ``bimg_info`` (``apply_image``,
   ``compression`` read it), ``image_data`` (the image bytes exactly as stored in the record:
   hole removed, maybe compressed) and ``data`` (the block's payload). ``image`` is the full
-  8192-byte page with the hole re-inserted and decompressed, computed on each access, so a
-  reader that only needs record boundaries never pays for it.
+  8192-byte page with the hole re-inserted and decompressed, computed on first access and
+  cached, so a reader that only needs record boundaries never pays for it.
 - ``DecodedRecord``: ``lsn`` (start), ``end_lsn`` (PostgreSQL's EndRecPtr: where the next
   record begins, MAXALIGNed; for XLOG_SWITCH the next segment start), the header fields under
   PostgreSQL's names ``xl_tot_len, xl_xid, xl_prev, xl_info, xl_rmid, xl_crc``, ``blocks``
@@ -30,6 +30,7 @@ the main data).
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import attrs
@@ -177,9 +178,12 @@ class BlockRef:
             return "zstd"
         return None
 
-    @property
+    @functools.cached_property
     def image(self) -> bytes | None:
-        """The full 8192-byte page image, or ``None`` if the reference carries no image."""
+        """The full 8192-byte page image, or ``None`` if the reference carries no image.
+
+        Restored (decompressed, hole zero-filled) on first access and kept.
+        """
         if self.image_data is None:
             return None
         return restore_block_image(

@@ -77,6 +77,10 @@ class Handler:
             await copy.send_done()
             while await copy.receive() is not None:
                 pass
+        elif words[:1] == ["basebackup"]:
+            out = await conn.enter_copy_out("BASEBACKUP")
+            for i in range(3):
+                await out.send(b"tar%d" % i)
         elif words[:1] == ["set"]:
             return  # nothing sent: the loop answers CommandComplete "SET"
         else:
@@ -197,6 +201,19 @@ async def test_copy_both_server_ends_stream(handler: Handler) -> None:
             assert len(await conn.query("select")) == 2
 
 
+async def test_copy_out(handler: Handler) -> None:
+    server = PgServer(handler)
+    with trio.fail_after(5):
+        async with memory_client(server) as (conn, _):
+            out = await conn.copy_out("basebackup")
+            got = []
+            while (chunk := await out.receive()) is not None:
+                got.append(chunk)
+            assert got == [b"tar0", b"tar1", b"tar2"]
+            assert (await conn.finish_copy())[-1].command_tag == "BASEBACKUP"
+            assert len(await conn.query("select")) == 2
+
+
 async def test_copy_client_eof_closes_quietly(handler: Handler) -> None:
     server = PgServer(handler)
     client_stream, server_stream = trio.testing.memory_stream_pair()
@@ -253,6 +270,9 @@ async def test_ssl_gssenc_refused_then_startup_and_extended_protocol_rejected(
             msgs = await _raw_exchange(client, extended, m.ReadyForQuery)
             assert len(msgs) == 2
             assert isinstance(msgs[0], m.ErrorResponse) and msgs[0].sqlstate == "0A000"
+            # Flush alone is harmless; Sync alone answers ReadyForQuery.
+            msgs = await _raw_exchange(client, m.encode(m.Flush(), m.Sync()), m.ReadyForQuery)
+            assert msgs == [m.ReadyForQuery("I")]
             msgs = await _raw_exchange(client, m.encode(m.Query("select")), m.ReadyForQuery)
             assert [type(x) for x in msgs] == [
                 m.RowDescription, m.DataRow, m.DataRow, m.CommandComplete, m.ReadyForQuery
@@ -441,3 +461,24 @@ async def test_cancel_request_cancels_running_query(handler: Handler) -> None:
             assert len(await conn.query("select")) == 2
             await conn.aclose()
             await canceller.aclose()
+
+
+async def test_serve_connection_in_caller_task_restores_log_context(handler: Handler) -> None:
+    server = PgServer(handler)
+    client, server_side = trio.testing.memory_stream_pair()
+
+    async def client_side() -> None:
+        conn = await PgClientConnection.open(client, user="u")
+        with pytest.raises(PgError):
+            await conn.query("crash")  # binds tenant_id inside the connection
+        await conn.aclose()
+
+    structlog.contextvars.bind_contextvars(outer=1)
+    try:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client_side)
+                await server.serve_connection(server_side)
+        assert structlog.contextvars.get_contextvars() == {"outer": 1}
+    finally:
+        structlog.contextvars.clear_contextvars()

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shutil
 import struct
+import tempfile
 from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -30,7 +32,13 @@ from compute.postgres import (
     run_as_postgres,
 )
 from control_plane.cli import main as cli_main
-from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ, format_lsn, parse_lsn
+from protocol.lsn import (
+    WAL_SEGMENT_SIZE,
+    XLOG_BLCKSZ,
+    format_lsn,
+    parse_lsn,
+    parse_segment_file_name,
+)
 from protocol.wal.encoder import BlockSpec, WalEncoder
 from protocol.wal.reader import WalStreamDecoder
 from protocol.wal.record import RelFileNode
@@ -81,8 +89,9 @@ def pg_waldump(wal_dir: Path, start: int) -> tuple[list[dict[str, Any]], tuple[s
     proc = run_as_postgres(
         [pg_binary("pg_waldump"), "-b", "-p", str(wal_dir), "-s", format_lsn(start)], check=False
     )
-    err = _ERR.search(proc.stderr.decode())
-    return parse_pg_waldump(proc.stdout.decode()), (err.groups() if err else None)  # type: ignore[return-value]
+    m = _ERR.search(proc.stderr.decode())
+    err = None if m is None else (m.group(1), m.group(2))
+    return parse_pg_waldump(proc.stdout.decode()), err
 
 
 def ours(segments: list[Path], *extra: str) -> tuple[list[dict[str, Any]], str]:
@@ -112,16 +121,15 @@ def segment_files(wal_dir: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def cluster_wal(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    import os
-    import tempfile
-
+def cluster_wal() -> Iterator[Path]:
+    # Module scope, so pg_tmp_path (function scope) cannot be used; same recipe.
     base = Path(tempfile.mkdtemp(prefix="pagestore-waldump-", dir="/tmp"))
     os.chmod(base, 0o755)
     pg = PostgresInstance.create(
         base / "data",
         settings={
-            "wal_level": "replica",
+            # logical: subtransactions then log their top-level xid (block id 252)
+            "wal_level": "logical",
             "full_page_writes": "on",
             "wal_keep_size": "1GB",  # keep every segment since initdb
             "fsync": "off",
@@ -139,6 +147,18 @@ def cluster_wal(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
                 f"SET wal_compression = '{method}'; "
                 "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 97 = 0"
             )
+        # Consistency checking attaches images without APPLY ("FPW for WAL verification").
+        pg.psql(
+            "SET wal_consistency_checking = 'heap,btree'; "
+            "UPDATE pgbench_accounts SET abalance = abalance - 1 WHERE aid % 1000 = 0"
+        )
+        # A replication origin (block id 253) and a subtransaction (block id 252).
+        pg.psql("SELECT pg_replication_origin_create('pagestore_test')")
+        pg.psql(
+            "SELECT pg_replication_origin_session_setup('pagestore_test'); BEGIN; "
+            "INSERT INTO pgbench_history VALUES (1, 1, 1, 1, now(), 'top'); SAVEPOINT s1; "
+            "INSERT INTO pgbench_history VALUES (2, 2, 2, 2, now(), 'sub'); RELEASE s1; COMMIT"
+        )
         pg.stop()
         yield pg.wal_dir()
     finally:
@@ -148,7 +168,7 @@ def cluster_wal(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def test_every_record_agrees_with_pg_waldump(cluster_wal: Path) -> None:
     segs = segment_files(cluster_wal)
-    start = int(segs[0].name[8:16], 16) << 32 | int(segs[0].name[16:], 16) * WAL_SEGMENT_SIZE
+    start = parse_segment_file_name(segs[0].name)[1] * WAL_SEGMENT_SIZE
     theirs, err = pg_waldump(cluster_wal, start)
     mine, stderr = ours(segs)
     compare(theirs, mine)
@@ -158,15 +178,23 @@ def test_every_record_agrees_with_pg_waldump(cluster_wal: Path) -> None:
     n_images = sum(b["has_image"] for r in mine for b in r["blocks"])
     methods = {b["compression"] for r in mine for b in r["blocks"] if b["has_image"]}
     assert {None, "pglz", "lz4", "zstd"} <= methods
+    assert any(b["has_image"] and not b["apply_image"] for r in mine for b in r["blocks"])
     print(f"\n{len(mine)} records agree with pg_waldump ({n_images} images, end: {reason})")
 
 
-def test_images_restore_to_sane_pages(cluster_wal: Path) -> None:
+def test_images_restore_to_sane_pages_and_fragments_decode(cluster_wal: Path) -> None:
     dec = WalStreamDecoder(0x1000000)
     count = 0
+    origins: set[int] = set()
+    top_xids: set[int] = set()
     for seg in segment_files(cluster_wal):
         dec.feed(seg.read_bytes())
         for rec in dec.records():
+            if rec.origin is not None:
+                origins.add(rec.origin)
+            if rec.toplevel_xid is not None:
+                top_xids.add(rec.toplevel_xid)
+                assert rec.xl_xid != rec.toplevel_xid
             for blk in rec.blocks:
                 page = blk.image
                 if page is None:
@@ -183,6 +211,7 @@ def test_images_restore_to_sane_pages(cluster_wal: Path) -> None:
                     assert (blk.hole_offset, blk.hole_offset + blk.hole_length) == (lower, upper)
                     assert page[lower:upper] == bytes(upper - lower)
     assert count > 100
+    assert origins and top_xids, (origins, top_xids)
 
 
 def _copy_segments(src: Path, dst: Path) -> list[Path]:
@@ -198,7 +227,7 @@ def _copy_segments(src: Path, dst: Path) -> list[Path]:
 def test_corruption_ends_where_pg_waldump_says(cluster_wal: Path, pg_tmp_path: Path) -> None:
     segs = segment_files(cluster_wal)
     dec = WalStreamDecoder(0x1000000)
-    records = []
+    records: list[tuple[int, int]] = []
     for seg in segs:
         dec.feed(seg.read_bytes())
         records.extend((r.lsn, r.xl_tot_len) for r in dec.records())
@@ -206,13 +235,15 @@ def test_corruption_ends_where_pg_waldump_says(cluster_wal: Path, pg_tmp_path: P
     mid = len(records) // 2
     inside = next(r for r in records[mid:] if r[1] > 40 and r[0] // 8192 == (r[0] + r[1]) // 8192)
     spanning = next(r for r in records[mid:] if r[0] // 8192 != (r[0] + r[1] - 1) // 8192)
-    cases = {
-        "crc": (inside[0] + 30, lambda b: b ^ 0x40),  # a body byte: CRC mismatch
-        "length": (inside[0], lambda b: 0),  # xl_tot_len's low byte: bad length or CRC
-        "page": ((spanning[0] // 8192 + 1) * 8192, lambda b: b ^ 0x01),  # next page's magic
-        "pageaddr": ((spanning[0] // 8192 + 1) * 8192 + 12, lambda b: b ^ 0x10),
+    next_page = (spanning[0] // 8192 + 1) * 8192
+    # name -> (LSN of the byte, XOR mask, or None to zero it)
+    cases: dict[str, tuple[int, int | None]] = {
+        "crc": (inside[0] + 30, 0x40),  # a body byte: CRC mismatch
+        "length": (inside[0], None),  # xl_tot_len's low byte: bad length or CRC
+        "page": (next_page, 0x01),  # the magic of the page a record continues on
+        "pageaddr": (next_page + 12, 0x10),
     }
-    for name, (lsn, flip) in cases.items():
+    for name, (lsn, mask) in cases.items():
         dst = pg_tmp_path / name
         copies = _copy_segments(cluster_wal, dst)
         seg = copies[lsn // WAL_SEGMENT_SIZE - 1]
@@ -220,7 +251,7 @@ def test_corruption_ends_where_pg_waldump_says(cluster_wal: Path, pg_tmp_path: P
             f.seek(lsn % WAL_SEGMENT_SIZE)
             byte = f.read(1)[0]
             f.seek(lsn % WAL_SEGMENT_SIZE)
-            f.write(bytes([flip(byte)]))
+            f.write(bytes([0 if mask is None else byte ^ mask]))
         theirs, err = pg_waldump(dst, 0x1000000)
         mine, stderr = ours(copies)
         compare(theirs, mine)
@@ -258,3 +289,21 @@ def test_encoder_output_is_read_by_pg_waldump(pg_tmp_path: Path) -> None:
     mine, stderr = ours(segs)
     compare(theirs, mine)
     assert f"(last record at {err[0]}): {err[1]}" in stderr
+
+
+def test_truncated_segment(cluster_wal: Path, pg_tmp_path: Path) -> None:
+    """A short last file: pg_waldump reads whole pages only, we read every complete record."""
+    copies = _copy_segments(cluster_wal, pg_tmp_path / "short")
+    last = copies[-1]
+    cut = 3_000_000
+    with last.open("r+b") as f:
+        f.truncate(cut)
+    theirs, _ = pg_waldump(pg_tmp_path / "short", 0x1000000)
+    mine, stderr = ours(copies)
+    compare(theirs, mine[: len(theirs)])
+    seg_start = parse_segment_file_name(last.name)[1] * WAL_SEGMENT_SIZE
+    # pg_waldump stops before the partial page; we go on to the last record that fits.
+    assert len(mine) >= len(theirs)
+    ends = [parse_lsn(r["end_lsn"]) for r in mine]
+    assert ends[-1] <= seg_start + cut + 7
+    assert f"valid WAL ends at {mine[-1]['end_lsn']}" in stderr and "end of WAL input" in stderr

@@ -25,7 +25,7 @@ from pageserver.page_service.config import (
     SerialPipelining,
 )
 from pageserver.page_service.metrics import PageServiceMetrics
-from pageserver.page_service.pipeline import PagestreamContext, serve_pagestream
+from pageserver.page_service.pipeline import PagestreamContext, serve_pagestream_bytes
 from pageserver.page_service.reader import (
     NotFound,
     PageReader,
@@ -59,7 +59,6 @@ from tests.pageserver.page_service_fakes import (
     FakeTimeline,
     decode_all,
     frame_requests,
-    new_decoder,
     page_image,
     slru_segment,
 )
@@ -117,7 +116,7 @@ async def run_stream(
     async def serve() -> None:
         nonlocal outcome
         try:
-            outcome = await serve_pagestream(server, new_decoder(ctx.version), ctx)
+            outcome = await serve_pagestream_bytes(server, ctx)
         except Exception as exc:
             outcome = exc
         finally:
@@ -277,7 +276,7 @@ async def test_waiting_request_does_not_hold_back_folded_ones(
     client, server = trio.testing.memory_stream_pair()
     async with trio.open_nursery() as nursery:
         config = attrs.evolve(pipelined(), wait_lsn_timeout_s=30.0)
-        nursery.start_soon(serve_pagestream, server, new_decoder(3), ctx_for(tl, config))
+        nursery.start_soon(serve_pagestream_bytes, server, ctx_for(tl, config))
         await client.send_all(frame_requests([*ready, waiting], 3))
         await trio.testing.wait_all_tasks_blocked()
         tl.block_get_pages = False
@@ -523,7 +522,7 @@ async def test_timeline_shutdown_ends_stream_with_57p01(
     async def serve() -> None:
         nonlocal outcome
         try:
-            await serve_pagestream(server, new_decoder(3), ctx)
+            await serve_pagestream_bytes(server, ctx)
         except Shutdown as exc:
             outcome = exc
 
@@ -544,7 +543,7 @@ async def test_outer_cancellation_stops_all_stages(autojump_clock: trio.testing.
     client, server = trio.testing.memory_stream_pair()
     with trio.move_on_after(1) as scope:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve_pagestream, server, new_decoder(3), ctx_for(tl))
+            nursery.start_soon(serve_pagestream_bytes, server, ctx_for(tl))
             await client.send_all(frame_requests([gp(i) for i in range(10)], 3))
             await trio.sleep(5)
     assert scope.cancelled_caught
@@ -567,7 +566,7 @@ async def test_backpressure_reaches_the_transport(autojump_clock: trio.testing.M
     tl.block_get_pages = True
     client, server = trio.testing.lockstep_stream_pair()  # send_all waits for receive_some
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve_pagestream, server, new_decoder(3), ctx_for(tl, pipelined(4)))
+        nursery.start_soon(serve_pagestream_bytes, server, ctx_for(tl, pipelined(4)))
         requests = [NblocksRequest(i, MAX, Lsn(OLD), REL) for i in range(20000)]
         with trio.move_on_after(5) as scope:
             await client.send_all(frame_requests([gp(0), *requests], 3))

@@ -74,20 +74,21 @@ class FakeConn:
         self.closed = False
         self.keepalive_sent = False
 
-    async def start_copy_both(self, sql: str) -> None:
+    async def copy_both(self, sql: str) -> FakeConn:
         await trio.lowlevel.checkpoint()
         cmd = parse_replication_command(sql)
         assert isinstance(cmd, StartReplication) and cmd.physical
         self.sk.starts.append(cmd.start_lsn)
         self.pos = cmd.start_lsn
+        return self
 
-    async def send_copy_data(self, payload: bytes) -> None:
+    async def send(self, payload: bytes | bytearray | memoryview) -> None:
         await trio.lowlevel.checkpoint()
         msg = decode_client_copy_data(payload)
         assert isinstance(msg, StandbyStatusUpdate)
         self.sk.statuses.append(msg)
 
-    async def receive_copy_data(self) -> bytes:
+    async def receive(self) -> bytes | None:
         await trio.sleep(0.001)
         end = START + len(self.sk.wal)
         if self.sk.cut is not None and self.sent >= self.sk.cut:

@@ -67,6 +67,19 @@ WORKLOAD_SQL = [
     "VACUUM big",
     "VACUUM rnd",
     "VACUUM FREEZE big",
+    # posting-list splits: new 'dup' tuples land in freed heap space, below existing TIDs
+    "INSERT INTO rnd SELECT 'dup' FROM generate_series(1, 400)",
+    # bottom-up index deletion: version churn from non-HOT updates of the same rows
+    "CREATE TABLE churn (id int PRIMARY KEY, v int)",
+    "CREATE INDEX churn_v ON churn (v)",
+    "INSERT INTO churn SELECT g, g FROM generate_series(1, 400) g",
+    "UPDATE churn SET v = v + 1",
+    "UPDATE churn SET v = v + 1",
+    "UPDATE churn SET v = v + 1",
+    "UPDATE churn SET v = v + 1",
+    # speculative insertion (Heap/CONFIRM) and ON CONFLICT updates
+    "INSERT INTO big VALUES (1000001, 'new') ON CONFLICT (id) DO NOTHING",
+    "INSERT INTO big SELECT g, 'upsert' FROM generate_series(2500, 2600) g ON CONFLICT (id) DO UPDATE SET pad = 7",
     "INSERT INTO big SELECT g, 'again' FROM generate_series(500, 800) g",
     # sequences
     "CREATE SEQUENCE s1 CACHE 1",
@@ -167,7 +180,8 @@ def test_every_verification_image_matches(wal_run: tuple[PostgresInstance, int, 
         "Heap/INSERT", "Heap/HOT_UPDATE", "Heap/UPDATE", "Heap/DELETE", "Heap/LOCK", "Heap/INPLACE",
         "Heap2/PRUNE", "Heap2/VACUUM", "Heap2/FREEZE_PAGE", "Heap2/VISIBLE", "Heap2/MULTI_INSERT+INIT",
         "Btree/INSERT_LEAF", "Btree/INSERT_UPPER", "Btree/SPLIT_L", "Btree/SPLIT_R", "Btree/NEWROOT",
-        "Btree/VACUUM", "Btree/DEDUP", "Sequence/LOG",
+        "Btree/VACUUM", "Btree/DEDUP", "Btree/DELETE", "Btree/MARK_PAGE_HALFDEAD", "Btree/UNLINK_PAGE",
+        "Heap/HEAP_CONFIRM", "Sequence/LOG",
     ]
     missing = [m for m in must_have if not any(k.startswith(m) for k in report.checked)]
     assert not missing, f"workload did not exercise {missing}"
@@ -210,7 +224,7 @@ def _rel_path(datadir: Path, spc: int, db: int, rel: int, fork: int) -> Path:
 def test_replayed_pages_equal_data_files(wal_run: tuple[PostgresInstance, int, int]) -> None:
     """After CHECKPOINT, every page the run touched equals PostgreSQL's data file page (masked)."""
     from pageserver.walredo import bufpage as bp
-    from pageserver.walredo.mask import btree_mask, fsm_vm_mask, heap_mask, masked, seq_mask
+    from pageserver.walredo.mask import btree_mask, fsm_vm_mask, heap_mask, masked
 
     pg, start, end = wal_run
     report = verify_records(read_wal(pg.wal_dir(), start, end))
@@ -226,13 +240,15 @@ def test_replayed_pages_equal_data_files(wal_run: tuple[PostgresInstance, int, i
         with path.open("rb") as f:
             f.seek(t.blkno * bp.BLCKSZ)
             disk = f.read(bp.BLCKSZ)
-        if t.fork == 2:
-            mask = fsm_vm_mask
-        elif bp.page_is_new(page):
+        if t.fork == 2 or bp.page_is_new(page):
             mask = fsm_vm_mask
         else:
             special = bp.BLCKSZ - bp.get_special(page)
-            mask = {0: heap_mask, 16: btree_mask, 8: seq_mask}[special]
+            if special == 8:
+                # A sequence page on disk holds the values handed out; WAL logs 32 ahead
+                # (SEQ_LOG_VALS), so the data file never equals the logged page.
+                continue
+            mask = {0: heap_mask, 16: btree_mask}[special]
         compared += 1
         if masked(page, t.blkno, mask) != masked(disk, t.blkno, mask):
             differ.append(f"{t}")
@@ -258,3 +274,28 @@ def test_a_wrong_redo_is_caught(wal_run: tuple[PostgresInstance, int, int], monk
     pg, start, end = wal_run
     report = verify_records(itertools.islice(read_wal(pg.wal_dir(), start, end), 3000), max_failures=5)
     assert report.failures and all("Heap" in f for f in report.failures), report.failures
+
+
+def test_multixact_pages_equal_pg_multixact(wal_run: tuple[PostgresInstance, int, int]) -> None:
+    """Offsets and members pages rebuilt from MultiXact/CREATE_ID records equal the files."""
+    from pageserver.storage.value import PostgresRecord
+    from pageserver.walredo import multixact as mx
+
+    pg, start, end = wal_run
+    recs = [
+        r for r in read_wal(pg.wal_dir(), start, end)
+        if r.xl_rmid == mx.RM_MULTIXACT_ID and r.xl_info & 0xF0 == mx.XLOG_MULTIXACT_CREATE_ID
+    ]
+    assert recs, "the FOR SHARE sessions made no multixact"
+    offsets_file = (pg.datadir / "pg_multixact" / "offsets" / "0000").read_bytes()[:8192]
+    members_file = (pg.datadir / "pg_multixact" / "members" / "0000").read_bytes()[:8192]
+    off_base = bytearray(offsets_file)
+    mem_base = bytearray(members_file)
+    for r in recs:  # forget what the run wrote, so redo has to write it again
+        mid, moff, members = mx.parse_create(r.main_data, r.end_lsn)
+        mx.set_offset(off_base, 0, mid, 0)
+        mx.set_members(mem_base, 0, moff, [(0, 0)] * len(members))
+    values = [(r.end_lsn, PostgresRecord(False, r.raw)) for r in recs]
+    mgr = PostgresRedoManager()
+    assert mgr.apply_to_target(SlruPage(2, 0), bytes(off_base), values) == offsets_file
+    assert mgr.apply_to_target(SlruPage(1, 0), bytes(mem_base), values) == members_file

@@ -4,6 +4,7 @@ decoders fed whole / byte-at-a-time / with trailing data, and hostile input."""
 from __future__ import annotations
 
 import struct
+import typing
 
 import pytest
 from hypothesis import given
@@ -122,6 +123,35 @@ def test_frontend_round_trip_whole_and_bytewise(
     assert got == expected
     bytewise.receive_data(b"")
     assert bytewise.next_event() is CLOSED
+
+    # Trailing bytes of a next message stay buffered and are not an error until EOF.
+    trailing = FrontendDecoder()
+    trailing.receive_data(data + b"Q\x00\x00")
+    assert drain(trailing) == expected
+    assert trailing.buffered == 3
+    trailing.receive_data(b"")
+    with pytest.raises(RemoteProtocolError, match="closed by client in the middle"):
+        trailing.next_event()
+
+
+@given(st.lists(st.one_of(TAGGED_FRONTEND, BACKEND), max_size=8), st.data())
+def test_random_segmentation(msgs: list[m.Message], data: st.DataObject) -> None:
+    backend_types = typing.get_args(m.BackendMessage)
+    frontend = [x for x in msgs if not isinstance(x, backend_types)]
+    backend = [x for x in msgs if isinstance(x, backend_types)]
+    for decoder, stream, expected in (
+        (FrontendDecoder(), m.encode(m.StartupMessage({}), *frontend), [m.StartupMessage({}), *frontend]),
+        (BackendDecoder(), m.encode(*backend), backend),
+    ):
+        cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=6)))
+        got: list[object] = []
+        prev = 0
+        for cut in [*cuts, len(stream)]:
+            if cut > prev:  # b"" would mean EOF
+                decoder.receive_data(stream[prev:cut])
+            got += drain(decoder)
+            prev = cut
+        assert got == expected
 
 
 @given(STARTUP_PACKETS)

@@ -323,3 +323,56 @@ def test_random_truncation_of_random_records(specs: list[dict[str, object]], cut
     assert end.lsn == (spans[len(records) - 1][1] if records else spans[0][0]) or (
         not records and end.lsn == SEG - 3 * XLOG_BLCKSZ
     )
+
+
+def test_mid_page_start_on_a_contrecord_page() -> None:
+    enc = WalEncoder(SEG)
+    enc.append(0, 0x20, main_data=bytes(9000))  # continues on the second page
+    b = enc.append(0, 0x20, main_data=b"b")
+    data = enc.take()
+    # Claiming a record starts right after the second page's header is wrong: that page
+    # begins with the rest of the first record.
+    dec = WalStreamDecoder(SEG + XLOG_BLCKSZ + 24, data_start=SEG + XLOG_BLCKSZ)
+    dec.feed(data[XLOG_BLCKSZ:])
+    end = dec.next_record()
+    assert isinstance(end, EndOfWal)
+    assert end.reason == f"contrecord is requested by 0/{SEG + XLOG_BLCKSZ + 24:X}"
+    # A start inside the page header is refused too.
+    dec = WalStreamDecoder(SEG + XLOG_BLCKSZ + 16, data_start=SEG + XLOG_BLCKSZ)
+    dec.feed(data[XLOG_BLCKSZ:])
+    end = dec.next_record()
+    assert isinstance(end, EndOfWal) and end.reason.startswith("invalid record offset")
+    # The real record start on that page works, with its page header checked.
+    dec = WalStreamDecoder(b[0], data_start=SEG + XLOG_BLCKSZ)
+    dec.feed(data[XLOG_BLCKSZ:])
+    rec = dec.next_record()
+    assert isinstance(rec, DecodedRecord) and (rec.lsn, rec.end_lsn) == b
+
+
+def test_timeline_going_backwards_and_sysid() -> None:
+    enc = WalEncoder(SEG, timeline=3, system_identifier=0xABCDEF)
+    for _ in range(5):
+        enc.append(0, 0x20, main_data=bytes(3000))
+    data = bytearray(enc.take())
+    dec = WalStreamDecoder(SEG)
+    dec.feed(data)
+    records, _ = drain(dec)
+    assert len(records) == 5 and dec.system_identifier == 0xABCDEF
+    struct.pack_into("<I", data, XLOG_BLCKSZ + 4, 2)  # second page claims timeline 2
+    dec = WalStreamDecoder(SEG)
+    dec.feed(data)
+    records, end = drain(dec)
+    assert end is not None and end.reason.startswith("out-of-sequence timeline ID 2 (after 3)")
+
+
+def test_decode_record_length_mismatch() -> None:
+    raw = build_record(prev=0, rmid=0, info=0x20, main_data=b"abc")
+    with pytest.raises(RemoteProtocolError):
+        decode_record(raw + b"\x00", SEG + 40)
+    with pytest.raises(RemoteProtocolError):
+        decode_record(raw[:10], SEG + 40)
+    bad = bytearray(raw)
+    bad[-1] ^= 1
+    with pytest.raises(RemoteProtocolError, match="checksum"):
+        decode_record(bytes(bad), SEG + 40)
+    assert decode_record(bytes(bad), SEG + 40, verify_crc=False).main_data == b"abb"

@@ -33,21 +33,6 @@ def sk(pg_tmp_path: Path) -> Iterator[SafekeeperProcess]:
         proc.kill()
 
 
-async def push(
-    sk: SafekeeperProcess, start: Lsn, wal: bytes, *, system_id: int, chunk: int = 128 * 1024
-) -> Lsn:
-    """Elect, push ``wal`` from ``start`` and commit all of it; returns the end."""
-    async with await TestProposer.connect("127.0.0.1", sk.pg_port, TENANT, TIMELINE) as p:
-        await p.greet(system_id=system_id)
-        assert await p.elect(start) == start
-        end = await p.append_many(start, [wal[i : i + chunk] for i in range(0, len(wal), chunk)])
-        await p.append(end, b"", commit_lsn=end)
-        resp = await p.wait_flush(end)
-        while resp.commit_lsn < end:
-            resp = await p.wait_flush(end)
-    return end
-
-
 def waldump(directory: Path, start: Lsn, end: Lsn) -> str:
     proc = subprocess.run(
         [pg_binary("pg_waldump"), "-p", str(directory), "-s", format_lsn(start), "-e", format_lsn(end)],
@@ -57,11 +42,49 @@ def waldump(directory: Path, start: Lsn, end: Lsn) -> str:
     return proc.stdout.decode()
 
 
+async def commit_all(p: TestProposer, end: Lsn) -> None:
+    await p.append(end, b"", commit_lsn=end)
+    resp = await p.wait_flush(end)
+    while resp.commit_lsn < end:
+        resp = await p.wait_flush(end)
+
+
 async def test_real_wal_readable_by_pg_waldump_and_pg_receivewal(
     sk: SafekeeperProcess, real_wal: RealWal, pg_tmp_path: Path
 ) -> None:
-    with trio.fail_after(60):
-        end = await push(sk, real_wal.start, real_wal.data, system_id=real_wal.system_id)
+    target = pg_tmp_path / "received"
+    target.mkdir()
+    conninfo = (
+        f"host=127.0.0.1 port={sk.pg_port} user=postgres "
+        f"options='-c tenant_id={TENANT} timeline_id={TIMELINE}'"
+    )
+    data = real_wal.data
+    chunk = 128 * 1024
+    received: subprocess.CompletedProcess[bytes] | None = None
+
+    def receivewal() -> None:
+        nonlocal received
+        received = subprocess.run(
+            [pg_binary("pg_receivewal"), "-D", str(target), "-d", conninfo, "--no-loop", "-n",
+             "-E", format_lsn(real_wal.end - 1)],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+
+    with trio.fail_after(90):
+        async with await TestProposer.connect("127.0.0.1", sk.pg_port, TENANT, TIMELINE) as p:
+            await p.greet(system_id=real_wal.system_id)
+            assert await p.elect(real_wal.start) == real_wal.start
+            # Commit the first MiB, so pg_receivewal starts streaming at segment 1 ...
+            first = await p.append_many(real_wal.start, [data[i : i + chunk] for i in range(0, 1 << 20, chunk)])
+            await commit_all(p, first)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.to_thread.run_sync, receivewal)
+                # ... and receives the rest live, as it is committed.
+                rest = data[first - real_wal.start :]
+                end = await p.append_many(first, [rest[i : i + chunk] for i in range(0, len(rest), chunk)])
+                await commit_all(p, end)
     assert end == real_wal.end
     status = sk.timeline_status(TENANT, TIMELINE)
     assert parse_lsn(status["flush_lsn"]) == end
@@ -79,32 +102,17 @@ async def test_real_wal_readable_by_pg_waldump_and_pg_receivewal(
     source = pg_tmp_path / "source"
     source.mkdir()
     for segno in (1, 2, 3):
-        data = real_wal.data[(segno - 1) * SEG : segno * SEG]
-        (source / segment_file_name(segno)).write_bytes(data + bytes(SEG - len(data)))
-    first = Lsn(real_wal.start + 40)
-    ours = waldump(view, first, end)
+        piece = data[(segno - 1) * SEG : segno * SEG]
+        (source / segment_file_name(segno)).write_bytes(piece + bytes(SEG - len(piece)))
+    first_record = Lsn(real_wal.start + 40)
+    ours = waldump(view, first_record, end)
     assert ours.count("rmgr:") == len(real_wal.record_starts)
-    assert ours == waldump(source, first, end)
+    assert ours == waldump(source, first_record, end)
 
-    # pg_receivewal gets byte-identical segments.
-    target = pg_tmp_path / "received"
-    target.mkdir()
-    conninfo = (
-        f"host=127.0.0.1 port={sk.pg_port} user=postgres "
-        f"options='-c tenant_id={TENANT} timeline_id={TIMELINE}'"
-    )
-    proc = await trio.to_thread.run_sync(
-        lambda: subprocess.run(
-            [pg_binary("pg_receivewal"), "-D", str(target), "-d", conninfo, "--no-loop", "-n",
-             "-E", format_lsn(end - 1)],
-            capture_output=True,
-            timeout=60,
-            check=False,
-        )
-    )
-    assert proc.returncode == 0, proc.stderr.decode()
-    received = sorted(p.name for p in target.iterdir())
-    assert received == names
+    # pg_receivewal got byte-identical segments.
+    assert received is not None
+    assert received.returncode == 0, received.stderr.decode()
+    assert sorted(p.name for p in target.iterdir()) == names
     for name in names:
         assert (target / name).read_bytes() == (tl_dir / name).read_bytes(), name
 

@@ -1,0 +1,158 @@
+"""HTTP server: routing with path params, JSON bodies via cattrs, errors as {"msg"}, /metrics."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import attrs
+import prometheus_client
+import pytest
+import trio
+import trio.testing
+
+from common.http import HttpError, HttpServer, HttpServerConfig, Request, Response, Router
+from common.metrics import add_metrics_route, metrics_text, new_registry
+
+
+@attrs.frozen
+class TimelineCreate:
+    new_timeline_id: str
+    ancestor_start_lsn: str | None = None
+
+
+@attrs.frozen
+class TimelineInfo:
+    tenant_id: str
+    timeline_id: str
+
+
+def make_router() -> tuple[Router, prometheus_client.CollectorRegistry]:
+    router = Router()
+    registry = new_registry()
+    requests = prometheus_client.Counter(
+        "pageserver_test_requests", "requests", ["route"], registry=registry
+    )
+
+    @router.route("GET", "/v1/tenant/{tenant_id}/timeline/{timeline_id}")
+    async def get_timeline(req: Request) -> object:
+        requests.labels("get").inc()
+        if req.params["timeline_id"] == "missing":
+            raise HttpError(404, "timeline missing not found")
+        return TimelineInfo(req.params["tenant_id"], req.params["timeline_id"])
+
+    @router.route("POST", "/v1/tenant/{tenant_id}/timeline")
+    async def create_timeline(req: Request) -> object:
+        body = req.structure(TimelineCreate)
+        return Response.json({"created": body.new_timeline_id, "q": req.query}, status=201)
+
+    @router.route("GET", "/v1/crash")
+    async def crash(req: Request) -> object:
+        raise RuntimeError("bug")
+
+    @router.route("GET", "/v1/status")
+    async def status(req: Request) -> object:
+        return None
+
+    add_metrics_route(router, registry)
+    return router, registry
+
+
+@pytest.fixture
+async def http_port() -> AsyncIterator[int]:
+    router, _ = make_router()
+    server = HttpServer(router, HttpServerConfig(port=0))
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve)
+        yield port
+        server.shutdown()
+
+
+async def request(
+    port: int, method: str, path: str, body: bytes = b"", keep: trio.abc.Stream | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """A minimal raw HTTP/1.1 client (so the test does not trust our own h11 glue twice)."""
+    stream = keep or await trio.open_tcp_stream("127.0.0.1", port)
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    await stream.send_all(head.encode() + body)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await stream.receive_some(65536)
+    header, _, rest = data.partition(b"\r\n\r\n")
+    lines = header.decode().split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    length = int(headers["content-length"])
+    while len(rest) < length:
+        rest += await stream.receive_some(65536)
+    if keep is None:
+        await stream.aclose()
+    return status, headers, rest
+
+
+async def test_routes_params_and_json(http_port: int) -> None:
+    with trio.fail_after(5):
+        status, headers, body = await request(http_port, "GET", "/v1/tenant/ab/timeline/cd")
+        assert status == 200 and headers["content-type"] == "application/json"
+        assert json.loads(body) == {"tenant_id": "ab", "timeline_id": "cd"}
+        status, _, body = await request(
+            http_port, "POST", "/v1/tenant/ab/timeline?x=1", b'{"new_timeline_id": "ef"}'
+        )
+        assert status == 201 and json.loads(body) == {"created": "ef", "q": {"x": "1"}}
+        status, _, body = await request(http_port, "GET", "/v1/status")
+        assert (status, json.loads(body)) == (200, {})
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "msg"),
+    [
+        ("GET", "/v1/tenant/ab/timeline/missing", b"", 404, "timeline missing not found"),
+        ("GET", "/nope", b"", 404, "no route for GET /nope"),
+        ("DELETE", "/v1/tenant/ab/timeline/cd", b"", 405, "method DELETE not allowed"),
+        ("POST", "/v1/tenant/ab/timeline", b"{nope", 400, "malformed JSON body"),
+        ("POST", "/v1/tenant/ab/timeline", b'{"zzz": 1}', 400, "zzz: unknown key"),
+        ("POST", "/v1/tenant/ab/timeline", b'{"new_timeline_id": 5}', 400, "new_timeline_id: expected a string"),
+        ("GET", "/v1/crash", b"", 500, "internal error: bug"),
+    ],
+)
+async def test_errors_are_json_msg(
+    http_port: int, method: str, path: str, body: bytes, status: int, msg: str
+) -> None:
+    with trio.fail_after(5):
+        got_status, _, got = await request(http_port, method, path, body)
+    assert got_status == status
+    assert msg in json.loads(got)["msg"]
+
+
+async def test_keep_alive_and_metrics(http_port: int) -> None:
+    with trio.fail_after(5):
+        stream = await trio.open_tcp_stream("127.0.0.1", http_port)
+        for _ in range(3):
+            status, _, _ = await request(http_port, "GET", "/v1/tenant/a/timeline/b", keep=stream)
+            assert status == 200
+        status, headers, body = await request(http_port, "GET", "/metrics", keep=stream)
+        await stream.aclose()
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert 'pageserver_test_requests_total{route="get"} 3.0' in body.decode()
+
+
+async def test_garbage_request_gets_400() -> None:
+    router, _ = make_router()
+    server = HttpServer(router)
+    client, server_side = trio.testing.memory_stream_pair()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve_connection, server_side)
+            await client.send_all(b"\x00\x01 garbage\r\n\r\n")
+            data = b""
+            while chunk := await client.receive_some(65536):
+                data += chunk
+    assert data.startswith(b"HTTP/1.1 400")
+    assert b'"msg"' in data
+
+
+def test_metrics_text_is_per_registry() -> None:
+    a, b = new_registry(), new_registry()
+    prometheus_client.Gauge("safekeeper_x", "x", registry=a).set(2)
+    assert b"safekeeper_x 2.0" in metrics_text(a)
+    assert b"safekeeper_x" not in metrics_text(b)

@@ -1,0 +1,284 @@
+"""The page service behind the real libpq server loop: our PageClient over memory streams, a
+real libpq client (psycopg's ``pq`` layer) over TCP, query parsing, stream-ending errors."""
+
+from __future__ import annotations
+
+
+import psycopg.pq
+import pytest
+import trio
+import trio.testing
+from prometheus_client import CollectorRegistry
+
+from common.pgclient import PgClientConnection
+from common.pgserver import PgServer, PgServerConfig
+from compute.page_client import PageClient, PageRequestFailed
+from pageserver.page_service.config import PageServiceConfig, PipelinedPipelining, SerialPipelining
+from pageserver.page_service.handler import (
+    OtherCommand,
+    PagestreamCommand,
+    PageServiceHandler,
+    SetCommand,
+    parse_query,
+)
+from pageserver.page_service.metrics import PageServiceMetrics
+from pageserver.page_service.reader import NotFound, PageReader
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import Lsn
+from protocol.pagestream import (
+    BLCKSZ,
+    ErrorResponse,
+    GetPageRequest,
+    GetPageResponse,
+    RelTag,
+    SlruKind,
+    decode_response,
+    encode_request,
+)
+from protocol.pgwire.errors import PgError
+from tests.pageserver.page_service_fakes import ZERO_PAGE, FakeTimeline, page_image, slru_segment
+
+TENANT = TenantId(bytes(range(16)))
+TIMELINE = TimelineId(bytes(range(16, 32)))
+OTHER = TimelineId(bytes(16))
+REL = RelTag(1663, 5, 16384, 0)
+MAX = Lsn(0xFFFF_FFFF_FFFF_FFFF)
+
+
+class Lookup:
+    def __init__(self, timelines: dict[tuple[TenantId, TimelineId], FakeTimeline]) -> None:
+        self.timelines = timelines
+
+    def get_reader(self, tenant_id: TenantId, timeline_id: TimelineId) -> PageReader:
+        try:
+            return self.timelines[(tenant_id, timeline_id)]
+        except KeyError:
+            raise NotFound(f"timeline {tenant_id}/{timeline_id} not found") from None
+
+
+def make_timeline() -> FakeTimeline:
+    tl = FakeTimeline(last_record_lsn=0x1000)
+    tl.fill(REL, 10, [0x100, 0x800])
+    tl.slru[(SlruKind.CLOG, 0)] = slru_segment(3)
+    return tl
+
+
+def make_server(tl: FakeTimeline, config: PageServiceConfig | None = None, **kw: object) -> PgServer:
+    handler = PageServiceHandler(Lookup({(TENANT, TIMELINE): tl}), config, **kw)  # type: ignore[arg-type]
+    return PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None))
+
+
+async def connect_memory(server: PgServer, nursery: trio.Nursery) -> PgClientConnection:
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    nursery.start_soon(server.serve_connection, server_stream)
+    return await PgClientConnection.open(client_stream, user="test")
+
+
+def test_parse_query() -> None:
+    assert parse_query(f"pagestream_v3 {TENANT.hex} {TIMELINE.hex}") == PagestreamCommand(3, TENANT, TIMELINE)
+    assert parse_query(f"  PAGESTREAM_V2   {TENANT.hex}\t{TIMELINE.hex} ") == PagestreamCommand(2, TENANT, TIMELINE)
+    assert parse_query("set datestyle to ISO") == SetCommand("set datestyle to ISO")
+    assert parse_query("basebackup a b") == OtherCommand("basebackup", ("a", "b"))
+    for bad in ("pagestream_v3", "nonsense", f"pagestream_v3 {TENANT.hex}", "pagestream_v2 xx yy", ""):
+        with pytest.raises(PgError):
+            parse_query(bad)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize(
+    "config",
+    [PageServiceConfig(page_service_pipelining=SerialPipelining()), PageServiceConfig()],
+    ids=["serial", "pipelined"],
+)
+async def test_page_client_over_the_server_loop(version: int, config: PageServiceConfig) -> None:
+    tl = make_timeline()
+    registry = CollectorRegistry()
+    server = make_server(tl, config, metrics=PageServiceMetrics.register(registry))
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            conn = await connect_memory(server, nursery)
+            assert (await conn.query("set datestyle to 'ISO'")) == []
+            client = await PageClient.start(conn, TENANT, TIMELINE, version=version)  # type: ignore[arg-type]
+            assert await client.get_page(REL, 3) == page_image(REL, 3, 0x800)
+            assert await client.get_page(REL, 3, Lsn(0x200), Lsn(0x200)) == page_image(REL, 3, 0x100)
+            assert await client.get_page(REL, 50) == ZERO_PAGE
+            assert await client.exists(REL) is True
+            assert await client.nblocks(REL) == 10
+            assert await client.db_size(5) == 10 * BLCKSZ
+            assert await client.slru_segment(SlruKind.CLOG, 0) == slru_segment(3)
+            with pytest.raises(PageRequestFailed, match="Bad request"):
+                await client.get_page(RelTag(1663, 5, 0, 0), 1)
+            requests = [
+                GetPageRequest(client.next_reqid(), MAX, Lsn(0), REL, i % 10) for i in range(200)
+            ]
+            responses = await client.pipelined(requests, queue_depth=32)
+            assert responses == [GetPageResponse(r, page_image(REL, r.blkno, 0x800)) for r in requests]
+            await client.finish()  # CopyDone: back to query mode on the same connection
+            assert (await conn.query("set x to 1")) == []
+            await conn.aclose()
+    batches = registry.get_sample_value("pageserver_page_service_batch_size_count")
+    assert batches is not None and batches >= 1
+
+
+async def test_missing_timeline() -> None:
+    tl = make_timeline()
+    server = make_server(tl)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            # A non-GetPage request: ErrorResponse XX000, and the connection stays usable.
+            conn = await connect_memory(server, nursery)
+            client = await PageClient.start(conn, TENANT, OTHER)  # opening never fails
+            with pytest.raises(PgError) as info:
+                await client.nblocks(REL)
+            assert info.value.sqlstate == "XX000" and "not found" in info.value.message
+            await conn.finish_copy()
+            assert (await conn.query("set a to b")) == []
+            await conn.aclose()
+            # A GetPage: misrouted, FATAL 08006 "reconnect", connection closed.
+            conn = await connect_memory(server, nursery)
+            client = await PageClient.start(conn, TENANT, OTHER)
+            with pytest.raises(PgError) as info:
+                await client.get_page(REL, 1)
+            assert info.value.sqlstate == "08006" and info.value.severity == "FATAL"
+            await conn.aclose()
+
+
+async def test_bad_message_ends_stream_but_not_connection() -> None:
+    tl = make_timeline()
+    server = make_server(tl)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            conn = await connect_memory(server, nursery)
+            client = await PageClient.start(conn, TENANT, TIMELINE)
+            good = GetPageRequest(1, MAX, Lsn(0), REL, 1)
+            await client.copy.send(encode_request(good, 3))
+            await client.copy.send(b"\x07garbage")
+            first = await client.copy.receive()
+            assert first is not None
+            assert decode_response(first, 3, good) == GetPageResponse(good, page_image(REL, 1, 0x800))
+            with pytest.raises(PgError) as info:
+                await client.copy.receive()
+            assert info.value.sqlstate == "XX000" and "invalid tag 7" in info.value.message
+            await conn.finish_copy()
+            assert (await conn.query("set a to b")) == []
+            await conn.aclose()
+
+
+async def test_timeline_shutdown_sends_57p01_and_closes(autojump_clock: trio.testing.MockClock) -> None:
+    tl = make_timeline()
+    tl.read_delay_s = 100.0  # requests are in flight when the timeline shuts down
+    server = make_server(tl)
+    async with trio.open_nursery() as nursery:
+        conn = await connect_memory(server, nursery)
+        client = await PageClient.start(conn, TENANT, TIMELINE)
+        await client.send(*[GetPageRequest(i, MAX, Lsn(0), REL, i) for i in range(1, 9)])
+        await trio.sleep(1)
+        tl.shut_down()
+        with trio.fail_after(1), pytest.raises(PgError) as info:
+            await client.receive()
+        assert info.value.sqlstate == "57P01" and info.value.severity == "FATAL"
+        with trio.fail_after(1):
+            assert await conn.transport.receive_some() == b""  # the server closed it
+        await conn.aclose()
+
+
+async def test_server_shutdown_ends_streams(autojump_clock: trio.testing.MockClock) -> None:
+    tl = make_timeline()
+    tl.read_delay_s = 100.0
+    server = make_server(tl)
+    async with trio.open_nursery() as nursery:
+        conn = await connect_memory(server, nursery)
+        client = await PageClient.start(conn, TENANT, TIMELINE)
+        await client.send(GetPageRequest(1, MAX, Lsn(0), REL, 1))
+        await trio.sleep(1)
+        server.shutdown()
+        with trio.fail_after(1), pytest.raises(PgError) as info:
+            await client.receive()
+        assert info.value.sqlstate == "57P01"
+        await conn.aclose()
+
+
+# ---------------------------------------------------------------------------------------------
+# A real libpq client over TCP
+
+
+def _libpq_session(port: int, version: int) -> list[bytes]:
+    """psycopg's pq layer (libpq itself): open pagestream, pipeline 3 GetPages, read them."""
+    conn = psycopg.pq.PGconn.connect(f"host=127.0.0.1 port={port} user=test dbname=x".encode())
+    try:
+        assert conn.status == psycopg.pq.ConnStatus.OK, conn.get_error_message()
+        res = conn.exec_(f"pagestream_v{version} {TENANT.hex} {TIMELINE.hex}".encode())
+        assert res.status == psycopg.pq.ExecStatus.COPY_BOTH, res.error_message
+        reqid = 0 if version == 2 else 1
+        for blk in (0, 1, 2):
+            req = GetPageRequest(reqid, MAX, Lsn(0), REL, blk)
+            assert conn.put_copy_data(encode_request(req, version)) == 1  # type: ignore[arg-type]
+        assert conn.flush() == 0
+        out = []
+        for _ in range(3):
+            n, data = conn.get_copy_data(0)
+            assert n > 0, conn.get_error_message()
+            out.append(bytes(data))
+        return out
+    finally:
+        conn.finish()
+
+
+def _libpq_garbage(port: int) -> bytes:
+    conn = psycopg.pq.PGconn.connect(f"host=127.0.0.1 port={port} user=test dbname=x".encode())
+    try:
+        res = conn.exec_(f"pagestream_v3 {TENANT.hex} {TIMELINE.hex}".encode())
+        assert res.status == psycopg.pq.ExecStatus.COPY_BOTH
+        conn.put_copy_data(b"\xff\x00\x01")
+        conn.flush()
+        n, _ = conn.get_copy_data(0)
+        assert n == -1  # the server ended COPY with an error
+        result = conn.get_result()
+        assert result is not None
+        return result.error_field(psycopg.pq.DiagnosticField.SQLSTATE) or b""
+    finally:
+        conn.finish()
+
+
+@pytest.mark.parametrize("version", [2, 3])
+async def test_real_libpq_client(version: int) -> None:
+    tl = make_timeline()
+    server = make_server(tl)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve)
+            payloads = await trio.to_thread.run_sync(_libpq_session, port, version)
+            for blk, payload in enumerate(payloads):
+                req = GetPageRequest(0 if version == 2 else 1, MAX, Lsn(0), REL, blk)
+                response = decode_response(payload, version, req)  # type: ignore[arg-type]
+                assert response == GetPageResponse(req, page_image(REL, blk, 0x800))
+            # garbage on one connection ends that stream only; the server keeps serving
+            assert await trio.to_thread.run_sync(_libpq_garbage, port) == b"XX000"
+            payloads = await trio.to_thread.run_sync(_libpq_session, port, version)
+            assert len(payloads) == 3
+            server.shutdown()
+
+
+async def test_hostile_connections_do_not_disturb_others() -> None:
+    tl = make_timeline()
+    server = make_server(tl, PageServiceConfig(page_service_pipelining=PipelinedPipelining(8)))
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            good = await connect_memory(server, nursery)
+            client = await PageClient.start(good, TENANT, TIMELINE)
+            for garbage in (b"\x02" + b"\x00" * 5, b"\x63", b"\x00" * 50):
+                bad = await connect_memory(server, nursery)
+                bad_client = await PageClient.start(bad, TENANT, TIMELINE)
+                await bad_client.copy.send(garbage)
+                with pytest.raises(PgError):
+                    await bad_client.copy.receive()
+                await bad.aclose()
+                # relnode 0 and LSN 0 are per-request errors on the good connection
+                r = await client.request(GetPageRequest(5, MAX, Lsn(0), RelTag(1663, 5, 0, 0), 1))
+                assert isinstance(r, ErrorResponse) and "relnode" in r.message
+                r = await client.request(GetPageRequest(6, Lsn(0), Lsn(0), REL, 1))
+                assert isinstance(r, ErrorResponse) and "LSN(0)" in r.message
+                assert await client.get_page(REL, 2) == page_image(REL, 2, 0x800)
+            await good.aclose()
+
+

@@ -1,0 +1,153 @@
+"""The redo manager through the storage engine's interface: keys, stored values, errors."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from pageserver.storage.key import (
+    SLRU_CLOG,
+    SLRU_MULTIXACT_MEMBERS,
+    SLRU_MULTIXACT_OFFSETS,
+    Key,
+    rel_block_key,
+    slru_block_key,
+)
+from pageserver.storage.reconstruct import PageReconstructError
+from pageserver.storage.value import (
+    ClearVisibilityMapFlags,
+    ClogSetAborted,
+    ClogSetCommitted,
+    MultixactMembersCreate,
+    MultixactOffsetCreate,
+    PostgresRecord,
+    TestRecord,
+    TruncateVisibilityMap,
+    WalRecordValue,
+)
+from pageserver.walredo import bufpage as bp
+from pageserver.walredo import clog, multixact
+from pageserver.walredo.manager import PostgresRedoManager
+from pageserver.walredo.visibilitymap import vm_get, vm_set_in_page
+from protocol.lsn import Lsn
+from protocol.wal.encoder import BlockSpec, build_record
+from protocol.wal.record import RelFileNode
+
+REL = RelFileNode(1663, 5, 16384)
+KEY = rel_block_key(1663, 5, 16384, 0, 7)
+
+
+def _heap_insert(offnum: int, payload: bytes, *, init: bool, xid: int = 900, flags: int = 0) -> bytes:
+    xlhdr = struct.pack("<HHB", 2, 0x0802, 24)  # natts 2, HEAP_XMAX_INVALID|HASVARWIDTH, hoff
+    return build_record(
+        prev=0,
+        rmid=10,
+        info=0x80 if init else 0x00,
+        xid=xid,
+        blocks=[BlockSpec(REL, 7, data=xlhdr + b"\x00" + payload, will_init=init)],
+        main_data=struct.pack("<HB", offnum, flags),
+    )
+
+
+def _apply(key: bytes, base: bytes | bytearray | None, recs: list[tuple[int, WalRecordValue]]) -> bytes:
+    base_b = bytes(base) if base is not None else None
+    return PostgresRedoManager().apply(Key(key), base_b, [(Lsn(lsn), v) for lsn, v in recs])
+
+
+def test_heap_insert_init_then_insert() -> None:
+    r1 = _heap_insert(1, b"hello", init=True)
+    r2 = _heap_insert(2, b"world!", init=False, xid=901)
+    page = _apply(KEY, None, [(0x1000, PostgresRecord(True, r1)), (0x2000, PostgresRecord(False, r2))])
+    assert bp.page_get_lsn(page) == 0x2000
+    assert bp.max_offset(page) == 2
+    raw = bp.get_itemid(page, 2)
+    off = bp.lp_off(raw)
+    xmin, xmax, cid, bhi, blo, posid = struct.unpack_from("<IIIHHH", page, off)
+    assert (xmin, xmax, cid, (bhi << 16) | blo, posid) == (901, 0, 0, 7, 2)
+    assert page[off + 24 : off + bp.lp_len(raw)] == b"world!"
+
+
+def test_record_already_applied_is_skipped() -> None:
+    r1 = _heap_insert(1, b"hello", init=True)
+    r2 = _heap_insert(2, b"again", init=False)
+    page = _apply(KEY, None, [(0x1000, PostgresRecord(True, r1))])
+    newer = bytearray(page)
+    bp.page_set_lsn(newer, 0x3000)
+    assert _apply(KEY, bytes(newer), [(0x2000, PostgresRecord(False, r2))]) == bytes(newer)
+
+
+def test_unknown_rmgr_names_it() -> None:
+    hash_rec = build_record(prev=0, rmid=12, info=0x00, blocks=[BlockSpec(REL, 7, data=b"xx")], main_data=b"\0\0")
+    with pytest.raises(PageReconstructError, match="Hash"):
+        _apply(KEY, bp.new_page(0), [(0x1000, PostgresRecord(False, hash_rec))])
+
+
+def test_record_not_touching_the_page_is_an_error() -> None:
+    other = _heap_insert(1, b"x", init=True)
+    with pytest.raises(PageReconstructError, match="does not reference"):
+        _apply(rel_block_key(1663, 5, 16384, 0, 8), bp.new_page(0), [(0x1000, PostgresRecord(True, other))])
+
+
+def test_missing_base_is_an_error() -> None:
+    r2 = _heap_insert(2, b"x", init=False)
+    with pytest.raises(PageReconstructError, match="no base image"):
+        _apply(KEY, None, [(0x1000, PostgresRecord(False, r2))])
+
+
+def test_fpi_restores_image_with_lsn() -> None:
+    img = bp.new_page(0)
+    bp.page_add_item(img, b"i" * 40, 1, overwrite=True, is_heap=True)
+    fpi = build_record(prev=0, rmid=0, info=0xB0, blocks=[BlockSpec(REL, 7, image=bytes(img))])
+    page = _apply(KEY, None, [(0x5000, PostgresRecord(True, fpi))])
+    expect = bytearray(img)
+    bp.page_set_lsn(expect, 0x5000)
+    assert page == bytes(expect)
+
+
+def test_vm_bits_cleared_by_heap_record_on_vm_page() -> None:
+    vm = bp.new_page(0)
+    for blk in (6, 7, 8):
+        vm_set_in_page(vm, blk, 3)
+    rec = _heap_insert(1, b"x", init=False, flags=0x01)  # ALL_VISIBLE_CLEARED on heap block 7
+    vm_key = rel_block_key(1663, 5, 16384, 2, 0)
+    out = _apply(vm_key, bytes(vm), [(0x1000, PostgresRecord(False, rec))])
+    assert [vm_get(out, b) for b in (6, 7, 8)] == [3, 0, 3]
+    assert bp.page_get_lsn(out) == 0  # PostgreSQL does not stamp the VM page here
+    neon = _apply(vm_key, bytes(vm), [(0x1000, ClearVisibilityMapFlags(8, None, 2))])
+    assert [vm_get(neon, b) for b in (6, 7, 8)] == [3, 3, 1]
+    trunc = _apply(vm_key, bytes(vm), [(0x1000, TruncateVisibilityMap(1, 6))])  # keep heap blocks < 7
+    assert [vm_get(trunc, b) for b in (6, 7, 8)] == [3, 0, 0]
+
+
+def test_clog_and_multixact_values() -> None:
+    page = _apply(slru_block_key(SLRU_CLOG, 0, 1), bytes(8192), [
+        (0x10, ClogSetCommitted((32768 + 5, 32768 + 6, 7), 0)),
+        (0x20, ClogSetAborted((32768 + 9,))),
+    ])
+    assert clog.clog_get_status(page, 32768 + 5) == clog.TRANSACTION_STATUS_COMMITTED
+    assert clog.clog_get_status(page, 32768 + 9) == clog.TRANSACTION_STATUS_ABORTED
+    assert clog.clog_get_status(page, 32768 + 7) == 0  # xid 7 lives on page 0
+    off = _apply(slru_block_key(SLRU_MULTIXACT_OFFSETS, 0, 0), bytes(8192), [(0x10, MultixactOffsetCreate(5, 77))])
+    assert struct.unpack_from("<I", off, 20)[0] == 77
+    mem = _apply(
+        slru_block_key(SLRU_MULTIXACT_MEMBERS, 0, 0), bytes(8192),
+        [(0x10, MultixactMembersCreate(3, ((1000, 1), (1001, 2))))],
+    )
+    # member 3 is the last of group 0; member 4 the first of group 1 (20-byte groups)
+    assert mem[3] == 1 and struct.unpack_from("<I", mem, 4 + 12)[0] == 1000
+    assert mem[20] == 2 and struct.unpack_from("<I", mem, 24)[0] == 1001
+    assert multixact.MULTIXACT_MEMBERS_PER_PAGE == 1636
+
+
+def test_raw_commit_with_subxacts_sets_clog() -> None:
+    xinfo = clog.XACT_XINFO_HAS_SUBXACTS
+    main = struct.pack("<qI", 0, xinfo) + struct.pack("<i", 2) + struct.pack("<II", 1001, 1002)
+    rec = build_record(prev=0, rmid=1, info=0x80, xid=1000, main_data=main)
+    page = _apply(slru_block_key(SLRU_CLOG, 0, 0), bytes(8192), [(0x10, PostgresRecord(False, rec))])
+    assert [clog.clog_get_status(page, x) for x in (999, 1000, 1001, 1002)] == [0, 1, 1, 1]
+
+
+def test_test_records_are_delegated() -> None:
+    out = _apply(KEY, b"a", [(0x10, TestRecord.wal_append(",b"))])
+    assert out == b"a,b"

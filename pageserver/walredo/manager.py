@@ -272,7 +272,8 @@ class PostgresRedoManager:
             routine(page, rec, blk)
         except bp.PageError as exc:
             raise RedoError(f"{record_name(rec)}: {exc}", lsn=lsn, rmgr=rmgr_name(rec.xl_rmid)) from None
-        except (struct.error, IndexError) as exc:
+        except (struct.error, IndexError, ValueError, AssertionError) as exc:
+            # a record that does not fit the page (hostile or corrupt input)
             raise RedoError(f"{record_name(rec)}: malformed record ({exc})", lsn=lsn, rmgr=rmgr_name(rec.xl_rmid)) from None
         REDO_RECORDS.inc()
         if self.validate and blk.has_image:

@@ -1,8 +1,9 @@
 """XLOG resource manager (rmid 0) redo and full-page images.
 
 XLOG/FPI and FPI_FOR_HINT carry nothing but block images; restoring an image is the same for
-every record (``restore_image``). A block of an XLOG record that carries no image to apply
-cannot be rebuilt: that is an error, never a guess. XLOG records without block references
+every record (``restore_image``). An FPI block without an image to apply cannot be rebuilt:
+that is an error, never a guess. FPI_FOR_HINT without an image (full_page_writes off) only
+announced hint bits, so it changes nothing, as in PostgreSQL. XLOG records without block references
 (checkpoints, NEXTOID, SWITCH, ...) have no page effect.
 """
 
@@ -34,7 +35,11 @@ def restore_image(blk: BlockRef, end_lsn: int) -> bytearray:
 
 
 def redo_xlog(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
+    """Reached only for blocks without an image to apply."""
     info = rec.xl_info & 0xF0
+    if info == XLOG_FPI_FOR_HINT and not blk.has_image:
+        # full_page_writes was off: the record only said "hint bits changed"; nothing to do
+        return
     kind = "FPI" if info == XLOG_FPI else "FPI_FOR_HINT" if info == XLOG_FPI_FOR_HINT else f"{info:#x}"
     raise RedoError(
         f"XLOG/{kind} block {blk.block_id} has no image to apply", lsn=rec.end_lsn, rmgr="XLOG"

@@ -318,18 +318,21 @@ def decode_record(
     ``end_lsn`` defaults to the position PostgreSQL computes from ``lsn`` and the length.
     """
     raw = bytes(raw)
-    where = format_lsn(lsn)
     if len(raw) < SIZE_OF_XLOG_RECORD:
         raise RemoteProtocolError(
-            f"invalid record length at {where}: wanted {SIZE_OF_XLOG_RECORD}, got {len(raw)}"
+            f"invalid record length at {format_lsn(lsn)}: wanted {SIZE_OF_XLOG_RECORD},"
+            f" got {len(raw)}"
         )
     tot_len, xid, prev, info, rmid, crc = XLOG_RECORD_HEADER.unpack_from(raw)
     if tot_len != len(raw):
         raise RemoteProtocolError(
-            f"record at {where} has xl_tot_len {tot_len} but {len(raw)} bytes were given"
+            f"record at {format_lsn(lsn)} has xl_tot_len {tot_len} but {len(raw)} bytes"
+            " were given"
         )
     if verify_crc and record_crc(raw) != crc:
-        raise RemoteProtocolError(f"incorrect resource manager data checksum in record at {where}")
+        raise RemoteProtocolError(
+            f"incorrect resource manager data checksum in record at {format_lsn(lsn)}"
+        )
     blocks, main_data, origin, toplevel_xid = decode_body(raw, lsn)
     if end_lsn is None:
         if rmid == RmgrId.XLOG and info & 0xF0 == XLOG_SWITCH:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pageserver.storage.key import (
     SLRU_CLOG,
@@ -151,3 +153,42 @@ def test_raw_commit_with_subxacts_sets_clog() -> None:
 def test_test_records_are_delegated() -> None:
     out = _apply(KEY, b"a", [(0x10, TestRecord.wal_append(",b"))])
     assert out == b"a,b"
+
+
+def _sample_heap_page() -> bytes:
+    page = _apply(KEY, None, [(0x1000, PostgresRecord(True, _heap_insert(1, b"hello", init=True)))])
+    return _apply(KEY, page, [(0x2000, PostgresRecord(False, _heap_insert(2, b"world", init=False)))])
+
+
+@settings(max_examples=300)
+@given(
+    rmid=st.sampled_from([9, 10, 11, 15, 0]),
+    info=st.integers(0, 255).map(lambda i: i & 0xF0),
+    main=st.binary(max_size=40),
+    data=st.binary(max_size=60),
+    will_init=st.booleans(),
+    block_id=st.integers(0, 4),
+)
+def test_hostile_records_give_clear_errors(
+    rmid: int, info: int, main: bytes, data: bytes, will_init: bool, block_id: int
+) -> None:
+    """Garbage in a record of a supported rmgr: a page or PageReconstructError, nothing else."""
+    base = _sample_heap_page()
+    rec = build_record(
+        prev=0, rmid=rmid, info=info, xid=5,
+        blocks=[BlockSpec(REL, 7, data=data, will_init=will_init, block_id=block_id)], main_data=main,
+    )
+    try:
+        out = _apply(KEY, base, [(0x9000, PostgresRecord(will_init, rec))])
+    except PageReconstructError:
+        return
+    assert len(out) == bp.BLCKSZ
+
+
+def test_fpi_without_image() -> None:
+    page = _sample_heap_page()
+    hint = build_record(prev=0, rmid=0, info=0xA0, blocks=[BlockSpec(REL, 7)])
+    assert _apply(KEY, page, [(0x9000, PostgresRecord(False, hint))]) == page
+    fpi = build_record(prev=0, rmid=0, info=0xB0, blocks=[BlockSpec(REL, 7)])
+    with pytest.raises(PageReconstructError, match="XLOG/FPI block 0 has no image"):
+        _apply(KEY, page, [(0x9000, PostgresRecord(False, fpi))])

@@ -1,0 +1,268 @@
+"""The walproposer bridge with real processes: a vanilla PostgreSQL 15 in synchronous
+replication with the bridge, three safekeeper nodes, pgbench, kill -9.
+
+What is checked:
+
+- PostgreSQL treats the bridge as its synchronous standby, and pgbench commits;
+- the safekeepers' flush and commit LSNs reach PostgreSQL's flush LSN;
+- with one safekeeper killed, pgbench still commits; with two down a commit waits until one
+  comes back (commits need a quorum of fsyncs), and the returning one catches up;
+- the bridge killed with -9 and restarted elects a higher term and goes on;
+- pg_waldump reads a safekeeper's segment files and finds the same records as in PostgreSQL's
+  own pg_wal;
+- the pageserver's WAL receiver pulls the WAL from the safekeepers and decodes the same records
+  pg_waldump lists.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from compute.postgres import PostgresInstance, pg_binary, run_as_postgres
+from pageserver.wal_receiver import WalReceiver, WalReceiverConfig
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import Lsn, format_lsn, parse_lsn, segment_file_name
+from protocol.wal.record import DecodedRecord
+from safekeeper.testing import SafekeeperProcess
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_until(what: str, cond: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@attrs.define
+class BridgeProcess:
+    pg_port: int
+    safekeepers: list[SafekeeperProcess]
+    tenant: TenantId
+    timeline: TimelineId
+    workdir: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def status_path(self) -> Path:
+        return self.workdir / "bridge-status.json"
+
+    def start(self) -> None:
+        self.status_path.unlink(missing_ok=True)
+        addrs = ",".join(f"127.0.0.1:{s.pg_port}" for s in self.safekeepers)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "control_plane.cli", "walproposer",
+             "--pg-port", str(self.pg_port), "--safekeepers", addrs,
+             "--tenant-id", self.tenant.hex, "--timeline-id", self.timeline.hex,
+             "--status-file", str(self.status_path)],
+            cwd=ROOT,
+            stdout=open(self.workdir / "bridge.log", "ab"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+
+    def status(self) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.poll() is None, self.log_tail()
+        try:
+            result: dict[str, Any] = json.loads(self.status_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+        return result
+
+    def log_tail(self) -> str:
+        return (self.workdir / "bridge.log").read_text()[-3000:]
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@attrs.define
+class Cluster:
+    pg: PostgresInstance
+    safekeepers: list[SafekeeperProcess]
+    bridge: BridgeProcess
+    tenant: TenantId
+    timeline: TimelineId
+
+    def flush_lsn(self) -> Lsn:
+        return parse_lsn(self.pg.psql("select pg_current_wal_flush_lsn()"))
+
+    def sk_status(self, i: int) -> dict[str, Any]:
+        return self.safekeepers[i].timeline_status(self.tenant, self.timeline)
+
+    def sk_reached(self, i: int, lsn: Lsn, field: str = "flush_lsn") -> bool:
+        try:
+            return parse_lsn(self.sk_status(i)[field]) >= lsn
+        except OSError:
+            return False
+
+
+@pytest.fixture
+def cluster(pg_tmp_path: Path) -> Iterator[Cluster]:
+    pg = PostgresInstance.create(
+        pg_tmp_path / "pg",
+        {
+            "wal_level": "replica",
+            "max_wal_senders": "10",
+            "synchronous_standby_names": "walproposer",
+            "synchronous_commit": "on",
+            "fsync": "off",  # PostgreSQL's own durability is not under test; the quorum is
+        },
+    )
+    sks = [SafekeeperProcess(pg_tmp_path / f"sk{i}", node_id=i + 1) for i in range(3)]
+    tenant, timeline = TenantId.generate(), TimelineId.generate()
+    bridge = BridgeProcess(pg.port, sks, tenant, timeline, pg_tmp_path)
+    try:
+        pg.start()
+        for s in sks:
+            s.start()
+        bridge.start()
+        c = Cluster(pg, sks, bridge, tenant, timeline)
+        wait_until("the bridge's election", lambda: bool(bridge.status().get("elected")))
+        yield c
+    finally:
+        bridge.kill()
+        for s in sks:
+            s.kill()
+        pg.stop("immediate")
+
+
+def pgbench_tps(pg: PostgresInstance, *args: str) -> int:
+    out = pg.pgbench(*args, timeout=120)
+    m = re.search(r"number of transactions actually processed: (\d+)", out)
+    assert m, out
+    return int(m.group(1))
+
+
+def waldump_lsns(dir_: Path, start: Lsn, end: Lsn) -> list[Lsn]:
+    proc = subprocess.run(
+        [pg_binary("pg_waldump"), "-p", str(dir_), "-s", format_lsn(start), "-e", format_lsn(end)],
+        capture_output=True, text=True, check=False, timeout=120,
+    )
+    lsns = [parse_lsn(m.group(1)) for m in re.finditer(r" lsn: ([0-9A-F]+/[0-9A-F]+),", proc.stdout)]
+    assert lsns, proc.stderr
+    return lsns
+
+
+def copy_segments(sk_dir: Path, dest: Path) -> None:
+    """Safekeeper segments, the open one renamed without ``.partial`` so pg_waldump finds it."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sk_dir.iterdir():
+        if re.fullmatch(r"[0-9A-F]{24}(\.partial)?", f.name):
+            shutil.copyfile(f, dest / f.name.removesuffix(".partial"))
+
+
+def test_bridge_quorum_commit_failover_and_restart(cluster: Cluster, pg_tmp_path: Path) -> None:
+    pg, sks, bridge = cluster.pg, cluster.safekeepers, cluster.bridge
+    rows = pg.psql(
+        "select application_name, sync_state from pg_stat_replication "
+        "where application_name = 'walproposer'"
+    )
+    assert rows == "walproposer|sync", rows
+    start_lsn = parse_lsn(sks[0].timeline_status(cluster.tenant, cluster.timeline)["timeline_start_lsn"])
+
+    # 1. pgbench commits; every safekeeper's flush and commit LSN reaches PostgreSQL's flush.
+    pg.pgbench("-i", "-s", "1", "-q")
+    assert pgbench_tps(pg, "-T", "3", "-c", "4", "-j", "2") > 0
+    target = cluster.flush_lsn()
+    for i in range(3):
+        wait_until(f"sk{i} flush", lambda i=i: cluster.sk_reached(i, target))
+        wait_until(f"sk{i} commit", lambda i=i: cluster.sk_reached(i, target, "commit_lsn"))
+    wait_until("bridge commit", lambda: parse_lsn(bridge.status()["commit_lsn"]) >= target)
+
+    # 2. kill -9 one safekeeper: the other two are a quorum, pgbench still commits.
+    sks[2].kill()
+    assert pgbench_tps(pg, "-T", "2", "-c", "4", "-j", "2") > 0
+
+    # 3. With two down, a commit waits for a quorum; it completes once one returns.
+    sks[1].kill()
+    waiting = subprocess.Popen(
+        ["runuser", "-u", "postgres", "--", pg_binary("psql"), "-X", "-h", "127.0.0.1",
+         "-p", str(pg.port), "-U", "postgres", "-d", "postgres",
+         "-c", "create table durable(x int); insert into durable values (42)"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    time.sleep(2.5)
+    assert waiting.poll() is None, "a commit returned without a quorum of safekeepers"
+    sks[1].start()
+    assert waiting.wait(timeout=30) == 0, waiting.stdout.read() if waiting.stdout else ""
+    # The returning safekeeper catches up, and so does the one that was away longer.
+    sks[2].start()
+    target = cluster.flush_lsn()
+    for i in range(3):
+        wait_until(f"sk{i} catch-up", lambda i=i: cluster.sk_reached(i, target), timeout=60)
+
+    # 4. kill -9 the bridge and restart it: a new, higher term; commits go on.
+    term_before = bridge.status()["term"]
+    bridge.kill()
+    bridge.start()
+    wait_until("re-election", lambda: bridge.status().get("term", 0) > term_before)
+    assert pgbench_tps(pg, "-T", "2", "-c", "2") > 0
+    target = cluster.flush_lsn()
+    for i in range(3):
+        wait_until(f"sk{i} after restart", lambda i=i: cluster.sk_reached(i, target))
+        status = cluster.sk_status(i)
+        assert status["term"] > term_before and status["last_log_term"] == status["term"]
+
+    # 5. pg_waldump reads a safekeeper's segments: the same records as PostgreSQL's pg_wal.
+    end = parse_lsn(cluster.sk_status(0)["commit_lsn"])
+    seg_dir = pg_tmp_path / "waldump"
+    copy_segments(sks[0].timeline_dir(cluster.tenant, cluster.timeline), seg_dir)
+    from_sk = waldump_lsns(seg_dir, start_lsn, end)
+    pg_wal = pg_tmp_path / "pg_wal_copy"
+    shutil.copytree(pg.wal_dir(), pg_wal, ignore=shutil.ignore_patterns("archive_status"))
+    from_pg = waldump_lsns(pg_wal, start_lsn, end)
+    assert from_sk == from_pg
+    assert len(from_sk) > 10_000  # pgbench -i -s 1 alone writes far more records than that
+
+    # 6. The pageserver's WAL receiver decodes the same records from the safekeepers.
+    # sk0 first refuses (it is down): the receiver must move on to another safekeeper.
+    sks[0].kill()
+    got: list[DecodedRecord] = []
+
+    async def receive() -> WalReceiver:
+        async def on_record(rec: DecodedRecord) -> None:
+            if rec.end_lsn <= end:
+                got.append(rec)
+
+        cfg = WalReceiverConfig(
+            safekeepers=tuple(("127.0.0.1", s.pg_port) for s in sks),
+            tenant_id=cluster.tenant,
+            timeline_id=cluster.timeline,
+        )
+        recv = WalReceiver(cfg, start_lsn=start_lsn, on_record=on_record)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(recv.run)
+            with trio.fail_after(60):
+                await recv.wait_for_lsn(end)
+            nursery.cancel_scope.cancel()
+        return recv
+
+    recv = trio.run(receive)
+    assert [r.lsn for r in got] == from_sk
+    assert recv.sessions >= 1 and recv.current is None
+    # The safekeepers were told how far the receiver got.
+    wait_until(
+        "receiver feedback", lambda: "replicas" in cluster.sk_status(1), timeout=5
+    )
+    assert segment_file_name(start_lsn // (16 << 20)) in {p.name.removesuffix(".partial") for p in sks[1].timeline_dir(cluster.tenant, cluster.timeline).iterdir()}
+    run_as_postgres([pg_binary("pg_controldata"), str(pg.datadir)])  # PostgreSQL still healthy

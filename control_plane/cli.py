@@ -17,8 +17,10 @@ from typing import Protocol, cast
 
 # command path -> (module, one-line help). Keep sorted by path.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "bench read-path": ("bench.read_path", "get_vectored vs legacy gets: keys/s, preadv calls, deep L0 stack"),
     "bench redo": ("bench.redo", "pure-Python WAL redo: records/s per record type, page reconstruct time"),
     "bench wal-codec": ("bench.wal_codec", "WAL encoder and stream decoder throughput (MB/s, records/s)"),
+    "bench wal-acceptor": ("bench.wal_acceptor", "safekeeper WAL ingest MiB/s: sizes x fsync x coalescing"),
     "safekeeper": ("safekeeper.node", "run a safekeeper node (pagestore safekeeper -c FILE)"),
     "waldump": ("control_plane.cmd_waldump", "print WAL records of segment files as JSON lines"),
     "walproposer": ("compute.walproposer.main", "stream a vanilla PostgreSQL's WAL to a quorum of safekeepers"),

@@ -50,7 +50,7 @@ from pageserver.storage.index_part import IndexPart, write_index_part
 from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.io_engine import IoEngine
 from pageserver.storage.key import Key, KeySpace, key_hex, rel_size_key
-from pageserver.storage.layer_file import IndexBlockCache
+from pageserver.storage.layer_file import IndexBlockCache, WriteOptions
 from pageserver.storage.layer_map import LayerMap
 from pageserver.storage.page_cache import PageCache
 from pageserver.storage.reconstruct import (
@@ -289,7 +289,7 @@ class Timeline:
             while self.frozen_layers:
                 layer = self.frozen_layers[0]
                 assert layer.end_lsn is not None
-                path = await layer.write_l0(self.engine, self.path, self.config.write_buffer_size)
+                path = await layer.write_l0(self.engine, self.path, self.write_options())
                 added: list[PersistentLayer] = []
                 if path is not None:
                     added.append(await PersistentLayer.open(self.engine, path, self.index_cache))
@@ -299,6 +299,13 @@ class Timeline:
                 await self.write_index_part()
                 self.graveyard.bury([layer])
             await self.graveyard.collect()
+
+    def write_options(self) -> WriteOptions:
+        return WriteOptions(
+            buffer_size=self.config.write_buffer_size,
+            double_buffering=self.config.double_buffering,
+            nursery=self.nursery,
+        )
 
     async def write_index_part(self) -> None:
         await write_index_part(self.engine, self.path, self.index_part())

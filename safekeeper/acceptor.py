@@ -274,40 +274,48 @@ class Acceptor:
         return effects
 
     def _append(self, msg: AppendRequest) -> list[Effect]:
-        self._check_generation(msg.generation, "AppendRequest")
-        if self.state.term < msg.term:
-            raise AcceptorError(
-                f"got AppendRequest of term {msg.term} before ProposerElected "
-                f"(term here is {self.state.term})"
-            )
-        if self.state.term > msg.term:
-            return [
-                Reply(
-                    AppendResponse(
-                        term=self.state.term,
-                        flush_lsn=INVALID_LSN,
-                        commit_lsn=INVALID_LSN,
-                        generation=self.state.mconf.generation,
-                    )
+        refusal = self.append(msg)
+        if refusal is not None:
+            return [Reply(refusal)]
+        self.advance_commit()
+        if msg.end_lsn > msg.begin_lsn:
+            return [WriteWal(msg.begin_lsn, msg.wal)]
+        return []
+
+    def append(self, msg: AppendRequest) -> AppendResponse | None:
+        """The hot path of ``process`` for appends: None means "accepted, write ``msg.wal``
+        at ``msg.begin_lsn``"; a response is a term-only refusal to send back."""
+        state = self.state
+        if msg.generation != state.mconf.generation:
+            self._check_generation(msg.generation, "AppendRequest")
+        if state.term != msg.term:
+            if state.term < msg.term:
+                raise AcceptorError(
+                    f"got AppendRequest of term {msg.term} before ProposerElected "
+                    f"(term here is {state.term})"
                 )
-            ]
-        if msg.begin_lsn != self.write_lsn and self.write_lsn != INVALID_LSN:
-            kind = "rewrites WAL written before" if msg.begin_lsn < self.write_lsn else "leaves a gap"
+            return AppendResponse(
+                term=state.term,
+                flush_lsn=INVALID_LSN,
+                commit_lsn=INVALID_LSN,
+                generation=state.mconf.generation,
+            )
+        write_lsn = self.write_lsn
+        if msg.begin_lsn != write_lsn and write_lsn != INVALID_LSN:
+            kind = "rewrites WAL written before" if msg.begin_lsn < write_lsn else "leaves a gap"
             raise AcceptorError(
                 f"AppendRequest at {format_lsn(msg.begin_lsn)} {kind}: "
-                f"write_lsn is {format_lsn(self.write_lsn)}"
+                f"write_lsn is {format_lsn(write_lsn)}"
             )
-        effects: list[Effect] = []
         if msg.end_lsn > msg.begin_lsn:
-            effects.append(WriteWal(msg.begin_lsn, msg.wal))
             self.write_lsn = msg.end_lsn
-        if msg.commit_lsn:
-            self._commit_candidate = Lsn(max(self._commit_candidate, msg.commit_lsn))
-            self._advance_commit()
-        self.peer_horizon_lsn = Lsn(max(self.peer_horizon_lsn, msg.truncate_lsn))
-        return effects
+        if msg.commit_lsn > self._commit_candidate:
+            self._commit_candidate = msg.commit_lsn
+        if msg.truncate_lsn > self.peer_horizon_lsn:
+            self.peer_horizon_lsn = msg.truncate_lsn
+        return None
 
-    def _advance_commit(self) -> None:
+    def advance_commit(self) -> None:
         new = Lsn(min(max(self._commit_candidate, self.commit_lsn), self.flush_lsn))
         if new > self.commit_lsn:
             self.commit_lsn = new
@@ -320,7 +328,7 @@ class Acceptor:
                 f"to {format_lsn(flush_record_lsn)}"
             )
         self.flush_record_lsn = flush_record_lsn
-        self._advance_commit()
+        self.advance_commit()
 
     def persisted_state(self) -> PersistentState:
         """The state with the in-memory LSNs folded in, for a lazy control file save."""

@@ -13,18 +13,17 @@ Unknown keys and bad values stop start-up with a message naming the key.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import attrs
-import cattrs
+
+from common.config import ConfigError, structure_config
+from common.config import load_config as _load_config
+
+__all__ = ["ConfigError", "SafekeeperConfig", "load_config", "parse_config"]
 
 DEFAULT_PG_PORT = 5454
 DEFAULT_HTTP_PORT = 7676
-
-
-class ConfigError(Exception):
-    """The configuration file is unreadable or names an unknown key / a bad value."""
 
 
 def _check_addr(_inst: object, attr: attrs.Attribute[str], value: str) -> None:
@@ -70,28 +69,9 @@ class SafekeeperConfig:
         return host, int(port)
 
 
-_converter = cattrs.Converter(forbid_extra_keys=True)
-
-
-def _format(exc: BaseException, type_: type | None) -> str:
-    if isinstance(exc, ValueError) and str(exc):
-        return str(exc)
-    return cattrs.v.format_exception(exc, type_)
-
-
 def parse_config(data: dict[str, object]) -> SafekeeperConfig:
-    try:
-        return _converter.structure(data, SafekeeperConfig)
-    except cattrs.BaseValidationError as exc:
-        messages = cattrs.transform_error(exc, format_exception=_format)
-        raise ConfigError("invalid safekeeper config: " + "; ".join(messages)) from None
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"invalid safekeeper config: {exc}") from None
+    return structure_config(SafekeeperConfig, data, source="safekeeper config")
 
 
 def load_config(path: Path) -> SafekeeperConfig:
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
-    return parse_config(data)
+    return _load_config(SafekeeperConfig, path)

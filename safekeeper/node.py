@@ -16,7 +16,6 @@ Commands on the libpq port (tenant and timeline come from the startup ``options`
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 import threading
@@ -25,6 +24,7 @@ from pathlib import Path
 import structlog
 import trio
 
+from common.logging import setup_logging
 from common.pgserver import PgConnection, PgServer, PgServerConfig
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
@@ -44,7 +44,7 @@ from protocol.replication import (
     parse_replication_command,
 )
 from safekeeper.config import ConfigError, SafekeeperConfig, load_config
-from safekeeper.http_api import HttpApi
+from safekeeper.http_api import build_http_server
 from safekeeper.receive_wal import IngestConfig, serve_wal_push
 from safekeeper.send_wal import serve_replication
 from safekeeper.timeline import Timeline
@@ -124,10 +124,10 @@ class SafekeeperNode:
 
     async def run(self, *, task_status: trio.TaskStatus[tuple[int, int]] = trio.TASK_STATUS_IGNORED) -> None:
         await trio.to_thread.run_sync(self.load_timelines)
-        http = HttpApi(self)
+        http = build_http_server(self)
         async with trio.open_nursery() as nursery:
             self.pg_port = await nursery.start(self.pg_server.serve)
-            self.http_port = await nursery.start(http.serve, *self.cfg.http_addr)
+            self.http_port = await nursery.start(http.serve)
             log.info("safekeeper started", pg_port=self.pg_port, http_port=self.http_port, id=self.cfg.id)
             task_status.started((self.pg_port, self.http_port))
             if threading.current_thread() is threading.main_thread():
@@ -139,6 +139,7 @@ class SafekeeperNode:
                     await trio.sleep(0.05)
             for tl in self.timelines.values():
                 await tl.persist()
+            http.shutdown()
             nursery.cancel_scope.cancel()
 
     async def _watch_signals(self) -> None:
@@ -257,29 +258,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--config", required=True, type=Path, help="safekeeper TOML config")
 
 
-def _setup_logging(cfg: SafekeeperConfig) -> None:
-    level = getattr(logging, cfg.log_level.upper(), logging.INFO)
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(
-            open(cfg.log_file, "a") if cfg.log_file else sys.stderr  # noqa: SIM115
-        ),
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
     except ConfigError as exc:
         print(f"safekeeper: {exc}", file=sys.stderr)
         return 2
-    _setup_logging(cfg)
+    setup_logging(log_file=Path(cfg.log_file) if cfg.log_file else None, level=cfg.log_level)
     trio.run(SafekeeperNode(cfg).run)
     return 0

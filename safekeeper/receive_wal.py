@@ -114,14 +114,25 @@ async def _read_stage(
     async with out:
         while True:
             payload = await copy.receive()
-            if payload is None:
+            # Then everything already buffered, without a checkpoint per message: a trio
+            # scheduling round per 1 KiB message would cost more than the message.
+            while payload is not None:
+                try:
+                    item: Item = decode_proposer_message(payload, version)
+                except RemoteProtocolError as exc:
+                    item = exc
+                try:
+                    out.send_nowait(item)
+                except trio.WouldBlock:
+                    await out.send(item)
+                if isinstance(item, RemoteProtocolError):
+                    return
+                try:
+                    payload = copy.receive_nowait()
+                except trio.WouldBlock:
+                    break
+            else:
                 return
-            try:
-                msg = decode_proposer_message(payload, version)
-            except RemoteProtocolError as exc:
-                await out.send(exc)
-                return
-            await out.send(msg)
 
 
 async def _write_stage(

@@ -113,10 +113,36 @@ class RecordTracker:
                 if len(self._phdr) == self._phdr_len:
                     self._check_page_header(Lsn(self.pos - self._phdr_len))
             elif state == _REC_HDR:
-                if not self._rhdr and pos % 8:
-                    self._skip_to = (pos + 7) & ~7
-                    self._state = _SKIP
-                    continue
+                if not self._rhdr:
+                    if pos & 7:
+                        pad = 8 - (pos & 7)
+                        if pad > n - i:
+                            self._skip_to = pos + pad
+                            self._state = _SKIP
+                            continue
+                        i += pad
+                        pos = self.pos = Lsn(pos + pad)
+                        if pos % XLOG_BLCKSZ == 0:
+                            self._enter_page_header()
+                            continue
+                        page_left -= pad
+                    # Fast path: the whole record is on this page and in this buffer.
+                    if n - i >= RECORD_HEADER:
+                        (tot_len,) = _U32.unpack_from(view, i)
+                        if (
+                            RECORD_HEADER <= tot_len <= min(page_left, n - i)
+                            and not (view[i + 17] == RM_XLOG_ID and view[i + 16] & 0xF0 == XLOG_SWITCH)
+                        ):
+                            crc = crc32c.crc32c(view[i + RECORD_HEADER : i + tot_len])
+                            crc = crc32c.crc32c(view[i : i + 20], crc)
+                            if crc != _U32.unpack_from(view, i + 20)[0]:
+                                raise InvalidWal(f"record CRC mismatch for the record at {pos:#x}")
+                            i += tot_len
+                            pos = self.pos = Lsn(pos + tot_len)
+                            self.record_end = Lsn((pos + 7) & ~7)
+                            if pos % XLOG_BLCKSZ == 0:
+                                self._enter_page_header()
+                            continue
                 take = min(RECORD_HEADER - len(self._rhdr), n - i, page_left)
                 self._rhdr += view[i : i + take]
                 i += take

@@ -13,6 +13,7 @@ acceptor transitions and WAL writes one at a time. Senders only read completed b
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ import structlog
 import trio
 import trio_util
 
+from common.metrics import BATCH_BUCKETS
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, Lsn
 from protocol.safekeeper import AcceptorMessage, AppendRequest, ProposerMessage
@@ -61,6 +63,16 @@ class WriteStats:
     messages: int = 0
     bytes: int = 0
     fsyncs: int = 0
+    appends_in_groups: int = 0
+    # Histogram of AppendRequests per write group (upper bounds, counts per bucket).
+    group_buckets: tuple[int, ...] = BATCH_BUCKETS
+    group_counts: list[int] = attrs.field(factory=lambda: [0] * len(BATCH_BUCKETS))
+
+    def record_group(self, appends: int, nbytes: int) -> None:
+        self.groups += 1
+        self.bytes += nbytes
+        self.appends_in_groups += appends
+        self.group_counts[min(bisect.bisect_left(self.group_buckets, appends), len(self.group_buckets) - 1)] += 1
 
 
 class Timeline:
@@ -131,24 +143,30 @@ class Timeline:
         writes: list[WriteWal] = []
         appended = False
         error: Exception | None = None
+        acceptor = self.acceptor
         async with self.lock:
             try:
                 for msg in batch:
-                    if not isinstance(msg, AppendRequest) and writes:
+                    self.stats.messages += 1
+                    if isinstance(msg, AppendRequest):
+                        refusal = acceptor.append(msg)
+                        if refusal is not None:
+                            replies.append(refusal)
+                            continue
+                        appended = True
+                        if msg.end_lsn > msg.begin_lsn:
+                            writes.append(WriteWal(msg.begin_lsn, msg.wal))
+                        continue
+                    if writes:
                         await self._write_group(writes)
                         writes = []
-                    effects = self.acceptor.process(msg)
-                    appended = appended or (
-                        isinstance(msg, AppendRequest) and not any(isinstance(e, Reply) for e in effects)
-                    )
-                    for effect in effects:
-                        if isinstance(effect, WriteWal):
-                            writes.append(effect)
-                        elif isinstance(effect, Reply):
+                    for effect in acceptor.process(msg):
+                        if isinstance(effect, Reply):
                             replies.append(effect.msg)
+                        elif isinstance(effect, WriteWal):
+                            raise AssertionError("only AppendRequests write WAL")
                         else:
                             await self._apply(effect)
-                    self.stats.messages += 1
             except (AcceptorError, InvalidWal) as exc:
                 error = exc
             if writes:
@@ -157,7 +175,9 @@ class Timeline:
                 except InvalidWal as exc:
                     error = error or exc
             if appended:
-                replies.append(self.acceptor.append_response())
+                # commit_lsn moves only over flushed WAL, so it is advanced after the write.
+                acceptor.advance_commit()
+                replies.append(acceptor.append_response())
             await self._publish()
         return replies, error
 
@@ -190,8 +210,7 @@ class Timeline:
             # On invalid WAL the storage kept only the valid prefix; follow it.
             self.acceptor.write_lsn = storage.write_lsn
             self.acceptor.wal_flushed(storage.flush_record_lsn)
-        self.stats.groups += 1
-        self.stats.bytes += sum(len(c) for c in chunks)
+        self.stats.record_group(len(chunks), sum(len(c) for c in chunks))
         self.stats.fsyncs += storage.fsync_count - fsyncs_before
 
     async def _publish(self) -> None:

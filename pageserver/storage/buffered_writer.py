@@ -19,7 +19,8 @@ len(first)``, ... When the buffer is full it is written at its file offset:
 
 Failures are never lost: an exception in a background flush is stored, and the next ``write``,
 ``flush``, ``close`` or ``read_at`` raises ``FlushFailedError`` (its ``__cause__`` is the
-original error). The writer stays failed: the file has a hole at the failed offset, so every
+original error). A write the caller awaits itself (no double buffering, or the tail in
+``flush``/``close``) raises ``FlushFailedError`` at once. The writer stays failed: the file has a hole at the failed offset, so every
 later call raises too. A background flush that is *cancelled* is recorded the same way (and the
 ``Cancelled`` propagates, as trio requires).
 
@@ -202,6 +203,8 @@ class BufferedWriter:
                 await self._write_buffer(self._buf, self._buf_start, self.buffer_size)
             except BaseException as exc:
                 self._record_error(exc)
+                if isinstance(exc, Exception):
+                    self._check()
                 raise
             self._buf_start += self.buffer_size
             self._fill = 0
@@ -283,6 +286,8 @@ class BufferedWriter:
                     await self._write_buffer(self._buf, self._buf_start, self._fill)
                 except BaseException as exc:
                     self._record_error(exc)
+                    if isinstance(exc, Exception):
+                        self._check()
                     raise
         finally:
             self._busy = False
@@ -359,13 +364,21 @@ async def open_buffered_writer(
     """A ``BufferedWriter`` with its own nursery for background flushes; ``close()``-d on a
     normal exit (so a failed flush raises here at the latest). On an exception the in-flight
     flush is still awaited (the nursery), but the tail is not written."""
-    async with trio.open_nursery() as nursery:
-        writer = BufferedWriter(
-            file,
-            buffer_size=buffer_size,
-            double_buffering=double_buffering,
-            nursery=nursery,
-            start_offset=start_offset,
-        )
-        yield writer
-        await writer.close()
+    try:
+        async with trio.open_nursery() as nursery:
+            writer = BufferedWriter(
+                file,
+                buffer_size=buffer_size,
+                double_buffering=double_buffering,
+                nursery=nursery,
+                start_offset=start_offset,
+            )
+            yield writer
+    except BaseExceptionGroup as group:
+        # Flush tasks never raise Exceptions (they store them), so a one-member group is the
+        # body's own exception: give it back unwrapped, as if there were no nursery.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    # Outside the nursery: no flush is in flight any more, and close() writes the tail inline.
+    await writer.close()

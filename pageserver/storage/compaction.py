@@ -92,7 +92,7 @@ async def compact_level0(tl: Timeline) -> list[PersistentLayer]:
 
         path = await write_delta_layer(
             tl.engine, tl.path, key_range, lsn_start, lsn_end, entries(),
-            buffer_size=tl.config.write_buffer_size,
+            opts=tl.write_options(),
         )
         if path is not None:
             outputs.append(await PersistentLayer.open(tl.engine, path, tl.index_cache))
@@ -158,7 +158,7 @@ async def create_image_layers(tl: Timeline, *, force: bool = False) -> list[Pers
                     yield key, pages[key]
 
         path = await write_image_layer(
-            tl.engine, tl.path, key_range, lsn, images(), buffer_size=tl.config.write_buffer_size
+            tl.engine, tl.path, key_range, lsn, images(), opts=tl.write_options()
         )
         if path is not None:
             layer = await PersistentLayer.open(tl.engine, path, tl.index_cache)

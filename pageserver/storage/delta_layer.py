@@ -6,8 +6,8 @@ answers:
 
 - the legacy, per-key read (``get_value_legacy``): index lookup for one key, then one ``pread``
   per blob, newest first, stopping at an image or a will_init record;
-- the vectored read (``get_values_vectored``): one index scan per key range for all keys routed
-  here; a plan keeps, per key, the blobs from its newest will_init entry upward (and above its
+- the vectored read (``get_values_vectored``): one index scan per run of consecutive keys, for
+  all keys routed here; a plan keeps, per key, the blobs from its newest will_init entry upward (and above its
   cached LSN); physically adjacent planned blobs are read with one ``preadv`` up to
   ``max_vectored_read_bytes``; then values are applied newest first.
 
@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import attrs
 
 from pageserver.storage.io_engine import IoEngine
-from pageserver.storage.key import KEY_SIZE, Key, KeyRange, KeySpace, key_next
+from pageserver.storage.key import KEY_SIZE, Key, KeyRange, key_from_int, key_next
 from pageserver.storage.layer_file import (
     IndexBlockCache,
     IndexEntry,
     LayerDesc,
     LayerFileReader,
     LayerFileWriter,
+    WriteOptions,
     prefix_of,
 )
 from pageserver.storage.reconstruct import KeyState
@@ -47,6 +48,9 @@ class ReadContext:
     """Settings and counters of one read (the benchmark prints the counters)."""
 
     max_vectored_read_bytes: int = 128 * 1024
+    # Whether any key was seeded from the materialized page cache: only then can a walk's
+    # floor finish a key, so the per-key floor checks are skipped otherwise.
+    any_cached: bool = False
     layers_visited: int = 0
     vectored_reads: int = 0
     blobs_read: int = 0
@@ -122,23 +126,25 @@ class PersistentLayer:
 
     async def get_values_vectored(
         self,
-        keyspace: KeySpace,
+        keys: Sequence[Key],
         floor: int,
         cont: int,
         states: dict[Key, KeyState],
         ctx: ReadContext,
     ) -> None:
+        """Read ``[floor, cont)`` of the sorted, distinct ``keys`` into their states."""
         r = self.reader
         ctx.layers_visited += 1
-        # key -> [(lsn, offset, length, crc)], oldest first, from the newest will_init up
+        # key -> [(lsn, offset, length, crc)], oldest first, from the newest will_init up.
+        # Index order is (key, lsn) order is file order, so the plan comes out sorted by offset.
         planned: dict[bytes, list[tuple[int, int, int, int]]] = {}
-        for rng in keyspace.ranges:
-            async for block, lo, hi in r.scan(prefix_of(rng.start, 0), prefix_of(rng.end, 0)):
+        for start, end in key_runs(keys):
+            async for block, lo, hi in r.scan(prefix_of(start, 0), prefix_of(end, 0)):
                 prefixes, positions = block.prefixes, block.positions
                 lengths, crcs = block.lengths, block.crcs
                 for i in range(lo, hi):
                     p = prefixes[i]
-                    lsn = _lsn_of(p)
+                    lsn = int.from_bytes(p[KEY_SIZE:], "big")
                     if lsn < floor or lsn >= cont:
                         continue
                     key = p[:KEY_SIZE]
@@ -152,50 +158,48 @@ class PersistentLayer:
                         planned[key] = [blob]
                     else:
                         lst.append(blob)
-        # Plan: blobs in file order; a read grows while the next blob starts where it ends.
-        blobs = sorted(
-            ((off, length, crc, key, lsn) for key, lst in planned.items() for lsn, off, length, crc in lst)
-        )
-        values: dict[bytes, list[tuple[int, bytes | bytearray]]] = {}
+        # Execute: a read grows while the next blob starts where it ends (invariant 7).
+        flat = [(key, blob) for key, lst in planned.items() for blob in lst]
+        datas: list[memoryview] = []
         max_bytes = ctx.max_vectored_read_bytes
+        n = len(flat)
         i = 0
-        while i < len(blobs):
-            start = blobs[i][0]
-            end = start + blobs[i][1]
+        while i < n:
+            start_off = flat[i][1][1]
+            end_off = start_off + flat[i][1][2]
             j = i + 1
-            while (
-                j < len(blobs)
-                and blobs[j][0] == end
-                and end + blobs[j][1] - start <= max_bytes
-                and j - i < _IOV_MAX
-            ):
-                end += blobs[j][1]
-                j += 1
-            run = blobs[i:j]
-            buffers = await r.read_blobs(start, [b[1] for b in run])
-            ctx.vectored_reads += 1
-            ctx.blobs_read += len(run)
-            for (off, length, crc, key, lsn), data in zip(run, buffers, strict=True):
-                r.check_blob(off, length, crc, data)
-                values.setdefault(key, []).append((lsn, data))
-            i = j
-        for key, got in values.items():
-            st = states[Key(key)]
-            for blob_lsn, blob_data in sorted(got, key=lambda t: t[0], reverse=True):
-                if st.add(Lsn(blob_lsn), decode_value(blob_data)):
+            while j < n and j - i < _IOV_MAX:
+                off, length = flat[j][1][1], flat[j][1][2]
+                if off != end_off or end_off + length - start_off > max_bytes:
                     break
-        self._finish_keys(keyspace, floor, states, planned)
+                end_off += length
+                j += 1
+            buffers = await r.read_blobs(start_off, [flat[x][1][2] for x in range(i, j)])
+            ctx.vectored_reads += 1
+            ctx.blobs_read += j - i
+            datas.extend(buffers)
+            i = j
+        # Apply newest first per key.
+        pos_in_flat = 0
+        for key, lst in planned.items():
+            st = states[Key(key)]
+            base = pos_in_flat
+            pos_in_flat += len(lst)
+            for x in range(pos_in_flat - 1, base - 1, -1):
+                lsn, off, length, crc = flat[x][1]
+                data = datas[x]
+                r.check_blob(off, length, crc, data)
+                if st.add(Lsn(lsn), decode_value(data)):
+                    break
+        self._finish_keys(keys, floor, states, ctx)
 
     def _finish_keys(
-        self,
-        keyspace: KeySpace,
-        floor: int,
-        states: dict[Key, KeyState],
-        planned: dict[bytes, list[tuple[int, int, int, int]]],
+        self, keys: Sequence[Key], floor: int, states: dict[Key, KeyState], ctx: ReadContext
     ) -> None:
         # Keys whose cached page is at or above this layer's floor are done (PR #7477).
-        for key in keys_with_state(keyspace, states):
-            states[key].floor_reached(floor)
+        if ctx.any_cached:
+            for key in keys:
+                states[key].floor_reached(floor)
 
     # -- whole-layer access (compaction, key collection) -----------------------------------
 
@@ -230,10 +234,24 @@ class PersistentLayer:
                 yield Key(p[:KEY_SIZE]), Lsn(_lsn_of(p)), length
 
 
-def keys_with_state(keyspace: KeySpace, states: dict[Key, KeyState]) -> Iterable[Key]:
-    if keyspace.key_count() <= 4 * len(states):
-        return (k for k in keyspace.iter_keys() if k in states)
-    return (k for k in states if keyspace.contains(k))
+def key_runs(keys: Sequence[Key]) -> list[tuple[Key, Key]]:
+    """Sorted distinct keys -> ``[start, end)`` runs of consecutive keys."""
+    runs: list[tuple[Key, Key]] = []
+    if not keys:
+        return runs
+    start = keys[0]
+    prev = int.from_bytes(start, "big")
+    last = int.from_bytes(keys[-1], "big")
+    if last - prev == len(keys) - 1:  # the common case: one block run (sorted and distinct)
+        return [(start, key_from_int(last + 1))]
+    for key in keys[1:]:
+        value = int.from_bytes(key, "big")
+        if value != prev + 1:
+            runs.append((start, key_from_int(prev + 1)))
+            start = key
+        prev = value
+    runs.append((start, key_from_int(prev + 1)))
+    return runs
 
 
 async def write_delta_layer(
@@ -244,11 +262,11 @@ async def write_delta_layer(
     lsn_end: Lsn,
     entries: AsyncIterator[tuple[Key, Lsn, bytes | bytearray | memoryview, bool]],
     *,
-    buffer_size: int = 64 * 1024,
+    opts: WriteOptions | None = None,
 ) -> Path | None:
     """Write a delta layer from entries in (key, lsn) order; None if there were none."""
     desc = LayerDesc(key_range, lsn_start, lsn_end, True)
-    writer = await LayerFileWriter.create(engine, directory, desc, buffer_size)
+    writer = await LayerFileWriter.create(engine, directory, desc, opts)
     try:
         async for key, lsn, blob, will_init in entries:
             await writer.put(key, lsn, blob, will_init)

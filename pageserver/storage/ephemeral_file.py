@@ -56,11 +56,12 @@ class EphemeralFile:
         nursery: trio.Nursery | None = None,
         write_buffer_size: int = DEFAULT_WRITE_BUFFER_SIZE,
         double_buffering: bool = True,
-        sync_mode: SyncMode = "none",
+        sync_mode: SyncMode | None = None,
     ) -> EphemeralFile:
         """Create a fresh ``ephemeral-N`` in ``directory``.
 
-        ``double_buffering=True`` needs ``nursery`` (where background flushes run).
+        ``double_buffering=True`` needs ``nursery`` (where background flushes run);
+        ``sync_mode=None`` takes the engine's ``write_sync_mode``.
         """
         if double_buffering and nursery is None:
             raise ValueError("an ephemeral file with double_buffering needs the owner's nursery")

@@ -39,6 +39,8 @@ def select_gc_victims(
         d = layer.desc
         if d.lsn_end > cutoff:
             continue
+        if not _covered_by_images(layer, images, cutoff):
+            continue
         if any(
             r >= d.lsn_start and not _covered_by_images(layer, images, r) for r in retain_lsns
         ):

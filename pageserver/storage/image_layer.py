@@ -8,13 +8,13 @@ materialized page cache already covers the key at or above L.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from pageserver.storage.delta_layer import PersistentLayer, keys_with_state
+from pageserver.storage.delta_layer import PersistentLayer, ReadContext
 from pageserver.storage.io_engine import IoEngine
-from pageserver.storage.key import Key, KeyRange, KeySpace
-from pageserver.storage.layer_file import LayerDesc, LayerFileWriter
+from pageserver.storage.key import Key, KeyRange
+from pageserver.storage.layer_file import LayerDesc, LayerFileWriter, WriteOptions
 from pageserver.storage.reconstruct import KeyState
 from pageserver.storage.value import Image, encode_value
 from protocol.lsn import Lsn
@@ -30,13 +30,9 @@ class ImageLayer(PersistentLayer):
             state.complete = True
 
     def _finish_keys(
-        self,
-        keyspace: KeySpace,
-        floor: int,
-        states: dict[Key, KeyState],
-        planned: dict[bytes, list[tuple[int, int, int, int]]],
+        self, keys: Sequence[Key], floor: int, states: dict[Key, KeyState], ctx: ReadContext
     ) -> None:
-        for key in keys_with_state(keyspace, states):
+        for key in keys:
             st = states[key]
             if not st.complete:
                 self._absent(st, floor)
@@ -49,11 +45,11 @@ async def write_image_layer(
     lsn: Lsn,
     images: AsyncIterator[tuple[Key, bytes]],
     *,
-    buffer_size: int = 64 * 1024,
+    opts: WriteOptions | None = None,
 ) -> Path | None:
     """Write an image layer from (key, page) in key order; None if there were none."""
     desc = LayerDesc(key_range, lsn, Lsn(lsn + 1), False)
-    writer = await LayerFileWriter.create(engine, directory, desc, buffer_size)
+    writer = await LayerFileWriter.create(engine, directory, desc, opts)
     try:
         async for key, page in images:
             await writer.put(key, lsn, encode_value(Image(page)), True)

@@ -13,16 +13,16 @@ delta layer file in (key, lsn) order.
 
 from __future__ import annotations
 
-import bisect
 import time
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from pageserver.storage.delta_layer import ReadContext, keys_with_state, write_delta_layer
+from pageserver.storage.delta_layer import ReadContext, write_delta_layer
 from pageserver.storage.ephemeral_file import EphemeralFile
 from pageserver.storage.io_engine import IoEngine
-from pageserver.storage.key import Key, KeyRange, KeySpace
+from pageserver.storage.key import Key, KeyRange
+from pageserver.storage.layer_file import WriteOptions
 from pageserver.storage.reconstruct import KeyState
 from pageserver.storage.value import decode_value
 from protocol.lsn import MAX_LSN, Lsn
@@ -36,7 +36,6 @@ class InMemoryLayer:
         self.max_lsn: Lsn | None = None
         self.index: dict[Key, array[int]] = {}
         self.opened_at = time.monotonic()
-        self._sorted_keys: list[Key] | None = None
 
     @property
     def size(self) -> int:
@@ -58,7 +57,6 @@ class InMemoryLayer:
         entries = self.index.get(key)
         if entries is None:
             self.index[key] = array("Q", (lsn, (offset << 1) | will_init, len(blob)))
-            self._sorted_keys = None
         elif entries[-3] == lsn:
             entries[-2] = (offset << 1) | will_init
             entries[-1] = len(blob)
@@ -93,46 +91,32 @@ class InMemoryLayer:
             if state.add(Lsn(lsn), decode_value(blob)):
                 break
 
-    def _keys_in(self, keyspace: KeySpace) -> list[Key]:
-        if keyspace.key_count() <= 64:
-            return [k for k in keyspace.iter_keys() if k in self.index]
-        if self._sorted_keys is None:
-            self._sorted_keys = sorted(self.index)
-        keys = self._sorted_keys
-        out: list[Key] = []
-        for r in keyspace.ranges:
-            lo = bisect.bisect_left(keys, r.start)
-            hi = bisect.bisect_left(keys, r.end, lo)
-            out.extend(keys[lo:hi])
-        return out
-
     async def get_values_vectored(
         self,
-        keyspace: KeySpace,
+        keys: Sequence[Key],
         floor: int,
         cont: int,
         states: dict[Key, KeyState],
         ctx: ReadContext,
     ) -> None:
         ctx.layers_visited += 1
-        for key in self._keys_in(keyspace):
-            st = states.get(key)
-            if st is None or st.complete:
-                continue
-            entries = self.index[key]
-            for i in range(len(entries) - 3, -1, -3):
-                lsn = entries[i]
-                if lsn >= cont:
-                    continue
-                if lsn < floor:
-                    break
-                pos, length = entries[i + 1], entries[i + 2]
-                blob = await self.file.read_at(pos >> 1, length)
-                ctx.blobs_read += 1
-                if st.add(Lsn(lsn), decode_value(blob)):
-                    break
-        for key in keys_with_state(keyspace, states):
-            states[key].floor_reached(floor)
+        index = self.index
+        for key in keys:
+            st = states[key]
+            entries = index.get(key)
+            if entries is not None and not st.complete:
+                for i in range(len(entries) - 3, -1, -3):
+                    lsn = entries[i]
+                    if lsn >= cont:
+                        continue
+                    if lsn < floor:
+                        break
+                    pos, length = entries[i + 1], entries[i + 2]
+                    blob = await self.file.read_at(pos >> 1, length)
+                    ctx.blobs_read += 1
+                    if st.add(Lsn(lsn), decode_value(blob)):
+                        break
+            st.floor_reached(floor)
 
     # -- flush ----------------------------------------------------------------------------
 
@@ -147,7 +131,7 @@ class InMemoryLayer:
                 off = pos >> 1
                 yield key, Lsn(entries[i]), data[off : off + length], bool(pos & 1)
 
-    async def write_l0(self, engine: IoEngine, directory: Path, buffer_size: int) -> Path | None:
+    async def write_l0(self, engine: IoEngine, directory: Path, opts: WriteOptions) -> Path | None:
         if self.end_lsn is None:
             raise AssertionError("only a frozen in-memory layer is written to disk")
         return await write_delta_layer(
@@ -157,5 +141,5 @@ class InMemoryLayer:
             self.start_lsn,
             self.end_lsn,
             self._entries(),
-            buffer_size=buffer_size,
+            opts=opts,
         )

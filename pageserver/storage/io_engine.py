@@ -247,8 +247,12 @@ class IoEngine:
 
     kind: IoEngineKind
 
-    def __init__(self) -> None:
+    def __init__(self, *, write_sync_mode: SyncMode = "none") -> None:
+        sync_mode_flags(write_sync_mode)  # validate early
         self.stats = IoStats()
+        #: Sync mode of files opened for writing without an explicit ``sync_mode`` (the
+        #: ``io_sync_mode`` knob; read-only opens always use the page cache).
+        self.write_sync_mode: SyncMode = write_sync_mode
 
     async def _call(self, fn: Callable[..., _T], *args: object) -> _T:
         raise NotImplementedError
@@ -308,14 +312,21 @@ class IoEngine:
         await self._call(os.close, fd)
 
     async def open_file(
-        self, path: str | os.PathLike[str], mode: OpenMode = "r", *, sync_mode: SyncMode = "none"
+        self,
+        path: str | os.PathLike[str],
+        mode: OpenMode = "r",
+        *,
+        sync_mode: SyncMode | None = None,
     ) -> IoFile:
         """Open ``path``: ``"r"`` read-only, ``"r+"`` read-write, ``"w"``/``"w+"`` create or
         truncate, ``"x"``/``"x+"`` create, failing if it exists (``+`` = also readable).
 
-        ``sync_mode="direct"`` on a filesystem without ``O_DIRECT`` raises
+        ``sync_mode=None`` means the engine's ``write_sync_mode`` for writable modes and
+        ``"none"`` for ``"r"``. ``"direct"`` on a filesystem without ``O_DIRECT`` raises
         ``DirectIoNotSupportedError``.
         """
+        if sync_mode is None:
+            sync_mode = "none" if mode == "r" else self.write_sync_mode
         try:
             flags = _MODE_FLAGS[mode] | _O_CLOEXEC | sync_mode_flags(sync_mode)
         except KeyError:
@@ -341,8 +352,10 @@ class ThreadpoolIoEngine(IoEngine):
 
     kind: IoEngineKind = "threadpool"
 
-    def __init__(self, max_threads: int = DEFAULT_THREADPOOL_THREADS) -> None:
-        super().__init__()
+    def __init__(
+        self, max_threads: int = DEFAULT_THREADPOOL_THREADS, *, write_sync_mode: SyncMode = "none"
+    ) -> None:
+        super().__init__(write_sync_mode=write_sync_mode)
         if max_threads < 1:
             raise ValueError(f"threadpool io engine needs at least 1 thread, got {max_threads}")
         self.max_threads = max_threads
@@ -360,12 +373,18 @@ class ThreadpoolIoEngine(IoEngine):
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
 
-def make_io_engine(kind: str, *, max_threads: int = DEFAULT_THREADPOOL_THREADS) -> IoEngine:
-    """The engine for the ``io_engine`` config value; unknown kinds are a clear error."""
+def make_io_engine(
+    kind: str,
+    *,
+    max_threads: int = DEFAULT_THREADPOOL_THREADS,
+    write_sync_mode: SyncMode = "none",
+) -> IoEngine:
+    """The engine for the ``io_engine`` config value; unknown kinds are a clear error.
+    ``write_sync_mode`` is the default sync mode of files opened for writing."""
     if kind == "blocking":
-        return BlockingIoEngine()
+        return BlockingIoEngine(write_sync_mode=write_sync_mode)
     if kind == "threadpool":
-        return ThreadpoolIoEngine(max_threads=max_threads)
+        return ThreadpoolIoEngine(max_threads=max_threads, write_sync_mode=write_sync_mode)
     raise ValueError(f"unknown io_engine {kind!r}; expected one of {IO_ENGINE_KINDS}")
 
 
@@ -416,28 +435,42 @@ class IoFile:
     async def write_at(self, offset: int, data: Buffer) -> None:
         """Write all of ``data`` at ``offset``.
 
-        With ``O_DIRECT``, offset and length must be multiples of ``DIRECT_IO_ALIGN`` (a
-        read-modify-write of partial blocks is deliberately not offered); an unaligned source
+        With ``O_DIRECT``, the offset must be a multiple of ``DIRECT_IO_ALIGN``, and so must the
+        length unless the write ends the file (it is then padded and the file truncated back;
+        a read-modify-write of partial blocks is deliberately not offered). An unaligned source
         address is fixed with a bounce buffer.
         """
         if not self.direct:
             await self.engine.pwrite(self.fd, data, offset)
             return
         nbytes = memoryview(data).nbytes
-        if offset % DIRECT_IO_ALIGN or nbytes % DIRECT_IO_ALIGN:
+        if nbytes == 0:
+            return
+        if offset % DIRECT_IO_ALIGN:
             raise ValueError(
-                f"O_DIRECT write to {self.path} must be {DIRECT_IO_ALIGN}-aligned: "
+                f"O_DIRECT write to {self.path} must start {DIRECT_IO_ALIGN}-aligned: "
                 f"offset {offset}, length {nbytes}"
             )
-        if is_aligned_buffer(data):
+        if nbytes % DIRECT_IO_ALIGN == 0 and is_aligned_buffer(data):
             await self.engine.pwrite(self.fd, data, offset)
             return
-        bounce = alloc_aligned(nbytes)
+        # An unaligned length is only allowed where it ends the file: the zero padding written
+        # past it is cut off again by a truncate (never cutting data that was there before).
+        padded = align_up(nbytes)
+        old_size = await self.size() if padded != nbytes else 0
+        if padded != nbytes and old_size > offset + nbytes:
+            raise ValueError(
+                f"O_DIRECT write to {self.path} of {nbytes} bytes at {offset} is neither "
+                f"{DIRECT_IO_ALIGN}-aligned in length nor at the end of the file ({old_size} bytes)"
+            )
+        bounce = alloc_aligned(padded)
         try:
-            bounce[:] = memoryview(data).cast("B")
+            bounce[:nbytes] = memoryview(data).cast("B")
             await self.engine.pwrite(self.fd, bounce, offset)
         finally:
             bounce.close()
+        if padded != nbytes:
+            await self.truncate(offset + nbytes)
 
     async def size(self) -> int:
         st = await self.engine.run_sync(os.fstat, self.fd)

@@ -20,13 +20,14 @@ timeline holds go on to the ancestor, at ``min(lsn, ancestor_lsn) + 1``.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Sequence
 from typing import Protocol
 
-from pageserver.storage.delta_layer import PersistentLayer, ReadContext
+from pageserver.storage.delta_layer import PersistentLayer, ReadContext, key_runs
 from pageserver.storage.inmemory_layer import InMemoryLayer
-from pageserver.storage.key import Key, KeySpace, is_inherited_key, key_hex
+from pageserver.storage.key import Key, KeyRange, is_inherited_key, key_hex
 from pageserver.storage.layer_map import LayerMap
 from pageserver.storage.reconstruct import KeyState
 from protocol.lsn import Lsn
@@ -100,67 +101,69 @@ class _Fringe:
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, int]] = []
-        self._reads: dict[tuple[int, int, int], tuple[Layer, KeySpace]] = {}
+        self._reads: dict[tuple[int, int, int], tuple[Layer, list[Key]]] = {}
 
-    def push(self, layer: Layer, keyspace: KeySpace, floor: int, cont: int) -> None:
+    def push(self, layer: Layer, keys: list[Key], floor: int, cont: int) -> None:
         ident = (id(layer), floor, cont)
         old = self._reads.get(ident)
         if old is not None:
-            self._reads[ident] = (layer, old[1].merge(keyspace))
+            self._reads[ident] = (layer, sorted({*old[1], *keys}))
             return
-        self._reads[ident] = (layer, keyspace)
+        self._reads[ident] = (layer, keys)
         heapq.heappush(self._heap, (-cont, floor, id(layer)))
 
-    def pop(self) -> tuple[Layer, KeySpace, int, int] | None:
+    def pop(self) -> tuple[Layer, list[Key], int, int] | None:
         if not self._heap:
             return None
         neg_cont, floor, ident = heapq.heappop(self._heap)
-        layer, keyspace = self._reads.pop((ident, floor, -neg_cont))
-        return layer, keyspace, floor, -neg_cont
+        layer, keys = self._reads.pop((ident, floor, -neg_cont))
+        return layer, keys, floor, -neg_cont
 
 
-def _pending(keyspace: KeySpace, states: dict[Key, KeyState], cont_lsn: int) -> KeySpace:
-    """The keys of ``keyspace`` still to be searched below ``cont_lsn``."""
-    done: list[Key] = []
-    for key in keyspace.iter_keys():
+def _pending(keys: list[Key], states: dict[Key, KeyState], cont_lsn: int, cached: bool) -> list[Key]:
+    """The keys still to be searched below ``cont_lsn`` (a cached page may finish some)."""
+    if not cached:
+        return [k for k in keys if not states[k].complete]
+    out: list[Key] = []
+    for key in keys:
         st = states[key]
         if not st.complete:
             st.floor_reached(cont_lsn)
-        if st.complete:
-            done.append(key)
-    return keyspace.subtract(KeySpace.from_keys(done)) if done else keyspace
+            if not st.complete:
+                out.append(key)
+    return out
 
 
 async def _walk_timeline(
     tl: ReadableTimeline,
-    keyspace: KeySpace,
+    keys: list[Key],
     cont_lsn: int,
     states: dict[Key, KeyState],
     ctx: ReadContext,
 ) -> None:
-    unmapped = keyspace
+    unmapped = keys  # sorted, distinct
     fringe = _Fringe()
     while True:
-        unmapped = _pending(unmapped, states, cont_lsn)
-        if not unmapped.is_empty():
+        unmapped = _pending(unmapped, states, cont_lsn, ctx.any_cached)
+        if unmapped:
             mem = _first_in_memory(tl, cont_lsn)
             if mem is not None:
                 fringe.push(mem, unmapped, mem.start_lsn, cont_lsn)
             else:
-                for rng in unmapped.ranges:
-                    found, _missing = tl.layer_map.range_search(rng, cont_lsn)
+                for start, end in key_runs(unmapped):
+                    found, _missing = tl.layer_map.range_search(KeyRange(start, end), cont_lsn)
                     for hist, hist_floor, sub in found:
-                        fringe.push(hist, KeySpace.single(sub), hist_floor, cont_lsn)
+                        lo = bisect.bisect_left(unmapped, sub.start)
+                        hi = bisect.bisect_left(unmapped, sub.end, lo)
+                        fringe.push(hist, unmapped[lo:hi], hist_floor, cont_lsn)
         item = fringe.pop()
         if item is None:
             return
-        layer, ks, floor, cont = item
-        ks = _pending(ks, states, cont)
-        if ks.is_empty():
-            unmapped = ks
-            continue
-        await layer.get_values_vectored(ks, floor, cont, states, ctx)
-        unmapped = ks
+        layer, routed, floor, cont = item
+        routed = _pending(routed, states, cont, ctx.any_cached)
+        if routed:
+            await layer.get_values_vectored(routed, floor, cont, states, ctx)
+        unmapped = routed
         cont_lsn = floor
 
 
@@ -175,9 +178,10 @@ async def get_vectored(
     ``lsn``; keys that do not exist stay incomplete."""
     timeline: ReadableTimeline | None = tl
     cont_lsn = lsn + 1
-    pending = [k for k in keys if not states[k].complete]
+    ctx.any_cached = any(states[k].cached_lsn >= 0 for k in keys)
+    pending = sorted({k for k in keys if not states[k].complete})
     while pending and timeline is not None:
-        await _walk_timeline(timeline, KeySpace.from_keys(pending), cont_lsn, states, ctx)
+        await _walk_timeline(timeline, pending, cont_lsn, states, ctx)
         pending = [k for k in pending if not states[k].complete and is_inherited_key(k)]
         if timeline.ancestor_timeline is None:
             break

@@ -302,21 +302,26 @@ def page_add_item(
 # --- compaction -------------------------------------------------------------------------
 
 
+def _lp_array(page: bytearray, nline: int) -> list[int]:
+    return list(struct.unpack_from(f"<{nline}I", page, SIZE_OF_PAGE_HEADER))
+
+
 def _compactify(page: bytearray, items: Sequence[tuple[int, int, int]], special: int) -> None:
     """compactify_tuples: pack (offnum, itemoff, alignedlen) downward from pd_special.
 
     Items are placed in the given order (line pointer order), each moved with its MAXALIGNed
     length, so padding bytes travel with the item. Line pointers keep flags and length.
     """
+    nline = max_offset(page)
+    lps = _lp_array(page, nline)
     src = bytes(page)
     upper = special
     for offnum, itemoff, alen in items:
         upper -= alen
         if upper != itemoff:
             page[upper : upper + alen] = src[itemoff : itemoff + alen]
-        pos = SIZE_OF_PAGE_HEADER + (offnum - 1) * ITEM_ID_SIZE
-        raw = _unpack_u32(page, pos)[0]
-        _pack_u32(page, pos, (raw & ~0x7FFF) | upper)
+        lps[offnum - 1] = (lps[offnum - 1] & ~0x7FFF) | upper
+    struct.pack_into(f"<{nline}I", page, SIZE_OF_PAGE_HEADER, *lps)
     _pack_u16(page, OFF_UPPER, upper)
 
 
@@ -324,23 +329,25 @@ def page_repair_fragmentation(page: bytearray) -> None:
     """PageRepairFragmentation: compact items with storage; drop trailing unused pointers."""
     lower, upper, special = _check_pointers(page)
     nline = max_offset(page)
+    lps = _lp_array(page, nline)
     items: list[tuple[int, int, int]] = []
     nunused = 0
     totallen = 0
     finalused = 0
-    for i in range(1, nline + 1):
-        itemid = get_itemid(page, i)
+    for i, itemid in enumerate(lps, 1):
         if (itemid >> 15) & 3:
             if itemid >> 17:
                 off = itemid & 0x7FFF
                 if off < upper or off >= special:
                     raise PageError(f"corrupted line pointer: {off}")
-                alen = maxalign(itemid >> 17)
+                alen = ((itemid >> 17) + 7) & ~7
                 totallen += alen
                 items.append((i, off, alen))
             finalused = i
         else:
-            set_itemid(page, i, 0, 0, 0)
+            if itemid:
+                lps[i - 1] = 0
+                _pack_u32(page, SIZE_OF_PAGE_HEADER + (i - 1) * ITEM_ID_SIZE, 0)
             nunused += 1
     if not items:
         _pack_u16(page, OFF_UPPER, special)

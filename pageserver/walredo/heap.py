@@ -143,7 +143,14 @@ def _normal_item(page: bytearray, offnum: int, rec: DecodedRecord, what: str) ->
 
 
 def _make_tuple(
-    xmin: int, xmax: int, blkno: int, offnum: int, infomask2: int, infomask: int, hoff: int, body: bytes
+    xmin: int,
+    xmax: int,
+    blkno: int,
+    offnum: int,
+    infomask2: int,
+    infomask: int,
+    hoff: int,
+    body: bytes | bytearray | memoryview,
 ) -> bytearray:
     tup = bytearray(SIZEOF_HEAP_TUPLE_HEADER + len(body))
     _TUPLE_HEADER.pack_into(
@@ -151,6 +158,46 @@ def _make_tuple(
     )
     tup[SIZEOF_HEAP_TUPLE_HEADER:] = body
     return tup
+
+
+_LOWER_UPPER = struct.Struct("<HH")
+_LP_NORMAL_BITS = bp.LP_NORMAL << 15
+
+
+def _put_tuple(
+    page: bytearray,
+    offnum: int,
+    xmin: int,
+    xmax: int,
+    blkno: int,
+    infomask2: int,
+    infomask: int,
+    hoff: int,
+    body: bytes | bytearray | memoryview,
+    rec: DecodedRecord,
+) -> None:
+    """Build the tuple and add it at ``offnum`` (PageAddItem, overwrite + heap mode).
+
+    Appending after the last line pointer (nearly every insert) writes header and body
+    straight into the page: the same bytes PageAddItem would copy, without building the tuple
+    first. Reusing a free slot goes through ``page_add_item``.
+    """
+    lower, upper = _LOWER_UPPER.unpack_from(page, bp.OFF_LOWER)
+    maxoff = (lower - bp.SIZE_OF_PAGE_HEADER) >> 2 if lower > bp.SIZE_OF_PAGE_HEADER else 0
+    if offnum != maxoff + 1 or lower < bp.SIZE_OF_PAGE_HEADER or upper > bp.get_special(page):
+        tup = _make_tuple(xmin, xmax, blkno, offnum, infomask2, infomask, hoff, body)
+        _add_tuple(page, tup, offnum, rec)
+        return
+    size = SIZEOF_HEAP_TUPLE_HEADER + len(body)
+    new_upper = upper - ((size + 7) & ~7)
+    if offnum > bp.MAX_HEAP_TUPLES_PER_PAGE or lower + 4 > new_upper:
+        raise RedoError(f"failed to add tuple at offset {offnum}", lsn=rec.end_lsn)
+    _TUPLE_HEADER.pack_into(
+        page, new_upper, xmin, xmax, 0, blkno >> 16, blkno & 0xFFFF, offnum, infomask2, infomask, hoff
+    )
+    page[new_upper + SIZEOF_HEAP_TUPLE_HEADER : new_upper + size] = body
+    _U32.pack_into(page, lower, new_upper | _LP_NORMAL_BITS | (size << 17))
+    _LOWER_UPPER.pack_into(page, bp.OFF_LOWER, lower + 4, new_upper)
 
 
 def _add_tuple(page: bytearray, tup: bytes | bytearray, offnum: int, rec: DecodedRecord) -> None:
@@ -198,8 +245,7 @@ def redo_insert(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
     if len(data) < _XL_HEAP_HEADER.size:
         raise RedoError("heap insert: block data shorter than xl_heap_header", lsn=rec.end_lsn)
     im2, im, hoff = _XL_HEAP_HEADER.unpack_from(data)
-    tup = _make_tuple(rec.xl_xid, 0, blk.blkno, offnum, im2, im, hoff, data[_XL_HEAP_HEADER.size :])
-    _add_tuple(page, tup, offnum, rec)
+    _put_tuple(page, offnum, rec.xl_xid, 0, blk.blkno, im2, im, hoff, memoryview(data)[_XL_HEAP_HEADER.size :], rec)
     bp.page_set_lsn(page, rec.end_lsn)
     if flags & XLH_INSERT_ALL_VISIBLE_CLEARED:
         bp.page_clear_all_visible(page)
@@ -297,8 +343,7 @@ def redo_update(page: bytearray, rec: DecodedRecord, blk: BlockRef, hot: bool) -
         assert old_tuple is not None
         ooff, olen = old_tuple
         body = body + page[ooff + olen - suffixlen : ooff + olen]
-    tup = _make_tuple(rec.xl_xid, new_xmax, blk.blkno, new_offnum, im2, im, hoff, body)
-    _add_tuple(page, tup, new_offnum, rec)
+    _put_tuple(page, new_offnum, rec.xl_xid, new_xmax, blk.blkno, im2, im, hoff, body, rec)
     if flags & XLH_UPDATE_NEW_ALL_VISIBLE_CLEARED:
         bp.page_clear_all_visible(page)
     bp.page_set_lsn(page, rec.end_lsn)
@@ -450,6 +495,9 @@ def redo_multi_insert(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> Non
             raise RedoError("heap2 multi_insert: offsets missing", lsn=rec.end_lsn)
         offsets = struct.unpack_from(f"<{ntuples}H", rec.main_data, 4)
     data = blk.data
+    mv = memoryview(data)
+    xid = rec.xl_xid
+    blkno = blk.blkno
     pos = 0
     end = len(data)
     for offnum in offsets:
@@ -460,9 +508,8 @@ def redo_multi_insert(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> Non
         pos += 7
         if pos + datalen > end:
             raise RedoError("heap2 multi_insert: tuple past block data", lsn=rec.end_lsn)
-        tup = _make_tuple(rec.xl_xid, 0, blk.blkno, offnum, im2, im, hoff, data[pos : pos + datalen])
+        _put_tuple(page, offnum, xid, 0, blkno, im2, im, hoff, mv[pos : pos + datalen], rec)
         pos += datalen
-        _add_tuple(page, tup, offnum, rec)
     if pos != end:
         raise RedoError("heap2 multi_insert: total tuple length mismatch", lsn=rec.end_lsn)
     bp.page_set_lsn(page, rec.end_lsn)

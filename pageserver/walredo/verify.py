@@ -67,6 +67,7 @@ def read_wal(wal_dir: Path, start_lsn: int, end_lsn: int) -> Iterator[DecodedRec
 class VerifyReport:
     records: int = 0
     checked: Counter[str] = attrs.field(factory=Counter)
+    restored: Counter[str] = attrs.field(factory=Counter)
     vm_checked: int = 0
     adopted: int = 0
     unchecked_blocks: int = 0
@@ -76,6 +77,8 @@ class VerifyReport:
     def summary(self) -> str:
         lines = [f"{self.records} records; block checks per record type:"]
         lines += [f"  {name:32s} {n:7d}" for name, n in sorted(self.checked.items())]
+        lines.append("full-page images applied per record type:")
+        lines += [f"  {name:32s} {n:7d}" for name, n in sorted(self.restored.items())]
         lines.append(
             f"VM pages compared bit for bit: {self.vm_checked}; pages first seen without a base"
             f" (adopted their verification image): {self.adopted}; blocks without any image: "
@@ -137,7 +140,9 @@ def verify_records(records: Iterable[DecodedRecord], max_failures: int = 50) -> 
             if new is None:
                 continue
             pages[t] = new
-            if blk.has_image and not blk.apply_image:
+            if blk.apply_image:
+                report.restored[record_name(rec)] += 1
+            elif blk.has_image:
                 report.checked[record_name(rec)] += 1
                 if blk.forknum == VISIBILITYMAP_FORKNUM:
                     img = blk.image

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import trio
 
-from pageserver.storage import io_engine
 from pageserver.storage.io_engine import (
     DIRECT_IO_ALIGN,
     IO_ENGINE_KINDS,
@@ -165,12 +164,36 @@ async def test_sync_modes_on_the_real_tmp_dir(kind: str, sync_mode: str, tmp_pat
     assert bool(flags & os.O_DIRECT) == (sync_mode == "direct")
     assert bool(flags & os.O_DSYNC) == (sync_mode == "dsync")
     if sync_mode == "direct":
-        with pytest.raises(ValueError, match="must be 4096-aligned"):
+        with pytest.raises(ValueError, match="must start 4096-aligned"):
             await f.write_at(1, b"x" * DIRECT_IO_ALIGN)
-        with pytest.raises(ValueError, match="must be 4096-aligned"):
+        # An unaligned length inside the file would need a read-modify-write: refused.
+        with pytest.raises(ValueError, match="nor at the end of the file"):
             await f.write_at(0, b"x" * 100)
     await f.aclose()
     assert (tmp_path / "m").read_bytes() == payload[:DIRECT_IO_ALIGN] + payload
+    # An unaligned length that ends the file works in every mode (index_part.json, say).
+    g = await engine.open_file(tmp_path / "small", "x", sync_mode=sync_mode)
+    await g.write_at(0, b'{"json": 1}')
+    await g.aclose()
+    assert (tmp_path / "small").read_bytes() == b'{"json": 1}'
+
+
+@pytest.mark.parametrize("sync_mode", SYNC_MODES)
+async def test_engine_write_sync_mode_is_the_default_for_writable_opens(
+    sync_mode: str, tmp_path: Path
+) -> None:
+    engine = make_io_engine("blocking", write_sync_mode=sync_mode)  # type: ignore[arg-type]
+    w = await engine.open_file(tmp_path / "w", "w+")
+    assert w.sync_mode == sync_mode
+    await w.write_at(0, b"abc")
+    r = await engine.open_file(tmp_path / "w", "r")
+    assert r.sync_mode == "none"  # reads of finished files stay plain
+    explicit = await engine.open_file(tmp_path / "w", "r+", sync_mode="none")
+    assert explicit.sync_mode == "none"
+    for f in (w, r, explicit):
+        await f.aclose()
+    with pytest.raises(ValueError, match="unknown sync mode"):
+        make_io_engine("threadpool", write_sync_mode="osync")  # type: ignore[arg-type]
 
 
 async def test_direct_io_refused_gives_clear_error(
@@ -184,7 +207,7 @@ async def test_direct_io_refused_gives_clear_error(
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, mode)
 
-    monkeypatch.setattr(io_engine.os, "open", no_direct)
+    monkeypatch.setattr(os, "open", no_direct)
     engine = make_io_engine("blocking")
     with pytest.raises(DirectIoNotSupportedError, match=r"refuses O_DIRECT.*/nodirect"):
         await engine.open_file(tmp_path / "nodirect", "w", sync_mode="direct")

@@ -11,7 +11,7 @@ import pytest
 from pageserver.storage.delta_layer import PersistentLayer, ReadContext, write_delta_layer
 from pageserver.storage.image_layer import ImageLayer, write_image_layer
 from pageserver.storage.io_engine import BlockingIoEngine
-from pageserver.storage.key import Key, KeyRange, KeySpace, key_next, rel_block_key
+from pageserver.storage.key import Key, KeyRange, key_next, rel_block_key
 from pageserver.storage.layer_file import ENTRIES_PER_BLOCK, IndexBlockCache, LayerCorruptionError
 from pageserver.storage.layer_map import LayerMap
 from pageserver.storage.page_cache import PageCache
@@ -64,7 +64,7 @@ async def test_delta_layer_round_trip_both_paths(tmp_path: Path) -> None:
     states = {k(i): KeyState() for i in range(N_KEYS)}
     ctx = ReadContext(max_vectored_read_bytes=128 * 1024)
     engine.stats.reset()
-    await layer.get_values_vectored(KeySpace.from_keys(states), 0, 130, states, ctx)
+    await layer.get_values_vectored(sorted(states), 0, 130, states, ctx)
     for i, st in enumerate(states.values()):
         assert st.complete and st.img == (100, f"base{i}".encode())
         assert len(st.records) == 2
@@ -79,14 +79,14 @@ async def test_vectored_read_splits_at_max_bytes_and_gaps(tmp_path: Path) -> Non
     keys = [k(i) for i in range(40)]
     states = {key: KeyState() for key in keys}
     ctx = ReadContext(max_vectored_read_bytes=64)
-    await layer.get_values_vectored(KeySpace.from_keys(keys), 0, 130, states, ctx)
+    await layer.get_values_vectored(keys, 0, 130, states, ctx)
     assert ctx.vectored_reads > 1
     assert all(st.complete for st in states.values())
     # every other key: blobs are not adjacent, so one read per key
     sparse = [k(i) for i in range(0, 40, 2)]
     states = {key: KeyState() for key in sparse}
     ctx = ReadContext()
-    await layer.get_values_vectored(KeySpace.from_keys(sparse), 0, 130, states, ctx)
+    await layer.get_values_vectored(sparse, 0, 130, states, ctx)
     assert ctx.vectored_reads == len(sparse)
     await layer.aclose()
 
@@ -102,7 +102,7 @@ async def test_image_layer_absent_key_is_missing(tmp_path: Path) -> None:
     layer = await PersistentLayer.open(engine, path, IndexBlockCache(4))
     assert isinstance(layer, ImageLayer)
     states = {k(i): KeyState() for i in range(4)}
-    await layer.get_values_vectored(KeySpace.from_keys(states), 50, 60, states, ReadContext())
+    await layer.get_values_vectored(sorted(states), 50, 60, states, ReadContext())
     assert states[k(0)].img == (50, b"page0") and not states[k(0)].missing
     assert states[k(1)].missing and states[k(1)].complete
     legacy = KeyState()
@@ -135,7 +135,7 @@ async def test_corrupt_or_truncated_file_names_the_file(tmp_path: Path, where: s
         layer = await PersistentLayer.open(engine, path, IndexBlockCache(16))
         try:
             states = {k(i): KeyState() for i in range(N_KEYS)}
-            await layer.get_values_vectored(KeySpace.from_keys(states), 0, 130, states, ReadContext())
+            await layer.get_values_vectored(sorted(states), 0, 130, states, ReadContext())
             for i in range(N_KEYS):
                 await layer.get_value_legacy(k(i), 0, 130, KeyState())
         finally:

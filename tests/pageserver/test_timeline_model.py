@@ -20,7 +20,14 @@ from typing import TypeVar
 import trio
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from pageserver.storage.config import StorageConfig
 from pageserver.storage.key import Key, rel_block_key

@@ -77,6 +77,16 @@ WORKLOAD_SQL = [
     "UPDATE churn SET v = v + 1",
     "UPDATE churn SET v = v + 1",
     "UPDATE churn SET v = v + 1",
+    # an index that shrinks from level 2: page deletion up the tree, fast root moves
+    "CREATE TABLE shrink (k text)",
+    "CREATE INDEX shrink_k ON shrink (k)",
+    "INSERT INTO shrink SELECT lpad(g::text, 700, '0') FROM generate_series(1, 400) g",
+    "DELETE FROM shrink WHERE k > lpad('3', 700, '0')",
+    "VACUUM shrink",
+    "DELETE FROM shrink",
+    "VACUUM shrink",
+    # the lone leaf under the old root splits: the fast root link moves up (INSERT_META)
+    "INSERT INTO shrink SELECT lpad(g::text, 700, '1') FROM generate_series(1, 60) g",
     # speculative insertion (Heap/CONFIRM) and ON CONFLICT updates
     "INSERT INTO big VALUES (1000001, 'new') ON CONFLICT (id) DO NOTHING",
     "INSERT INTO big SELECT g, 'upsert' FROM generate_series(2500, 2600) g ON CONFLICT (id) DO UPDATE SET pad = 7",
@@ -136,6 +146,11 @@ def _run_workload(pg: PostgresInstance) -> None:
         c1.commit()
         c2.execute("UPDATE big SET pad = -1 WHERE id < 100")
         c2.commit()
+        # a key-share lock follows a concurrent non-key update to the new version (LOCK_UPDATED)
+        c1.execute("UPDATE big SET pad = -2 WHERE id = 1")
+        c2.execute("SELECT * FROM big WHERE id = 1 FOR KEY SHARE").fetchall()
+        c1.commit()
+        c2.commit()
     pg.psql("VACUUM FREEZE big")
 
 
@@ -181,7 +196,7 @@ def test_every_verification_image_matches(wal_run: tuple[PostgresInstance, int, 
         "Heap2/PRUNE", "Heap2/VACUUM", "Heap2/FREEZE_PAGE", "Heap2/VISIBLE", "Heap2/MULTI_INSERT+INIT",
         "Btree/INSERT_LEAF", "Btree/INSERT_UPPER", "Btree/SPLIT_L", "Btree/SPLIT_R", "Btree/NEWROOT",
         "Btree/VACUUM", "Btree/DEDUP", "Btree/DELETE", "Btree/MARK_PAGE_HALFDEAD", "Btree/UNLINK_PAGE",
-        "Heap/HEAP_CONFIRM", "Sequence/LOG",
+        "Btree/UNLINK_PAGE_META", "Heap/HEAP_CONFIRM", "Heap2/LOCK_UPDATED", "Sequence/LOG",
     ]
     missing = [m for m in must_have if not any(k.startswith(m) for k in report.checked)]
     assert not missing, f"workload did not exercise {missing}"
@@ -299,3 +314,49 @@ def test_multixact_pages_equal_pg_multixact(wal_run: tuple[PostgresInstance, int
     mgr = PostgresRedoManager()
     assert mgr.apply_to_target(SlruPage(2, 0), bytes(off_base), values) == offsets_file
     assert mgr.apply_to_target(SlruPage(1, 0), bytes(mem_base), values) == members_file
+
+
+SMALL_SQL = [
+    "CREATE TABLE t2 (id int PRIMARY KEY, v text)",
+    "INSERT INTO t2 SELECT g, md5(g::text) FROM generate_series(1, 3000) g",
+    "CHECKPOINT",
+    # after a checkpoint, reads that set hint bits log FPI_FOR_HINT (checksums are on)
+    "SELECT count(*) FROM t2",
+    "UPDATE t2 SET v = 'u' WHERE id % 5 = 0",
+    "DELETE FROM t2 WHERE id % 7 = 0",
+    "VACUUM t2",
+    "CREATE INDEX t2_v ON t2 (v)",
+]
+
+
+def test_checksums_and_lz4_images() -> None:
+    """A second cluster: data checksums (FPI_FOR_HINT, heap LSN on VISIBLE) and lz4 images."""
+    import os
+    import shutil
+    import tempfile
+
+    from compute.postgres import initdb
+
+    base = Path(tempfile.mkdtemp(prefix="pagestore-redo-k-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    initdb(base / "data", extra_args=["--data-checksums"])
+    pg = PostgresInstance(datadir=base / "data", settings={**SETTINGS, "wal_compression": "lz4"})
+    try:
+        pg.start()
+        pg.psql("CHECKPOINT")
+        start = parse_lsn(pg.psql("SELECT pg_current_wal_insert_lsn()"))
+        for sql in SMALL_SQL:
+            pg.psql(sql)
+        end = parse_lsn(pg.psql("SELECT pg_current_wal_insert_lsn()"))
+        recs = list(read_wal(pg.wal_dir(), start, end))
+    finally:
+        pg.destroy()
+        shutil.rmtree(base, ignore_errors=True)
+    lz4 = sum(1 for r in recs for b in r.blocks if b.compression == "lz4")
+    assert lz4 > 100
+    report = verify_records(recs)
+    print(report.summary())
+    assert not report.failures, "\n".join(report.failures[:20])
+    hints = sum(1 for r in recs if r.rmgr_name == "XLOG" and r.record_type == "FPI_FOR_HINT")
+    print(f"lz4 images: {lz4}; FPI_FOR_HINT records: {hints}")
+    assert hints > 0

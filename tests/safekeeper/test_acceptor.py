@@ -215,7 +215,7 @@ class AcceptorMachine(RuleBasedStateMachine):
         self.elected_term: int | None = None
 
     def run(self, effects: list[Effect]) -> list[object]:
-        out = []
+        out: list[object] = []
         for e in effects:
             if isinstance(e, PersistControl):
                 self.disk.state = e.state

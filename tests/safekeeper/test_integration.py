@@ -132,7 +132,8 @@ async def test_kill9_keeps_acknowledged_wal(pg_tmp_path: Path) -> None:
                 chunks = [wal[i : i + 32768] for i in range(0, len(wal), 32768)]
                 half = len(chunks) // 2
                 mid = await p.append_many(start, chunks[:half])
-                acked = (await p.wait_flush(mid)).flush_lsn
+                # flush_lsn is record-aligned: the last record before ``mid`` ends within 1 KiB.
+                acked = (await p.wait_flush(Lsn(mid - 1024))).flush_lsn
                 # More WAL in flight, then kill -9 right after an acknowledgement.
                 await p.append_many(mid, chunks[half:])
                 acked = max(acked, (await p.wait_flush(Lsn(mid + 1))).flush_lsn)

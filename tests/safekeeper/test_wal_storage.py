@@ -91,7 +91,12 @@ def test_write_rejects_invalid_wal_after_valid_part(real_wal: RealWal, tmp_path:
     good = real_wal.data[:100_000]
     with pytest.raises(InvalidWal):
         storage.write(real_wal.start, [good, b"\x00" * 8192])
-    assert storage.write_lsn == real_wal.start + len(good)
+    # The valid prefix was kept up to its last complete record; the partial record after it
+    # was cut so that the next write continues on a record boundary.
+    last = max(s for s in real_wal.record_starts if s <= real_wal.start + len(good))
+    assert storage.write_lsn == storage.flush_record_lsn
+    assert storage.write_lsn in (last, last - last % 8192)
+    assert WalStorage(tmp_path).open(real_wal.start) == storage.write_lsn
 
 
 def test_truncate_removes_later_segments_and_zeroes_tail(real_wal: RealWal, tmp_path: Path) -> None:

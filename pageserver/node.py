@@ -1,0 +1,137 @@
+"""The pageserver node process: ``pagestore pageserver -c FILE``.
+
+One trio program: the tenant manager (every tenant and timeline of the workdir loaded at
+start, one WAL receiver + ingest per timeline when safekeepers are configured), the libpq
+listener (``pagestream_v2``/``pagestream_v3`` from the page service, ``basebackup``,
+``fullbackup``, ``set``) and the HTTP listener (management API and ``/metrics``).
+
+Shutdown (SIGTERM, SIGINT or ``PageserverNode.stop()``): both listeners stop accepting;
+open pagestreams and other libpq connections end with a FATAL 57P01 ErrorResponse; WAL
+receivers stop; every timeline is flushed, so ``index_part.json`` holds all ingested WAL and
+a restart resumes at ``last_record_lsn``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+import structlog
+import trio
+
+from common.config import ConfigError
+from common.http import HttpServer, HttpServerConfig
+from common.logging import setup_logging
+from common.metrics import new_registry
+from common.pgserver import PgServer, PgServerConfig
+from pageserver.basebackup import BackupCommandHandler
+from pageserver.config import PageserverConfig, load_pageserver_config
+from pageserver.http_api import build_router
+from pageserver.page_service.handler import PageServiceHandler
+from pageserver.page_service.metrics import PageServiceMetrics
+from pageserver.page_service.reader import NotFound, PageReader, Shutdown
+from pageserver.page_service.timeline_adapter import TimelinePageReader
+from pageserver.tenant_manager import TenantManager
+from protocol.ids import TenantId, TimelineId
+
+log = structlog.get_logger("pageserver.node")
+
+
+class NodeTimelineLookup:
+    """The page service's ``TimelineLookup`` over the tenant manager."""
+
+    def __init__(self, manager: TenantManager, page_service_timeout_s: float) -> None:
+        self.manager = manager
+        self._timeout_s = page_service_timeout_s
+
+    def get_reader(self, tenant_id: TenantId, timeline_id: TimelineId) -> PageReader:
+        if self.manager.shutting_down.is_set():
+            raise Shutdown()
+        try:
+            tl = self.manager.get_timeline(tenant_id, timeline_id)
+        except LookupError as exc:
+            raise NotFound(str(exc)) from None
+        return TimelinePageReader(tl, shutdown=self.manager.shutting_down)
+
+
+class PageserverNode:
+    def __init__(self, conf: PageserverConfig, *, handle_signals: bool = False) -> None:
+        self.conf = conf
+        self.handle_signals = handle_signals
+        self.registry = new_registry()
+        self.manager = TenantManager(conf)
+        self.page_metrics = PageServiceMetrics.register(self.registry)
+        self.pg_port: int | None = None
+        self.http_port: int | None = None
+        self._stop = trio.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[tuple[int, int]] = trio.TASK_STATUS_IGNORED) -> None:
+        conf = self.conf
+        conf.workdir.mkdir(parents=True, exist_ok=True)
+        backups = BackupCommandHandler(self.manager.get_timeline, wait_lsn_timeout_s=conf.wait_lsn_timeout_s)
+        handler = PageServiceHandler(
+            NodeTimelineLookup(self.manager, conf.wait_lsn_timeout_s),
+            conf.page_service_config(),
+            self.page_metrics,
+            extra_commands={"basebackup": backups.basebackup, "fullbackup": backups.fullbackup},
+        )
+        pg_host, pg_port = conf.pg_addr
+        http_host, http_port = conf.http_addr
+        pg = PgServer(
+            handler,
+            PgServerConfig(host=pg_host, port=pg_port, server_version="15.0 (pagestore pageserver)",
+                           shutdown_timeout_s=conf.shutdown_timeout_s),
+        )
+        http = HttpServer(
+            build_router(self.manager, self.registry),
+            HttpServerConfig(host=http_host, port=http_port, shutdown_timeout_s=conf.shutdown_timeout_s),
+        )
+        async with trio.open_nursery() as background:
+            if self.handle_signals:
+                background.start_soon(self._watch_signals)
+            await self.manager.start(background)
+            async with trio.open_nursery() as servers:
+                self.pg_port = await servers.start(pg.serve)
+                self.http_port = await servers.start(http.serve)
+                log.info("pageserver started", id=conf.id, pg_port=self.pg_port, http_port=self.http_port,
+                         workdir=str(conf.workdir), tenants=len(self.manager.tenants))
+                task_status.started((self.pg_port, self.http_port))
+                await self._stop.wait()
+                log.info("pageserver stopping")
+                # Timelines report shutdown first, so streams end with 57P01 from the page
+                # service; then the listeners close whatever connections remain.
+                self.manager.shutting_down.set()
+                pg.shutdown()
+                http.shutdown()
+                servers.cancel_scope.deadline = trio.current_time() + conf.shutdown_timeout_s * 2
+            await self.manager.shutdown()
+            background.cancel_scope.cancel()
+        log.info("pageserver stopped")
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("signal received", signal=signal.Signals(signum).name)
+                self.stop()
+                return
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-c", "--config", type=Path, required=True, help="pageserver TOML config file")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        conf = load_pageserver_config(args.config)
+    except ConfigError as exc:
+        print(f"pageserver: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(log_file=conf.log_path, level=conf.log_level)
+    node = PageserverNode(conf, handle_signals=True)
+    trio.run(node.run)
+    return 0

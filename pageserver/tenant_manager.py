@@ -1,0 +1,234 @@
+"""The node's tenants: loading them from the workdir, creating tenants and timelines, the WAL
+receiver of each timeline, and shutting everything down.
+
+Layout: ``<workdir>/tenants/<tenant id>/`` is one ``Tenant`` (``pageserver.tenant``, which owns
+what is inside). A tenant is created in ``<workdir>/tenants/.tmp-<id>/`` and renamed into place,
+so a directory with a tenant id as its name always holds a complete tenant; leftovers of an
+interrupted creation are removed at start.
+
+Timelines are created either by bootstrap (``initdb`` imported by
+``pageserver.import_datadir``) or as a branch of an existing timeline at an LSN. When the
+node has safekeepers configured, every timeline gets a ``TimelineWalIngest`` task that pulls
+its WAL from them, starting at ``last_record_lsn``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import structlog
+import trio
+
+from pageserver.config import PageserverConfig, split_addr
+from pageserver.import_datadir import bootstrap_timeline
+from pageserver.storage.io_engine import fsync_dir
+from pageserver.tenant import Tenant, TimelineExistsError
+from pageserver.timeline import Timeline
+from pageserver.wal_receiver import WalReceiverConfig
+from pageserver.walingest import TimelineWalIngest
+from pageserver.walredo.manager import PostgresRedoManager
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import Lsn, format_lsn
+
+log = structlog.get_logger("pageserver.tenant_manager")
+
+TMP_PREFIX = ".tmp-"
+
+
+class TenantNotFoundError(LookupError):
+    pass
+
+
+class TimelineNotFoundError(LookupError):
+    pass
+
+
+class AlreadyExistsError(Exception):
+    pass
+
+
+class BadTimelineRequestError(ValueError):
+    """The request cannot be served as asked (branch point above the ancestor's end...)."""
+
+
+class ShuttingDownError(Exception):
+    pass
+
+
+class TenantManager:
+    def __init__(self, conf: PageserverConfig) -> None:
+        self.conf = conf
+        self.tenants: dict[TenantId, Tenant] = {}
+        self._locks: dict[TenantId, trio.Lock] = {}
+        self._ingests: dict[tuple[TenantId, TimelineId], tuple[TimelineWalIngest, trio.CancelScope]] = {}
+        self._nursery: trio.Nursery | None = None
+        self.shutting_down = trio.Event()
+
+    @property
+    def tenants_dir(self) -> Path:
+        return self.conf.tenants_dir
+
+    def _lock(self, tenant_id: TenantId) -> trio.Lock:
+        return self._locks.setdefault(tenant_id, trio.Lock())
+
+    def _new_redo(self) -> PostgresRedoManager:
+        return PostgresRedoManager()
+
+    # -- start and stop -----------------------------------------------------------------------
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Load every tenant of the workdir and start WAL receivers."""
+        self._nursery = nursery
+        self.tenants_dir.mkdir(parents=True, exist_ok=True)
+        for entry in sorted(self.tenants_dir.iterdir()):
+            if entry.name.startswith(TMP_PREFIX):
+                shutil.rmtree(entry)
+                continue
+            try:
+                tenant_id = TenantId.parse(entry.name)
+            except Exception:
+                log.warning("ignoring a directory that is not a tenant", path=str(entry))
+                continue
+            tenant = await Tenant.load(
+                entry, tenant_id, self.conf.storage_config(), redo=self._new_redo(), nursery=nursery
+            )
+            self.tenants[tenant_id] = tenant
+            log.info("tenant loaded", tenant_id=tenant_id.hex, timelines=len(tenant.timelines))
+        for tenant in self.tenants.values():
+            for tl in tenant.timelines.values():
+                self._start_ingest(tl)
+
+    async def shutdown(self) -> None:
+        """Stop WAL receivers, flush every timeline (index_part persisted), close files."""
+        self.shutting_down.set()
+        for _, scope in self._ingests.values():
+            scope.cancel()
+        self._ingests.clear()
+        for tenant in self.tenants.values():
+            for tl in tenant.timelines.values():
+                try:
+                    with trio.move_on_after(self.conf.shutdown_timeout_s * 4):
+                        await tl.flush()
+                except Exception:
+                    log.error("flush at shutdown failed", timeline_id=tl.timeline_id.hex, exc_info=True)
+            await tenant.shutdown()
+
+    def _start_ingest(self, tl: Timeline) -> None:
+        if not self.conf.safekeepers or self._nursery is None:
+            return
+        cfg = WalReceiverConfig(
+            safekeepers=tuple(split_addr(a) for a in self.conf.safekeepers),
+            tenant_id=tl.tenant_id,
+            timeline_id=tl.timeline_id,
+            application_name=f"pageserver-{self.conf.id}",
+        )
+        ingest = TimelineWalIngest(tl, cfg)
+        scope = trio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                await ingest.run()
+
+        self._ingests[(tl.tenant_id, tl.timeline_id)] = (ingest, scope)
+        self._nursery.start_soon(run)
+
+    def ingest_of(self, tenant_id: TenantId, timeline_id: TimelineId) -> TimelineWalIngest | None:
+        got = self._ingests.get((tenant_id, timeline_id))
+        return None if got is None else got[0]
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    def get_tenant(self, tenant_id: TenantId) -> Tenant:
+        tenant = self.tenants.get(tenant_id)
+        if tenant is None:
+            raise TenantNotFoundError(f"tenant {tenant_id} not found")
+        return tenant
+
+    def get_timeline(self, tenant_id: TenantId, timeline_id: TimelineId) -> Timeline:
+        tl = self.get_tenant(tenant_id).timelines.get(timeline_id)
+        if tl is None:
+            raise TimelineNotFoundError(f"timeline {tenant_id}/{timeline_id} not found")
+        return tl
+
+    def iter_timelines(self) -> Iterator[Timeline]:
+        for tenant in self.tenants.values():
+            yield from tenant.timelines.values()
+
+    # -- creation ---------------------------------------------------------------------------
+
+    async def create_tenant(self, tenant_id: TenantId | None = None) -> Tenant:
+        if self.shutting_down.is_set():
+            raise ShuttingDownError("the pageserver is shutting down")
+        tenant_id = tenant_id or TenantId.generate()
+        async with self._lock(tenant_id):
+            if tenant_id in self.tenants:
+                raise AlreadyExistsError(f"tenant {tenant_id} already exists")
+            final = self.tenants_dir / tenant_id.hex
+            tmp = self.tenants_dir / f"{TMP_PREFIX}{tenant_id.hex}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "timelines").mkdir(parents=True)
+            tenant = Tenant(tmp, tenant_id, self.conf.storage_config(), redo=self._new_redo(),
+                            nursery=self._nursery)
+            await fsync_dir(tenant.engine, tmp)
+            os.rename(tmp, final)
+            await fsync_dir(tenant.engine, self.tenants_dir)
+            tenant.path = final
+            self.tenants[tenant_id] = tenant
+            log.info("tenant created", tenant_id=tenant_id.hex)
+            return tenant
+
+    async def create_timeline(
+        self,
+        tenant_id: TenantId,
+        timeline_id: TimelineId | None = None,
+        *,
+        ancestor_timeline_id: TimelineId | None = None,
+        ancestor_start_lsn: Lsn | None = None,
+    ) -> Timeline:
+        """Bootstrap (no ancestor) or branch; starts the WAL receiver. Durable on return."""
+        if self.shutting_down.is_set():
+            raise ShuttingDownError("the pageserver is shutting down")
+        tenant = self.get_tenant(tenant_id)
+        timeline_id = timeline_id or TimelineId.generate()
+        async with self._lock(tenant_id):
+            if timeline_id in tenant.timelines:
+                raise AlreadyExistsError(f"timeline {tenant_id}/{timeline_id} already exists")
+            if ancestor_timeline_id is None:
+                if ancestor_start_lsn is not None:
+                    raise BadTimelineRequestError("ancestor_start_lsn needs ancestor_timeline_id")
+                tl = await self._bootstrap(tenant, timeline_id)
+            else:
+                ancestor = tenant.timelines.get(ancestor_timeline_id)
+                if ancestor is None:
+                    raise TimelineNotFoundError(f"ancestor timeline {tenant_id}/{ancestor_timeline_id} not found")
+                if ancestor_start_lsn is not None:
+                    if ancestor_start_lsn % 8:
+                        raise BadTimelineRequestError(
+                            f"ancestor_start_lsn {format_lsn(ancestor_start_lsn)} is not a record boundary"
+                        )
+                    # A branch point just ingested elsewhere may still be arriving.
+                    if ancestor_start_lsn > ancestor.last_record_lsn:
+                        try:
+                            await ancestor.wait_lsn(ancestor_start_lsn, min(self.conf.wait_lsn_timeout_s, 10.0))
+                        except TimeoutError:
+                            pass
+                try:
+                    tl = await tenant.create_timeline(
+                        timeline_id, ancestor=ancestor, ancestor_lsn=ancestor_start_lsn
+                    )
+                except TimelineExistsError as exc:
+                    raise AlreadyExistsError(str(exc)) from None
+                except ValueError as exc:
+                    raise BadTimelineRequestError(str(exc)) from None
+            log.info("timeline created", tenant_id=tenant_id.hex, timeline_id=timeline_id.hex,
+                     ancestor=ancestor_timeline_id.hex if ancestor_timeline_id else None,
+                     last_record_lsn=format_lsn(tl.last_record_lsn))
+        self._start_ingest(tl)
+        return tl
+
+    async def _bootstrap(self, tenant: Tenant, timeline_id: TimelineId) -> Timeline:
+        tl, _ = await bootstrap_timeline(tenant, timeline_id)
+        return tl

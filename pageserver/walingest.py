@@ -1,0 +1,797 @@
+"""WAL ingest: every decoded PostgreSQL 15 record becomes values at its end LSN.
+
+``WalIngest(timeline).ingest_record(rec)`` is the whole interface (plus ``ingest_wal_dir``
+for WAL in segment files, and ``TimelineWalIngest`` which connects engineer W's
+``WalReceiver`` to a timeline). What each record writes (docs/ingest.md has the table):
+
+- every block reference: an XLOG/FPI or FPI_FOR_HINT block with an applied, uncompressed image
+  becomes an ``Image`` (hole restored, pd_lsn = end LSN unless the page is new); any other
+  block stores the whole raw record (``PostgresRecord``, ``will_init`` when the block is
+  WILL_INIT or carries an applied image), whatever its resource manager. A block at or past
+  the fork's size extends it (the gap gets zero pages; a fork that does not exist yet, such
+  as a VM fork PostgreSQL creates without WAL, is created);
+- Heap/Heap2 records whose flags clear visibility-map bits: ``ClearVisibilityMapFlags`` on the
+  VM page (PostgreSQL does not reference that page in the record);
+- Storage CREATE / TRUNCATE: fork creation and sizes (FSM tail page zeroed, VM tail bits
+  cleared with ``TruncateVisibilityMap``);
+- Database CREATE_FILE_COPY copies the template's relations and relmapper file as images;
+  CREATE_WAL_LOG creates the directory (its contents follow as their own records); DROP
+  removes the database from the directories;
+- RelMap UPDATE: the relmapper file; Transaction COMMIT/ABORT (and the PREPARED forms): CLOG
+  status per CLOG page for the xid and its subtransactions, relations dropped, two-phase files
+  removed; PREPARE: the two-phase file;
+- CLOG ZEROPAGE / TRUNCATE, MultiXact ZERO pages / CREATE_ID / TRUNCATE_ID: SLRU pages,
+  segments and checkpoint fields;
+- XLOG CHECKPOINT_* / NEXTOID and every record's xid: the checkpoint key (nextXid advances in
+  steps of 1024, as Neon does, so that not every transaction rewrites it).
+
+Records ending at or below ``last_record_lsn`` are skipped (they are already in), so a
+restarted stream may overlap. ``finish_write`` runs once per record.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import attrs
+import structlog
+import trio
+
+from pageserver.pg_control import SIZEOF_CHECKPOINT, CheckPoint
+from pageserver.pgdatadir import (
+    SLRU_PAGES_PER_SEGMENT,
+    ZERO_PAGE,
+    DatadirModification,
+    DatadirWriter,
+    RelKey,
+)
+from pageserver.storage.key import (
+    FSM_FORKNUM,
+    MAIN_FORKNUM,
+    SLRU_CLOG,
+    SLRU_MULTIXACT_MEMBERS,
+    SLRU_MULTIXACT_OFFSETS,
+    VISIBILITYMAP_FORKNUM,
+    rel_block_key,
+    relmap_file_key,
+)
+from pageserver.storage.reconstruct import MissingKeyError
+from pageserver.storage.value import (
+    ClearVisibilityMapFlags,
+    ClogSetAborted,
+    ClogSetCommitted,
+    Image,
+    MultixactMembersCreate,
+    MultixactOffsetCreate,
+    PostgresRecord,
+    TruncateVisibilityMap,
+    Value,
+)
+from pageserver.timeline import Timeline
+from pageserver.wal_receiver import (
+    Connector,
+    Progress,
+    WalReceiver,
+    WalReceiverConfig,
+    pgclient_connect,
+)
+from pageserver.walredo.heap import vm_clears
+from pageserver.walredo.visibilitymap import HEAPBLOCKS_PER_PAGE
+from protocol.errors import RemoteProtocolError
+from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ, Lsn, format_lsn, segment_file_name
+from protocol.wal.reader import EndOfWal, WalStreamDecoder
+from protocol.wal.record import BlockRef, DecodedRecord
+from protocol.wal.rmgr import (
+    CLOG_TRUNCATE,
+    CLOG_ZEROPAGE,
+    XLOG_CHECKPOINT_ONLINE,
+    XLOG_CHECKPOINT_SHUTDOWN,
+    XLOG_DBASE_CREATE_FILE_COPY,
+    XLOG_DBASE_CREATE_WAL_LOG,
+    XLOG_DBASE_DROP,
+    XLOG_FPI,
+    XLOG_FPI_FOR_HINT,
+    XLOG_MULTIXACT_CREATE_ID,
+    XLOG_MULTIXACT_TRUNCATE_ID,
+    XLOG_MULTIXACT_ZERO_MEM_PAGE,
+    XLOG_MULTIXACT_ZERO_OFF_PAGE,
+    XLOG_NEXTOID,
+    XLOG_RELMAP_UPDATE,
+    XLOG_SMGR_CREATE,
+    XLOG_SMGR_TRUNCATE,
+    XLOG_XACT_ABORT,
+    XLOG_XACT_ABORT_PREPARED,
+    XLOG_XACT_COMMIT,
+    XLOG_XACT_COMMIT_PREPARED,
+    XLOG_XACT_HAS_INFO,
+    XLOG_XACT_OPMASK,
+    XLOG_XACT_PREPARE,
+    RmgrId,
+)
+
+log = structlog.get_logger(__name__)
+
+DATA_CORRUPTED = "XX001"
+
+# CLOG and MultiXact SLRU geometry (clog.c, multixact.c)
+CLOG_XACTS_PER_PAGE = XLOG_BLCKSZ * 4
+MULTIXACT_OFFSETS_PER_PAGE = XLOG_BLCKSZ // 4
+MULTIXACT_MEMBERS_PER_PAGE = (XLOG_BLCKSZ // 20) * 4
+MAX_MULTIXACT_OFFSET = 0xFFFF_FFFF
+FIRST_NORMAL_XID = 3
+XID_CHECKPOINT_INTERVAL = 1024
+
+# FSM geometry (freespace.c, fsm_internals.h) for 8 KiB pages
+SLOTS_PER_FSM_PAGE = (XLOG_BLCKSZ - 24 - 4) - (XLOG_BLCKSZ // 2 - 1)
+FSM_TREE_DEPTH = 3
+
+SMGR_TRUNCATE_HEAP = 0x01
+SMGR_TRUNCATE_VM = 0x02
+SMGR_TRUNCATE_FSM = 0x04
+
+XACT_XINFO_HAS_DBINFO = 1 << 0
+XACT_XINFO_HAS_SUBXACTS = 1 << 1
+XACT_XINFO_HAS_RELFILENODES = 1 << 2
+XACT_XINFO_HAS_INVALS = 1 << 3
+XACT_XINFO_HAS_TWOPHASE = 1 << 4
+XACT_XINFO_HAS_ORIGIN = 1 << 5
+XACT_XINFO_HAS_GID = 1 << 7
+XACT_XINFO_HAS_DROPPED_STATS = 1 << 8
+
+_RM_XLOG = int(RmgrId.XLOG)
+_RM_XACT = int(RmgrId.XACT)
+_RM_SMGR = int(RmgrId.SMGR)
+_RM_CLOG = int(RmgrId.CLOG)
+_RM_DBASE = int(RmgrId.DBASE)
+_RM_MULTIXACT = int(RmgrId.MULTIXACT)
+_RM_RELMAP = int(RmgrId.RELMAP)
+_RM_HEAP2 = int(RmgrId.HEAP2)
+_RM_HEAP = int(RmgrId.HEAP)
+
+_I32 = struct.Struct("<i")
+_U32 = struct.Struct("<I")
+_I64 = struct.Struct("<q")
+_SMGR_CREATE = struct.Struct("<IIIi")  # spc, db, rel, fork
+_SMGR_TRUNCATE = struct.Struct("<IIIIi")  # blkno, spc, db, rel, flags
+_DBASE_COPY = struct.Struct("<IIII")  # db, spc, src db, src spc
+_DBASE_WAL_LOG = struct.Struct("<II")  # db, spc
+_DBASE_DROP = struct.Struct("<Ii")  # db, ntablespaces
+_RELMAP_UPDATE = struct.Struct("<IIi")  # db, spc, nbytes
+_CLOG_TRUNCATE = struct.Struct("<iII")  # pageno, oldestXact, oldestXactDb
+_MX_CREATE = struct.Struct("<IIi")  # mid, moff, nmembers
+_MX_MEMBER = struct.Struct("<Ii")  # xid, status
+_MX_TRUNCATE = struct.Struct("<IIIII")  # oldestMultiDB, startOff, endOff, startMemb, endMemb
+_PD_UPPER = struct.Struct("<H")
+_PD_LSN = struct.Struct("<II")
+
+
+def _bad(rec: DecodedRecord, what: str) -> RemoteProtocolError:
+    return RemoteProtocolError(
+        f"{rec.rmgr_name}/{rec.record_type} at {format_lsn(rec.lsn)}: {what}", sqlstate=DATA_CORRUPTED
+    )
+
+
+def _unpack(st: struct.Struct, rec: DecodedRecord, what: str) -> tuple[int, ...]:
+    if len(rec.main_data) < st.size:
+        raise _bad(rec, f"{what} needs {st.size} bytes of main data, got {len(rec.main_data)}")
+    return st.unpack_from(rec.main_data)
+
+
+# --- xid arithmetic (transam.h) ---------------------------------------------------------------
+
+
+def xid_precedes(a: int, b: int) -> bool:
+    if a < FIRST_NORMAL_XID or b < FIRST_NORMAL_XID:
+        return a < b
+    return ((a - b) & 0xFFFF_FFFF) >= 0x8000_0000
+
+
+def xid_follows_or_equals(a: int, b: int) -> bool:
+    return not xid_precedes(a, b)
+
+
+def clog_page_precedes(page1: int, page2: int) -> bool:
+    xid1 = (page1 * CLOG_XACTS_PER_PAGE + FIRST_NORMAL_XID + 1) & 0xFFFF_FFFF
+    xid2 = (page2 * CLOG_XACTS_PER_PAGE + FIRST_NORMAL_XID + 1) & 0xFFFF_FFFF
+    return xid_precedes(xid1, xid2) and xid_precedes(
+        xid1, (xid2 + CLOG_XACTS_PER_PAGE - 1) & 0xFFFF_FFFF
+    )
+
+
+def fsm_logical_to_physical(logpageno: int) -> int:
+    """Block of the bottom-level FSM page ``logpageno`` (freespace.c, level 0)."""
+    leafno = logpageno
+    pages = 0
+    for _ in range(FSM_TREE_DEPTH):
+        pages += leafno + 1
+        leafno //= SLOTS_PER_FSM_PAGE
+    return pages - 1
+
+
+# --- XACT records ------------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class ParsedXact:
+    xact_time: int
+    xinfo: int
+    subxacts: tuple[int, ...]
+    rels: tuple[tuple[int, int, int], ...]
+    twophase_xid: int | None
+
+
+def parse_xact(rec: DecodedRecord) -> ParsedXact:
+    """xl_xact_commit / xl_xact_abort with the parts ``xinfo`` announces (xactdesc.c order)."""
+    buf = rec.main_data
+    n = len(buf)
+    pos = 8
+    if n < 8:
+        raise _bad(rec, "truncated xact record")
+    (xact_time,) = _I64.unpack_from(buf)
+    xinfo = 0
+    if rec.xl_info & XLOG_XACT_HAS_INFO:
+        if n < pos + 4:
+            raise _bad(rec, "truncated xinfo")
+        (xinfo,) = _U32.unpack_from(buf, pos)
+        pos += 4
+
+    def count(size: int, what: str) -> int:
+        nonlocal pos
+        if n < pos + 4:
+            raise _bad(rec, f"truncated {what} count")
+        (c,) = _I32.unpack_from(buf, pos)
+        pos += 4
+        if c < 0 or n < pos + c * size:
+            raise _bad(rec, f"{what} run past the record")
+        return int(c)
+
+    if xinfo & XACT_XINFO_HAS_DBINFO:
+        pos += 8
+    subxacts: tuple[int, ...] = ()
+    if xinfo & XACT_XINFO_HAS_SUBXACTS:
+        c = count(4, "subxacts")
+        subxacts = struct.unpack_from(f"<{c}I", buf, pos)
+        pos += 4 * c
+    rels: tuple[tuple[int, int, int], ...] = ()
+    if xinfo & XACT_XINFO_HAS_RELFILENODES:
+        c = count(12, "relfilenodes")
+        flat = struct.unpack_from(f"<{3 * c}I", buf, pos)
+        rels = tuple((flat[i], flat[i + 1], flat[i + 2]) for i in range(0, 3 * c, 3))
+        pos += 12 * c
+    if xinfo & XACT_XINFO_HAS_DROPPED_STATS:
+        c = count(12, "dropped stats")
+        pos += 12 * c
+    op = rec.xl_info & XLOG_XACT_OPMASK
+    if xinfo & XACT_XINFO_HAS_INVALS and op in (XLOG_XACT_COMMIT, XLOG_XACT_COMMIT_PREPARED):
+        c = count(16, "invalidations")
+        pos += 16 * c
+    twophase_xid = None
+    if xinfo & XACT_XINFO_HAS_TWOPHASE:
+        if n < pos + 4:
+            raise _bad(rec, "truncated two-phase xid")
+        (twophase_xid,) = _U32.unpack_from(buf, pos)
+    if pos > n:
+        raise _bad(rec, "xact record parts run past the record")
+    return ParsedXact(xact_time, xinfo, subxacts, rels, twophase_xid)
+
+
+# --- the ingest --------------------------------------------------------------------------------
+
+
+@attrs.define
+class IngestStats:
+    records: int = 0
+    skipped: int = 0
+    values: int = 0
+    images: int = 0
+    wal_records: int = 0
+
+
+class WalIngest:
+    """Turns decoded records into values on one timeline (the timeline's only writer)."""
+
+    def __init__(self, timeline: Timeline, writer: DatadirWriter | None = None) -> None:
+        self.tl = timeline
+        self.w = writer if writer is not None else DatadirWriter(timeline)
+        self.stats = IngestStats()
+
+    async def ingest_record(self, rec: DecodedRecord) -> bool:
+        """Ingest one record; ``False`` if it was already in (end LSN <= last_record_lsn)."""
+        if rec.end_lsn <= self.tl.last_record_lsn:
+            self.stats.skipped += 1
+            return False
+        mod = self.w.begin(rec.end_lsn)
+        await self._ingest(rec, mod)
+        await mod.commit()
+        self.stats.records += 1
+        self.stats.values += mod.values
+        return True
+
+    async def _ingest(self, rec: DecodedRecord, mod: DatadirModification) -> None:
+        rmid = rec.xl_rmid
+        info = rec.xl_info & 0xF0
+        if rec.xl_xid:
+            await self._update_next_xid(mod, rec.xl_xid)
+        if rmid in (_RM_HEAP, _RM_HEAP2):
+            await self._vm_clears(rec, mod)
+        elif rmid == _RM_XLOG:
+            if info in (XLOG_CHECKPOINT_SHUTDOWN, XLOG_CHECKPOINT_ONLINE):
+                await self._checkpoint(rec, mod)
+            elif info == XLOG_NEXTOID:
+                (next_oid,) = _unpack(_U32, rec, "NEXTOID")
+                cp = await mod.get_checkpoint()
+                mod.put_checkpoint(attrs.evolve(cp, next_oid=next_oid))
+        elif rmid == _RM_XACT:
+            await self._xact(rec, mod)
+        elif rmid == _RM_SMGR:
+            if info == XLOG_SMGR_CREATE:
+                spc, db, rel, fork = _unpack(_SMGR_CREATE, rec, "Storage/CREATE")
+                await mod.put_rel_creation((spc, db, rel, fork), 0)
+            elif info == XLOG_SMGR_TRUNCATE:
+                await self._smgr_truncate(rec, mod)
+        elif rmid == _RM_DBASE:
+            await self._dbase(rec, mod, info)
+        elif rmid == _RM_RELMAP:
+            if info == XLOG_RELMAP_UPDATE:
+                db, spc, nbytes = _unpack(_RELMAP_UPDATE, rec, "RelMap/UPDATE")
+                data = rec.main_data[_RELMAP_UPDATE.size : _RELMAP_UPDATE.size + nbytes]
+                if nbytes < 0 or len(data) != nbytes:
+                    raise _bad(rec, f"relmap update of {nbytes} bytes is truncated")
+                await mod.put_relmap_file(spc, db, data)
+        elif rmid == _RM_CLOG:
+            await self._clog(rec, mod, info)
+        elif rmid == _RM_MULTIXACT:
+            await self._multixact(rec, mod, info)
+        for blk in rec.blocks:
+            await self._block(rec, blk, mod)
+
+    # -- block references --
+
+    async def _block(self, rec: DecodedRecord, blk: BlockRef, mod: DatadirModification) -> None:
+        rnode = blk.rnode
+        rel: RelKey = (rnode.spc, rnode.db, rnode.rel, blk.forknum)
+        blkno = blk.blkno
+        value: Value
+        if (
+            rec.xl_rmid == _RM_XLOG
+            and rec.xl_info & 0xF0 in (XLOG_FPI, XLOG_FPI_FOR_HINT)
+            and blk.apply_image
+            and not blk.compression
+        ):
+            page = blk.image
+            assert page is not None
+            if _PD_UPPER.unpack_from(page, 14)[0] != 0:
+                end = rec.end_lsn
+                page = _PD_LSN.pack(end >> 32, end & 0xFFFF_FFFF) + page[8:]
+            value = Image(page)
+            self.stats.images += 1
+        else:
+            value = PostgresRecord(blk.will_init or blk.apply_image, rec.raw)
+            self.stats.wal_records += 1
+        nblocks = mod.sizes.get(rel)
+        if nblocks is None:
+            nblocks = self.w.rel_sizes.get(rel) if not mod.rel_dirs else None
+            if nblocks is None:
+                nblocks = await mod.get_rel_size(rel)
+        if nblocks is None:
+            await mod.put_rel_creation(rel, 0)
+            nblocks = 0
+        if blkno >= nblocks:
+            await mod.put_rel_extend(rel, blkno + 1)
+            zero = Image(ZERO_PAGE)
+            for gap in range(nblocks, blkno):
+                await mod.put_rel_page(rel, gap, zero)
+        await mod.put(rel_block_key(rnode.spc, rnode.db, rnode.rel, blk.forknum, blkno), value)
+
+    async def _vm_clears(self, rec: DecodedRecord, mod: DatadirModification) -> None:
+        clears = vm_clears(rec)
+        if not clears:
+            return
+        b0 = rec.blocks[0]
+        vm_rel: RelKey = (b0.rnode.spc, b0.rnode.db, b0.rnode.rel, VISIBILITYMAP_FORKNUM)
+        vm_size = await mod.get_rel_size(vm_rel)
+        if not vm_size:
+            return  # no VM fork (yet): nothing to clear
+        by_page: dict[int, list[tuple[int, int]]] = {}
+        for heapblk, flags in clears:
+            by_page.setdefault(heapblk // HEAPBLOCKS_PER_PAGE, []).append((heapblk, flags))
+        for vm_blk, items in by_page.items():
+            if vm_blk >= vm_size:
+                continue
+            flags = items[0][1]
+            if len(items) == 2 and items[1][1] == flags:
+                value = ClearVisibilityMapFlags(items[1][0], items[0][0], flags)
+            elif len(items) == 1:
+                value = ClearVisibilityMapFlags(items[0][0], None, flags)
+            else:
+                raise _bad(rec, f"unexpected VM clears {items}")
+            await mod.put_rel_page(vm_rel, vm_blk, value)
+
+    # -- storage manager --
+
+    async def _smgr_truncate(self, rec: DecodedRecord, mod: DatadirModification) -> None:
+        blkno, spc, db, relnode, flags = _unpack(_SMGR_TRUNCATE, rec, "Storage/TRUNCATE")
+        if flags & SMGR_TRUNCATE_HEAP:
+            rel: RelKey = (spc, db, relnode, MAIN_FORKNUM)
+            n = await mod.get_rel_size(rel)
+            if n is not None and n > blkno:
+                await mod.put_rel_truncation(rel, blkno)
+        if flags & SMGR_TRUNCATE_FSM:
+            fsm: RelKey = (spc, db, relnode, FSM_FORKNUM)
+            n = await mod.get_rel_size(fsm)
+            if n is not None:
+                phys = fsm_logical_to_physical(blkno // SLOTS_PER_FSM_PAGE)
+                if blkno % SLOTS_PER_FSM_PAGE:
+                    if phys < n:
+                        await mod.put_rel_page(fsm, phys, Image(ZERO_PAGE))
+                    phys += 1
+                if n > phys:
+                    await mod.put_rel_truncation(fsm, phys)
+        if flags & SMGR_TRUNCATE_VM:
+            vm: RelKey = (spc, db, relnode, VISIBILITYMAP_FORKNUM)
+            n = await mod.get_rel_size(vm)
+            if n is not None:
+                vm_page = blkno // HEAPBLOCKS_PER_PAGE
+                rest = blkno % HEAPBLOCKS_PER_PAGE
+                if rest:
+                    if vm_page < n:
+                        await mod.put_rel_page(
+                            vm, vm_page, TruncateVisibilityMap(rest // 4, (rest % 4) * 2)
+                        )
+                    vm_page += 1
+                if n > vm_page:
+                    await mod.put_rel_truncation(vm, vm_page)
+
+    # -- databases --
+
+    async def _dbase(self, rec: DecodedRecord, mod: DatadirModification, info: int) -> None:
+        if info == XLOG_DBASE_CREATE_WAL_LOG:
+            db, spc = _unpack(_DBASE_WAL_LOG, rec, "Database/CREATE_WAL_LOG")
+            await mod.put_dbdir_creation(spc, db)
+        elif info == XLOG_DBASE_CREATE_FILE_COPY:
+            db, spc, src_db, src_spc = _unpack(_DBASE_COPY, rec, "Database/CREATE_FILE_COPY")
+            await self._copy_database(mod, src_spc, src_db, spc, db)
+        elif info == XLOG_DBASE_DROP:
+            db, n = _unpack(_DBASE_DROP, rec, "Database/DROP")
+            if n < 0 or len(rec.main_data) < _DBASE_DROP.size + 4 * n:
+                raise _bad(rec, f"{n} tablespaces run past the record")
+            for spc in struct.unpack_from(f"<{n}I", rec.main_data, _DBASE_DROP.size):
+                await mod.drop_dbdir(spc, db)
+
+    async def _copy_database(
+        self, mod: DatadirModification, src_spc: int, src_db: int, spc: int, db: int
+    ) -> None:
+        """CREATE DATABASE ... STRATEGY FILE_COPY: the template's files as of now, as images."""
+        reader = self.w.reader
+        at = self.tl.last_record_lsn
+        await mod.put_dbdir_creation(spc, db)
+        for tag in sorted(await reader.list_rels(src_spc, src_db, at)):
+            n = await reader.get_rel_size(tag, at)
+            new: RelKey = (spc, db, tag.rel, tag.fork)
+            await mod.put_rel_creation(new, n)
+            for start in range(0, n, 256):
+                blknos = list(range(start, min(n, start + 256)))
+                pages = await reader.get_pages(tag, blknos, at)
+                for b, page in zip(blknos, pages, strict=True):
+                    await mod.put_rel_page(new, b, Image(page))
+        try:
+            relmap = await self.tl.get(relmap_file_key(src_spc, src_db), at)
+        except MissingKeyError:
+            return
+        await mod.put_relmap_file(spc, db, relmap)
+
+    # -- transactions and CLOG --
+
+    async def _xact(self, rec: DecodedRecord, mod: DatadirModification) -> None:
+        op = rec.xl_info & XLOG_XACT_OPMASK
+        if op == XLOG_XACT_PREPARE:
+            await mod.put_twophase_file(rec.xl_xid, rec.main_data)
+            return
+        if op not in (XLOG_XACT_COMMIT, XLOG_XACT_ABORT, XLOG_XACT_COMMIT_PREPARED, XLOG_XACT_ABORT_PREPARED):
+            return
+        parsed = parse_xact(rec)
+        prepared = op in (XLOG_XACT_COMMIT_PREPARED, XLOG_XACT_ABORT_PREPARED)
+        if prepared:
+            if parsed.twophase_xid is None:
+                raise _bad(rec, "a PREPARED record without its two-phase xid")
+            xid = parsed.twophase_xid
+        else:
+            xid = rec.xl_xid
+        committed = op in (XLOG_XACT_COMMIT, XLOG_XACT_COMMIT_PREPARED)
+        by_page: dict[int, list[int]] = {}
+        for x in (xid, *parsed.subxacts):
+            by_page.setdefault(x // CLOG_XACTS_PER_PAGE, []).append(x)
+        for pageno, xids in by_page.items():
+            value: Value = (
+                ClogSetCommitted(tuple(xids), parsed.xact_time) if committed else ClogSetAborted(tuple(xids))
+            )
+            await mod.put_slru_page(
+                SLRU_CLOG, pageno // SLRU_PAGES_PER_SEGMENT, pageno % SLRU_PAGES_PER_SEGMENT, value
+            )
+        for spc, db, relnode in parsed.rels:
+            for fork in range(4):
+                rel: RelKey = (spc, db, relnode, fork)
+                if await mod.get_rel_size(rel) is not None:
+                    await mod.put_rel_drop(rel)
+        if prepared:
+            await mod.drop_twophase_file(xid)
+        for x in parsed.subxacts:
+            await self._update_next_xid(mod, x)
+
+    async def _zero_slru_page(self, mod: DatadirModification, kind: int, pageno: int) -> None:
+        segno, rpage = divmod(pageno, SLRU_PAGES_PER_SEGMENT)
+        size = await mod.get_slru_segment_size(kind, segno)
+        if size is None:
+            await mod.put_slru_segment_creation(kind, segno, rpage + 1)
+        elif rpage >= size:
+            await mod.put_slru_extend(kind, segno, rpage + 1)
+        await mod.put_slru_page(kind, segno, rpage, Image(ZERO_PAGE))
+
+    async def _clog(self, rec: DecodedRecord, mod: DatadirModification, info: int) -> None:
+        if info == CLOG_ZEROPAGE:
+            (pageno,) = _unpack(_I32, rec, "CLOG/ZEROPAGE")
+            await self._zero_slru_page(mod, SLRU_CLOG, pageno)
+        elif info == CLOG_TRUNCATE:
+            pageno, oldest_xid, oldest_db = _unpack(_CLOG_TRUNCATE, rec, "CLOG/TRUNCATE")
+            cp = await mod.get_checkpoint()
+            mod.put_checkpoint(attrs.evolve(cp, oldest_xid=oldest_xid, oldest_xid_db=oldest_db))
+            for segno in sorted(await mod.list_slru_segments(SLRU_CLOG)):
+                first = segno * SLRU_PAGES_PER_SEGMENT
+                last = first + SLRU_PAGES_PER_SEGMENT - 1
+                if clog_page_precedes(first, pageno) and clog_page_precedes(last, pageno):
+                    await mod.drop_slru_segment(SLRU_CLOG, segno)
+
+    # -- multixacts --
+
+    async def _multixact(self, rec: DecodedRecord, mod: DatadirModification, info: int) -> None:
+        if info == XLOG_MULTIXACT_ZERO_OFF_PAGE:
+            (pageno,) = _unpack(_I32, rec, "MultiXact/ZERO_OFF_PAGE")
+            await self._zero_slru_page(mod, SLRU_MULTIXACT_OFFSETS, pageno)
+        elif info == XLOG_MULTIXACT_ZERO_MEM_PAGE:
+            (pageno,) = _unpack(_I32, rec, "MultiXact/ZERO_MEM_PAGE")
+            await self._zero_slru_page(mod, SLRU_MULTIXACT_MEMBERS, pageno)
+        elif info == XLOG_MULTIXACT_CREATE_ID:
+            await self._multixact_create(rec, mod)
+        elif info == XLOG_MULTIXACT_TRUNCATE_ID:
+            oldest_db, start_off, end_off, start_memb, end_memb = _unpack(
+                _MX_TRUNCATE, rec, "MultiXact/TRUNCATE_ID"
+            )
+            cp = await mod.get_checkpoint()
+            mod.put_checkpoint(attrs.evolve(cp, oldest_multi=end_off, oldest_multi_db=oldest_db))
+            await self._drop_segments(
+                mod, SLRU_MULTIXACT_MEMBERS,
+                start_memb // MULTIXACT_MEMBERS_PER_PAGE // SLRU_PAGES_PER_SEGMENT,
+                end_memb // MULTIXACT_MEMBERS_PER_PAGE // SLRU_PAGES_PER_SEGMENT,
+                MAX_MULTIXACT_OFFSET // MULTIXACT_MEMBERS_PER_PAGE // SLRU_PAGES_PER_SEGMENT,
+            )
+            await self._drop_segments(
+                mod, SLRU_MULTIXACT_OFFSETS,
+                start_off // MULTIXACT_OFFSETS_PER_PAGE // SLRU_PAGES_PER_SEGMENT,
+                end_off // MULTIXACT_OFFSETS_PER_PAGE // SLRU_PAGES_PER_SEGMENT,
+                0xFFFF_FFFF // MULTIXACT_OFFSETS_PER_PAGE // SLRU_PAGES_PER_SEGMENT,
+            )
+
+    async def _drop_segments(
+        self, mod: DatadirModification, kind: int, start: int, end: int, maxseg: int
+    ) -> None:
+        """Drop segments start, start+1, ... (wrapping after ``maxseg``) up to, not including,
+        ``end``: the last one may still hold live entries."""
+        existing = await mod.list_slru_segments(kind)
+        seg = start
+        steps = 0
+        while seg != end and steps <= maxseg:
+            if seg in existing:
+                await mod.drop_slru_segment(kind, seg)
+            seg = 0 if seg == maxseg else seg + 1
+            steps += 1
+
+    async def _multixact_create(self, rec: DecodedRecord, mod: DatadirModification) -> None:
+        mid, moff, n = _unpack(_MX_CREATE, rec, "MultiXact/CREATE_ID")
+        if n < 0 or len(rec.main_data) < _MX_CREATE.size + n * _MX_MEMBER.size:
+            raise _bad(rec, f"{n} members run past the record")
+        members = [
+            (int(x), int(s) & 0xFF)
+            for x, s in (_MX_MEMBER.unpack_from(rec.main_data, _MX_CREATE.size + i * 8) for i in range(n))
+        ]
+        pageno = mid // MULTIXACT_OFFSETS_PER_PAGE
+        await mod.put_slru_page(
+            SLRU_MULTIXACT_OFFSETS,
+            pageno // SLRU_PAGES_PER_SEGMENT,
+            pageno % SLRU_PAGES_PER_SEGMENT,
+            MultixactOffsetCreate(mid, moff),
+        )
+        i = 0
+        while i < n:
+            off = (moff + i) & 0xFFFF_FFFF
+            mpage = off // MULTIXACT_MEMBERS_PER_PAGE
+            j = i
+            while j < n and ((moff + j) & 0xFFFF_FFFF) // MULTIXACT_MEMBERS_PER_PAGE == mpage:
+                j += 1
+            await mod.put_slru_page(
+                SLRU_MULTIXACT_MEMBERS,
+                mpage // SLRU_PAGES_PER_SEGMENT,
+                mpage % SLRU_PAGES_PER_SEGMENT,
+                MultixactMembersCreate(off, tuple(members[i:j])),
+            )
+            i = j
+        cp = await mod.get_checkpoint()
+        next_multi, next_moff = cp.next_multi, cp.next_multi_offset
+        if xid_follows_or_equals(mid, next_multi):
+            next_multi = (mid + 1) & 0xFFFF_FFFF
+        end_off = (moff + n) & 0xFFFF_FFFF
+        if xid_follows_or_equals(end_off, next_moff):
+            next_moff = end_off
+        if (next_multi, next_moff) != (cp.next_multi, cp.next_multi_offset):
+            mod.put_checkpoint(attrs.evolve(cp, next_multi=next_multi, next_multi_offset=next_moff))
+        for xid, _status in members:
+            await self._update_next_xid(mod, xid)
+
+    # -- checkpoint key --
+
+    async def _update_next_xid(self, mod: DatadirModification, xid: int) -> None:
+        cp = mod.checkpoint if mod.checkpoint is not None else self.w.checkpoint
+        if cp is None:
+            cp = await mod.get_checkpoint()
+        next_xid = cp.next_xid & 0xFFFF_FFFF
+        if xid_precedes(xid, next_xid):
+            return
+        epoch = cp.next_xid >> 32
+        new = (xid + XID_CHECKPOINT_INTERVAL) & ~(XID_CHECKPOINT_INTERVAL - 1) & 0xFFFF_FFFF
+        if new < next_xid:
+            epoch += 1
+        mod.put_checkpoint(attrs.evolve(cp, next_xid=(epoch << 32) | new))
+
+    async def _checkpoint(self, rec: DecodedRecord, mod: DatadirModification) -> None:
+        if len(rec.main_data) < SIZEOF_CHECKPOINT:
+            raise _bad(rec, f"checkpoint record has {len(rec.main_data)} bytes")
+        logged = CheckPoint.decode(rec.main_data)
+        cp = await mod.get_checkpoint()
+        next_xid = cp.next_xid if cp.next_xid >= logged.next_xid else logged.next_xid
+        oldest_xid = cp.oldest_xid
+        if xid_precedes(cp.oldest_xid, logged.oldest_xid):
+            oldest_xid = logged.oldest_xid
+        mod.put_checkpoint(
+            attrs.evolve(
+                logged,
+                next_xid=next_xid,
+                next_oid=max(cp.next_oid, logged.next_oid),
+                oldest_xid=oldest_xid,
+                next_multi=cp.next_multi
+                if xid_precedes(logged.next_multi, cp.next_multi)
+                else logged.next_multi,
+                next_multi_offset=cp.next_multi_offset
+                if xid_precedes(logged.next_multi_offset, cp.next_multi_offset)
+                else logged.next_multi_offset,
+            )
+        )
+
+
+# --- WAL from segment files --------------------------------------------------------------------
+
+
+def read_wal_segments(
+    get_segment: Callable[[int], bytes | None], start_lsn: Lsn
+) -> Iterator[DecodedRecord | EndOfWal]:
+    """Records from ``start_lsn`` (a record start) to the end of valid WAL, reading whole
+    segments by number from ``get_segment`` (``None``: no such segment); the last item is
+    the ``EndOfWal``."""
+    segno = start_lsn // WAL_SEGMENT_SIZE
+    seg_start = segno * WAL_SEGMENT_SIZE
+    offset = (start_lsn - seg_start) & ~(XLOG_BLCKSZ - 1)
+    dec = WalStreamDecoder(start_lsn, data_start=seg_start + offset)
+    while True:
+        data = get_segment(segno)
+        if data is None:
+            yield dec.finish()
+            return
+        dec.feed(memoryview(data)[offset:])
+        while True:
+            item = dec.next_record()
+            if isinstance(item, DecodedRecord):
+                yield item
+            elif isinstance(item, EndOfWal):
+                yield item
+                return
+            else:
+                break
+        segno += 1
+        offset = 0
+
+
+def read_wal_dir(wal_dir: Path, start_lsn: Lsn) -> Iterator[DecodedRecord | EndOfWal]:
+    """``read_wal_segments`` over a pg_wal directory."""
+
+    def get(segno: int) -> bytes | None:
+        path = wal_dir / segment_file_name(segno)
+        return path.read_bytes() if path.exists() else None
+
+    return read_wal_segments(get, start_lsn)
+
+
+async def ingest_wal(
+    ingest: WalIngest, records: Iterable[DecodedRecord | EndOfWal], end_lsn: Lsn | None = None
+) -> EndOfWal | None:
+    """Ingest records until the ``EndOfWal`` (returned) or the first record starting at or
+    after ``end_lsn`` (then ``None``)."""
+    for item in records:
+        if isinstance(item, EndOfWal):
+            return item
+        if end_lsn is not None and item.lsn >= end_lsn:
+            return None
+        await ingest.ingest_record(item)
+        await trio.lowlevel.checkpoint_if_cancelled()
+    return None
+
+
+async def ingest_wal_dir(
+    ingest: WalIngest, wal_dir: Path, start_lsn: Lsn, end_lsn: Lsn | None = None
+) -> Lsn:
+    """Ingest a pg_wal directory's records from ``start_lsn`` until the end of valid WAL (or
+    ``end_lsn``); returns the timeline's ``last_record_lsn``."""
+    await ingest_wal(ingest, read_wal_dir(wal_dir, start_lsn), end_lsn)
+    return ingest.tl.last_record_lsn
+
+
+# --- connecting W's WAL receiver ---------------------------------------------------------------
+
+
+class TimelineWalIngest:
+    """A timeline's WAL ingest fed by a ``WalReceiver`` (safekeepers or a PostgreSQL).
+
+    Streaming starts at the timeline's ``last_record_lsn``; after a restart that is
+    ``disk_consistent_lsn`` (the in-memory layer is lost and re-ingested). Records the
+    timeline already has are skipped, so an overlapping stream applies nothing twice.
+    """
+
+    def __init__(
+        self,
+        timeline: Timeline,
+        cfg: WalReceiverConfig,
+        *,
+        connect: Connector = pgclient_connect,
+        ingest: WalIngest | None = None,
+    ) -> None:
+        self.tl = timeline
+        self.cfg = cfg
+        self.ingest = ingest if ingest is not None else WalIngest(timeline)
+        self._connect = connect
+        self.receiver: WalReceiver | None = None
+
+    def progress(self) -> Progress:
+        return Progress(self.tl.disk_consistent_lsn, self.tl.disk_consistent_lsn)
+
+    async def _on_record(self, rec: DecodedRecord) -> None:
+        try:
+            await self.ingest.ingest_record(rec)
+        except BaseException:
+            # a half-applied record must not leave stale sizes or directories behind
+            self.ingest.w.invalidate()
+            raise
+
+    async def run(self) -> None:
+        start = self.tl.last_record_lsn
+        log.info("wal ingest starting", timeline_id=self.tl.timeline_id.hex, start=format_lsn(start))
+        self.receiver = WalReceiver(
+            self.cfg,
+            start_lsn=start,
+            on_record=self._on_record,
+            progress=self.progress,
+            connect=self._connect,
+        )
+        await self.receiver.run()
+
+
+__all__ = [
+    "IngestStats",
+    "ParsedXact",
+    "TimelineWalIngest",
+    "WalIngest",
+    "ingest_wal",
+    "ingest_wal_dir",
+    "parse_xact",
+    "pgclient_connect",
+    "read_wal_dir",
+    "read_wal_segments",
+]

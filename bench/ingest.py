@@ -87,6 +87,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", type=Path, default=None,
                         help="where the tenant directories go (default: a temp dir under /tmp)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds over the whole matrix (interleaved, so background load hits "
+                             "every row alike); each row reports its median")
 
 
 # -- the WAL --------------------------------------------------------------------------------
@@ -255,14 +258,29 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     base = args.dir or Path(tempfile.gettempdir())
     workdir = Path(tempfile.mkdtemp(prefix="bench-ingest-", dir=base))
-    rows: list[dict[str, Any]] = []
+    matrix = _matrix(args)
+    samples: dict[RowConfig, list[dict[str, Any]]] = {row: [] for row in matrix}
     try:
-        for row in _matrix(args):
-            result = trio.run(run_row, row, chunks, workdir)
-            rows.append(result)
-            print(json.dumps(result), flush=True)
+        for round_no in range(args.repeat):
+            for row in matrix:
+                result = trio.run(run_row, row, chunks, workdir)
+                result["round"] = round_no
+                samples[row].append(result)
+                if args.repeat > 1:
+                    print(json.dumps({"sample": True, **result}), flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    rows: list[dict[str, Any]] = []
+    for row in matrix:
+        runs = sorted(samples[row], key=lambda r: r["seconds"])
+        if not runs:
+            continue
+        median = dict(runs[len(runs) // 2])
+        median.pop("round")
+        median["runs"] = len(runs)
+        median["seconds_all"] = [r["seconds"] for r in samples[row]]
+        rows.append(median)
+        print(json.dumps(median), flush=True)
     bad = [r for r in rows if (r["io_engine"], r["write_buffer_size"], r["double_buffering"], r["sync_mode"]) == SEED_BAD]
     if rows:
         best = max(rows, key=lambda r: r["mb_per_s"])

@@ -28,8 +28,9 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import attrs
 import trio
 
 from pageserver.storage.config import StorageConfig
@@ -55,6 +56,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default="deep_l0,l1,image", help="comma-separated layer shapes")
     parser.add_argument("--caches", default="hot,cold", help="comma-separated cache states")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
+    parser.add_argument(
+        "--ingest-mib", type=int, default=64,
+        help="also put this many MiB of 100-byte values into one in-memory layer and report the "
+        "RSS it costs per value (0: skip)",
+    )
 
 
 def _peak_rss_mib() -> float:
@@ -87,38 +93,89 @@ async def _build(tl: Timeline, keys: list[Key], layers: int, update_fraction: fl
 
 
 async def _measure(
-    tl: Timeline, keys: list[Key], lsn: Lsn, batch: int, path: str, cold: bool, seconds: float
+    tl: Timeline, cfg: StorageConfig, keys: list[Key], lsn: Lsn, batch: int, cold: bool, seconds: float
 ) -> dict[str, Any]:
+    """Both paths on the same random batches, interleaved batch by batch, so a noisy
+    neighbour on the machine slows both alike."""
     rng = random.Random(batch)
     engine = tl.engine
-    index_cache = tl.index_cache
+    paths: tuple[Literal["vectored", "legacy"], ...] = ("vectored", "legacy")
+    configs = {p: attrs.evolve(cfg, get_impl=p) for p in paths}
+    busy = dict.fromkeys(paths, 0.0)
+    preadvs = dict.fromkeys(paths, 0)
+    preads = dict.fromkeys(paths, 0)
     batches = 0
-    busy = 0.0
-    engine.stats.reset()
-    deadline = time.perf_counter() + seconds
+    deadline = time.perf_counter() + 2 * seconds
     while time.perf_counter() < deadline or batches < 3:
         start = rng.randrange(0, len(keys) - batch + 1)
         want = keys[start : start + batch]
-        if cold:
-            _drop_os_cache(tl)
-            index_cache.clear()
-        t0 = time.perf_counter()
-        if path == "vectored":
-            got = await tl.get_vectored(want, lsn)
-            assert len(got) == batch
-        else:
-            for key in want:
-                await tl.get(key, lsn)
-        busy += time.perf_counter() - t0
+        for path in paths:
+            tl.config = configs[path]
+            if cold:
+                _drop_os_cache(tl)
+                tl.index_cache.clear()
+            engine.stats.reset()
+            t0 = time.perf_counter()
+            if path == "vectored":
+                got = await tl.get_vectored(want, lsn)
+                assert len(got) == batch
+            else:
+                for key in want:
+                    await tl.get(key, lsn)
+            busy[path] += time.perf_counter() - t0
+            preadvs[path] += engine.stats.preadvs
+            preads[path] += engine.stats.preads
         batches += 1
-    stats = engine.stats
-    return {
-        "batches": batches,
-        "keys_per_s": round(batches * batch / busy, 1),
-        "batch_latency_us": round(busy / batches * 1e6, 1),
-        "preadv_per_batch": round(stats.preadvs / batches, 2),
-        "pread_per_batch": round(stats.preads / batches, 2),
+    tl.config = cfg
+    out: dict[str, Any] = {"batches": batches}
+    for path in paths:
+        out[f"{path}_keys_per_s"] = round(batches * batch / busy[path], 1)
+        out[f"{path}_batch_latency_us"] = round(busy[path] / batches * 1e6, 1)
+        out[f"{path}_preadv_per_batch"] = round(preadvs[path] / batches, 2)
+        out[f"{path}_pread_per_batch"] = round(preads[path] / batches, 2)
+    return out
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+async def _ingest_memory(work: Path, mib: int) -> dict[str, Any]:
+    """RSS cost of an in-memory layer full of small values (issue 3's memory goal)."""
+    cfg = StorageConfig(checkpoint_distance=1 << 40, checkpoint_timeout_s=1e9, double_buffering=False)
+    tenant = Tenant(work / "ingest", TenantId.generate(), cfg)
+    tl = await tenant.create_timeline(TimelineId.generate())
+    value = TestRecord.wal_append("x" * 86)  # 100 bytes encoded
+    n_keys = 50_000
+    keys = [rel_block_key(1663, 5, 20000 + i // 10_000, 0, i % 10_000) for i in range(n_keys)]
+    for key in keys[:n_keys]:
+        await tl.put(key, Lsn(1), Image(b"base"))
+    tl.finish_write(Lsn(1))
+    before = _rss_mib()
+    t0 = time.perf_counter()
+    n = (mib << 20) // 100
+    for i in range(n):
+        lsn = Lsn(2 + i)
+        await tl.put(keys[i % n_keys], lsn, value)
+    tl.finish_write(Lsn(1 + n))
+    seconds = time.perf_counter() - t0
+    after = _rss_mib()
+    assert tl.open_layer is not None
+    row = {
+        "bench": "read-path",
+        "case": "inmemory-ingest",
+        "values": n,
+        "value_bytes": 100,
+        "keys": n_keys,
+        "layer_bytes_mib": round(tl.open_layer.size / (1 << 20), 1),
+        "rss_growth_mib": round(after - before, 1),
+        "rss_bytes_per_value": round((after - before) * (1 << 20) / n, 1),
+        "puts_per_s": round(n / seconds),
+        "peak_rss_mib": round(_peak_rss_mib(), 1),
     }
+    await tenant.shutdown()
+    return row
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -143,7 +200,7 @@ async def _main(args: argparse.Namespace) -> int:
         caches = [c for c in args.caches.split(",") if c]
         for shape in ("deep_l0", "l1", "image"):
             if shape == "l1":
-                tl.config = cfg = attrs_evolve(cfg, compaction_threshold=2, image_creation_threshold=1_000_000)
+                tl.config = cfg = attrs.evolve(cfg, compaction_threshold=2, image_creation_threshold=1_000_000)
                 await tl.compact()
             elif shape == "image":
                 await tl.compact(force_image=True)
@@ -163,25 +220,18 @@ async def _main(args: argparse.Namespace) -> int:
                         "update_fraction": args.update_fraction,
                         "build_s": round(build_s, 2),
                     }
-                    for path in ("vectored", "legacy"):
-                        tl.config = attrs_evolve(cfg, get_impl=path)
-                        m = await _measure(tl, keys, lsn, batch, path, cache == "cold", args.seconds)
-                        row.update({f"{path}_{k}": v for k, v in m.items()})
+                    row.update(await _measure(tl, cfg, keys, lsn, batch, cache == "cold", args.seconds))
                     row["speedup"] = round(row["vectored_keys_per_s"] / row["legacy_keys_per_s"], 2)
                     row["peak_rss_mib"] = round(_peak_rss_mib(), 1)
                     print(json.dumps(row), flush=True)
             tl.config = cfg
         await tenant.shutdown()
+        if args.ingest_mib > 0:
+            print(json.dumps(await _ingest_memory(work, args.ingest_mib)), flush=True)
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
     return 0
-
-
-def attrs_evolve(cfg: StorageConfig, **changes: Any) -> StorageConfig:
-    import attrs
-
-    return attrs.evolve(cfg, **changes)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,6 +32,10 @@ ending at X when the caller knows it (``prev_lsn``), else 0 as ``pg_resetwal`` w
 PostgreSQL accepts either (it only requires xl_prev < the record's position when it starts
 reading at a checkpoint).
 
+``--replica`` adds an empty ``standby.signal``, so the server starts as a read-only hot
+standby (no primary_conninfo: it stays at X). That is how a past LSN is looked at: the data as
+of X, and no WAL written that would fork the timeline's history.
+
 ``fullbackup`` produces the same tar (uncompressed); it exists for neon compatibility.
 
 The data comes from a ``BackupSource``: the timeline seen as a data directory (relation and
@@ -185,6 +189,8 @@ class BackupSource(Protocol):
         ...
 
     async def list_slru_segments(self, kind: int, lsn: Lsn) -> Iterable[int]: ...
+
+    async def get_slru_segment_blocks(self, kind: int, segno: int, lsn: Lsn) -> int: ...
 
     async def get_slru_segment(self, kind: int, segno: int, lsn: Lsn) -> bytes: ...
 
@@ -383,8 +389,11 @@ async def write_basebackup(
     *,
     gzip: bool = False,
     prev_lsn: int = 0,
+    replica: bool = False,
+    now: int | None = None,
 ) -> BackupResult:
-    """Stream the data directory at ``lsn`` as a tar through ``send`` (see the module doc)."""
+    """Stream the data directory at ``lsn`` as a tar through ``send`` (see the module doc).
+    ``replica`` adds ``standby.signal``: PostgreSQL then starts as a read-only hot standby."""
     control_raw = await source.get_control_file(lsn)
     control = parse_control_file(control_raw)
     if control.xlog_seg_size != WAL_SEGMENT_SIZE or control.xlog_blcksz != XLOG_BLCKSZ:
@@ -393,7 +402,8 @@ async def write_basebackup(
             f"only {WAL_SEGMENT_SIZE} / {XLOG_BLCKSZ} are supported"
         )
     rec_lsn = checkpoint_record_lsn(lsn)
-    now = int(time.time())
+    if now is None:
+        now = int(time.time())  # pg_control's and the checkpoint's time; mtime of the files
     ckpt = checkpoint_for_backup(await source.get_checkpoint(lsn), rec_lsn, now)
     wal_name, wal_seg, _, wal_end = wal_segment_with_checkpoint(
         lsn, ckpt, system_identifier=control.system_identifier, prev_lsn=prev_lsn
@@ -419,6 +429,8 @@ async def write_basebackup(
     await tar.add_file("postgresql.auto.conf", b"")
     await tar.add_file("pg_hba.conf", PG_HBA_CONF)
     await tar.add_file("pg_ident.conf", b"")
+    if replica:
+        await tar.add_file("standby.signal", b"")
 
     dbdirs = sorted(await source.list_dbdirs(lsn))
     if (GLOBALTABLESPACE_OID, 0) not in dbdirs:
@@ -467,10 +479,10 @@ async def collect_keyspace(source: BackupSource, lsn: Lsn) -> KeySpace:
     for kind in SLRU_DIRS:
         keys.append(slru_dir_key(kind))
         for segno in await source.list_slru_segments(kind, lsn):
-            nbytes = len(await source.get_slru_segment(kind, segno, lsn))
+            nblocks = await source.get_slru_segment_blocks(kind, segno, lsn)
             first = slru_block_key(kind, segno, 0)
-            if nbytes:
-                ranges.append(KeyRange(first, key_add(first, -(-nbytes // BLCKSZ))))
+            if nblocks:
+                ranges.append(KeyRange(first, key_add(first, nblocks)))
             keys.append(slru_segment_size_key(kind, segno))
     ranges.extend(KeyRange.single(k) for k in keys)
     return KeySpace.from_ranges(ranges)
@@ -508,6 +520,9 @@ class TimelineBackupSource:
 
     async def list_slru_segments(self, kind: int, lsn: Lsn) -> Iterable[int]:
         return await self.datadir.list_slru_segments(kind, lsn)
+
+    async def get_slru_segment_blocks(self, kind: int, segno: int, lsn: Lsn) -> int:
+        return await self.datadir.get_slru_segment_size(kind, segno, lsn)
 
     async def get_slru_segment(self, kind: int, segno: int, lsn: Lsn) -> bytes:
         return await self.datadir.get_slru_segment(kind, segno, lsn)
@@ -619,7 +634,8 @@ class BackupCommandHandler:
         prev = cmd.prev_lsn if cmd.prev_lsn is not None else 0
         copy = await conn.enter_copy_out(command_tag="SELECT 1")
         started = time.monotonic()
-        result = await write_basebackup(TimelineBackupSource(tl), lsn, copy.send, gzip=cmd.gzip, prev_lsn=prev)
+        result = await write_basebackup(TimelineBackupSource(tl), lsn, copy.send, gzip=cmd.gzip, prev_lsn=prev,
+                                        replica=cmd.replica)
         log.info("basebackup sent", lsn=format_lsn(lsn), checkpoint=format_lsn(result.checkpoint_lsn),
                  files=result.files, bytes=result.raw_bytes, gzip=cmd.gzip, full=cmd.full,
                  seconds=round(time.monotonic() - started, 3))

@@ -42,9 +42,8 @@ log = structlog.get_logger("pageserver.node")
 class NodeTimelineLookup:
     """The page service's ``TimelineLookup`` over the tenant manager."""
 
-    def __init__(self, manager: TenantManager, page_service_timeout_s: float) -> None:
+    def __init__(self, manager: TenantManager) -> None:
         self.manager = manager
-        self._timeout_s = page_service_timeout_s
 
     def get_reader(self, tenant_id: TenantId, timeline_id: TimelineId) -> PageReader:
         if self.manager.shutting_down.is_set():
@@ -75,7 +74,7 @@ class PageserverNode:
         conf.workdir.mkdir(parents=True, exist_ok=True)
         backups = BackupCommandHandler(self.manager.get_timeline, wait_lsn_timeout_s=conf.wait_lsn_timeout_s)
         handler = PageServiceHandler(
-            NodeTimelineLookup(self.manager, conf.wait_lsn_timeout_s),
+            NodeTimelineLookup(self.manager),
             conf.page_service_config(),
             self.page_metrics,
             extra_commands={"basebackup": backups.basebackup, "fullbackup": backups.fullbackup},

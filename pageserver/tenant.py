@@ -168,6 +168,33 @@ class Tenant:
                 raise LayerCorruptionError(tdir, "timeline ancestry has a cycle")
         return tenant
 
+    async def run_background_jobs(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run until cancelled: every ``compaction_period_s`` flush layers older than
+        ``checkpoint_timeout_s`` and compact every timeline; every ``gc_period_s`` GC the tenant.
+        A period of 0 disables that job (Neon's convention)."""
+        cfg = self.config
+
+        async def compaction_loop() -> None:
+            while True:
+                await trio.sleep(cfg.compaction_period_s)
+                for tl in list(self.timelines.values()):
+                    await tl.flush_if_old()
+                    await tl.compact()
+
+        async def gc_loop() -> None:
+            while True:
+                await trio.sleep(cfg.gc_period_s)
+                await self.gc()
+
+        async with trio.open_nursery() as nursery:
+            if cfg.compaction_period_s > 0:
+                nursery.start_soon(compaction_loop, name="tenant.compaction")
+            if cfg.gc_period_s > 0:
+                nursery.start_soon(gc_loop, name="tenant.gc")
+            task_status.started()
+
     async def shutdown(self) -> None:
         for tl in self.timelines.values():
             await tl.shutdown()

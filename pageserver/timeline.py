@@ -282,6 +282,16 @@ class Timeline:
         await layer.freeze(end)
         self.frozen_layers.append(layer)
 
+    async def flush_if_old(self) -> None:
+        """Flush an open layer that has waited ``checkpoint_timeout_s`` (no put came to roll it)."""
+        layer = self.open_layer
+        if (
+            layer is not None
+            and layer.index
+            and time.monotonic() - layer.opened_at >= self.config.checkpoint_timeout_s
+        ):
+            await self.flush()
+
     async def flush(self) -> None:
         """Freeze, then write every frozen layer to an L0 file and record it in index_part."""
         async with self._lock:

@@ -758,17 +758,26 @@ class TimelineWalIngest:
         self.ingest = ingest if ingest is not None else WalIngest(timeline)
         self._connect = connect
         self.receiver: WalReceiver | None = None
+        self._write_lock = trio.Lock()
 
     def progress(self) -> Progress:
         return Progress(self.tl.disk_consistent_lsn, self.tl.disk_consistent_lsn)
 
     async def _on_record(self, rec: DecodedRecord) -> None:
-        try:
-            await self.ingest.ingest_record(rec)
-        except BaseException:
-            # a half-applied record must not leave stale sizes or directories behind
-            self.ingest.w.invalidate()
-            raise
+        async with self._write_lock:
+            try:
+                await self.ingest.ingest_record(rec)
+            except BaseException:
+                # a half-applied record must not leave stale sizes or directories behind
+                self.ingest.w.invalidate()
+                raise
+
+    async def flush(self) -> Lsn:
+        """Flush the timeline between two records (a flush must not interleave with the puts
+        of a record); returns ``disk_consistent_lsn``."""
+        async with self._write_lock:
+            await self.tl.flush()
+        return self.tl.disk_consistent_lsn
 
     async def run(self) -> None:
         start = self.tl.last_record_lsn

@@ -300,6 +300,8 @@ class Acceptor:
                 commit_lsn=INVALID_LSN,
                 generation=state.mconf.generation,
             )
+        if not state.term_history:
+            raise AcceptorError("got AppendRequest before any ProposerElected")
         write_lsn = self.write_lsn
         if msg.begin_lsn != write_lsn and write_lsn != INVALID_LSN:
             kind = "rewrites WAL written before" if msg.begin_lsn < write_lsn else "leaves a gap"

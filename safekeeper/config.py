@@ -19,6 +19,7 @@ import attrs
 
 from common.config import ConfigError, structure_config
 from common.config import load_config as _load_config
+from common.logging import LEVELS
 
 __all__ = ["ConfigError", "SafekeeperConfig", "load_config", "parse_config"]
 
@@ -51,7 +52,7 @@ class SafekeeperConfig:
     no_sync: bool = False
     ingest_queue: int = attrs.field(default=4096, validator=_positive)
     max_write_bytes: int = attrs.field(default=1 << 20, validator=_non_negative)
-    log_level: str = "info"
+    log_level: str = attrs.field(default="info", validator=attrs.validators.in_(LEVELS))
     log_file: str | None = None
 
     @property

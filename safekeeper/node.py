@@ -46,7 +46,7 @@ from protocol.replication import (
 from safekeeper.config import ConfigError, SafekeeperConfig, load_config
 from safekeeper.http_api import build_http_server
 from safekeeper.receive_wal import IngestConfig, serve_wal_push
-from safekeeper.send_wal import serve_replication
+from safekeeper.send_wal import check_start, serve_replication
 from safekeeper.timeline import Timeline
 
 log = structlog.get_logger("safekeeper")
@@ -188,6 +188,7 @@ class SafekeeperHandler:
                     await serve_wal_push(
                         copy,
                         3 if cmd.proto_version == 3 else 2,
+                        (tenant_id, timeline_id),
                         self.node.get_timeline,
                         cmd.allow_timeline_creation,
                         self.node.ingest,
@@ -234,6 +235,7 @@ class SafekeeperHandler:
                 tl = await self._existing(conn)
                 if cmd.timeline not in (None, 1):
                     raise PgError(f"requested timeline {cmd.timeline} is not in this server's history", "58P01")
+                check_start(tl, cmd.start_lsn, cmd.term)
                 copy = await conn.enter_copy_both("START_STREAMING")
                 name = conn.startup_params.get("application_name", "") or conn.peer
                 await serve_replication(copy, tl, cmd.start_lsn, name=name, term=cmd.term)

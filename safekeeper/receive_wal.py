@@ -70,11 +70,15 @@ def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
 async def serve_wal_push(
     copy: CopyBothStream,
     version: ProtocolVersion,
+    ids: tuple[TenantId, TimelineId],
     get_timeline: GetTimeline,
     allow_timeline_creation: bool,
     cfg: IngestConfig,
 ) -> None:
-    """Run the proposer protocol on ``copy`` until the proposer stops or an error ends it."""
+    """Run the proposer protocol on ``copy`` until the proposer stops or an error ends it.
+
+    ``ids`` are the tenant and timeline of the connection's startup options; the greeting
+    must name the same."""
     payload = await copy.receive()
     if payload is None:
         return
@@ -82,6 +86,12 @@ async def serve_wal_push(
     if not isinstance(first, ProposerGreeting):
         raise RemoteProtocolError(
             f"the first message must be ProposerGreeting, got {type(first).__name__}",
+            sqlstate=INTERNAL_ERROR,
+        )
+    if (first.tenant_id, first.timeline_id) != ids:
+        raise RemoteProtocolError(
+            f"greeting for {first.tenant_id}/{first.timeline_id} on a connection for "
+            f"{ids[0]}/{ids[1]}",
             sqlstate=INTERNAL_ERROR,
         )
     timeline = await get_timeline(first.tenant_id, first.timeline_id, allow_timeline_creation)

@@ -126,20 +126,12 @@ class RecordTracker:
                             self._enter_page_header()
                             continue
                         page_left -= pad
-                    # Fast path: the whole record is on this page and in this buffer.
+                    # Fast path: whole records on this page and in this buffer, in a tight
+                    # loop (this is the safekeeper's hottest code).
                     if n - i >= RECORD_HEADER:
-                        (tot_len,) = _U32.unpack_from(view, i)
-                        if (
-                            RECORD_HEADER <= tot_len <= min(page_left, n - i)
-                            and not (view[i + 17] == RM_XLOG_ID and view[i + 16] & 0xF0 == XLOG_SWITCH)
-                        ):
-                            crc = crc32c.crc32c(view[i + RECORD_HEADER : i + tot_len])
-                            crc = crc32c.crc32c(view[i : i + 20], crc)
-                            if crc != _U32.unpack_from(view, i + 20)[0]:
-                                raise InvalidWal(f"record CRC mismatch for the record at {pos:#x}")
-                            i += tot_len
-                            pos = self.pos = Lsn(pos + tot_len)
-                            self.record_end = Lsn((pos + 7) & ~7)
+                        i, pos = self._fast_records(view, i, n, pos, page_left)
+                        if pos != self.pos:
+                            self.pos = pos
                             if pos % XLOG_BLCKSZ == 0:
                                 self._enter_page_header()
                             continue
@@ -173,6 +165,39 @@ class RecordTracker:
                     if self.pos % XLOG_BLCKSZ == 0:
                         self._enter_page_header()
         return self.record_end
+
+    def _fast_records(
+        self, view: memoryview, i: int, n: int, pos: int, page_left: int
+    ) -> tuple[int, Lsn]:
+        """Consume complete records that lie entirely in ``view[i:n]`` and on this page,
+        each followed by its MAXALIGN padding; stop before anything else. Returns the new
+        (index, position); the caller handles a page end."""
+        crc32 = crc32c.crc32c
+        unpack = _U32.unpack_from
+        record_end = self.record_end
+        while n - i >= RECORD_HEADER:
+            (tot_len,) = unpack(view, i)
+            if tot_len < RECORD_HEADER or tot_len > page_left or tot_len > n - i:
+                break
+            if view[i + 17] == RM_XLOG_ID and view[i + 16] & 0xF0 == XLOG_SWITCH:
+                break
+            crc = crc32(view[i : i + 20], crc32(view[i + RECORD_HEADER : i + tot_len]))
+            if crc != unpack(view, i + 20)[0]:
+                raise InvalidWal(f"record CRC mismatch for the record at {pos:#x}")
+            padded = (tot_len + 7) & ~7
+            record_end = pos + padded
+            if padded > n - i:
+                # The padding is not in this buffer: let the slow path skip it.
+                i += tot_len
+                pos += tot_len
+                break
+            i += padded
+            pos += padded
+            page_left -= padded
+            if not page_left:
+                break
+        self.record_end = Lsn(record_end)
+        return i, Lsn(pos)
 
     def _check_page_header(self, page_lsn: Lsn) -> None:
         magic, info, _tli, pageaddr, rem_len = _PAGE_HEADER.unpack_from(self._phdr, 0)

@@ -58,14 +58,10 @@ async def serve_replication(
     name: str,
     term: int | None = None,
 ) -> None:
-    """Stream WAL from ``start_lsn`` until the client ends the stream (or the term changes)."""
-    limit = (timeline.commit_lsn if term is None else timeline.flush_lsn).value
-    if start_lsn > limit:
-        raise RemoteProtocolError(
-            f"requested starting point {format_lsn(start_lsn)} is ahead of the WAL flush "
-            f"position of this server {format_lsn(limit)}",
-            sqlstate=INTERNAL_ERROR,
-        )
+    """Stream WAL from ``start_lsn`` until the client ends the stream (or the term changes).
+
+    Call ``check_start`` before entering COPY mode, so that a refusal is a plain error."""
+    check_start(timeline, start_lsn, term)
     replica_id = next(_ids)
     replica = ReplicaState(name=name, sent_lsn=start_lsn, last_reply=time.monotonic())
     timeline.replicas[replica_id] = replica
@@ -107,6 +103,24 @@ async def _send_stage(
         await copy.send(msg.header() + data)
         sent = Lsn(sent + len(data))
         replica.sent_lsn = sent
+
+
+def check_start(timeline: Timeline, start_lsn: Lsn, term: int | None) -> None:
+    """PostgreSQL's refusals: a start beyond the WAL, or in a segment that is not here."""
+    limit = (timeline.commit_lsn if term is None else timeline.flush_lsn).value
+    if start_lsn > limit:
+        raise RemoteProtocolError(
+            f"requested starting point {format_lsn(start_lsn)} is ahead of the WAL flush "
+            f"position of this server {format_lsn(limit)}",
+            sqlstate=INTERNAL_ERROR,
+        )
+    segno = start_lsn // timeline.storage.seg_size
+    if start_lsn < limit and timeline.storage.segment_path(segno) is None:
+        raise RemoteProtocolError(
+            f"requested WAL segment {timeline.storage.segment_name(segno)} has already been "
+            "removed",
+            sqlstate="58P01",
+        )
 
 
 def _greater_than(lsn: Lsn) -> Callable[[Lsn], bool]:

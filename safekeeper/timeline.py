@@ -135,12 +135,14 @@ class Timeline:
     ) -> tuple[list[AcceptorMessage], Exception | None]:
         """Process proposer messages in order; appends share one write and one flush.
 
-        Returns the replies to send (at most one AppendResponse for all appends, after any
-        other replies in order) and the error that stopped the batch, if one did: messages
-        before it are fully processed and their WAL flushed.
+        Returns the replies to send, in order (one AppendResponse for each run of appends)
+        and the error that stopped the batch, if one did: messages before it are fully
+        processed and their WAL flushed.
         """
         replies: list[AcceptorMessage] = []
-        writes: list[WriteWal] = []
+        # The group's WAL: contiguous chunks from ``begin`` (the acceptor checked each).
+        begin = INVALID_LSN
+        writes: list[bytes | memoryview] = []
         appended = False
         error: Exception | None = None
         acceptor = self.acceptor
@@ -155,11 +157,18 @@ class Timeline:
                             continue
                         appended = True
                         if msg.end_lsn > msg.begin_lsn:
-                            writes.append(WriteWal(msg.begin_lsn, msg.wal))
+                            if not writes:
+                                begin = msg.begin_lsn
+                            writes.append(msg.wal)
                         continue
                     if writes:
-                        await self._write_group(writes)
+                        await self._write_group(begin, writes)
                         writes = []
+                    if appended:
+                        # Acknowledge the appends before answering what follows them.
+                        acceptor.advance_commit()
+                        replies.append(acceptor.append_response())
+                        appended = False
                     for effect in acceptor.process(msg):
                         if isinstance(effect, Reply):
                             replies.append(effect.msg)
@@ -171,7 +180,7 @@ class Timeline:
                 error = exc
             if writes:
                 try:
-                    await self._write_group(writes)
+                    await self._write_group(begin, writes)
                 except InvalidWal as exc:
                     error = error or exc
             if appended:
@@ -194,10 +203,8 @@ class Timeline:
         else:
             await trio.to_thread.run_sync(self.storage.truncate, effect.lsn)
 
-    async def _write_group(self, writes: list[WriteWal]) -> None:
+    async def _write_group(self, begin: Lsn, chunks: list[bytes | memoryview]) -> None:
         storage = self.storage
-        begin = writes[0].begin_lsn
-        chunks = [w.wal for w in writes]
         fsyncs_before = storage.fsync_count
 
         def write_and_flush() -> None:

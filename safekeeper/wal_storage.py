@@ -225,10 +225,10 @@ class WalStorage:
             pos = Lsn(pos + size)
             self.write_lsn = pos
             if pos == seg_end:
+                # Durable now; flush_record_lsn follows in flush(), because the tracker has
+                # already seen the whole group and cannot say which record ended here.
                 self._complete_segment()
                 self.flush_lsn = pos
-                assert self._tracker is not None
-                self.flush_record_lsn = Lsn(min(self._tracker.record_end, pos))
 
     @staticmethod
     def _pwritev_all(fd: int, iov: list[memoryview], offset: int, size: int) -> None:

@@ -277,14 +277,16 @@ class Bridge:
         while True:
             try:
                 await self._run_term(self.info, min_term)
-            except BaseExceptionGroup as eg:
+            except* ProposerRejected as eg:
                 rejected = [e for e in _leaves(eg) if isinstance(e, ProposerRejected)]
-                others = [e for e in _leaves(eg) if not isinstance(e, ProposerRejected)]
-                if others or not rejected:
-                    raise
-                min_term = max(min_term, *(e.seen_term for e in rejected if isinstance(e, ProposerRejected)))
+                min_term = max(min_term, *(e.seen_term for e in rejected))
                 log.warning("term lost, starting over", reason=str(rejected[0]), min_term=min_term)
-                await trio.sleep(0.2)
+            except* Exception as eg:
+                # A bug in one session must not leave PostgreSQL without its synchronous standby
+                # for good: report it loudly, then start a new term (a new election).
+                log.error("term failed, starting over", exc_info=eg)
+                min_term = max(min_term, self.proposer.term)
+            await trio.sleep(0.2)
 
     # -- PostgreSQL setup ----------------------------------------------------------------------
 
@@ -441,7 +443,9 @@ class Bridge:
                 if slot.streaming_at < self.buffer.start:
                     await self._catch_up(i, copy)
                     continue
-                while True:
+                # The window may move while we send (its reader appends and trims): re-check
+                # the position before each read, and fall back to catching up.
+                while slot.streaming_at >= self.buffer.start:
                     begin, end = p.next_append(i, self.buffer.end)
                     heartbeat_due = trio.current_time() - last_sent_at >= self.cfg.heartbeat_s
                     if begin == end and p.commit_lsn == last_commit_sent and not heartbeat_due:

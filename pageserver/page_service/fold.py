@@ -50,6 +50,18 @@ class FoldChannel(Generic[T]):
         self._lot.unpark_all()
         await trio.lowlevel.cancel_shielded_checkpoint()
 
+    def send_nowait(self, item: T) -> bool:
+        """Fold ``item`` if the pending batch takes it now; ``False`` (nothing done) if not."""
+        if self._closed:
+            raise trio.ClosedResourceError("send on a closed FoldChannel")
+        if self._receiver_gone:
+            raise trio.BrokenResourceError("FoldChannel receiver is gone")
+        if self._batch and not self._can_fold(self._batch, item):
+            return False
+        self._batch.append(item)
+        self._lot.unpark_all()
+        return True
+
     def close(self) -> None:
         """No more items; the receiver gets the last batch, then ``EndOfChannel``."""
         self._closed = True

@@ -56,6 +56,7 @@ from pageserver.page_service.fold import FoldChannel
 from pageserver.page_service.metrics import PageServiceMetrics
 from pageserver.page_service.reader import (
     BadRequest,
+    LsnTimeout,
     NotFound,
     PageRead,
     PageReader,
@@ -83,6 +84,7 @@ from protocol.pagestream import (
 )
 
 MAX_RECV: Final = 64 * 1024
+ZERO_PAGE_PLACEHOLDER: Final = b""  # never sent: every served slot is overwritten
 MAX_FORKNUM: Final = 3  # init fork
 
 REQUEST_TYPE: Final[dict[type, str]] = {
@@ -130,7 +132,11 @@ class Fatal:
 
 
 Item: TypeAlias = Pending | Fatal
-ReadItem: TypeAlias = tuple[Request, float] | RemoteProtocolError
+# What Reading hands to Batching: every request already buffered when it looked, so a burst
+# from a pipelining client crosses the channel (and gets folded) in one go instead of one
+# task switch per request. A decode error can only be the last element.
+ReadItem: TypeAlias = list[tuple[Request, float] | RemoteProtocolError]
+MAX_READ_BURST: Final = 128
 
 
 class RequestSource(Protocol):
@@ -140,6 +146,10 @@ class RequestSource(Protocol):
     """
 
     async def receive(self) -> Request | StreamEnd: ...
+
+    def receive_nowait(self) -> Request | StreamEnd:
+        """Like ``receive`` but only from what is already buffered; else ``trio.WouldBlock``."""
+        ...
 
 
 class StreamRequestSource:
@@ -159,6 +169,12 @@ class StreamRequestSource:
                 return event
             decoder.receive_data(await self.stream.receive_some(MAX_RECV))
 
+    def receive_nowait(self) -> Request | StreamEnd:
+        event = self.decoder.next_event()
+        if event is NEED_DATA:
+            raise trio.WouldBlock
+        return event
+
 
 class CopyPayloads(Protocol):
     """The server loop's CopyBoth stream (``common.pgcopy.CopyBothStream``) as we use it."""
@@ -167,6 +183,8 @@ class CopyPayloads(Protocol):
     def peer_done(self) -> bool: ...
 
     async def receive(self) -> bytes | None: ...
+
+    def receive_nowait(self) -> bytes | None: ...
 
 
 class CopyRequestSource:
@@ -179,7 +197,12 @@ class CopyRequestSource:
         self.version = version
 
     async def receive(self) -> Request | StreamEnd:
-        payload = await self.copy.receive()
+        return self._event(await self.copy.receive())
+
+    def receive_nowait(self) -> Request | StreamEnd:
+        return self._event(self.copy.receive_nowait())
+
+    def _event(self, payload: bytes | None) -> Request | StreamEnd:
         if payload is None:
             return StreamEnd.COPY_DONE if self.copy.peer_done else StreamEnd.TERMINATE
         return decode_request(payload, self.version)
@@ -272,9 +295,21 @@ def _is_getpage(item: Item) -> bool:
 # Execution (shared by both modes)
 
 
+def _lsn_timeout(lsn: Lsn, last_record_lsn: Lsn, timeout_s: float) -> LsnTimeout:
+    # Worded here, not by the timeline, so a request's message names its own LSN whether it
+    # waited alone (serial) or as part of a batch that waited for a higher one.
+    return LsnTimeout(
+        f"timed out after {timeout_s}s waiting for WAL up to {format_lsn(lsn)}; "
+        f"last_record_lsn is {format_lsn(last_record_lsn)}"
+    )
+
+
 async def _wait_for(timeline: PageReader, lsn: Lsn, timeout_s: float) -> None:
     if lsn > timeline.last_record_lsn:
-        await timeline.wait_lsn(lsn, timeout_s)
+        try:
+            await timeline.wait_lsn(lsn, timeout_s)
+        except LsnTimeout:
+            raise _lsn_timeout(lsn, timeline.last_record_lsn, timeout_s) from None
 
 
 def _count(metrics: PageServiceMetrics | None, request: Request, ok: bool) -> None:
@@ -324,7 +359,6 @@ async def _execute_getpages(
     timeline = batch[0].timeline
     assert timeline is not None
     requests = cast(list[GetPageRequest], [p.request for p in batch])
-    results: list[bytes | PageRequestError]
     wait_error: PageRequestError | None = None
     try:
         await _wait_for(timeline, max(p.lsn for p in batch), ctx.config.wait_lsn_timeout_s)
@@ -334,7 +368,12 @@ async def _execute_getpages(
     # ready when it folded must not inherit a later request's timeout (serial would serve it).
     last = timeline.last_record_lsn
     serve = [i for i, p in enumerate(batch) if wait_error is None or p.lsn <= last]
-    results = [wait_error] * len(batch)  # type: ignore[list-item]
+    results: list[bytes | PageRequestError] = []
+    for p in batch:
+        if isinstance(wait_error, LsnTimeout):
+            results.append(_lsn_timeout(p.lsn, last, ctx.config.wait_lsn_timeout_s))
+        else:  # the slot is overwritten below unless the wait failed otherwise
+            results.append(wait_error if wait_error is not None else ZERO_PAGE_PLACEHOLDER)
     if serve:
         reads = [PageRead(requests[i].rel, requests[i].blkno, batch[i].lsn) for i in serve]
         try:
@@ -410,15 +449,27 @@ async def _read_stage(
 ) -> None:
     async with out:  # closing tells Batching there is nothing more
         while True:
+            burst: ReadItem = []
             try:
                 event = await source.receive()
+                now = time.perf_counter()
+                while not isinstance(event, StreamEnd):
+                    burst.append((event, now))
+                    if len(burst) >= MAX_READ_BURST:
+                        break
+                    try:
+                        event = source.receive_nowait()
+                    except trio.WouldBlock:
+                        break
             except RemoteProtocolError as exc:
-                await out.send(exc)  # answered after everything decoded before it
+                burst.append(exc)  # answered after everything decoded before it
+                await out.send(burst)
                 return
+            if burst:
+                await out.send(burst)
             if isinstance(event, StreamEnd):
                 state.end = event
                 return
-            await out.send((event, time.perf_counter()))
 
 
 async def _batch_stage(
@@ -428,11 +479,16 @@ async def _batch_stage(
 ) -> None:
     try:
         async with requests:
-            async for item in requests:
-                if isinstance(item, RemoteProtocolError):
-                    await batches.send(Fatal(item))
-                else:
-                    await batches.send(prepare(item[0], item[1], resolver))
+            async for burst in requests:
+                for item in burst:
+                    prepared = (
+                        Fatal(item)
+                        if isinstance(item, RemoteProtocolError)
+                        else prepare(item[0], item[1], resolver)
+                    )
+                    # Fold without a task switch while the batch accepts; park only when not.
+                    if not batches.send_nowait(prepared):
+                        await batches.send(prepared)
     finally:
         batches.close()
 

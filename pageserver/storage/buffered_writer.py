@@ -223,6 +223,10 @@ class BufferedWriter:
         self.stats.background_flushes += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, 1)
         self._nursery.start_soon(self._flush_task, full, self._inflight_start, done)
+        # Let the flush task start now: callers of write() rarely checkpoint otherwise, and a
+        # flush that only starts when the next buffer is full overlaps with nothing (with the
+        # threadpool engine this yield is what puts the write on a thread while we go on).
+        await trio.lowlevel.checkpoint()
 
     async def _flush_task(
         self, buf: bytearray | mmap.mmap, start: int, done: trio.Event

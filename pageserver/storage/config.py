@@ -2,10 +2,13 @@
 
 Values are attrs fields so the pageserver config loader (cattrs, ``forbid_extra_keys``) can
 structure them from TOML; the validators reject bad values with a message naming the key.
+``validate_get`` defaults to the environment variable ``PAGESTORE_VALIDATE_GET`` (unset: off),
+so a test suite can switch it on for every tenant any room creates.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import attrs
@@ -21,6 +24,10 @@ def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
 def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
         raise ValueError(f"{attr.name} must not be negative, got {value}")
+
+
+def _validate_get_default() -> bool:
+    return os.environ.get("PAGESTORE_VALIDATE_GET", "") not in ("", "0")
 
 
 @attrs.frozen(kw_only=True)
@@ -41,7 +48,9 @@ class StorageConfig:
     get_impl: Literal["vectored", "legacy"] = attrs.field(
         default="vectored", validator=attrs.validators.in_(("vectored", "legacy"))
     )
-    validate_get: bool = False
+    # Off by default (it doubles read cost); the test suite turns it on for every tenant by
+    # setting PAGESTORE_VALIDATE_GET=1, which is where this default comes from.
+    validate_get: bool = attrs.field(factory=_validate_get_default)
     max_vectored_read_bytes: int = attrs.field(default=128 * 1024, validator=_positive)
     # materialized page cache, in bytes (Neon: 8192 slots x 8 KiB)
     page_cache_size: int = attrs.field(default=64 * MiB, validator=_non_negative)

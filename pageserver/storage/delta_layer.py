@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 
 import attrs
@@ -28,6 +28,7 @@ from pageserver.storage.key import KEY_SIZE, Key, KeyRange, key_from_int, key_ne
 from pageserver.storage.layer_file import (
     IndexBlockCache,
     IndexEntry,
+    LayerCorruptionError,
     LayerDesc,
     LayerFileReader,
     LayerFileWriter,
@@ -35,17 +36,21 @@ from pageserver.storage.layer_file import (
     prefix_of,
 )
 from pageserver.storage.reconstruct import KeyState
-from pageserver.storage.value import decode_value
+from pageserver.storage.value import Value, decode_value
 from protocol.lsn import MAX_LSN, Lsn
 
 _layer_ids = itertools.count(1)
-# preadv takes at most IOV_MAX buffers (1024 on Linux)
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 
 
 @attrs.define(slots=True)
 class ReadContext:
-    """Settings and counters of one read (the benchmark prints the counters)."""
+    """Settings, the planned blob reads, and counters of one vectored read.
+
+    The walk only *plans* reads of persistent layers (from their indexes); ``execute_reads``
+    then performs every planned read at once — one engine call, so the threadpool engine pays
+    one thread hop per batch, not one per layer — and ``resolve_states`` hands the decoded
+    values to the keys, in the order the walk found them.
+    """
 
     max_vectored_read_bytes: int = 128 * 1024
     # Whether any key was seeded from the materialized page cache: only then can a walk's
@@ -54,6 +59,58 @@ class ReadContext:
     layers_visited: int = 0
     vectored_reads: int = 0
     blobs_read: int = 0
+    # planned: (reader, file offset, total bytes, first slot, number of blobs)
+    reads: list[tuple[LayerFileReader, int, int, int, int]] = attrs.field(factory=list)
+    # slot -> (offset, length, crc) of one blob
+    blobs: list[tuple[int, int, int]] = attrs.field(factory=list)
+
+
+def _do_reads(jobs: list[tuple[int, int, int]]) -> list[tuple[bytearray, int]]:
+    """Blocking part of ``execute_reads``: one preadv per planned read, into one buffer each."""
+    out: list[tuple[bytearray, int]] = []
+    for fd, offset, total in jobs:
+        buf = bytearray(total)
+        got = os.preadv(fd, [buf], offset)
+        while 0 < got < total:
+            more = os.preadv(fd, [memoryview(buf)[got:]], offset + got)
+            if more == 0:
+                break
+            got += more
+        out.append((buf, got))
+    return out
+
+
+async def execute_reads(ctx: ReadContext) -> list[Value]:
+    """Perform every planned read; returns the decoded value of every blob slot."""
+    if not ctx.reads:
+        return []
+    engine = ctx.reads[0][0].engine
+    jobs = [(r.file.fd, offset, total) for r, offset, total, _, _ in ctx.reads]
+    results = await engine.run_sync(_do_reads, jobs)
+    engine.stats.preadvs += len(jobs)
+    values: list[Value] = []
+    for (reader, offset, total, first, count), (buf, got) in zip(ctx.reads, results, strict=True):
+        if got != total:
+            raise LayerCorruptionError(reader.path, f"short read at {offset}: {got} of {total} bytes")
+        engine.stats.bytes_read += got
+        view = memoryview(buf)
+        for slot in range(first, first + count):
+            off, length, crc = ctx.blobs[slot]
+            data = view[off - offset : off - offset + length]
+            reader.check_blob(off, length, crc, data)
+            values.append(decode_value(data))
+    ctx.vectored_reads += len(jobs)
+    ctx.blobs_read += len(values)
+    ctx.reads.clear()
+    ctx.blobs.clear()
+    return values
+
+
+async def read_and_resolve(ctx: ReadContext, states: Iterable[KeyState]) -> None:
+    values = await execute_reads(ctx)
+    for st in states:
+        if st.pending is not None:
+            st.resolve(values)
 
 
 def _lsn_of(prefix: bytes) -> int:
@@ -110,7 +167,7 @@ class PersistentLayer:
     async def get_value_legacy(self, key: Key, floor: int, cont: int, state: KeyState) -> None:
         r = self.reader
         entries: list[IndexEntry] = []
-        async for block, lo, hi in r.scan(prefix_of(key, floor), _range_end_prefix(key, cont)):
+        for block, lo, hi in await r.scan(prefix_of(key, floor), _range_end_prefix(key, cont)):
             entries.extend(block.entry(i) for i in range(lo, hi))
         for e in reversed(entries):
             blob = await r.read_blob(e.offset, e.length, e.crc)
@@ -132,35 +189,36 @@ class PersistentLayer:
         states: dict[Key, KeyState],
         ctx: ReadContext,
     ) -> None:
-        """Read ``[floor, cont)`` of the sorted, distinct ``keys`` into their states."""
+        """Plan the reads of ``[floor, cont)`` for the sorted, distinct ``keys`` (their states
+        must be deferring: ``pending`` set); ``execute_reads`` performs them."""
         r = self.reader
         ctx.layers_visited += 1
         # key -> [(lsn, offset, length, crc)], oldest first, from the newest will_init up.
         # Index order is (key, lsn) order is file order, so the plan comes out sorted by offset.
-        planned: dict[bytes, list[tuple[int, int, int, int]]] = {}
+        planned: dict[Key, list[tuple[int, int, int, int, bool]]] = {}
         for start, end in key_runs(keys):
-            async for block, lo, hi in r.scan(prefix_of(start, 0), prefix_of(end, 0)):
-                prefixes, positions = block.prefixes, block.positions
+            for block, lo, hi in await r.scan(prefix_of(start, 0), prefix_of(end, 0)):
+                bkeys, lsns, positions = block.keys, block.lsns, block.positions
                 lengths, crcs = block.lengths, block.crcs
                 for i in range(lo, hi):
-                    p = prefixes[i]
-                    lsn = int.from_bytes(p[KEY_SIZE:], "big")
+                    lsn = lsns[i]
                     if lsn < floor or lsn >= cont:
                         continue
-                    key = p[:KEY_SIZE]
-                    st = states.get(Key(key))
+                    key = bkeys[i]
+                    st = states.get(key)
                     if st is None or st.complete or lsn <= st.cached_lsn:
                         continue
                     pos = positions[i]
-                    blob = (lsn, pos >> 1, lengths[i], crcs[i])
+                    blob = (lsn, pos >> 1, lengths[i], crcs[i], bool(pos & 1))
                     lst = planned.get(key)
                     if lst is None or pos & 1:
                         planned[key] = [blob]
                     else:
                         lst.append(blob)
-        # Execute: a read grows while the next blob starts where it ends (invariant 7).
+        # Plan the reads: a read grows while the next blob starts where it ends (invariant 7).
         flat = [(key, blob) for key, lst in planned.items() for blob in lst]
-        datas: list[memoryview] = []
+        slot0 = len(ctx.blobs)
+        ctx.blobs.extend((blob[1], blob[2], blob[3]) for _, blob in flat)
         max_bytes = ctx.max_vectored_read_bytes
         n = len(flat)
         i = 0
@@ -168,28 +226,23 @@ class PersistentLayer:
             start_off = flat[i][1][1]
             end_off = start_off + flat[i][1][2]
             j = i + 1
-            while j < n and j - i < _IOV_MAX:
+            while j < n:
                 off, length = flat[j][1][1], flat[j][1][2]
                 if off != end_off or end_off + length - start_off > max_bytes:
                     break
                 end_off += length
                 j += 1
-            buffers = await r.read_blobs(start_off, [flat[x][1][2] for x in range(i, j)])
-            ctx.vectored_reads += 1
-            ctx.blobs_read += j - i
-            datas.extend(buffers)
+            r.check_entry(start_off, end_off - start_off)
+            ctx.reads.append((r, start_off, end_off - start_off, slot0 + i, j - i))
             i = j
-        # Apply newest first per key.
+        # Hand the slots to the keys, newest first; will_init (from the index) completes.
         pos_in_flat = 0
         for key, lst in planned.items():
-            st = states[Key(key)]
+            st = states[key]
             base = pos_in_flat
             pos_in_flat += len(lst)
             for x in range(pos_in_flat - 1, base - 1, -1):
-                lsn, off, length, crc = flat[x][1]
-                data = datas[x]
-                r.check_blob(off, length, crc, data)
-                if st.add(Lsn(lsn), decode_value(data)):
+                if st.add_blob(Lsn(lst[x - base][0]), slot0 + x, flat[x][1][4]):
                     break
         self._finish_keys(keys, floor, states, ctx)
 

@@ -8,7 +8,8 @@ in array memory (issue 3's memory goal). Writes arrive in LSN order, so each key
 sorted by LSN; a second put of the same key at the same LSN replaces the first.
 
 Freezing sets ``end_lsn`` and stops appends; ``write_l0`` streams the frozen layer into an L0
-delta layer file in (key, lsn) order.
+delta layer file in (key, lsn) order (reading the ephemeral file whole when it is at most 64 MiB,
+else value by value, so a flush never holds more than that in memory).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pageserver.storage.layer_file import WriteOptions
 from pageserver.storage.reconstruct import KeyState
 from pageserver.storage.value import decode_value
 from protocol.lsn import MAX_LSN, Lsn
+
+_READ_WHOLE_MAX = 64 * 1024 * 1024
 
 
 class InMemoryLayer:
@@ -121,15 +124,18 @@ class InMemoryLayer:
     # -- flush ----------------------------------------------------------------------------
 
     async def _entries(self) -> AsyncIterator[tuple[Key, Lsn, bytes | bytearray | memoryview, bool]]:
-        # The frozen file is read once, whole, then sliced per value: one big sequential read
-        # instead of a syscall per value.
-        data = memoryview(await self.file.read_all())
+        # A small frozen file is read once, whole, then sliced per value: one big sequential
+        # read instead of a syscall per value. A big one is read per value, so a flush never
+        # holds a whole checkpoint_distance of data in memory (issue 3's RSS goal).
+        whole = self.size <= _READ_WHOLE_MAX
+        data = memoryview(await self.file.read_all()) if whole else None
         for key in sorted(self.index):
             entries = self.index[key]
             for i in range(0, len(entries), 3):
                 pos, length = entries[i + 1], entries[i + 2]
                 off = pos >> 1
-                yield key, Lsn(entries[i]), data[off : off + length], bool(pos & 1)
+                blob = data[off : off + length] if data is not None else await self.file.read_at(off, length)
+                yield key, Lsn(entries[i]), blob, bool(pos & 1)
 
     async def write_l0(self, engine: IoEngine, directory: Path, opts: WriteOptions) -> Path | None:
         if self.end_lsn is None:

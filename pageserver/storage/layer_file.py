@@ -27,7 +27,7 @@ import itertools
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
@@ -201,11 +201,14 @@ class IndexEntry:
 class IndexBlock:
     """A decoded index block: parallel lists, bisectable by the 26-byte (key, lsn) prefix."""
 
-    __slots__ = ("crcs", "lengths", "positions", "prefixes")
+    __slots__ = ("crcs", "keys", "lengths", "lsns", "positions", "prefixes")
 
     def __init__(self, raw: bytes | memoryview, n: int) -> None:
         rows = list(ENTRY.iter_unpack(raw[_BLOCK_HDR.size : _BLOCK_HDR.size + n * ENTRY.size]))
         self.prefixes: list[bytes] = [r[0] for r in rows]
+        # split once per (cached) block, so the read paths' inner loops do no slicing
+        self.keys: list[Key] = [Key(p[:KEY_SIZE]) for p in self.prefixes]
+        self.lsns: list[int] = [int.from_bytes(p[KEY_SIZE:], "big") for p in self.prefixes]
         self.positions: list[int] = [r[1] for r in rows]
         self.lengths: list[int] = [r[2] for r in rows]
         self.crcs: list[int] = [r[3] for r in rows]
@@ -341,23 +344,27 @@ class LayerFileReader:
         """The index block holding the first entry >= prefix (may be one past it)."""
         return max(0, bisect.bisect_right(self.fences, prefix) - 1)
 
-    async def scan(self, start: bytes, end: bytes) -> AsyncIterator[tuple[IndexBlock, int, int]]:
-        """Yield (block, lo, hi): runs of entries with ``start <= prefix < end``, in order."""
+    async def scan(self, start: bytes, end: bytes) -> list[tuple[IndexBlock, int, int]]:
+        """Runs ``(block, lo, hi)`` of the entries with ``start <= prefix < end``, in order."""
         blkno = self.first_block_for(start)
         n_blocks = self.summary.n_index_blocks
+        out: list[tuple[IndexBlock, int, int]] = []
         first = True
         while blkno < n_blocks:
             if not first and self.fences[blkno] >= end:
-                return
-            block = await self.block(blkno)
-            lo = bisect.bisect_left(block.prefixes, start) if first else 0
-            hi = bisect.bisect_left(block.prefixes, end, lo)
+                break
+            cached = self.cache.get(self.file_id, blkno)
+            block = cached if cached is not None else await self.block(blkno)
+            prefixes = block.prefixes
+            lo = bisect.bisect_left(prefixes, start) if first else 0
+            hi = bisect.bisect_left(prefixes, end, lo)
             if hi > lo:
-                yield block, lo, hi
-            if hi < len(block.prefixes):
-                return
+                out.append((block, lo, hi))
+            if hi < len(prefixes):
+                break
             first = False
             blkno += 1
+        return out
 
     def check_blob(self, offset: int, length: int, crc: int, data: bytes | bytearray | memoryview) -> None:
         if len(data) != length:

@@ -12,6 +12,7 @@ In-memory layers are not here; the read paths check them first (invariant 6).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterator
 
@@ -34,10 +35,29 @@ def select_layer(
 
 class LayerMap:
     def __init__(self) -> None:
-        self._layers: list[PersistentLayer] = []  # sorted by (lsn_end desc, lsn_start desc)
+        # each sorted by (lsn_end desc, lsn_start desc): the first match of a scan is the
+        # covering layer with the highest lsn_end
+        self._layers: list[PersistentLayer] = []
+        self._deltas: list[PersistentLayer] = []
+        self._images: list[PersistentLayer] = []
+        self._delta_neg_starts: list[int] = []
+        self._image_neg_starts: list[int] = []
+        self._bisectable = True
 
     def _sort(self) -> None:
-        self._layers.sort(key=lambda layer: (-layer.desc.lsn_end, -layer.desc.lsn_start, layer.desc.key_range.start))
+        self._layers.sort(
+            key=lambda x: (-x.desc.lsn_end, -x.desc.lsn_start, x.desc.key_range.start)
+        )
+        self._deltas = [x for x in self._layers if x.desc.is_delta]
+        self._images = [x for x in self._layers if not x.desc.is_delta]
+        # Delta LSN ranges are equal (one compaction's L1s) or disjoint, so sorted by lsn_end
+        # descending they are sorted by lsn_start descending too: then the first candidate
+        # below an LSN is found by bisection. Checked, not assumed.
+        self._delta_neg_starts = [-x.desc.lsn_start for x in self._deltas]
+        self._image_neg_starts = [-x.desc.lsn_start for x in self._images]
+        self._bisectable = all(
+            a <= b for a, b in itertools.pairwise(self._delta_neg_starts)
+        ) and all(a <= b for a, b in itertools.pairwise(self._image_neg_starts))
 
     def insert(self, layer: PersistentLayer) -> None:
         self._layers.append(layer)
@@ -57,55 +77,80 @@ class LayerMap:
 
     def l0_layers(self) -> list[PersistentLayer]:
         """L0 deltas, oldest first."""
-        return sorted((x for x in self._layers if x.desc.is_l0), key=lambda x: x.desc.lsn_start)
+        return sorted((x for x in self._deltas if x.desc.is_l0), key=lambda x: x.desc.lsn_start)
 
-    def _coverage(
-        self, key: Key, end_lsn: int, candidates: list[PersistentLayer] | None = None
-    ) -> tuple[PersistentLayer | None, PersistentLayer | None]:
-        delta: PersistentLayer | None = None
-        image: PersistentLayer | None = None
-        for layer in self._layers if candidates is None else candidates:
+    def _below(self, end_lsn: int) -> tuple[int, int]:
+        """Indexes of the first delta / image that may start below ``end_lsn``."""
+        if not self._bisectable:
+            return 0, 0
+        return (
+            bisect.bisect_right(self._delta_neg_starts, -end_lsn),
+            bisect.bisect_right(self._image_neg_starts, -end_lsn),
+        )
+
+    @staticmethod
+    def _first_covering(
+        layers: list[PersistentLayer], key: bytes, end_lsn: int, first: int = 0
+    ) -> PersistentLayer | None:
+        for i in range(first, len(layers)):
+            layer = layers[i]
             d = layer.desc
-            if d.lsn_start >= end_lsn or not d.key_range.start <= key < d.key_range.end:
-                continue
-            if d.is_delta:
-                if delta is None:
-                    delta = layer
-                    if image is not None:
-                        break
-            elif image is None:
-                image = layer
-                if delta is not None:
-                    break
-        return delta, image
+            if d.lsn_start < end_lsn and d.key_range.start <= key < d.key_range.end:
+                return layer
+        return None
 
     def search(self, key: Key, end_lsn: int) -> tuple[PersistentLayer, int] | None:
         """The layer to read for ``key`` below ``end_lsn`` and its LSN floor, or None."""
-        delta, image = self._coverage(key, end_lsn)
+        di, ii = self._below(end_lsn)
+        delta = self._first_covering(self._deltas, key, end_lsn, di)
+        image = self._first_covering(self._images, key, end_lsn, ii) if self._images else None
         return select_layer(delta, image, end_lsn)
 
     def range_search(
         self, key_range: KeyRange, end_lsn: int
     ) -> tuple[list[tuple[PersistentLayer, int, KeyRange]], list[KeyRange]]:
         """``search`` for every key of a range at once: (found sub-ranges, not-found ones)."""
-        cands = [
+        lo_key, hi_key = key_range.start, key_range.end
+        di, ii = self._below(end_lsn)
+        if not self._images or not any(
+            x.desc.lsn_start < end_lsn and x.desc.key_range.start < hi_key and lo_key < x.desc.key_range.end
+            for x in self._images[ii:]
+        ):
+            # No image to clamp to: if the newest overlapping delta covers the whole range, it
+            # is the answer everywhere (the common L0-stack case, no lists built).
+            for i in range(di, len(self._deltas)):
+                x = self._deltas[i]
+                d = x.desc
+                if d.lsn_start < end_lsn and d.key_range.start < hi_key and lo_key < d.key_range.end:
+                    if d.key_range.start <= lo_key and hi_key <= d.key_range.end:
+                        return [(x, d.lsn_start, key_range)], []
+                    break
+        deltas = [
             x
-            for x in self._layers
-            if x.desc.lsn_start < end_lsn and x.desc.key_range.overlaps(key_range)
+            for x in self._deltas
+            if x.desc.lsn_start < end_lsn and x.desc.key_range.start < hi_key and lo_key < x.desc.key_range.end
         ]
-        points = {key_range.start, key_range.end}
-        for x in cands:
+        images = [
+            x
+            for x in self._images
+            if x.desc.lsn_start < end_lsn and x.desc.key_range.start < hi_key and lo_key < x.desc.key_range.end
+        ]
+        points = {lo_key, hi_key}
+        for x in (*deltas, *images):
             kr = x.desc.key_range
-            if key_range.start < kr.start < key_range.end:
+            if lo_key < kr.start < hi_key:
                 points.add(kr.start)
-            if key_range.start < kr.end < key_range.end:
+            if lo_key < kr.end < hi_key:
                 points.add(kr.end)
         bounds = sorted(points)
         found: list[tuple[PersistentLayer, int, KeyRange]] = []
         missing: list[KeyRange] = []
         for lo, hi in itertools.pairwise(bounds):
-            delta, image = self._coverage(Key(lo), end_lsn, cands)
-            hit = select_layer(delta, image, end_lsn)
+            hit = select_layer(
+                self._first_covering(deltas, lo, end_lsn),
+                self._first_covering(images, lo, end_lsn),
+                end_lsn,
+            )
             if hit is None:
                 if missing and missing[-1].end == lo:
                     missing[-1] = KeyRange(missing[-1].start, Key(hi))

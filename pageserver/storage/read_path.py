@@ -13,7 +13,9 @@ pending layer reads keyed by LSN range, highest first). Each step maps the still
 at ``cont_lsn`` to layers (one in-memory layer for all of them, or ``range_search``), merging
 the key spaces of reads of the same layer and range so each layer is read once for all keys
 routed to it; pops the highest read, runs it, and continues below its floor with the keys it
-did not complete. A key leaves the walk at an image, a will_init record, or when the walk's floor
+did not complete. Persistent layers are only *planned* from their indexes (the will_init bit
+says where a key completes); all their blob reads run together after the walk
+(``execute_reads``: one engine call per batch), then values are decoded in walk order. A key leaves the walk at an image, a will_init record, or when the walk's floor
 reaches its cached page (``KeyState.floor_reached``, the #7477 fix). Keys no layer of this
 timeline holds go on to the ancestor, at ``min(lsn, ancestor_lsn) + 1``.
 """
@@ -25,7 +27,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Protocol
 
-from pageserver.storage.delta_layer import PersistentLayer, ReadContext, key_runs
+from pageserver.storage.delta_layer import PersistentLayer, ReadContext, key_runs, read_and_resolve
 from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.key import Key, KeyRange, is_inherited_key, key_hex
 from pageserver.storage.layer_map import LayerMap
@@ -55,7 +57,10 @@ class ReadableTimeline(Protocol):
 
 
 def _first_in_memory(tl: ReadableTimeline, cont_lsn: int) -> InMemoryLayer | None:
-    for layer in tl.in_memory_layers():
+    layers = tl.in_memory_layers()
+    if not layers or layers[-1].start_lsn >= cont_lsn:
+        return None  # the usual case once the walk is below the oldest in-memory layer
+    for layer in layers:
         if layer.start_lsn < cont_lsn:
             return layer
     return None
@@ -160,7 +165,10 @@ async def _walk_timeline(
         if item is None:
             return
         layer, routed, floor, cont = item
-        routed = _pending(routed, states, cont, ctx.any_cached)
+        if ctx.any_cached:
+            # a key sits in one fringe entry at a time, so only a cached page can have
+            # finished it since it was routed here
+            routed = _pending(routed, states, cont, True)
         if routed:
             await layer.get_values_vectored(routed, floor, cont, states, ctx)
         unmapped = routed
@@ -179,6 +187,8 @@ async def get_vectored(
     timeline: ReadableTimeline | None = tl
     cont_lsn = lsn + 1
     ctx.any_cached = any(states[k].cached_lsn >= 0 for k in keys)
+    for key in keys:
+        states[key].pending = []
     pending = sorted({k for k in keys if not states[k].complete})
     while pending and timeline is not None:
         await _walk_timeline(timeline, pending, cont_lsn, states, ctx)
@@ -187,3 +197,5 @@ async def get_vectored(
             break
         cont_lsn = min(cont_lsn, timeline.ancestor_lsn + 1)
         timeline = timeline.ancestor_timeline
+    # The walk only planned the persistent layers' reads: do them all at once, then decode.
+    await read_and_resolve(ctx, (states[k] for k in keys))

@@ -76,9 +76,14 @@ class KeyState:
     ``cached_lsn``/``cached_page`` seed the walk from the materialized page cache: records at
     or below ``cached_lsn`` are not needed, and the key is complete once the walk's floor drops
     to ``cached_lsn + 1`` or below (the rule PR #7477 fixed).
+
+    The vectored walk plans from layer indexes alone and reads blobs afterwards, all at once:
+    it adds *blob slots* (``add_blob``; completeness comes from the index's will_init bit) and
+    decoded values in one newest-first list, which ``resolve`` turns into ``records``/``img``
+    once the blobs are read.
     """
 
-    __slots__ = ("cached_lsn", "cached_page", "complete", "img", "missing", "records")
+    __slots__ = ("cached_lsn", "cached_page", "complete", "img", "missing", "pending", "records")
 
     def __init__(self, cached_lsn: int = -1, cached_page: bytes | None = None) -> None:
         self.records: list[tuple[Lsn, WalRecordValue]] = []
@@ -87,6 +92,8 @@ class KeyState:
         self.missing = False
         self.cached_lsn = cached_lsn
         self.cached_page = cached_page
+        # newest first: decoded values, or ints = slots of blobs still to be read
+        self.pending: list[tuple[Lsn, Image | WalRecordValue | int]] | None = None
 
     def add(self, lsn: Lsn, value: Image | WalRecordValue) -> bool:
         """Take one value, newest first; completes the key at an image or will_init record.
@@ -97,6 +104,10 @@ class KeyState:
             # The walk went past the cached page: it replaces everything at or below it.
             self.complete = True
             return True
+        if self.pending is not None:
+            self.pending.append((lsn, value))
+            self.complete = value.will_init
+            return self.complete
         if isinstance(value, Image):
             self.img = (lsn, value.data)
             self.complete = True
@@ -105,6 +116,28 @@ class KeyState:
             if value.will_init:
                 self.complete = True
         return self.complete
+
+    def add_blob(self, lsn: Lsn, slot: int, will_init: bool) -> bool:
+        """A value still to be read (vectored walk): its place in the order is kept."""
+        if self.complete or self.pending is None:
+            raise AssertionError("blob added to a complete or non-deferring key")
+        self.pending.append((lsn, slot))
+        self.complete = will_init
+        return will_init
+
+    def resolve(self, values: Sequence[Image | WalRecordValue]) -> None:
+        """Replace blob slots by the decoded values (``values[slot]``), fill records/img."""
+        pending, self.pending = self.pending, None
+        if not pending:
+            return
+        for lsn, item in pending:
+            value = values[item] if isinstance(item, int) else item
+            if isinstance(value, Image):
+                self.img = (lsn, value.data)
+                break
+            self.records.append((lsn, value))
+            if value.will_init:
+                break
 
     def floor_reached(self, floor: int) -> None:
         """The walk read everything down to ``floor``: a cached page at or above it finishes."""

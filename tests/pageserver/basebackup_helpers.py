@@ -73,6 +73,9 @@ class DirectorySource:
     async def list_slru_segments(self, kind: int, lsn: Lsn) -> Iterable[int]:
         return [int(p.name, 16) for p in (self.dir / _SLRU[kind]).iterdir()]
 
+    async def get_slru_segment_blocks(self, kind: int, segno: int, lsn: Lsn) -> int:
+        return (self.dir / _SLRU[kind] / f"{segno:04X}").stat().st_size // 8192
+
     async def get_slru_segment(self, kind: int, segno: int, lsn: Lsn) -> bytes:
         return (self.dir / _SLRU[kind] / f"{segno:04X}").read_bytes()
 

@@ -3,12 +3,14 @@ real libpq client (psycopg's ``pq`` layer) over TCP, query parsing, stream-endin
 
 from __future__ import annotations
 
+import time
 
 import psycopg.pq
 import pytest
 import trio
 import trio.testing
 from prometheus_client import CollectorRegistry
+from psycopg.pq.abc import PGconn, PGresult
 
 from common.pgclient import PgClientConnection
 from common.pgserver import PgServer, PgServerConfig
@@ -16,8 +18,8 @@ from compute.page_client import PageClient, PageRequestFailed
 from pageserver.page_service.config import PageServiceConfig, PipelinedPipelining, SerialPipelining
 from pageserver.page_service.handler import (
     OtherCommand,
-    PagestreamCommand,
     PageServiceHandler,
+    PagestreamCommand,
     SetCommand,
     parse_query,
 )
@@ -202,39 +204,82 @@ async def test_server_shutdown_ends_streams(autojump_clock: trio.testing.MockClo
 # A real libpq client over TCP
 
 
+# psycopg's C pq layer keeps the GIL inside blocking libpq calls, which would freeze the trio
+# server running in the main thread; so these drive libpq through its non-blocking API and
+# sleep (releasing the GIL) between polls.
+def _poll_connect(port: int) -> PGconn:
+    conn = psycopg.pq.PGconn.connect_start(
+        f"host=127.0.0.1 port={port} user=test dbname=x sslmode=disable gssencmode=disable".encode()
+    )
+    deadline = time.monotonic() + 10
+    while (status := conn.connect_poll()) != psycopg.pq.PollingStatus.OK:
+        assert status != psycopg.pq.PollingStatus.FAILED, conn.get_error_message()
+        assert time.monotonic() < deadline, "libpq connect timed out"
+        time.sleep(0.002)
+    conn.nonblocking = 1
+    return conn
+
+
+def _poll_result(conn: PGconn) -> PGresult:
+    deadline = time.monotonic() + 10
+    while True:
+        conn.consume_input()
+        if not conn.is_busy():
+            result = conn.get_result()
+            assert result is not None
+            return result
+        assert time.monotonic() < deadline, "libpq query timed out"
+        time.sleep(0.002)
+
+
+def _poll_copy_data(conn: PGconn) -> tuple[int, bytes]:
+    deadline = time.monotonic() + 10
+    while True:
+        conn.consume_input()
+        n, data = conn.get_copy_data(1)
+        if n != 0:
+            return n, bytes(data)
+        assert time.monotonic() < deadline, "libpq get_copy_data timed out"
+        time.sleep(0.002)
+
+
+def _put(conn: PGconn, payload: bytes) -> None:
+    while conn.put_copy_data(payload) == 0:
+        time.sleep(0.002)
+    while conn.flush() != 0:
+        time.sleep(0.002)
+
+
 def _libpq_session(port: int, version: int) -> list[bytes]:
-    """psycopg's pq layer (libpq itself): open pagestream, pipeline 3 GetPages, read them."""
-    conn = psycopg.pq.PGconn.connect(f"host=127.0.0.1 port={port} user=test dbname=x".encode())
+    """libpq itself (psycopg's pq layer): open pagestream, pipeline 3 GetPages, read them."""
+    conn = _poll_connect(port)
     try:
-        assert conn.status == psycopg.pq.ConnStatus.OK, conn.get_error_message()
-        res = conn.exec_(f"pagestream_v{version} {TENANT.hex} {TIMELINE.hex}".encode())
+        conn.send_query(f"pagestream_v{version} {TENANT.hex} {TIMELINE.hex}".encode())
+        res = _poll_result(conn)
         assert res.status == psycopg.pq.ExecStatus.COPY_BOTH, res.error_message
         reqid = 0 if version == 2 else 1
         for blk in (0, 1, 2):
             req = GetPageRequest(reqid, MAX, Lsn(0), REL, blk)
-            assert conn.put_copy_data(encode_request(req, version)) == 1  # type: ignore[arg-type]
-        assert conn.flush() == 0
+            _put(conn, encode_request(req, version))  # type: ignore[arg-type]
         out = []
         for _ in range(3):
-            n, data = conn.get_copy_data(0)
+            n, data = _poll_copy_data(conn)
             assert n > 0, conn.get_error_message()
-            out.append(bytes(data))
+            out.append(data)
         return out
     finally:
         conn.finish()
 
 
 def _libpq_garbage(port: int) -> bytes:
-    conn = psycopg.pq.PGconn.connect(f"host=127.0.0.1 port={port} user=test dbname=x".encode())
+    conn = _poll_connect(port)
     try:
-        res = conn.exec_(f"pagestream_v3 {TENANT.hex} {TIMELINE.hex}".encode())
-        assert res.status == psycopg.pq.ExecStatus.COPY_BOTH
-        conn.put_copy_data(b"\xff\x00\x01")
-        conn.flush()
-        n, _ = conn.get_copy_data(0)
+        conn.send_query(f"pagestream_v3 {TENANT.hex} {TIMELINE.hex}".encode())
+        assert _poll_result(conn).status == psycopg.pq.ExecStatus.COPY_BOTH
+        _put(conn, b"\xff\x00\x01")
+        n, _ = _poll_copy_data(conn)
         assert n == -1  # the server ended COPY with an error
-        result = conn.get_result()
-        assert result is not None
+        result = _poll_result(conn)
         return result.error_field(psycopg.pq.DiagnosticField.SQLSTATE) or b""
     finally:
         conn.finish()
@@ -266,7 +311,7 @@ async def test_hostile_connections_do_not_disturb_others() -> None:
         async with trio.open_nursery() as nursery:
             good = await connect_memory(server, nursery)
             client = await PageClient.start(good, TENANT, TIMELINE)
-            for garbage in (b"\x02" + b"\x00" * 5, b"\x63", b"\x00" * 50):
+            for garbage in (b"\x02" + b"\x00" * 5, b"\x63", b"\x00" * 10):
                 bad = await connect_memory(server, nursery)
                 bad_client = await PageClient.start(bad, TENANT, TIMELINE)
                 await bad_client.copy.send(garbage)

@@ -245,8 +245,8 @@ async def test_uniform_lsn_breaks_on_lsn_change(autojump_clock: trio.testing.Moc
 
 async def test_scattered_lsn_mixes_lsns_but_not_per_page(autojump_clock: trio.testing.MockClock) -> None:
     tl = make_timeline(read_delay_s=0.001)
-    # blocks repeat with different LSNs: 0..7 at latest, then 0..7 at 0x200, ...
-    requests = [gp(i % 8, lsn=MAX if (i // 8) % 2 else 0x200, reqid=i) for i in range(64)]
+    # LSNs alternate request by request; every 16 requests a block comes back at the other LSN
+    requests = [gp(i % 16, lsn=MAX if (i + i // 16) % 2 else 0x200, reqid=i) for i in range(64)]
     outcome, raw = await run_stream(ctx_for(tl, pipelined(32, "scattered-lsn")), [frame_requests(requests, 3)])
     assert outcome is StreamEnd.TERMINATE
     assert any(len({r.lsn for r in call}) > 1 for call in tl.get_pages_calls)

@@ -210,3 +210,31 @@ async def test_double_buffered_timeline_in_a_nursery(tmp_path: Path) -> None:
         assert got[k(49)] == bytes([399 % 256]) * 500
         assert got[k(0)] == bytes([350 % 256]) * 500
         await tenant.shutdown()
+
+
+async def test_background_jobs_flush_old_layers_compact_and_gc(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = StorageConfig(validate_get=True, double_buffering=False, checkpoint_timeout_s=60,
+                        compaction_period_s=20, compaction_threshold=2, gc_period_s=100,
+                        gc_horizon=0, pitr_interval_s=0, image_creation_threshold=1)
+    tenant = Tenant(tmp_path, TenantId.generate(), cfg)
+    tl = await tenant.create_timeline(TimelineId.generate())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(tenant.run_background_jobs)
+        for round_ in range(3):
+            await _write(tl, 10 + round_, k(round_), Image(b"r%d" % round_))
+            # the open layer's clock is time.monotonic, not trio's: backdate it
+            assert tl.open_layer is not None
+            tl.open_layer.opened_at -= 3600
+            await trio.sleep(21)
+            assert not tl.in_memory_layers()
+            assert tl.disk_consistent_lsn == 10 + round_
+        # compacted once two L0s waited; the third is alone below the threshold
+        assert len(tl.layer_map.l0_layers()) == 1
+        assert any(x.desc.is_delta and not x.desc.is_l0 for x in tl.layer_map)
+        await trio.sleep(100)
+        assert tl.latest_gc_cutoff_lsn == 12
+        nursery.cancel_scope.cancel()
+    assert await tl.get_vectored([k(0), k(1), k(2)], Lsn(12)) == {k(0): b"r0", k(1): b"r1", k(2): b"r2"}
+    await tenant.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -257,6 +258,7 @@ class AcceptorMachine(RuleBasedStateMachine):
         if self.acc.term == term and any(isinstance(e, TruncateWal) for e in effects):
             self.elected_term = term
             if start < self.acked[1]:
+                event("election truncated acknowledged WAL")
                 assert term > self.acked[0], "acknowledged WAL truncated by the same term"
 
     @precondition(lambda self: self.elected_term is not None)
@@ -315,3 +317,9 @@ class AcceptorMachine(RuleBasedStateMachine):
 
 
 TestAcceptorMachine = AcceptorMachine.TestCase
+
+
+def test_append_before_any_election_is_an_error() -> None:
+    acc = new_acceptor()
+    with pytest.raises(AcceptorError, match="before any ProposerElected"):
+        append(acc, 0, START, 16)

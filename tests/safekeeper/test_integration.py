@@ -13,6 +13,7 @@ import trio
 from compute.postgres import pg_binary
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import WAL_SEGMENT_SIZE, Lsn, format_lsn, parse_lsn, segment_file_name
+from protocol.pgwire.errors import PgError
 from safekeeper.testing import SafekeeperProcess, TestProposer, synthetic_wal
 from tests.safekeeper.conftest import RealWal
 
@@ -156,3 +157,27 @@ async def test_kill9_keeps_acknowledged_wal(pg_tmp_path: Path) -> None:
         assert sk.stop() == 0
     finally:
         sk.kill()
+
+
+async def test_hostile_bytes_end_only_their_connection(sk: SafekeeperProcess) -> None:
+    start = Lsn(SEG)
+    wal = synthetic_wal(start, 64 * 1024)
+    with trio.fail_after(60):
+        async with await TestProposer.connect("127.0.0.1", sk.pg_port, TENANT, TIMELINE) as p:
+            await p.greet()
+            await p.elect(start)
+            end = await p.append_many(start, [wal])
+            await p.wait_flush(end)
+            for hostile in (b"\xff garbage", b"a" + bytes(10)):
+                async with await TestProposer.connect(
+                    "127.0.0.1", sk.pg_port, TENANT, TIMELINE
+                ) as bad:
+                    await bad.greet()
+                    await bad.copy.send(hostile)
+                    with pytest.raises(PgError) as info:
+                        await bad.receive()
+                    assert info.value.sqlstate == "XX000"
+            more = synthetic_wal(end, 8192)
+            end2 = await p.append_many(end, [more])
+            assert (await p.wait_flush(end2)).flush_lsn == end2
+    assert parse_lsn(sk.timeline_status(TENANT, TIMELINE)["flush_lsn"]) == end2

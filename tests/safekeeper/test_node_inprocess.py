@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,7 +16,7 @@ from protocol.ids import TenantId, TimelineId
 from protocol.lsn import WAL_SEGMENT_SIZE, Lsn, format_lsn
 from protocol.pgwire.errors import PgError
 from protocol.replication import XLogData, decode_server_copy_data
-from protocol.safekeeper import AppendResponse
+from protocol.safekeeper import AppendResponse, ProposerGreeting
 from safekeeper.config import SafekeeperConfig
 from safekeeper.node import SafekeeperNode
 from safekeeper.testing import TestProposer, synthetic_wal
@@ -80,6 +83,12 @@ async def test_push_and_stream_back(node: SafekeeperNode, version: int) -> None:
                     got += msg.data
             assert bytes(got) == wal[: end - start]
             await conn.finish_copy()
+            for lsn, error in [(Lsn(end + 8), "ahead of the WAL flush"), (Lsn(8), "removed")]:
+                with pytest.raises(PgError, match=error):
+                    await conn.copy_both(f"START_REPLICATION {format_lsn(lsn)} TIMELINE 1")
+            (row,) = await conn.query("TIMELINE_STATUS")
+            assert row == (format_lsn(end), format_lsn(end))
+            assert await conn.query("SHOW wal_segment_size") == [("16MB",)]
 
 
 async def test_hostile_bytes_end_only_that_connection(node: SafekeeperNode) -> None:
@@ -115,3 +124,77 @@ async def test_hostile_bytes_end_only_that_connection(node: SafekeeperNode) -> N
             end2 = await p.append_many(end, [more])
             resp = await p.wait_flush(end2)
             assert resp.flush_lsn == end2
+
+
+async def http_get(port: int, path: str) -> tuple[int, bytes]:
+    def get() -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    return await trio.to_thread.run_sync(get)
+
+
+@pytest.mark.parametrize("max_write_bytes", [0, 1 << 20])
+async def test_coalescing_one_response_per_group(tmp_path: Path, max_write_bytes: int) -> None:
+    cfg = SafekeeperConfig(
+        data_dir=str(tmp_path / "sk"), listen_pg="127.0.0.1:0", listen_http="127.0.0.1:0",
+        no_sync=True, max_write_bytes=max_write_bytes,
+    )
+    sk = SafekeeperNode(cfg)
+    start = Lsn(WAL_SEGMENT_SIZE)
+    wal = synthetic_wal(start, 2 << 20, record_size=1000)
+    chunks = [wal[i : i + 1024] for i in range(0, len(wal), 1024)]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sk.run)
+            async with await proposer(sk) as p:
+                await p.greet()
+                await p.elect(start)
+                end = await p.append_many(start, chunks)
+                responses = 0
+                while True:
+                    reply = await p.receive()
+                    assert isinstance(reply, AppendResponse)
+                    responses += 1
+                    if reply.flush_lsn == end:
+                        break
+            assert sk.http_port is not None
+            code, body = await http_get(sk.http_port, f"/v1/tenant/{TENANT}/timeline/{TIMELINE}")
+            assert code == 200
+            status = json.loads(body)
+            assert status["flush_lsn"] == format_lsn(end)
+            assert status["write_messages"] == len(chunks) + 3  # + greeting, vote, elected
+            if max_write_bytes == 0:
+                assert status["write_groups"] == len(chunks)
+                assert responses == len(chunks)
+            else:
+                # All 2048 messages were queued at once: a handful of ~1 MiB groups.
+                assert status["write_groups"] <= len(chunks) // 100
+                assert responses == status["write_groups"]
+            code, metrics = await http_get(sk.http_port, "/metrics")
+            assert code == 200
+            assert b"safekeeper_write_group_messages_bucket" in metrics
+            assert b"safekeeper_flush_lsn{" in metrics
+            code, body = await http_get(sk.http_port, f"/v1/tenant/{'0' * 32}/timeline/{TIMELINE}")
+            assert code == 404 and b"not found" in body
+            sk.stop()
+
+
+async def test_greeting_checks_and_no_creation(node: SafekeeperNode) -> None:
+    with trio.fail_after(30):
+        # The greeting must name the connection's timeline.
+        async with await proposer(node) as p:
+            p.timeline_id = TimelineId(bytes(16))
+            await p.send(
+                ProposerGreeting(TENANT, TimelineId(bytes(16)), 150000, 1, WAL_SEGMENT_SIZE)
+            )
+            with pytest.raises(PgError, match="on a connection for"):
+                await p.receive()
+        # allow_timeline_creation=false on an unknown timeline: the stream just ends.
+        async with await proposer(node, allow_timeline_creation=False) as p:
+            await p.send(ProposerGreeting(TENANT, TIMELINE, 150000, 1, WAL_SEGMENT_SIZE))
+            assert await p.copy.receive() is None
+        assert node.timelines == {}

@@ -11,6 +11,7 @@ import pytest
 
 from compute.postgres import pg_binary
 from protocol.lsn import WAL_SEGMENT_SIZE, Lsn, format_lsn, segment_file_name
+from protocol.wal.reader import WalStreamDecoder
 from safekeeper.record_tracker import InvalidWal, RecordTracker
 from safekeeper.wal_storage import WalStorage, WalStorageError
 from tests.safekeeper.conftest import RealWal
@@ -152,3 +153,19 @@ def test_first_segment_mid_segment_is_readable_by_pg_waldump(
         [pg_binary("pg_waldump"), str(view / name)], capture_output=True, check=False
     )
     assert whole.stdout.decode() == out
+
+
+def test_tracker_agrees_with_the_wal_decoder(real_wal: RealWal) -> None:
+    """The oracle: protocol.wal's full record decoder finds the same record ends."""
+    decoder = WalStreamDecoder(real_wal.start)
+    decoder.feed(real_wal.data)
+    decoded_ends = [rec.end_lsn for rec in decoder.records()]
+    tracker = RecordTracker(real_wal.start)
+    tracker_ends = []
+    for chunk in _chunks(real_wal.data, 11, 5000):
+        before = tracker.record_end
+        if tracker.feed(chunk) != before:
+            tracker_ends.append(tracker.record_end)
+    assert decoder.finish().lsn == tracker.record_end == real_wal.end
+    # The tracker reports the latest end per chunk: each must be one of the decoder's.
+    assert set(tracker_ends) <= set(decoded_ends)

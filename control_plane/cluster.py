@@ -1,0 +1,286 @@
+"""Starting, stopping and inspecting the storage nodes of a local cluster, and the tenant and
+timeline operations the CLI runs against the pageserver's HTTP API.
+
+Everything here is synchronous: the CLI is a short-lived process that talks HTTP and spawns
+processes; the nodes themselves are the trio programs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from control_plane import process
+from control_plane.http_client import ApiError, get_json, post_json, request_json
+from control_plane.local_env import LocalEnv, LocalEnvError
+
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 15.0
+
+
+class ClusterError(Exception):
+    """A cluster operation failed; the message names the node or the call."""
+
+
+def _pid_path(node_dir: Path) -> Path:
+    return node_dir / "pid"
+
+
+def _node_cmd(env: LocalEnv, name: str) -> tuple[list[str], str]:
+    if name == "pageserver":
+        return process.cli_command("pageserver", "-c", str(env.pageserver_config_path)), env.pageserver_http
+    sk_id = int(name.removeprefix("safekeeper_"))
+    return (
+        process.cli_command("safekeeper", "-c", str(env.safekeeper_config_path(sk_id))),
+        env.safekeeper_http(sk_id),
+    )
+
+
+def start(env: LocalEnv, *, log: Any = print) -> None:
+    """Start every node that is not running; wait until each one's HTTP port answers."""
+    # Safekeepers first: the pageserver's WAL receivers connect to them right away.
+    order = [n for n in env.node_dirs() if n[0] != "pageserver"] + [n for n in env.node_dirs() if n[0] == "pageserver"]
+    for name, node_dir in order:
+        cmd, http = _node_cmd(env, name)
+        pid = process.running_pid(_pid_path(node_dir))
+        if pid is not None:
+            log(f"{name} is already running (pid {pid})")
+            continue
+        stdout = node_dir / "stdout.log"
+        pid = process.spawn(cmd, log_path=stdout, pid_path=_pid_path(node_dir))
+        try:
+            process.wait_until(f"starting {name}", process.http_answers(f"{http}/v1/status"),
+                               timeout=START_TIMEOUT_S, pid=pid, log_path=stdout)
+        except process.ProcessError as exc:
+            raise ClusterError(str(exc)) from None
+        log(f"started {name} (pid {pid}, HTTP {http})")
+
+
+def stop(env: LocalEnv, *, immediate: bool = False, log: Any = print) -> None:
+    """Stop endpoints, then the pageserver, then the safekeepers (SIGTERM, SIGKILL later)."""
+    from control_plane import endpoint
+
+    for ep in endpoint.list_endpoints(env):
+        if ep.running():
+            endpoint.stop_endpoint(env, ep.name, log=log)
+    for name, node_dir in env.node_dirs():
+        pid = process.read_pid(_pid_path(node_dir))
+        if pid is None or not process.is_alive(pid):
+            log(f"{name} is not running")
+            continue
+        how = process.stop_pid(pid, timeout=0.5 if immediate else STOP_TIMEOUT_S, what=name)
+        log(f"{name} (pid {pid}) {how}")
+
+
+def require_running(env: LocalEnv) -> None:
+    down = [name for name, d in env.node_dirs() if process.running_pid(_pid_path(d)) is None]
+    if down:
+        raise ClusterError(f"not running: {', '.join(down)}; run `pagestore start` first")
+
+
+# -- status -----------------------------------------------------------------------------------
+
+
+def _try_get(url: str) -> tuple[Any, str | None]:
+    try:
+        return get_json(url, timeout=5.0), None
+    except ApiError as exc:
+        return None, str(exc)
+    except OSError as exc:
+        return None, f"{url}: {exc}"
+
+
+def status(env: LocalEnv) -> dict[str, Any]:
+    """Nodes (pid, ports, up), timelines (pageserver and safekeeper LSNs), endpoints."""
+    from control_plane import endpoint
+
+    nodes: list[dict[str, Any]] = []
+    for name, node_dir in env.node_dirs():
+        pid = process.running_pid(_pid_path(node_dir))
+        if name == "pageserver":
+            ports = env.config.pageserver
+            http = env.pageserver_http
+        else:
+            sk_id = int(name.removeprefix("safekeeper_"))
+            ports = env.safekeeper_ports(sk_id)
+            http = env.safekeeper_http(sk_id)
+        answer, error = _try_get(f"{http}/v1/status") if pid is not None else (None, None)
+        nodes.append({
+            "name": name, "pid": pid, "running": pid is not None, "pg_port": ports.pg,
+            "http_port": ports.http, "http_ok": answer is not None, "error": error,
+        })
+
+    sk_timelines: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
+    for sk_id in env.safekeeper_ids:
+        if not nodes[sk_id]["http_ok"]:
+            continue
+        answer, _ = _try_get(f"{env.safekeeper_http(sk_id)}/v1/timelines")
+        for tl in answer or []:
+            key = (tl["tenant_id"], tl["timeline_id"])
+            sk_timelines.setdefault(key, {})[f"safekeeper_{sk_id}"] = {
+                "flush_lsn": tl["flush_lsn"], "commit_lsn": tl["commit_lsn"],
+            }
+
+    timelines: list[dict[str, Any]] = []
+    if nodes[0]["http_ok"]:
+        tenants, _ = _try_get(f"{env.pageserver_http}/v1/tenant")
+        for tenant in tenants or []:
+            infos, _ = _try_get(f"{env.pageserver_http}/v1/tenant/{tenant['id']}/timeline")
+            for info in infos or []:
+                key = (info["tenant_id"], info["timeline_id"])
+                timelines.append({
+                    "tenant_id": info["tenant_id"],
+                    "timeline_id": info["timeline_id"],
+                    "branch": env.branch_of_timeline(info["tenant_id"], info["timeline_id"]),
+                    "ancestor_timeline_id": info.get("ancestor_timeline_id"),
+                    "ancestor_lsn": info.get("ancestor_lsn"),
+                    "last_record_lsn": info["last_record_lsn"],
+                    "disk_consistent_lsn": info["disk_consistent_lsn"],
+                    "wal_receiver_error": info.get("wal_receiver_error"),
+                    "safekeepers": sk_timelines.pop(key, {}),
+                })
+    # Timelines only the safekeepers know (the pageserver is down, say).
+    for (tenant_id, timeline_id), sks in sorted(sk_timelines.items()):
+        timelines.append({
+            "tenant_id": tenant_id, "timeline_id": timeline_id,
+            "branch": env.branch_of_timeline(tenant_id, timeline_id),
+            "ancestor_timeline_id": None, "ancestor_lsn": None, "last_record_lsn": None,
+            "disk_consistent_lsn": None, "wal_receiver_error": None, "safekeepers": sks,
+        })
+    return {
+        "workdir": str(env.workdir),
+        "nodes": nodes,
+        "timelines": timelines,
+        "endpoints": [ep.describe() for ep in endpoint.list_endpoints(env)],
+    }
+
+
+# -- tenants and timelines --------------------------------------------------------------------
+
+
+def create_tenant(env: LocalEnv, tenant_id: str | None, timeline_id: str | None,
+                  *, set_default: bool = False) -> dict[str, Any]:
+    """A tenant with its first timeline bootstrapped (initdb), named branch ``main``."""
+    require_running(env)
+    try:
+        answer = post_json(f"{env.pageserver_http}/v1/tenant", {"tenant_id": tenant_id} if tenant_id else {})
+        tenant = str(answer["tenant_id"])
+        info = post_json(
+            f"{env.pageserver_http}/v1/tenant/{tenant}/timeline",
+            {"new_timeline_id": timeline_id} if timeline_id else {},
+        )
+    except (ApiError, OSError) as exc:
+        raise ClusterError(f"creating the tenant: {exc}") from None
+    env.add_branch(tenant, "main", str(info["timeline_id"]), make_default=set_default)
+    return {"tenant_id": tenant, "timeline_id": info["timeline_id"], "branch": "main",
+            "last_record_lsn": info["last_record_lsn"]}
+
+
+def list_tenants(env: LocalEnv) -> list[dict[str, Any]]:
+    require_running(env)
+    try:
+        tenants = get_json(f"{env.pageserver_http}/v1/tenant")
+    except (ApiError, OSError) as exc:
+        raise ClusterError(f"listing tenants: {exc}") from None
+    default = env.default_tenant()
+    return [{"tenant_id": t["id"], "timelines": t["timelines"], "default": t["id"] == default}
+            for t in tenants]
+
+
+def timeline_info(env: LocalEnv, tenant_id: str, timeline_id: str) -> dict[str, Any]:
+    try:
+        info: dict[str, Any] = get_json(f"{env.pageserver_http}/v1/tenant/{tenant_id}/timeline/{timeline_id}")
+    except (ApiError, OSError) as exc:
+        raise ClusterError(f"timeline {tenant_id}/{timeline_id}: {exc}") from None
+    return info
+
+
+def branch(env: LocalEnv, tenant_id: str | None, name: str, ancestor: str,
+           ancestor_lsn: str | None) -> dict[str, Any]:
+    require_running(env)
+    tenant = env.resolve_tenant(tenant_id)
+    if name in env.branches(tenant):
+        raise LocalEnvError(f"branch {name!r} already exists in tenant {tenant}")
+    ancestor_tl = env.timeline_of_branch(tenant, ancestor)
+    body: dict[str, str] = {"ancestor_timeline_id": ancestor_tl}
+    if ancestor_lsn:
+        body["ancestor_start_lsn"] = ancestor_lsn
+    try:
+        info = post_json(f"{env.pageserver_http}/v1/tenant/{tenant}/timeline", body)
+    except (ApiError, OSError) as exc:
+        raise ClusterError(f"branching {name!r} from {ancestor!r}: {exc}") from None
+    env.add_branch(tenant, name, str(info["timeline_id"]))
+    return {"tenant_id": tenant, "timeline_id": info["timeline_id"], "branch": name,
+            "ancestor_branch": ancestor, "ancestor_lsn": info.get("ancestor_lsn"),
+            "last_record_lsn": info["last_record_lsn"]}
+
+
+def list_timelines(env: LocalEnv, tenant_id: str | None) -> list[dict[str, Any]]:
+    require_running(env)
+    tenant = env.resolve_tenant(tenant_id)
+    try:
+        infos = get_json(f"{env.pageserver_http}/v1/tenant/{tenant}/timeline")
+    except (ApiError, OSError) as exc:
+        raise ClusterError(f"listing timelines of {tenant}: {exc}") from None
+    out = []
+    for info in infos:
+        out.append({
+            "tenant_id": tenant, "timeline_id": info["timeline_id"],
+            "branch": env.branch_of_timeline(tenant, info["timeline_id"]),
+            "ancestor_timeline_id": info.get("ancestor_timeline_id"),
+            "ancestor_lsn": info.get("ancestor_lsn"),
+            "last_record_lsn": info["last_record_lsn"],
+            "disk_consistent_lsn": info["disk_consistent_lsn"],
+        })
+    return out
+
+
+def import_timeline(env: LocalEnv, tenant_id: str | None, name: str, *, pgdata: Path | None,
+                    tar: Path | None, timeline_id: str | None) -> dict[str, Any]:
+    """A new timeline from a stopped PostgreSQL 15 data directory or a tar of one."""
+    require_running(env)
+    tenant = env.resolve_tenant(tenant_id)
+    if name in env.branches(tenant):
+        raise LocalEnvError(f"branch {name!r} already exists in tenant {tenant}")
+    source = pgdata if pgdata is not None else tar
+    assert source is not None
+    if not source.exists():
+        raise LocalEnvError(f"{source} does not exist")
+    body: dict[str, str] = {"source": str(source.absolute())}
+    if timeline_id:
+        body["new_timeline_id"] = timeline_id
+    try:
+        info = request_json("POST", f"{env.pageserver_http}/v1/tenant/{tenant}/timeline/import", body,
+                            timeout=3600)
+    except ApiError as exc:
+        if exc.status == 404 and "timeline/import" in str(exc) and "not found" in exc.msg.lower():
+            raise ClusterError(
+                "the pageserver has no import route (POST /v1/tenant/{t}/timeline/import): "
+                f"timeline import is not available in this build ({exc.msg})"
+            ) from None
+        raise ClusterError(f"importing {source}: {exc}") from None
+    except OSError as exc:
+        raise ClusterError(f"importing {source}: {exc}") from None
+    env.add_branch(tenant, name, str(info["timeline_id"]))
+    return {"tenant_id": tenant, "timeline_id": info["timeline_id"], "branch": name,
+            "last_record_lsn": info["last_record_lsn"]}
+
+
+def wait_for_lsn(env: LocalEnv, tenant_id: str, timeline_id: str, lsn: int, *,
+                 timeout: float = 60.0) -> dict[str, Any]:
+    """Wait until the pageserver has ingested WAL up to ``lsn`` on the timeline."""
+    from protocol.lsn import format_lsn, parse_lsn
+
+    deadline = time.monotonic() + timeout
+    while True:
+        info = timeline_info(env, tenant_id, timeline_id)
+        if parse_lsn(info["last_record_lsn"]) >= lsn:
+            return info
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"the pageserver's timeline {timeline_id} is at {info['last_record_lsn']} after "
+                f"{timeout:.0f} s, waiting for {format_lsn(lsn)} (WAL receiver error: "
+                f"{info.get('wal_receiver_error')})"
+            )
+        time.sleep(0.1)

@@ -1,0 +1,46 @@
+"""``pagestore init``: write a cluster directory for one pageserver and N safekeepers."""
+
+from __future__ import annotations
+
+import argparse
+
+from control_plane.cmd_common import add_json, add_workdir, emit, guarded, workdir_of
+from control_plane.local_env import LocalEnv, plan_ports
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_workdir(parser)
+    parser.add_argument("--safekeepers", type=int, default=3, help="number of safekeepers (default 3)")
+    ports = parser.add_mutually_exclusive_group()
+    ports.add_argument("--port-offset", type=int, default=0,
+                       help="add N to every default port (pageserver 64000/9898, safekeeper i "
+                            "5453+i/7675+i, endpoint i 55431+i)")
+    ports.add_argument("--free-ports", action="store_true",
+                       help="let the OS pick free ports for every node and endpoint (tests)")
+    parser.add_argument("--no-sync", action="store_true",
+                        help="safekeepers skip fsync (tests on slow disks; commits are not durable)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing pagestore.toml")
+    add_json(parser)
+
+
+@guarded
+def run(args: argparse.Namespace) -> int:
+    import attrs
+
+    cfg = plan_ports(args.safekeepers, port_offset=args.port_offset, free_ports=args.free_ports)
+    if args.no_sync:
+        cfg = attrs.evolve(cfg, safekeeper_no_sync=True)
+    env = LocalEnv.create(workdir_of(args), cfg, force=args.force)
+    data = {
+        "workdir": str(env.workdir),
+        "pageserver": {"pg_port": cfg.pageserver.pg, "http_port": cfg.pageserver.http,
+                       "config": str(env.pageserver_config_path)},
+        "safekeepers": [
+            {"id": i, "pg_port": env.safekeeper_ports(i).pg, "http_port": env.safekeeper_ports(i).http,
+             "config": str(env.safekeeper_config_path(i))}
+            for i in env.safekeeper_ids
+        ],
+    }
+    emit(args, data, lambda d: f"initialized {d['workdir']}: pageserver (libpq {cfg.pageserver.pg}, "
+         f"HTTP {cfg.pageserver.http}) and {len(cfg.safekeepers)} safekeepers; next: pagestore start")
+    return 0

@@ -1,0 +1,351 @@
+"""Endpoints: vanilla PostgreSQL 15 computes booted from the pageserver's basebackup.
+
+``start_endpoint`` fetches ``basebackup <tenant> <timeline> <lsn>`` from the pageserver's libpq
+port, untars it into ``endpoints/<name>/pgdata`` (owned by postgres), configures it and starts
+PostgreSQL as the postgres user (``compute.postgres``). A primary endpoint (no ``--lsn``) gets
+``synchronous_standby_names = 'walproposer'`` and the walproposer bridge beside it, pushing its WAL
+to the safekeepers: a commit returns only once a quorum of safekeepers has it. A read-only
+endpoint (``--lsn``) is a snapshot of the branch at that LSN: no bridge, and every transaction
+read-only by default; what it writes anyway stays in its own data directory.
+
+Where a primary starts: at the pageserver's ``last_record_lsn`` of the timeline, after waiting
+until the pageserver has every record the safekeepers hold. The compute's WAL then continues
+exactly where the timeline's WAL ends (the bridge's ``--start-lsn`` for a fresh timeline; the
+election decides for a timeline the safekeepers already know).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+import trio
+
+from common import pgclient
+from compute import postgres
+from control_plane import cluster, process
+from control_plane.http_client import ApiError, get_json
+from control_plane.local_env import LocalEnv, LocalEnvError
+from protocol.lsn import Lsn, format_lsn, parse_lsn
+
+BRIDGE_START_TIMEOUT_S = 60.0
+
+
+class EndpointError(Exception):
+    """An endpoint could not be started or stopped; the message names the step."""
+
+
+@attrs.frozen(kw_only=True)
+class EndpointSpec:
+    """``endpoint.json``: what an endpoint is (its directory holds the rest)."""
+
+    name: str
+    tenant_id: str
+    timeline_id: str
+    branch: str | None
+    port: int
+    # The LSN of the basebackup it booted from; for a read-only endpoint also what it shows.
+    basebackup_lsn: str
+    read_only: bool
+
+
+@attrs.define
+class Endpoint:
+    env: LocalEnv
+    spec: EndpointSpec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def dir(self) -> Path:
+        return endpoint_dir(self.env, self.spec.name)
+
+    @property
+    def pgdata(self) -> Path:
+        return self.dir / "pgdata"
+
+    @property
+    def bridge_pid_path(self) -> Path:
+        return self.dir / "bridge.pid"
+
+    @property
+    def bridge_status_path(self) -> Path:
+        return self.dir / "bridge-status.json"
+
+    @property
+    def bridge_log(self) -> Path:
+        return self.dir / "bridge.log"
+
+    def instance(self) -> postgres.PostgresInstance:
+        return postgres.PostgresInstance(datadir=self.pgdata, port=self.spec.port, started=True)
+
+    def pg_pid(self) -> int | None:
+        try:
+            pid = int((self.pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
+        return pid if process.is_alive(pid) else None
+
+    def running(self) -> bool:
+        return self.pg_pid() is not None
+
+    def bridge_status(self) -> dict[str, Any] | None:
+        try:
+            data = json.loads(self.bridge_status_path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def describe(self) -> dict[str, Any]:
+        bridge = self.bridge_status()
+        return {
+            **cattrs.unstructure(self.spec),
+            "pg_pid": self.pg_pid(),
+            "running": self.running(),
+            "bridge_pid": process.running_pid(self.bridge_pid_path),
+            "bridge_commit_lsn": bridge.get("commit_lsn") if bridge else None,
+            "dsn": f"postgresql://postgres@127.0.0.1:{self.spec.port}/postgres",
+        }
+
+
+def endpoint_dir(env: LocalEnv, name: str) -> Path:
+    if not name or "/" in name or name.startswith("."):
+        raise LocalEnvError(f"bad endpoint name {name!r}")
+    return env.endpoints_dir / name
+
+
+def load_endpoint(env: LocalEnv, name: str) -> Endpoint:
+    path = endpoint_dir(env, name) / "endpoint.json"
+    try:
+        spec = cattrs.structure(json.loads(path.read_text()), EndpointSpec)
+    except FileNotFoundError:
+        raise LocalEnvError(f"no endpoint {name!r} (see `pagestore endpoint list`)") from None
+    except (OSError, ValueError, cattrs.BaseValidationError) as exc:
+        raise LocalEnvError(f"cannot read {path}: {exc}") from None
+    return Endpoint(env, spec)
+
+
+def list_endpoints(env: LocalEnv) -> list[Endpoint]:
+    if not env.endpoints_dir.exists():
+        return []
+    return [load_endpoint(env, d.name) for d in sorted(env.endpoints_dir.iterdir())
+            if (d / "endpoint.json").exists()]
+
+
+def _pick_port(env: LocalEnv, name: str) -> int:
+    if env.config.endpoint_base_port == 0:
+        return postgres.free_port()
+    taken = {ep.spec.port for ep in list_endpoints(env) if ep.name != name}
+    i = 1
+    while env.config.endpoint_base_port + i in taken:
+        i += 1
+    return env.config.endpoint_base_port + i
+
+
+# -- basebackup -----------------------------------------------------------------------------------
+
+
+async def _fetch_basebackup(host: str, port: int, tenant_id: str, timeline_id: str, lsn: Lsn,
+                            out: Path) -> int:
+    # The pageserver may send a whole 16 MiB WAL segment plus its tar header in one CopyData.
+    conn = await pgclient.connect(host, port, user="pagestore", max_message_len=64 << 20)
+    try:
+        copy = await conn.copy_out(f"basebackup {tenant_id} {timeline_id} {format_lsn(lsn)}")
+        size = 0
+        with open(out, "wb") as f:
+            while True:
+                chunk = await copy.receive()
+                if chunk is None:
+                    break
+                f.write(chunk)
+                size += len(chunk)
+        await conn.finish_copy()
+    finally:
+        await conn.aclose()
+    return size
+
+
+def fetch_basebackup(env: LocalEnv, tenant_id: str, timeline_id: str, lsn: Lsn, out: Path) -> int:
+    """Write the pageserver's basebackup tar at ``lsn`` to ``out``; returns its size."""
+    try:
+        return trio.run(_fetch_basebackup, "127.0.0.1", env.config.pageserver.pg, tenant_id,
+                        timeline_id, lsn, out)
+    except Exception as exc:
+        raise EndpointError(f"basebackup {tenant_id} {timeline_id} {format_lsn(lsn)} failed: {exc}") from exc
+
+
+def _untar(tar_path: Path, pgdata: Path) -> None:
+    with tarfile.open(tar_path) as tar:
+        for member in tar.getmembers():
+            target = (pgdata / member.name).resolve()
+            if not (target == pgdata.resolve() or pgdata.resolve() in target.parents):
+                raise EndpointError(f"basebackup member {member.name!r} points outside the data directory")
+        tar.extractall(pgdata, filter="data")
+    postgres.chown_to_postgres(pgdata)
+    os.chmod(pgdata, 0o700)
+
+
+# -- start / stop -------------------------------------------------------------------------------
+
+
+def _safekeeper_flush(env: LocalEnv, tenant_id: str, timeline_id: str) -> Lsn | None:
+    """The highest flush_lsn any reachable safekeeper reports for the timeline."""
+    best: Lsn | None = None
+    for sk_id in env.safekeeper_ids:
+        try:
+            st = get_json(f"{env.safekeeper_http(sk_id)}/v1/tenant/{tenant_id}/timeline/{timeline_id}",
+                          timeout=5.0)
+        except ApiError as exc:
+            if exc.status == 404:
+                continue
+            raise EndpointError(f"safekeeper_{sk_id}: {exc}") from None
+        except OSError:
+            continue  # a safekeeper that is down has nothing the quorum needs beyond the others
+        lsn = parse_lsn(st["flush_lsn"])
+        best = lsn if best is None or lsn > best else best
+    return best
+
+
+def _settings(spec: EndpointSpec) -> dict[str, str]:
+    s = {
+        "listen_addresses": "127.0.0.1",
+        "wal_level": "replica",
+        "max_wal_senders": "10",
+        "max_replication_slots": "10",
+        "wal_keep_size": "256MB",
+        "shared_buffers": "128MB",
+        "fsync": "on",
+        "log_line_prefix": "%m [%p] ",
+    }
+    if spec.read_only:
+        s["default_transaction_read_only"] = "on"
+    else:
+        s["synchronous_standby_names"] = "walproposer"
+        s["synchronous_commit"] = "on"
+    return s
+
+
+def start_endpoint(
+    env: LocalEnv,
+    name: str,
+    *,
+    tenant_id: str | None = None,
+    branch: str = "main",
+    lsn: str | None = None,
+    port: int | None = None,
+    log: Any = print,
+) -> Endpoint:
+    cluster.require_running(env)
+    tenant = env.resolve_tenant(tenant_id)
+    timeline = env.timeline_of_branch(tenant, branch)
+    ep_dir = endpoint_dir(env, name)
+    if (ep_dir / "endpoint.json").exists():
+        existing = load_endpoint(env, name)
+        if existing.running():
+            raise LocalEnvError(f"endpoint {name!r} is already running on port {existing.spec.port}")
+    # A stopped endpoint starts over from a fresh basebackup: its pages live on the pageserver.
+    shutil.rmtree(ep_dir, ignore_errors=True)
+    read_only = lsn is not None
+    if not read_only:
+        for ep in list_endpoints(env):
+            if ep.spec.timeline_id == timeline and not ep.spec.read_only and ep.running():
+                raise LocalEnvError(
+                    f"endpoint {ep.name!r} already writes to branch {branch!r}; one primary per branch "
+                    "(stop it, or start a read-only endpoint with --lsn)"
+                )
+
+    # Where the compute starts.
+    if read_only:
+        assert lsn is not None
+        at = parse_lsn(lsn)
+        info = cluster.timeline_info(env, tenant, timeline)
+        if at > parse_lsn(info["last_record_lsn"]):
+            cluster.wait_for_lsn(env, tenant, timeline, at, timeout=30)
+    else:
+        sk_flush = _safekeeper_flush(env, tenant, timeline)
+        info = cluster.timeline_info(env, tenant, timeline)
+        if sk_flush is not None and sk_flush > parse_lsn(info["last_record_lsn"]):
+            log(f"waiting for the pageserver to ingest the safekeepers' WAL up to {format_lsn(sk_flush)}")
+            info = cluster.wait_for_lsn(env, tenant, timeline, sk_flush, timeout=120)
+        at = parse_lsn(info["last_record_lsn"])
+    if at % 8:
+        raise EndpointError(f"LSN {format_lsn(at)} is not a record boundary (not 8-byte aligned)")
+
+    spec = EndpointSpec(name=name, tenant_id=tenant, timeline_id=timeline, branch=branch,
+                        port=port or _pick_port(env, name), basebackup_lsn=format_lsn(at),
+                        read_only=read_only)
+    ep_dir.mkdir(parents=True)
+    os.chmod(ep_dir, 0o755)
+    ep = Endpoint(env, spec)
+    tar_path = ep_dir / "basebackup.tar"
+    started = time.monotonic()
+    size = fetch_basebackup(env, tenant, timeline, at, tar_path)
+    postgres.make_postgres_dir(ep.pgdata)
+    _untar(tar_path, ep.pgdata)
+    tar_path.unlink()
+    log(f"basebackup of {branch} at {format_lsn(at)}: {size / 1e6:.1f} MB in {time.monotonic() - started:.1f} s")
+    (ep_dir / "endpoint.json").write_text(json.dumps(cattrs.unstructure(spec), indent=2) + "\n")
+
+    pg = postgres.PostgresInstance(datadir=ep.pgdata, port=spec.port, settings=_settings(spec))
+    try:
+        pg.start()
+    except postgres.PostgresError as exc:
+        raise EndpointError(
+            f"PostgreSQL of endpoint {name!r} did not start: {exc}\n--- server.log ---\n"
+            f"{process.tail(ep.pgdata / 'server.log')}"
+        ) from None
+    if not read_only:
+        try:
+            _start_bridge(env, ep, at)
+        except Exception:
+            pg.stop("immediate")
+            raise
+    log(f"endpoint {name} ({'read-only at ' + spec.basebackup_lsn if read_only else 'primary'}) on "
+        f"branch {branch}: postgresql://postgres@127.0.0.1:{spec.port}/postgres")
+    return ep
+
+
+def _start_bridge(env: LocalEnv, ep: Endpoint, start_lsn: Lsn) -> None:
+    ep.bridge_status_path.unlink(missing_ok=True)
+    cmd = process.cli_command(
+        "walproposer", "--pg-port", str(ep.spec.port), "--safekeepers", ",".join(env.safekeeper_pg_addrs),
+        "--tenant-id", ep.spec.tenant_id, "--timeline-id", ep.spec.timeline_id,
+        "--start-lsn", format_lsn(start_lsn), "--status-file", str(ep.bridge_status_path),
+    )
+    pid = process.spawn(cmd, log_path=ep.bridge_log, pid_path=ep.bridge_pid_path)
+
+    def elected() -> bool:
+        st = ep.bridge_status()
+        return bool(st and st.get("elected"))
+
+    try:
+        process.wait_until(f"walproposer bridge of endpoint {ep.name!r} elected by the safekeepers",
+                           elected, timeout=BRIDGE_START_TIMEOUT_S, pid=pid, log_path=ep.bridge_log)
+    except process.ProcessError as exc:
+        process.stop_pid(pid, timeout=2, what="walproposer bridge")
+        raise EndpointError(str(exc)) from None
+
+
+def stop_endpoint(env: LocalEnv, name: str, *, mode: str = "fast", log: Any = print) -> None:
+    """Stop PostgreSQL (its shutdown checkpoint still goes to the safekeepers), then the bridge."""
+    ep = load_endpoint(env, name)
+    if ep.running():
+        ep.instance().stop(mode)
+        if ep.running():
+            raise EndpointError(f"PostgreSQL of endpoint {name!r} did not stop:\n{process.tail(ep.pgdata / 'server.log')}")
+        log(f"stopped PostgreSQL of endpoint {name}")
+    else:
+        log(f"endpoint {name} is not running")
+    pid = process.running_pid(ep.bridge_pid_path)
+    if pid is not None:
+        process.stop_pid(pid, timeout=5, what="walproposer bridge")
+        log(f"stopped the walproposer bridge of endpoint {name}")

@@ -1,0 +1,315 @@
+"""The local cluster directory (``pagestore init``): its layout, its config and its state.
+
+A cluster directory (default ``./.pagestore``, or ``$PAGESTORE_WORKDIR``) holds::
+
+    pagestore.toml             ports of every node (LocalEnvConfig)
+    branches.json              default tenant and branch name -> timeline id, per tenant
+    pageserver/                pageserver.toml, pageserver.log (JSON lines), stdout.log, pid,
+                               tenants/ (the pageserver's own data)
+    safekeeper_<i>/            safekeeper.toml, safekeeper.log, stdout.log, pid, data/
+    endpoints/<name>/          endpoint.json, pgdata/ (owned by postgres), bridge.log, bridge.pid,
+                               bridge-status.json
+
+Node configs hold only what differs per cluster (ids, ports, paths); ``init`` loads each one
+back with the node's own loader (``pageserver.config``, ``safekeeper.config``), so it cannot
+leave a file a node would refuse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import attrs
+import tomli_w
+
+from common.config import ConfigError, dump_config, load_config
+from pageserver.config import PageserverConfig, load_pageserver_config
+from safekeeper.config import SafekeeperConfig
+from safekeeper.config import load_config as load_safekeeper_config
+
+__all__ = [
+    "DEFAULT_ENDPOINT_BASE_PORT",
+    "ConfigError",
+    "LocalEnv",
+    "LocalEnvConfig",
+    "LocalEnvError",
+    "NodePorts",
+    "default_workdir",
+]
+
+DEFAULT_PAGESERVER_PG_PORT = 64000
+DEFAULT_PAGESERVER_HTTP_PORT = 9898
+DEFAULT_SAFEKEEPER_PG_PORT = 5453  # safekeeper i (from 1) listens on 5453 + i
+DEFAULT_SAFEKEEPER_HTTP_PORT = 7675  # ... and 7675 + i
+DEFAULT_ENDPOINT_BASE_PORT = 55431  # endpoint i (from 1) on 55431 + i
+CONFIG_NAME = "pagestore.toml"
+STATE_NAME = "branches.json"
+
+
+class LocalEnvError(Exception):
+    """A cluster-directory problem the user must fix; the message says what."""
+
+
+def default_workdir() -> Path:
+    return Path(os.environ.get("PAGESTORE_WORKDIR", ".pagestore"))
+
+
+@attrs.frozen
+class NodePorts:
+    pg: int
+    http: int
+
+
+@attrs.frozen(kw_only=True)
+class LocalEnvConfig:
+    """``pagestore.toml``: where every node listens. ``endpoint_base_port = 0`` means each
+    endpoint takes a free port from the OS (what tests use)."""
+
+    pageserver: NodePorts
+    safekeepers: list[NodePorts]
+    endpoint_base_port: int = DEFAULT_ENDPOINT_BASE_PORT
+    # Safekeepers skip fsync: for tests on slow disks only; commits are then not durable.
+    safekeeper_no_sync: bool = False
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports the OS considers free now (all sockets held open while picking)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def plan_ports(safekeepers: int, *, port_offset: int = 0, free_ports: bool = False) -> LocalEnvConfig:
+    """Ports of ARCHITECTURE §2 shifted by ``port_offset``, or all picked free by the OS."""
+    if safekeepers < 1:
+        raise LocalEnvError(f"--safekeepers must be at least 1, got {safekeepers}")
+    if free_ports:
+        ports = _free_ports(2 + 2 * safekeepers)
+        return LocalEnvConfig(
+            pageserver=NodePorts(ports[0], ports[1]),
+            safekeepers=[NodePorts(ports[2 + 2 * i], ports[3 + 2 * i]) for i in range(safekeepers)],
+            endpoint_base_port=0,
+        )
+    o = port_offset
+    cfg = LocalEnvConfig(
+        pageserver=NodePorts(DEFAULT_PAGESERVER_PG_PORT + o, DEFAULT_PAGESERVER_HTTP_PORT + o),
+        safekeepers=[
+            NodePorts(DEFAULT_SAFEKEEPER_PG_PORT + i + o, DEFAULT_SAFEKEEPER_HTTP_PORT + i + o)
+            for i in range(1, safekeepers + 1)
+        ],
+        endpoint_base_port=DEFAULT_ENDPOINT_BASE_PORT + o,
+    )
+    for p in [cfg.pageserver.pg, cfg.pageserver.http, *(x for s in cfg.safekeepers for x in (s.pg, s.http))]:
+        if not 0 < p < 65536:
+            raise LocalEnvError(f"port {p} is out of range (check --port-offset)")
+    return cfg
+
+
+@attrs.define
+class LocalEnv:
+    """An initialized cluster directory."""
+
+    workdir: Path
+    config: LocalEnvConfig
+
+    # -- layout ---------------------------------------------------------------------------------
+
+    @property
+    def pageserver_dir(self) -> Path:
+        return self.workdir / "pageserver"
+
+    def safekeeper_dir(self, sk_id: int) -> Path:
+        return self.workdir / f"safekeeper_{sk_id}"
+
+    @property
+    def endpoints_dir(self) -> Path:
+        return self.workdir / "endpoints"
+
+    def node_dirs(self) -> list[tuple[str, Path]]:
+        """(node name, directory) of every storage node, pageserver first."""
+        return [("pageserver", self.pageserver_dir)] + [
+            (f"safekeeper_{i}", self.safekeeper_dir(i)) for i in self.safekeeper_ids
+        ]
+
+    @property
+    def safekeeper_ids(self) -> list[int]:
+        return list(range(1, len(self.config.safekeepers) + 1))
+
+    def safekeeper_ports(self, sk_id: int) -> NodePorts:
+        return self.config.safekeepers[sk_id - 1]
+
+    @property
+    def pageserver_http(self) -> str:
+        return f"http://127.0.0.1:{self.config.pageserver.http}"
+
+    def safekeeper_http(self, sk_id: int) -> str:
+        return f"http://127.0.0.1:{self.safekeeper_ports(sk_id).http}"
+
+    @property
+    def safekeeper_pg_addrs(self) -> list[str]:
+        return [f"127.0.0.1:{p.pg}" for p in self.config.safekeepers]
+
+    # -- create / load ----------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, workdir: Path, config: LocalEnvConfig, *, force: bool = False) -> LocalEnv:
+        workdir = workdir.absolute()
+        if (workdir / CONFIG_NAME).exists() and not force:
+            raise LocalEnvError(f"{workdir} is already a pagestore cluster directory (remove it first)")
+        if config.endpoint_base_port != 0:
+            busy = [
+                p for p in [config.pageserver.pg, config.pageserver.http,
+                            *(x for s in config.safekeepers for x in (s.pg, s.http))]
+                if not _port_free(p)
+            ]
+            if busy:
+                raise LocalEnvError(
+                    f"ports {', '.join(map(str, busy))} are in use; pick others with --port-offset N "
+                    "or --free-ports"
+                )
+        workdir.mkdir(parents=True, exist_ok=True)
+        # The postgres user runs the endpoints below this directory; it must be able to enter it.
+        os.chmod(workdir, 0o755)
+        env = cls(workdir, config)
+        (workdir / CONFIG_NAME).write_text(dump_config(config))
+        env.pageserver_dir.mkdir(exist_ok=True)
+        env.pageserver_config_path.write_text(tomli_w.dumps(env.pageserver_config_table()))
+        for i in env.safekeeper_ids:
+            env.safekeeper_dir(i).mkdir(exist_ok=True)
+            env.safekeeper_config_path(i).write_text(tomli_w.dumps(env.safekeeper_config_table(i)))
+        env.check_node_configs()
+        env.endpoints_dir.mkdir(exist_ok=True)
+        os.chmod(env.endpoints_dir, 0o755)
+        env.save_state({"default_tenant_id": None, "branches": {}})
+        return env
+
+    @classmethod
+    def load(cls, workdir: Path) -> LocalEnv:
+        workdir = workdir.absolute()
+        path = workdir / CONFIG_NAME
+        if not path.exists():
+            raise LocalEnvError(f"{workdir} is not a pagestore cluster directory: run `pagestore init` first")
+        return cls(workdir, load_config(LocalEnvConfig, path))
+
+    # -- node configs -----------------------------------------------------------------------------
+
+    @property
+    def pageserver_config_path(self) -> Path:
+        return self.pageserver_dir / "pageserver.toml"
+
+    def safekeeper_config_path(self, sk_id: int) -> Path:
+        return self.safekeeper_dir(sk_id) / "safekeeper.toml"
+
+    def pageserver_config_table(self) -> dict[str, Any]:
+        """Only what differs per cluster: the node's own defaults stay the node's."""
+        p = self.config.pageserver
+        return {
+            "id": 1,
+            "workdir": str(self.pageserver_dir),
+            "listen_pg_addr": f"127.0.0.1:{p.pg}",
+            "listen_http_addr": f"127.0.0.1:{p.http}",
+            "safekeepers": self.safekeeper_pg_addrs,
+            "log_file": "pageserver.log",
+        }
+
+    def safekeeper_config_table(self, sk_id: int) -> dict[str, Any]:
+        p = self.safekeeper_ports(sk_id)
+        d = self.safekeeper_dir(sk_id)
+        return {
+            "id": sk_id,
+            "data_dir": str(d / "data"),
+            "listen_pg": f"127.0.0.1:{p.pg}",
+            "listen_http": f"127.0.0.1:{p.http}",
+            "no_sync": self.config.safekeeper_no_sync,
+            "log_file": str(d / "safekeeper.log"),
+        }
+
+    def check_node_configs(self) -> tuple[PageserverConfig, list[SafekeeperConfig]]:
+        """Load every node config with the node's own loader (``ConfigError`` names a bad key)."""
+        ps = load_pageserver_config(self.pageserver_config_path)
+        sks = [load_safekeeper_config(self.safekeeper_config_path(i)) for i in self.safekeeper_ids]
+        return ps, sks
+
+    # -- state: tenants and branch names ----------------------------------------------------------
+
+    @property
+    def state_path(self) -> Path:
+        return self.workdir / STATE_NAME
+
+    def load_state(self) -> dict[str, object]:
+        try:
+            data = json.loads(self.state_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise LocalEnvError(f"cannot read {self.state_path}: {exc}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("branches"), dict):
+            raise LocalEnvError(f"{self.state_path} is not a pagestore state file")
+        return data
+
+    def save_state(self, state: dict[str, object]) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, self.state_path)
+
+    def branches(self, tenant_id: str) -> dict[str, str]:
+        branches = self.load_state()["branches"]
+        assert isinstance(branches, dict)
+        found = branches.get(tenant_id, {})
+        assert isinstance(found, dict)
+        return dict(found)
+
+    def default_tenant(self) -> str | None:
+        value = self.load_state().get("default_tenant_id")
+        return value if isinstance(value, str) else None
+
+    def resolve_tenant(self, tenant_id: str | None) -> str:
+        if tenant_id:
+            return tenant_id
+        default = self.default_tenant()
+        if default is None:
+            raise LocalEnvError("no tenant yet: run `pagestore tenant create` first")
+        return default
+
+    def add_branch(self, tenant_id: str, name: str, timeline_id: str, *, make_default: bool = False) -> None:
+        state = self.load_state()
+        branches = state["branches"]
+        assert isinstance(branches, dict)
+        per_tenant = branches.setdefault(tenant_id, {})
+        if name in per_tenant and per_tenant[name] != timeline_id:
+            raise LocalEnvError(f"branch {name!r} already exists for tenant {tenant_id}")
+        per_tenant[name] = timeline_id
+        if make_default or state.get("default_tenant_id") is None:
+            state["default_tenant_id"] = tenant_id
+        self.save_state(state)
+
+    def timeline_of_branch(self, tenant_id: str, name: str) -> str:
+        branches = self.branches(tenant_id)
+        if name not in branches:
+            known = ", ".join(sorted(branches)) or "none"
+            raise LocalEnvError(f"no branch {name!r} in tenant {tenant_id} (branches: {known})")
+        return branches[name]
+
+    def branch_of_timeline(self, tenant_id: str, timeline_id: str) -> str | None:
+        for name, tl in self.branches(tenant_id).items():
+            if tl == timeline_id:
+                return name
+        return None

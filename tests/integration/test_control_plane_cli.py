@@ -1,0 +1,167 @@
+"""Fast tests of the ``pagestore`` CLI's control plane: no node is started here.
+
+- ``init`` writes a cluster directory whose node configs the nodes' own loaders accept, on the
+  default ports (shifted by ``--port-offset``) or on free ports;
+- ``--help`` works for every command and group;
+- ``status --json`` has its documented shape with every node down;
+- user errors (no cluster directory, unknown branch, busy ports) end with exit code 1 and a
+  message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from control_plane import cli
+from control_plane.local_env import LocalEnv, LocalEnvError, plan_ports
+from pageserver.config import load_pageserver_config
+from safekeeper.config import load_config as load_safekeeper_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pagestore(*args: str) -> int:
+    return cli.main(list(args))
+
+
+def test_init_writes_configs_the_nodes_accept(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    workdir = tmp_path / "cluster"
+    # An offset far from the defaults, so a cluster running on this machine does not collide.
+    assert pagestore("init", "--workdir", str(workdir), "--safekeepers", "2", "--port-offset", "1000", "--json") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pageserver"]["pg_port"] == 65000 and out["pageserver"]["http_port"] == 10898
+    assert [(s["pg_port"], s["http_port"]) for s in out["safekeepers"]] == [(6454, 8676), (6455, 8677)]
+
+    ps = load_pageserver_config(workdir / "pageserver" / "pageserver.toml")
+    assert ps.listen_pg_addr == "127.0.0.1:65000"
+    assert ps.listen_http_addr == "127.0.0.1:10898"
+    assert ps.safekeepers == ("127.0.0.1:6454", "127.0.0.1:6455")
+    assert ps.workdir == (workdir / "pageserver").absolute()
+    for i, (pg, http) in enumerate([(6454, 8676), (6455, 8677)], start=1):
+        sk = load_safekeeper_config(workdir / f"safekeeper_{i}" / "safekeeper.toml")
+        assert (sk.id, sk.listen_pg, sk.listen_http) == (i, f"127.0.0.1:{pg}", f"127.0.0.1:{http}")
+        assert Path(sk.data_dir).is_relative_to(workdir.absolute())
+
+    env = LocalEnv.load(workdir)
+    assert env.config.endpoint_base_port == 55431 + 1000
+    assert env.default_tenant() is None
+    # A second init must not overwrite a cluster.
+    assert pagestore("init", "--workdir", str(workdir)) == 1
+    assert "already a pagestore cluster directory" in capsys.readouterr().err
+
+
+def test_default_ports_follow_the_architecture() -> None:
+    cfg = plan_ports(3)
+    assert (cfg.pageserver.pg, cfg.pageserver.http) == (64000, 9898)
+    assert [(s.pg, s.http) for s in cfg.safekeepers] == [(5454, 7676), (5455, 7677), (5456, 7678)]
+    assert cfg.endpoint_base_port == 55431
+    with pytest.raises(LocalEnvError):
+        plan_ports(0)
+    with pytest.raises(LocalEnvError):
+        plan_ports(1, port_offset=70000)
+
+
+def test_free_ports_are_distinct_and_loadable(tmp_path: Path) -> None:
+    assert pagestore("init", "--workdir", str(tmp_path / "c"), "--free-ports", "--no-sync") == 0
+    env = LocalEnv.load(tmp_path / "c")
+    ports = [env.config.pageserver.pg, env.config.pageserver.http,
+             *(p for s in env.config.safekeepers for p in (s.pg, s.http))]
+    assert len(set(ports)) == len(ports) == 8
+    assert env.config.endpoint_base_port == 0
+    ps, sks = env.check_node_configs()
+    assert ps.safekeepers == tuple(f"127.0.0.1:{s.pg}" for s in env.config.safekeepers)
+    assert all(sk.no_sync for sk in sks)
+
+
+def test_init_refuses_busy_ports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    offset = 1200  # the pageserver's libpq port becomes 65200
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", 64000 + offset))
+            s.listen()
+        except OSError:
+            pass  # somebody else holds it: just as busy
+        assert pagestore("init", "--workdir", str(tmp_path / "c"), "--port-offset", str(offset)) == 1
+    err = capsys.readouterr().err
+    assert "65200" in err and "--free-ports" in err
+    assert not (tmp_path / "c" / "pagestore.toml").exists()
+
+
+def _all_command_paths() -> list[list[str]]:
+    paths = [path.split(" ") for path in cli.COMMANDS]
+    groups = sorted({p[0] for p in paths if len(p) > 1})
+    return [[]] + [[g] for g in groups] + paths
+
+
+@pytest.mark.parametrize("path", _all_command_paths(), ids=lambda p: " ".join(p) or "pagestore")
+def test_help_everywhere(path: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        pagestore(*path, "--help")
+    assert exc.value.code == 0
+    assert "usage: pagestore" in capsys.readouterr().out
+
+
+def test_help_as_a_process() -> None:
+    proc = subprocess.run([sys.executable, "-m", "control_plane.cli", "demo", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "--stop" in proc.stdout
+
+
+def test_status_json_shape_with_nodes_down(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    workdir = tmp_path / "c"
+    assert pagestore("init", "--workdir", str(workdir), "--free-ports", "--safekeepers", "3") == 0
+    capsys.readouterr()
+    assert pagestore("status", "--workdir", str(workdir), "--json") == 0
+    st = json.loads(capsys.readouterr().out)
+    assert set(st) == {"workdir", "nodes", "timelines", "endpoints"}
+    assert [n["name"] for n in st["nodes"]] == ["pageserver", "safekeeper_1", "safekeeper_2", "safekeeper_3"]
+    for n in st["nodes"]:
+        assert set(n) == {"name", "pid", "running", "pg_port", "http_port", "http_ok", "error"}
+        assert n["running"] is False and n["pid"] is None
+        assert isinstance(n["pg_port"], int) and isinstance(n["http_port"], int)
+    assert st["timelines"] == [] and st["endpoints"] == []
+    # Human output too.
+    assert pagestore("status", "--workdir", str(workdir)) == 0
+    assert "down" in capsys.readouterr().out
+
+
+def test_user_errors_are_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert pagestore("status", "--workdir", str(tmp_path / "nothing")) == 1
+    assert "pagestore init" in capsys.readouterr().err
+    workdir = tmp_path / "c"
+    assert pagestore("init", "--workdir", str(workdir), "--free-ports") == 0
+    capsys.readouterr()
+    for args in (["tenant", "list"], ["timeline", "list"],
+                 ["timeline", "branch", "--branch-name", "b"], ["endpoint", "start", "ep"]):
+        assert pagestore(*args, "--workdir", str(workdir)) == 1, args
+        err = capsys.readouterr().err
+        assert err.startswith("pagestore: error:") and "Traceback" not in err, err
+    assert pagestore("endpoint", "stop", "nope", "--workdir", str(workdir)) == 1
+    assert "no endpoint 'nope'" in capsys.readouterr().err
+
+
+def test_branch_names_are_kept_per_tenant(tmp_path: Path) -> None:
+    env = LocalEnv.create(tmp_path / "c", plan_ports(1, free_ports=True))
+    env.add_branch("a" * 32, "main", "1" * 32)
+    env.add_branch("b" * 32, "main", "2" * 32)
+    env.add_branch("a" * 32, "dev", "3" * 32)
+    assert env.default_tenant() == "a" * 32
+    assert env.timeline_of_branch("a" * 32, "dev") == "3" * 32
+    assert env.timeline_of_branch("b" * 32, "main") == "2" * 32
+    assert env.branch_of_timeline("a" * 32, "1" * 32) == "main"
+    with pytest.raises(LocalEnvError, match="already exists"):
+        env.add_branch("a" * 32, "dev", "4" * 32)
+    with pytest.raises(LocalEnvError, match="no branch 'x'"):
+        env.timeline_of_branch("a" * 32, "x")
+    state = json.loads((tmp_path / "c" / "branches.json").read_text())
+    assert state["branches"]["a" * 32] == {"main": "1" * 32, "dev": "3" * 32}
+    # The cluster config is plain TOML.
+    assert tomllib.loads((tmp_path / "c" / "pagestore.toml").read_text())["pageserver"]["pg"] > 0

@@ -45,7 +45,6 @@ import attrs
 import trio
 
 from pageserver.pg_control import CheckPoint
-from pageserver.pgdatadir import DatadirWriter
 from pageserver.storage.config import StorageConfig
 from pageserver.storage.io_engine import IO_ENGINE_KINDS, SYNC_MODES, SyncMode, make_io_engine
 from pageserver.tenant import Tenant
@@ -186,7 +185,11 @@ async def _seed_timeline(ingest: WalIngest) -> None:
     await mod.commit()
 
 
-async def run_row(row: RowConfig, chunks: list[bytes], workdir: Path) -> dict[str, Any]:
+async def run_row(
+    row: RowConfig, chunks: list[bytes], workdir: Path, *, keep: bool = False
+) -> dict[str, Any]:
+    """Ingest ``chunks`` into a fresh tenant under ``workdir`` with ``row``'s knobs; the result
+    row as a dict. ``keep`` leaves the timeline directory (its path is in ``"timeline_dir"``)."""
     engine = make_io_engine(row.io_engine, write_sync_mode=row.sync_mode)
     config = StorageConfig(
         io_engine=row.io_engine,  # type: ignore[arg-type]
@@ -219,7 +222,8 @@ async def run_row(row: RowConfig, chunks: list[bytes], workdir: Path) -> dict[st
         for layer in tl.in_memory_layers():
             await layer.aclose()
         nursery.cancel_scope.cancel()
-    shutil.rmtree(path)
+    if not keep:
+        shutil.rmtree(path)
     wal_bytes = sum(map(len, chunks))
     seconds = t1 - t0
     return {
@@ -239,6 +243,7 @@ async def run_row(row: RowConfig, chunks: list[bytes], workdir: Path) -> dict[st
         "pwrites": stats["pwrites"],
         "fsyncs": stats["fsyncs"],
         "mib_written": round(stats["bytes_written"] / MiB, 1),
+        **({"timeline_dir": str(tl.path)} if keep else {}),
     }
 
 

@@ -17,9 +17,13 @@ from typing import Protocol, cast
 
 # command path -> (module, one-line help). Keep sorted by path.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "bench bulk-ingest": ("bench.bulk_ingest", "bulk INSERT WAL: pageserver ingest time vs PostgreSQL crash recovery"),
+    "bench getpage": ("bench.getpage", "GetPage@LSN pages/s and latency: serial vs pipelined, queue depth, vs PostgreSQL get_raw_page"),
+    "bench ingest": ("bench.ingest", "bulk WAL ingest MB/s: io_engine x write buffer x double buffering x sync mode"),
     "bench read-path": ("bench.read_path", "get_vectored vs legacy gets: keys/s, preadv calls, deep L0 stack"),
     "bench redo": ("bench.redo", "pure-Python WAL redo: records/s per record type, page reconstruct time"),
     "bench wal-codec": ("bench.wal_codec", "WAL encoder and stream decoder throughput (MB/s, records/s)"),
+    "bench walproposer": ("bench.walproposer", "synchronous commit through the walproposer bridge: bulk MB/s, pgbench TPS"),
     "bench wal-acceptor": ("bench.wal_acceptor", "safekeeper WAL ingest MiB/s: sizes x fsync x coalescing"),
     "demo": ("control_plane.cmd_demo", "the main job: cluster, pgbench, branch at an LSN, compare pages"),
     "endpoint list": ("control_plane.cmd_endpoint_list", "list endpoints"),

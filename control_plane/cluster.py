@@ -237,7 +237,8 @@ def list_timelines(env: LocalEnv, tenant_id: str | None) -> list[dict[str, Any]]
 
 
 def import_timeline(env: LocalEnv, tenant_id: str | None, name: str, *, pgdata: Path | None,
-                    tar: Path | None, timeline_id: str | None) -> dict[str, Any]:
+                    tar: Path | None, timeline_id: str | None,
+                    wal_tar: Path | None = None) -> dict[str, Any]:
     """A new timeline from a stopped PostgreSQL 15 data directory or a tar of one."""
     require_running(env)
     tenant = env.resolve_tenant(tenant_id)
@@ -250,11 +251,15 @@ def import_timeline(env: LocalEnv, tenant_id: str | None, name: str, *, pgdata: 
     body: dict[str, str] = {"source": str(source.absolute())}
     if timeline_id:
         body["new_timeline_id"] = timeline_id
+    if wal_tar is not None:
+        if not wal_tar.exists():
+            raise LocalEnvError(f"{wal_tar} does not exist")
+        body["wal_tar"] = str(wal_tar.absolute())
     try:
         info = request_json("POST", f"{env.pageserver_http}/v1/tenant/{tenant}/timeline/import", body,
                             timeout=3600)
     except ApiError as exc:
-        if exc.status == 404 and "timeline/import" in str(exc) and "not found" in exc.msg.lower():
+        if exc.status == 405 or (exc.status == 404 and exc.msg.startswith("no route")):
             raise ClusterError(
                 "the pageserver has no import route (POST /v1/tenant/{t}/timeline/import): "
                 f"timeline import is not available in this build ({exc.msg})"

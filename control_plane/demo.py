@@ -31,6 +31,7 @@ import os
 import queue
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +47,7 @@ from rich.table import Table
 from compute import postgres
 from compute.page_client import PageClient
 from control_plane import cluster, endpoint
-from control_plane.local_env import LocalEnv, LocalEnvError, plan_ports
+from control_plane.local_env import LocalEnv, LocalEnvError, default_workdir, plan_ports
 from pageserver.walredo.mask import MaskFn, btree_mask, heap_mask, masked
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import format_lsn, parse_lsn
@@ -60,7 +61,7 @@ DEFAULT_TABLESPACE = 1663
 
 class DemoFailed(Exception):
     def __init__(self, step: str, error: BaseException | str) -> None:
-        super().__init__(f"step '{step}' failed: {error}")
+        super().__init__(f"step '{step}': {error}")
         self.step = step
 
 
@@ -125,7 +126,7 @@ class Demo:
 
     @contextlib.contextmanager
     def step(self, name: str) -> Iterator[None]:
-        self.console.print(f"[bold cyan]▶[/] {name}")
+        self.console.print(f"[bold cyan]▶[/] {name}", soft_wrap=True)
         started = time.monotonic()
         try:
             yield
@@ -135,7 +136,7 @@ class Demo:
             raise DemoFailed(name, exc) from exc
         took = time.monotonic() - started
         self.result.steps.append((name, took))
-        self.console.print(f"  [green]✓[/] {name} [dim]({took:.1f} s)[/]")
+        self.console.print(f"  [green]✓[/] {name} [dim]({took:.1f} s)[/]", soft_wrap=True)
 
     def say(self, text: str) -> None:
         self.console.print(f"    {text}", highlight=False, soft_wrap=True)
@@ -412,18 +413,30 @@ class Demo:
         for name, dsn in r.endpoints.items():
             table.add_row(f"endpoint {name}", dsn)
         self.console.print(table)
-        wd = f" --workdir {self.env.workdir}"
+        cmd = _pagestore_command()
+        wd = "" if self.env.workdir == default_workdir().absolute() else f" --workdir {self.env.workdir}"
         if not self.opts.stop_at_end:
             self.console.print(
                 "The cluster keeps running. Explore it with:\n"
-                f"  pagestore status{wd}\n"
-                f"  pagestore timeline list{wd}\n"
+                f"  {cmd} status{wd}\n"
+                f"  {cmd} timeline list{wd}\n"
                 f"  psql '{r.endpoints.get('half', '')}' -c 'SELECT count(*) FROM pgbench_history'\n"
-                f"  pagestore timeline branch{wd} --branch-name mine --ancestor-lsn {r.half_way.lsn}\n"
-                f"  pagestore endpoint start{wd} mine --branch-name mine\n"
-                f"Stop it with:\n  pagestore stop{wd}",
-                highlight=False,
+                f"  {cmd} timeline branch{wd} --branch-name mine --ancestor-lsn {r.half_way.lsn}\n"
+                f"  {cmd} endpoint start{wd} mine --branch-name mine\n"
+                f"Stop it with:\n  {cmd} stop{wd}",
+                highlight=False, soft_wrap=True,
             )
+
+
+def _pagestore_command() -> str:
+    """How the user can run ``pagestore`` from here: bare if it is on PATH, else its path."""
+    argv0 = Path(sys.argv[0])
+    on_path = shutil.which("pagestore")
+    if argv0.name == "pagestore":
+        if on_path and Path(on_path).resolve() == argv0.resolve():
+            return "pagestore"
+        return os.path.relpath(argv0) if not argv0.is_absolute() else str(argv0)
+    return "pagestore" if on_path else f"{sys.executable} -m control_plane.cli"
 
 
 def _read_block(path: Path, blkno: int) -> bytes:

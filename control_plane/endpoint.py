@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import tarfile
 import time
@@ -321,6 +322,8 @@ def _start_bridge(env: LocalEnv, ep: Endpoint, start_lsn: Lsn) -> None:
         "--tenant-id", ep.spec.tenant_id, "--timeline-id", ep.spec.timeline_id,
         "--start-lsn", format_lsn(start_lsn), "--status-file", str(ep.bridge_status_path),
     )
+    # Kept for operators: how to restart the bridge alone (docs/operations.md).
+    (ep.dir / "bridge.cmd").write_text(shlex.join(cmd) + "\n")
     pid = process.spawn(cmd, log_path=ep.bridge_log, pid_path=ep.bridge_pid_path)
 
     def elected() -> bool:

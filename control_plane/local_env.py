@@ -78,6 +78,8 @@ class LocalEnvConfig:
 
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
+        # As the nodes' listeners do: a port with connections in TIME_WAIT is free for them.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

@@ -28,9 +28,10 @@ its next record at the checkpoint record's end (X + 120 for a record inside one 
 therefore continues the timeline's WAL at X, and a walproposer must stream the compute's WAL
 from X: the safekeepers and the pageserver then receive the checkpoint record itself first
 (the pageserver's ingest is at X). ``xl_prev`` of the record is the start of the record
-ending at X when the caller knows it (``prev_lsn``), else 0 as ``pg_resetwal`` writes;
-PostgreSQL accepts either (it only requires xl_prev < the record's position when it starts
-reading at a checkpoint).
+ending at X when the caller knows it (``prev_lsn``: fullbackup's argument, or what the tenant
+manager saw its WAL receiver ingest last), else 0 as ``pg_resetwal`` writes; PostgreSQL
+accepts either (it only requires xl_prev < the record's position when it starts reading at a
+checkpoint).
 
 ``--replica`` adds an empty ``standby.signal``, so the server starts as a read-only hot
 standby (no primary_conninfo: it stays at X). That is how a past LSN is looked at: the data as
@@ -83,6 +84,7 @@ from pageserver.storage.key import (
     slru_dir_key,
     slru_segment_size_key,
 )
+from pageserver.storage.reconstruct import MissingKeyError
 from pageserver.timeline import Timeline
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
@@ -154,7 +156,7 @@ host    replication     all             ::1/128                 trust
 """
 # Pages fetched per get_vectored call while materializing a relation.
 PAGES_PER_READ: Final = 256
-# CopyData payloads are cut at about this size.
+# CopyData payloads are at most this size.
 CHUNK_BYTES: Final = 256 * 1024
 CHECKPOINT_RECORD_LEN: Final = 24 + 2 + 88  # header, short main-data header, CheckPoint
 
@@ -295,8 +297,16 @@ class TarWriter:
             data = self._gzip.compress(data)
         self._buf += data
         if len(self._buf) >= CHUNK_BYTES:
-            out, self._buf = bytes(self._buf), bytearray()
-            await self._send(out)
+            # Whole chunks only: a 16 MiB WAL segment must not become one huge CopyData.
+            cut = len(self._buf) - len(self._buf) % CHUNK_BYTES
+            view = memoryview(self._buf)
+            try:
+                chunks = [bytes(view[i : i + CHUNK_BYTES]) for i in range(0, cut, CHUNK_BYTES)]
+            finally:
+                view.release()
+            del self._buf[:cut]
+            for chunk in chunks:
+                await self._send(chunk)
 
     def _header(self, name: str, size: int, kind: bytes, mode: int) -> bytes:
         info = tarfile.TarInfo(name)
@@ -331,9 +341,9 @@ class TarWriter:
         await self._emit(bytes(2 * tarfile.BLOCKSIZE))
         if self._gzip is not None:
             self._buf += self._gzip.flush()
-        if self._buf:
-            out, self._buf = bytes(self._buf), bytearray()
-            await self._send(out)
+        out, self._buf = bytes(self._buf), bytearray()
+        for i in range(0, len(out), CHUNK_BYTES):
+            await self._send(out[i : i + CHUNK_BYTES])
 
 
 @attrs.frozen
@@ -597,15 +607,23 @@ def parse_backup_command(name: str, args: Sequence[str]) -> BackupCommand:
 
 
 TimelineGetter = Callable[[TenantId, TimelineId], Timeline]
+PrevLsnLookup = Callable[[Timeline, Lsn], "Lsn | None"]
 
 
 class BackupCommandHandler:
     """Serves ``basebackup`` and ``fullbackup`` on the page service port (an extra command of
     ``PageServiceHandler``)."""
 
-    def __init__(self, get_timeline: TimelineGetter, *, wait_lsn_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        get_timeline: TimelineGetter,
+        *,
+        wait_lsn_timeout_s: float = 60.0,
+        prev_record_lsn: PrevLsnLookup | None = None,
+    ) -> None:
         self._get_timeline = get_timeline
         self.wait_lsn_timeout_s = wait_lsn_timeout_s
+        self._prev_record_lsn = prev_record_lsn
 
     async def basebackup(self, conn: PgConnection, args: tuple[str, ...]) -> None:
         await self._run(conn, parse_backup_command("basebackup", args))
@@ -620,6 +638,8 @@ class BackupCommandHandler:
         except LookupError as exc:
             raise PgError(f"not found: {exc}") from None
         lsn = tl.last_record_lsn if cmd.lsn is None else cmd.lsn
+        if lsn % 8:
+            raise PgError(f"basebackup LSN {format_lsn(lsn)} is not a record boundary (8-byte aligned)")
         if cmd.lsn is not None and lsn > tl.last_record_lsn:
             try:
                 await tl.wait_lsn(lsn, self.wait_lsn_timeout_s)
@@ -629,13 +649,22 @@ class BackupCommandHandler:
             raise PgError(
                 f"basebackup at {format_lsn(lsn)} is below the GC cutoff {format_lsn(tl.latest_gc_cutoff_lsn)}"
             )
-        if lsn % 8:
-            raise PgError(f"basebackup LSN {format_lsn(lsn)} is not a record boundary (8-byte aligned)")
-        prev = cmd.prev_lsn if cmd.prev_lsn is not None else 0
+        prev = cmd.prev_lsn
+        if prev is None and self._prev_record_lsn is not None:
+            prev = self._prev_record_lsn(tl, lsn)
+        if prev is not None and prev >= checkpoint_record_lsn(lsn):
+            raise PgError(f"prev_lsn {format_lsn(prev)} is not before {format_lsn(lsn)}")
+        xl_prev = prev if prev is not None else 0
         copy = await conn.enter_copy_out(command_tag="SELECT 1")
         started = time.monotonic()
-        result = await write_basebackup(TimelineBackupSource(tl), lsn, copy.send, gzip=cmd.gzip, prev_lsn=prev,
-                                        replica=cmd.replica)
+        try:
+            result = await write_basebackup(
+                TimelineBackupSource(tl), lsn, copy.send, gzip=cmd.gzip, prev_lsn=xl_prev, replica=cmd.replica
+            )
+        except MissingKeyError as exc:
+            raise PgError(f"no data directory at {format_lsn(lsn)} on this timeline: {exc}") from None
+        except BasebackupError as exc:
+            raise PgError(f"basebackup at {format_lsn(lsn)}: {exc}") from None
         log.info("basebackup sent", lsn=format_lsn(lsn), checkpoint=format_lsn(result.checkpoint_lsn),
                  files=result.files, bytes=result.raw_bytes, gzip=cmd.gzip, full=cmd.full,
                  seconds=round(time.monotonic() - started, 3))

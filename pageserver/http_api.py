@@ -6,7 +6,8 @@ Routes (``docs/http-api.md`` documents bodies and answers):
 - ``POST /v1/tenant`` (create; body may name ``tenant_id``), ``GET /v1/tenant``,
   ``GET /v1/tenant/{tenant_id}``
 - ``POST /v1/tenant/{tenant_id}/timeline`` (bootstrap, or branch with ``ancestor_timeline_id``
-  and optional ``ancestor_start_lsn``), ``GET /v1/tenant/{tenant_id}/timeline``,
+  and optional ``ancestor_start_lsn``), ``POST /v1/tenant/{tenant_id}/timeline/import``
+  (a data directory or tar on this machine), ``GET /v1/tenant/{tenant_id}/timeline``,
   ``GET /v1/tenant/{tenant_id}/timeline/{timeline_id}``
 - ``GET  /v1/tenant/{tenant_id}/timeline/{timeline_id}/keyspace[?at_lsn=X/Y]``
 - ``PUT  /v1/tenant/{tenant_id}/timeline/{timeline_id}/checkpoint`` (freeze + flush),
@@ -20,13 +21,15 @@ timeline, 409 when creating something that exists, 503 while shutting down.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Literal
 
 import attrs
-from prometheus_client import CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common.http import HttpError, Request, Response, Router
-from common.metrics import add_metrics_route
+from common.metrics import metrics_text
 from pageserver.basebackup import TimelineBackupSource, collect_keyspace
 from pageserver.storage.key import key_hex
 from pageserver.tenant import Tenant
@@ -73,6 +76,13 @@ class TimelineCreateRequest:
     ancestor_timeline_id: str | None = None
     ancestor_start_lsn: str | None = None
     pg_version: int | None = None
+
+
+@attrs.frozen
+class TimelineImportRequest:
+    source: str  # a data directory or a tar of one, on the pageserver's machine
+    new_timeline_id: str | None = None
+    wal_tar: str | None = None  # pg_basebackup -Ft's pg_wal.tar next to base.tar
 
 
 @attrs.frozen
@@ -238,6 +248,22 @@ def build_router(manager: TenantManager, registry: CollectorRegistry) -> Router:
         )
         return Response.json(timeline_info(tl, manager), status=201)
 
+    @route("POST", "/v1/tenant/{tenant_id}/timeline/import")
+    async def import_timeline(req: Request) -> Response:
+        tenant_id = _tenant_id(req.params["tenant_id"])
+        body = req.structure(TimelineImportRequest)
+        source = Path(body.source)
+        if not source.is_absolute():
+            raise HttpError(400, f"source must be an absolute path, got {body.source!r}")
+        manager.get_tenant(tenant_id)
+        tl = await manager.import_timeline(
+            tenant_id,
+            _timeline_id(body.new_timeline_id) if body.new_timeline_id else None,
+            source,
+            wal_tar=Path(body.wal_tar) if body.wal_tar else None,
+        )
+        return Response.json(timeline_info(tl, manager), status=201)
+
     @route("GET", "/v1/tenant/{tenant_id}/timeline")
     async def list_timelines(req: Request) -> list[TimelineInfo]:
         tenant = manager.get_tenant(_tenant_id(req.params["tenant_id"]))
@@ -282,5 +308,11 @@ def build_router(manager: TenantManager, registry: CollectorRegistry) -> Router:
         removed = await tenant.gc()
         return GcResponse(sum(len(v) for v in removed.values()))
 
-    add_metrics_route(router, registry)
+    @router.route("GET", "/metrics")
+    async def metrics(_: Request) -> Response:
+        # The node's registry (page service) and the process-wide default one, where the
+        # storage engine and redo count (page cache, redo records, get validation).
+        body = metrics_text(registry) + metrics_text(REGISTRY)
+        return Response(200, body, CONTENT_TYPE_LATEST)
+
     return router

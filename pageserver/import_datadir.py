@@ -206,6 +206,13 @@ def _open_source(source: Path, wal_tar: Path | None) -> _Source:
 # --- the import -------------------------------------------------------------------------------
 
 
+def _state_name(state: int) -> str:
+    try:
+        return DBState(state).name
+    except ValueError:
+        return f"unknown {state}"
+
+
 def _start_lsn(src: _Source, cf: ControlFileData) -> Lsn:
     label = src.read("backup_label")
     if label is not None:
@@ -215,7 +222,7 @@ def _start_lsn(src: _Source, cf: ControlFileData) -> Lsn:
         return parse_lsn(m.group(1).decode())
     if cf.state not in (DBState.SHUTDOWNED, DBState.SHUTDOWNED_IN_RECOVERY):
         raise DatadirImportError(
-            f"the cluster was not shut down cleanly (state {DBState(cf.state).name}); "
+            f"the cluster was not shut down cleanly (state {_state_name(cf.state)}); "
             "stop it with pg_ctl stop -m fast or import a pg_basebackup"
         )
     return Lsn(cf.checkpoint_copy.redo)

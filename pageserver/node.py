@@ -72,7 +72,11 @@ class PageserverNode:
     async def run(self, *, task_status: trio.TaskStatus[tuple[int, int]] = trio.TASK_STATUS_IGNORED) -> None:
         conf = self.conf
         conf.workdir.mkdir(parents=True, exist_ok=True)
-        backups = BackupCommandHandler(self.manager.get_timeline, wait_lsn_timeout_s=conf.wait_lsn_timeout_s)
+        backups = BackupCommandHandler(
+            self.manager.get_timeline,
+            wait_lsn_timeout_s=conf.wait_lsn_timeout_s,
+            prev_record_lsn=self.manager.prev_record_lsn,
+        )
         handler = PageServiceHandler(
             NodeTimelineLookup(self.manager),
             conf.page_service_config(),

@@ -6,8 +6,9 @@ what is inside). A tenant is created in ``<workdir>/tenants/.tmp-<id>/`` and ren
 so a directory with a tenant id as its name always holds a complete tenant; leftovers of an
 interrupted creation are removed at start.
 
-Timelines are created either by bootstrap (``initdb`` imported by
-``pageserver.import_datadir``) or as a branch of an existing timeline at an LSN. When the
+Timelines are created by bootstrap (``initdb`` imported by ``pageserver.import_datadir``), by
+importing a stopped data directory or a tar of one, or as a branch of an existing timeline at
+an LSN. A bootstrap or import that fails leaves no timeline behind. When the
 node has safekeepers configured, every timeline gets a ``TimelineWalIngest`` task that pulls
 its WAL from them, starting at ``last_record_lsn``.
 """
@@ -23,15 +24,16 @@ import structlog
 import trio
 
 from pageserver.config import PageserverConfig, split_addr
-from pageserver.import_datadir import bootstrap_timeline
+from pageserver.import_datadir import DatadirImportError, bootstrap_timeline, import_datadir
 from pageserver.storage.io_engine import fsync_dir
 from pageserver.tenant import Tenant, TimelineExistsError
 from pageserver.timeline import Timeline
 from pageserver.wal_receiver import WalReceiverConfig
-from pageserver.walingest import TimelineWalIngest
+from pageserver.walingest import TimelineWalIngest, WalIngest
 from pageserver.walredo.manager import PostgresRedoManager
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn
+from protocol.wal.record import DecodedRecord
 
 log = structlog.get_logger("pageserver.tenant_manager")
 
@@ -56,6 +58,20 @@ class BadTimelineRequestError(ValueError):
 
 class ShuttingDownError(Exception):
     pass
+
+
+class _PrevTrackingIngest(WalIngest):
+    """``WalIngest`` that remembers where the last record it saw starts and ends, so a
+    basebackup at ``last_record_lsn`` can give its checkpoint record the true ``xl_prev``."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        super().__init__(timeline)
+        self.last_record: tuple[Lsn, Lsn] | None = None  # (start, end)
+
+    async def ingest_record(self, rec: DecodedRecord) -> bool:
+        applied = await super().ingest_record(rec)
+        self.last_record = (rec.lsn, rec.end_lsn)
+        return applied
 
 
 class TenantManager:
@@ -125,7 +141,7 @@ class TenantManager:
             timeline_id=tl.timeline_id,
             application_name=f"pageserver-{self.conf.id}",
         )
-        ingest = TimelineWalIngest(tl, cfg)
+        ingest = TimelineWalIngest(tl, cfg, ingest=_PrevTrackingIngest(tl))
         scope = trio.CancelScope()
 
         async def run() -> None:
@@ -138,6 +154,17 @@ class TenantManager:
     def ingest_of(self, tenant_id: TenantId, timeline_id: TimelineId) -> TimelineWalIngest | None:
         got = self._ingests.get((tenant_id, timeline_id))
         return None if got is None else got[0]
+
+    def prev_record_lsn(self, tl: Timeline, lsn: Lsn) -> Lsn | None:
+        """Start of the record ending at ``lsn``, when this node ingested it (else None: the
+        timeline does not keep it, and after a restart or for a past LSN it is unknown)."""
+        ingest = self.ingest_of(tl.tenant_id, tl.timeline_id)
+        if ingest is None or not isinstance(ingest.ingest, _PrevTrackingIngest):
+            return None
+        last = ingest.ingest.last_record
+        if last is None or last[1] != lsn:
+            return None
+        return last[0]
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -230,5 +257,52 @@ class TenantManager:
         return tl
 
     async def _bootstrap(self, tenant: Tenant, timeline_id: TimelineId) -> Timeline:
-        tl, _ = await bootstrap_timeline(tenant, timeline_id)
+        try:
+            tl, _ = await bootstrap_timeline(tenant, timeline_id)
+        except BaseException:
+            await self._discard(tenant, timeline_id)
+            raise
         return tl
+
+    async def import_timeline(
+        self,
+        tenant_id: TenantId,
+        timeline_id: TimelineId | None,
+        source: Path,
+        *,
+        wal_tar: Path | None = None,
+    ) -> Timeline:
+        """A new timeline from a stopped PostgreSQL 15 data directory or a tar of one
+        (``pageserver.import_datadir``); flushed, so durable on return."""
+        if self.shutting_down.is_set():
+            raise ShuttingDownError("the pageserver is shutting down")
+        if not source.exists():
+            raise BadTimelineRequestError(f"{source} does not exist")
+        if wal_tar is not None and not wal_tar.exists():
+            raise BadTimelineRequestError(f"{wal_tar} does not exist")
+        tenant = self.get_tenant(tenant_id)
+        timeline_id = timeline_id or TimelineId.generate()
+        async with self._lock(tenant_id):
+            if timeline_id in tenant.timelines:
+                raise AlreadyExistsError(f"timeline {tenant_id}/{timeline_id} already exists")
+            tl = await tenant.create_timeline(timeline_id)
+            try:
+                await import_datadir(tl, source, wal_tar=wal_tar)
+                await tl.flush()
+            except BaseException as exc:
+                await self._discard(tenant, timeline_id)
+                if isinstance(exc, DatadirImportError):
+                    raise BadTimelineRequestError(f"cannot import {source}: {exc}") from None
+                raise
+            log.info("timeline imported", tenant_id=tenant_id.hex, timeline_id=timeline_id.hex,
+                     source=str(source), last_record_lsn=format_lsn(tl.last_record_lsn))
+        self._start_ingest(tl)
+        return tl
+
+    async def _discard(self, tenant: Tenant, timeline_id: TimelineId) -> None:
+        """Forget a timeline whose creation failed half-way (its directory goes too)."""
+        tl = tenant.timelines.pop(timeline_id, None)
+        with trio.CancelScope(shield=True):
+            if tl is not None:
+                await tl.shutdown()
+            shutil.rmtree(tenant.timelines_dir / timeline_id.hex, ignore_errors=True)

@@ -185,9 +185,13 @@ class Timeline:
         return self._ancestor_lsn
 
     def in_memory_layers(self) -> Sequence[InMemoryLayer]:
+        """Open layer first, then frozen layers newest first."""
+        open_layer = self.open_layer
+        if not self.frozen_layers:
+            return () if open_layer is None else (open_layer,)
         layers = self.frozen_layers[::-1]
-        if self.open_layer is not None:
-            layers.insert(0, self.open_layer)
+        if open_layer is not None:
+            layers.insert(0, open_layer)
         return layers
 
     # -- LSNs ------------------------------------------------------------------------------
@@ -277,10 +281,13 @@ class Timeline:
         if layer is None or not layer.index:
             return
         end = Lsn(max(self._max_put_lsn, self._last_record_lsn) + 1)
+        # Move it to the frozen list before the first await: a read running meanwhile must
+        # find the layer in one of the two places.
+        layer.end_lsn = end
+        self.frozen_layers.append(layer)
         self.open_layer = None
         self._next_layer_start = end
         await layer.freeze(end)
-        self.frozen_layers.append(layer)
 
     async def flush_if_old(self) -> None:
         """Flush an open layer that has waited ``checkpoint_timeout_s`` (no put came to roll it)."""

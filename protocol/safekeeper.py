@@ -19,11 +19,14 @@ was decoded from, so the caller must not mutate that buffer while the message is
 
 from __future__ import annotations
 
+import functools
 import struct
-from typing import Any, Final, Literal, TypeAlias
+from collections.abc import Callable
+from typing import Any, Final, Literal, ParamSpec, TypeAlias, TypeVar
 
 import attrs
 
+from protocol.buffer import Reader
 from protocol.errors import INTERNAL_ERROR, LocalProtocolError, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, Lsn
@@ -40,6 +43,8 @@ TAG_ELECTED: Final = ord("e")
 TAG_APPEND: Final = ord("a")
 
 Bytes: TypeAlias = bytes | bytearray | memoryview
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _fail(msg: str) -> RemoteProtocolError:
@@ -47,46 +52,48 @@ def _fail(msg: str) -> RemoteProtocolError:
 
 
 class _Cursor:
-    """A read cursor over one payload; every short read is the peer's fault."""
+    """``protocol.buffer.Reader`` with the name of each field read in its error messages."""
 
-    __slots__ = ("buf", "pos")
+    __slots__ = ("_data", "reader")
 
     def __init__(self, data: Bytes) -> None:
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        self.buf = view
-        self.pos = 0
+        self._data = data
+        self.reader = Reader(data, "safekeeper message")
+
+    def rewind(self) -> None:
+        self.reader = Reader(self._data, "safekeeper message")
 
     @property
     def remaining(self) -> int:
-        return len(self.buf) - self.pos
+        return self.reader.remaining
 
     def unpack(self, st: struct.Struct, what: str) -> tuple[Any, ...]:
-        if self.remaining < st.size:
-            raise _fail(f"truncated {what}: need {st.size} bytes, have {self.remaining}")
-        values = st.unpack_from(self.buf, self.pos)
-        self.pos += st.size
-        return values
+        self.reader.what = what
+        return self.reader.unpack(st)
 
     def take(self, n: int, what: str) -> memoryview:
-        if n < 0 or self.remaining < n:
-            raise _fail(f"truncated {what}: need {n} bytes, have {self.remaining}")
-        out = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        return out
+        self.reader.what = what
+        return self.reader.view(n)
 
     def cstr(self, what: str) -> str:
-        # Payloads holding strings are small (greetings), so one copy to search is fine.
-        rest = self.buf[self.pos :].tobytes()
-        end = rest.find(b"\0")
-        if end < 0:
-            raise _fail(f"unterminated string in {what}")
-        self.pos += end + 1
+        self.reader.what = what
+        return self.reader.cstr()
+
+
+def _peer_fault(func: Callable[P, R]) -> Callable[P, R]:
+    """Every decoding fault of a safekeeper message is XX000: the safekeeper answers any
+    parse error with ErrorResponse XX000 before closing the stream (protocols.md §3.5)."""
+
+    @functools.wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
-            return rest[:end].decode("utf-8")
-        except UnicodeDecodeError:
-            raise _fail(f"invalid UTF-8 in {what}") from None
+            return func(*args, **kwargs)
+        except RemoteProtocolError as exc:
+            if exc.sqlstate == INTERNAL_ERROR:
+                raise
+            raise RemoteProtocolError(exc.msg, sqlstate=INTERNAL_ERROR) from None
+
+    return wrapper
 
 
 def _put_cstr(buf: bytearray, text: str) -> None:
@@ -255,13 +262,18 @@ class PageserverFeedback:
 
     @classmethod
     def decode(cls, data: Bytes) -> PageserverFeedback:
-        return decode_feedback(_Cursor(data))
+        return _decode_feedback_blob(data)
 
 
 def _put_kv(buf: bytearray, key: str, value: bytes) -> None:
     _put_cstr(buf, key)
     buf += _BE_I32.pack(len(value))
     buf += value
+
+
+@_peer_fault
+def _decode_feedback_blob(data: Bytes) -> PageserverFeedback:
+    return decode_feedback(_Cursor(data))
 
 
 def decode_feedback(cur: _Cursor) -> PageserverFeedback:
@@ -439,15 +451,16 @@ def _check_wal_len(begin: int, end: int) -> int:
     return end - begin
 
 
+@_peer_fault
 def decode_proposer_message(data: Bytes, version: ProtocolVersion) -> ProposerMessage:
     """Decode one CopyData payload a walproposer sent. Trailing bytes are ignored (as neon)."""
     _check_version(version)
     cur = _Cursor(data)
     tag = _read_tag(cur, version)
-    cur.pos = 0
+    cur.rewind()
     if version == 3:
         if tag == TAG_GREETING:
-            cur.pos = 1
+            _read_tag(cur, version)
             tenant = TenantId.parse(cur.cstr("tenant_id"))
             timeline = TimelineId.parse(cur.cstr("timeline_id"))
             mconf = decode_mconf(cur)
@@ -508,6 +521,7 @@ def decode_proposer_message(data: Bytes, version: ProtocolVersion) -> ProposerMe
     raise _fail(f"unknown proposer message tag {tag:#x} (protocol v{version})")
 
 
+@_peer_fault
 def decode_acceptor_message(data: Bytes, version: ProtocolVersion) -> AcceptorMessage:
     """Decode one CopyData payload a safekeeper sent to the walproposer."""
     _check_version(version)
@@ -520,12 +534,12 @@ def decode_acceptor_message(data: Bytes, version: ProtocolVersion) -> AcceptorMe
             (term,) = cur.unpack(_BE_U64, "AcceptorGreeting term")
             return AcceptorGreeting(node_id, term, mconf)
         if tag == TAG_VOTE:
-            cur.pos = 0
+            cur.rewind()
             _, gen, term, given, flush, trunc = cur.unpack(_V3_VOTE_RESP_HEAD, "VoteResponse")
             history = _decode_history(cur, _BE_TERM_ENTRY, _BE_U32)
             return VoteResponse(term, given != 0, Lsn(flush), Lsn(trunc), history, generation=gen)
         if tag == TAG_APPEND:
-            cur.pos = 0
+            cur.rewind()
             _, gen, term, flush, commit, ts, xmin, cxmin = cur.unpack(
                 _V3_APPEND_RESP, "AppendResponse"
             )
@@ -534,7 +548,7 @@ def decode_acceptor_message(data: Bytes, version: ProtocolVersion) -> AcceptorMe
                 term, Lsn(flush), Lsn(commit), ts, xmin, cxmin, fb, generation=gen
             )
     else:
-        cur.pos = 0
+        cur.rewind()
         if tag == TAG_GREETING:
             _, term, node_id = cur.unpack(_V2_ACC_GREETING, "AcceptorGreeting")
             return AcceptorGreeting(node_id, term)

@@ -38,7 +38,7 @@ from safekeeper.acceptor import (
 )
 from safekeeper.control_file import PersistentState, read_control_file, write_control_file
 from safekeeper.record_tracker import InvalidWal
-from safekeeper.wal_storage import WalStorage
+from safekeeper.wal_storage import TrackedGroup, WalStorage
 
 log = structlog.get_logger("safekeeper.timeline")
 
@@ -207,12 +207,16 @@ class Timeline:
         storage = self.storage
         fsyncs_before = storage.fsync_count
 
-        def write_and_flush() -> None:
-            storage.write(begin, chunks)
+        def write_and_flush(group: TrackedGroup) -> None:
+            storage.write_tracked(begin, group)
             storage.flush()
 
         try:
-            await trio.to_thread.run_sync(write_and_flush)
+            # CPU (record tracking, CRCs) here on the event loop's thread, IO in a worker
+            # thread: splitting them this way keeps the two threads from trading the GIL
+            # during the pure-Python part (measured: faster than tracking in the worker).
+            tracked = storage.track(begin, chunks)
+            await trio.to_thread.run_sync(write_and_flush, tracked)
         finally:
             # On invalid WAL the storage kept only the valid prefix; follow it.
             self.acceptor.write_lsn = storage.write_lsn

@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
+import attrs
+
 from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, XLOG_BLCKSZ, Lsn, format_lsn
 from protocol.lsn import segment_file_name as _seg_name
 from protocol.wal.page import XLP_BKP_REMOVABLE, XLP_FIRST_IS_CONTRECORD, encode_page_header
@@ -37,6 +39,16 @@ IOV_MAX = 1024
 SCAN_CHUNK = 1 << 20
 
 Buffer = bytes | bytearray | memoryview
+
+
+@attrs.frozen
+class TrackedGroup:
+    """A write group after record tracking: the valid chunks, the record end after them,
+    and the invalid-WAL error that stopped tracking, if any."""
+
+    views: list[memoryview]
+    record_end: Lsn
+    error: InvalidWal | None
 
 
 class WalStorageError(Exception):
@@ -175,11 +187,13 @@ class WalStorage:
     # -- write path --------------------------------------------------------------------------
 
     def write(self, begin: Lsn, chunks: Sequence[Buffer]) -> None:
-        """Append ``chunks`` at ``begin``.
+        """Append ``chunks`` at ``begin``: ``track`` then ``write_tracked``."""
+        self.write_tracked(begin, self.track(begin, chunks))
 
-        Invalid WAL in a chunk raises ``InvalidWal`` after the chunks before it were written
-        and flushed and WAL was cut back to the end of the last valid record, so that storage
-        and tracker agree again."""
+    def track(self, begin: Lsn, chunks: Sequence[Buffer]) -> TrackedGroup:
+        """The CPU half of a write: feed the chunks to the record tracker (page headers and
+        CRCs checked). Pure computation, so it may run on the event loop's thread while the
+        IO half of the previous group runs in a worker thread."""
         if begin != self.write_lsn:
             raise WalStorageError(
                 f"write at {format_lsn(begin)} but write_lsn is {format_lsn(self.write_lsn)}"
@@ -193,13 +207,20 @@ class WalStorage:
             good_end = tracker.record_end
             try:
                 tracker.feed(view)
-            except InvalidWal:
-                # The tracker's state is now garbage; truncate() syncs and starts a new one.
-                self._pwrite_group(begin, valid)
-                self.truncate(good_end)
-                raise
+            except InvalidWal as exc:
+                return TrackedGroup(valid, good_end, exc)
             valid.append(view)
-        self._pwrite_group(begin, valid)
+        return TrackedGroup(valid, tracker.record_end, None)
+
+    def write_tracked(self, begin: Lsn, group: TrackedGroup) -> None:
+        """The IO half: one ``pwritev`` per segment. Invalid WAL raises ``InvalidWal`` after
+        the valid chunks were written and WAL was cut back to the last valid record's end, so
+        that storage and tracker agree again."""
+        self._pwrite_group(begin, group.views)
+        if group.error is not None:
+            # The tracker's state is garbage; truncate() syncs and starts a new one.
+            self.truncate(group.record_end)
+            raise group.error
 
     def _pwrite_group(self, begin: Lsn, views: list[memoryview]) -> None:
         pos = begin

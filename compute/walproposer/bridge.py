@@ -29,6 +29,7 @@ term above the one it saw, which is also what happens after the bridge itself re
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -145,6 +146,7 @@ class SafekeeperAddr:
 
     @classmethod
     def parse(cls, text: str) -> SafekeeperAddr:
+        """``host:port``."""
         host, sep, port = text.strip().rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"safekeeper address {text!r} is not host:port")
@@ -164,14 +166,24 @@ class BridgeConfig:
     pg_user: str = "postgres"
     # The name PostgreSQL's synchronous_standby_names lists.
     application_name: str = "walproposer"
-    slot_name: str = "walproposer"
+    slot_name: str = attrs.field(default="walproposer")
     # Where WAL starts on a fresh timeline; None: the slot's restart_lsn (see docs/walproposer.md).
     start_lsn: Lsn | None = None
     buffer_bytes: int = 64 * 1024 * 1024
+    # The slot keeps WAL from the lowest safekeeper flush, but never more than this behind the
+    # quorum (a safekeeper gone for good must not fill PostgreSQL's disk).
+    max_slot_lag_bytes: int = 1024 * 1024 * 1024
+    slot_interval_s: float = 1.0
     heartbeat_s: float = 1.0
     status_interval_s: float = 10.0
     connect_timeout_s: float = 5.0
     max_backoff_s: float = 2.0
+
+    @slot_name.validator
+    def _check_slot_name(self, _a: attrs.Attribute[str], value: str) -> None:
+        # PostgreSQL's own rule; it also keeps the name safe to put into SQL text.
+        if not re.fullmatch(r"[a-z0-9_]{1,63}", value):
+            raise ValueError(f"slot name {value!r}: use 1-63 of a-z, 0-9 and _")
 
 
 @attrs.frozen
@@ -236,6 +248,7 @@ class Bridge:
         self._elected = trio.Event()
         self.terms_run = 0
         self.reported_flush_lsn = INVALID_LSN
+        self.slot_lsn = INVALID_LSN
         self._status_requested = False
 
     # -- public --------------------------------------------------------------------------------
@@ -247,6 +260,7 @@ class Bridge:
             "elected": p.elected,
             "commit_lsn": format_lsn(p.commit_lsn),
             "reported_flush_lsn": format_lsn(self.reported_flush_lsn),
+            "slot_lsn": format_lsn(self.slot_lsn),
             "buffer": [format_lsn(self.buffer.start), format_lsn(self.buffer.end)],
             "safekeepers": [
                 {
@@ -310,6 +324,7 @@ class Bridge:
             slot = await self._ensure_slot(conn)
         finally:
             await conn.aclose()
+        self.slot_lsn = slot
         bootstrap = self.cfg.start_lsn if self.cfg.start_lsn is not None else slot
         return PostgresInfo(system_id, int(version or 0), parse_size(seg or ""), bootstrap)
 
@@ -338,6 +353,7 @@ class Bridge:
             for i in range(n):
                 nursery.start_soon(self._safekeeper_loop, i, info)
             nursery.start_soon(self._postgres_loop)
+            nursery.start_soon(self._slot_keeper)
 
     async def _safekeeper_loop(self, i: int, info: PostgresInfo) -> None:
         addr = self.cfg.safekeepers[i]
@@ -496,6 +512,57 @@ class Bridge:
             with trio.CancelScope(shield=True):
                 await pg.aclose()
 
+    # -- the slot --------------------------------------------------------------------------
+
+    def slot_target(self) -> Lsn:
+        """Where the slot may move: the lowest flush any safekeeper acknowledged in this term,
+        at most ``max_slot_lag_bytes`` behind commit_lsn, never past commit_lsn."""
+        p = self.proposer
+        lowest = min(s.acked_flush_lsn for s in p.slots)
+        floor = p.commit_lsn - self.cfg.max_slot_lag_bytes
+        return Lsn(min(max(lowest, floor, 0), p.commit_lsn))
+
+    async def _slot_keeper(self) -> None:
+        """Advance the physical slot so PostgreSQL keeps what a lagging safekeeper needs.
+
+        The synchronous standby reports the *quorum* flush; a slot moved by those reports would
+        let PostgreSQL drop WAL a minority safekeeper has not received yet. So the stream runs
+        without the slot and this task moves the slot with ``pg_replication_slot_advance`` to
+        the lowest acknowledged flush instead.
+        """
+        await self._elected.wait()
+        conn: PgConnection | None = None
+        try:
+            while True:
+                await trio.sleep(self.cfg.slot_interval_s)
+                target = self.slot_target()
+                if target <= self.slot_lsn:
+                    continue
+                try:
+                    if conn is None:
+                        params = {
+                            "user": self.cfg.pg_user,
+                            "dbname": "postgres",
+                            "application_name": f"{self.cfg.application_name}_slot",
+                        }
+                        with trio.fail_after(self.cfg.connect_timeout_s):
+                            conn = await self._connect(self.cfg.pg_host, self.cfg.pg_port, params)
+                    await conn.query(
+                        f"select pg_replication_slot_advance('{self.cfg.slot_name}', "
+                        f"'{format_lsn(target)}')"
+                    )
+                    self.slot_lsn = target
+                except CONNECTION_ERRORS as exc:
+                    log.warning("could not advance the slot", error=repr(exc))
+                    if conn is not None:
+                        with trio.CancelScope(shield=True):
+                            await conn.aclose()
+                        conn = None
+        finally:
+            if conn is not None:
+                with trio.CancelScope(shield=True):
+                    await conn.aclose()
+
     # -- PostgreSQL stream ---------------------------------------------------------------------
 
     async def _postgres_loop(self) -> None:
@@ -513,8 +580,21 @@ class Bridge:
         conn = await self._pg_connect(self.cfg.application_name)
         try:
             start = self.buffer.end
-            cmd = StartReplication(start, slot=self.cfg.slot_name)
-            copy = await conn.copy_both(cmd.to_sql())
+            # No slot on the stream: the slot keeper moves it separately (see _slot_keeper).
+            cmd = StartReplication(start)
+            try:
+                copy = await conn.copy_both(cmd.to_sql())
+            except PgError as exc:
+                election = self.proposer.election
+                if "removed" not in exc.message or not election or len(self.buffer):
+                    raise
+                # A lagging voter needs WAL PostgreSQL no longer has. Serve the donor's position
+                # from the window so the quorum can go on; the laggard's own catch-up stream
+                # will keep reporting the loss.
+                log.error("postgres lacks WAL a safekeeper needs", error=exc.message,
+                          window_start=format_lsn(election.epoch_start_lsn))
+                self.buffer.reset(Lsn(max(start, election.epoch_start_lsn)))
+                raise
             log.info("streaming from postgres", start=format_lsn(start))
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._postgres_status_sender, copy)

@@ -6,9 +6,12 @@ import argparse
 import json
 import os
 import signal
+from pathlib import Path
 
+import structlog
 import trio
 
+from common.logging import LEVELS, setup_logging
 from compute.walproposer.bridge import Bridge, BridgeConfig, SafekeeperAddr, pgclient_connect
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import parse_lsn
@@ -37,6 +40,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slot-name", default="walproposer", help="physical slot (created if missing)")
     parser.add_argument("--buffer-mb", type=int, default=64, help="WAL window kept in memory")
     parser.add_argument(
+        "--max-slot-lag-mb",
+        type=int,
+        default=1024,
+        help="the slot keeps WAL for lagging safekeepers, at most this far behind the quorum",
+    )
+    parser.add_argument("--log-file", default=None, help="JSON log lines here (default stderr)")
+    parser.add_argument("--log-level", default="info", choices=sorted(LEVELS, key=LEVELS.__getitem__))
+    parser.add_argument(
         "--status-file",
         default=None,
         help="write statistics() as JSON to this file every second (for tests and tools)",
@@ -55,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         application_name=args.application_name,
         slot_name=args.slot_name,
         buffer_bytes=args.buffer_mb * 1024 * 1024,
+        max_slot_lag_bytes=args.max_slot_lag_mb * 1024 * 1024,
     )
 
 
@@ -68,6 +80,9 @@ async def _write_status(bridge: Bridge, path: str) -> None:
 
 
 async def amain(cfg: BridgeConfig, status_file: str | None) -> None:
+    structlog.contextvars.bind_contextvars(
+        tenant_id=cfg.tenant_id.hex, timeline_id=cfg.timeline_id.hex
+    )
     bridge = Bridge(cfg, pgclient_connect)
     async with trio.open_nursery() as nursery:
         if status_file:
@@ -80,5 +95,6 @@ async def amain(cfg: BridgeConfig, status_file: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    setup_logging(log_file=Path(args.log_file) if args.log_file else None, level=args.log_level)
     trio.run(amain, config_from_args(args), args.status_file)
     return 0

@@ -19,6 +19,7 @@ from typing import Any, Final, Literal, TypeAlias
 import attrs
 import cattrs
 from cattrs.strategies import configure_tagged_union
+from cattrs.v import format_exception
 
 MAX_GET_VECTORED_KEYS: Final = 32
 Batching: TypeAlias = Literal["uniform-lsn", "scattered-lsn"]
@@ -95,14 +96,17 @@ def make_converter() -> cattrs.Converter:
 
 
 def structure_config(raw: dict[str, Any]) -> PageServiceConfig:
-    """Structure a config table; errors name the offending key (via cattrs' transform_error)."""
+    """Structure a config table; errors name the offending key and say what is wrong."""
     converter = make_converter()
     try:
         return converter.structure(raw, PageServiceConfig)
-    except Exception as exc:
-        messages = (
-            cattrs.transform_error(exc, path="page_service")
-            if isinstance(exc, cattrs.BaseValidationError)
-            else [str(exc)]
-        )
+    except cattrs.BaseValidationError as exc:
+        messages = cattrs.transform_error(exc, path="page_service", format_exception=_describe)
         raise ValueError("invalid page service config: " + "; ".join(messages)) from None
+
+
+def _describe(exc: BaseException, type_: type | None) -> str:
+    # cattrs says only "invalid value" for a validator's ValueError; its text is the point.
+    if isinstance(exc, ValueError) and str(exc):
+        return f"invalid value ({exc})"
+    return format_exception(exc, type_)

@@ -84,7 +84,6 @@ from protocol.pagestream import (
 )
 
 MAX_RECV: Final = 64 * 1024
-ZERO_PAGE_PLACEHOLDER: Final = b""  # never sent: every served slot is overwritten
 MAX_FORKNUM: Final = 3  # init fork
 
 REQUEST_TYPE: Final[dict[type, str]] = {
@@ -368,12 +367,15 @@ async def _execute_getpages(
     # ready when it folded must not inherit a later request's timeout (serial would serve it).
     last = timeline.last_record_lsn
     serve = [i for i, p in enumerate(batch) if wait_error is None or p.lsn <= last]
-    results: list[bytes | PageRequestError] = []
-    for p in batch:
-        if isinstance(wait_error, LsnTimeout):
-            results.append(_lsn_timeout(p.lsn, last, ctx.config.wait_lsn_timeout_s))
-        else:  # the slot is overwritten below unless the wait failed otherwise
-            results.append(wait_error if wait_error is not None else ZERO_PAGE_PLACEHOLDER)
+    results: list[bytes | PageRequestError | None] = [None] * len(batch)
+    if wait_error is not None:
+        for i, p in enumerate(batch):
+            if p.lsn > last:
+                results[i] = (
+                    _lsn_timeout(p.lsn, last, ctx.config.wait_lsn_timeout_s)
+                    if isinstance(wait_error, LsnTimeout)
+                    else wait_error
+                )
     if serve:
         reads = [PageRead(requests[i].rel, requests[i].blkno, batch[i].lsn) for i in serve]
         try:
@@ -382,15 +384,17 @@ async def _execute_getpages(
                 raise AssertionError(f"get_pages returned {len(got)} results for {len(reads)}")
         except PageRequestError as exc:
             got = [exc] * len(reads)  # the walk itself failed: every read of it fails
-        for i, result in zip(serve, got, strict=True):
-            results[i] = result
+        for i, got_one in zip(serve, got, strict=True):
+            results[i] = got_one
     metrics = ctx.metrics
-    for request, result in zip(requests, results, strict=True):
-        if isinstance(result, PageRequestError):
-            writer.error(request, str(result))
+    for request, outcome in zip(requests, results, strict=True):
+        if outcome is None:
+            raise AssertionError(f"no result for {request!r}")
+        if isinstance(outcome, PageRequestError):
+            writer.error(request, str(outcome))
             _count(metrics, request, False)
         else:
-            writer.get_page(request, result)
+            writer.get_page(request, outcome)
             _count(metrics, request, True)
 
 

@@ -48,6 +48,8 @@ from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn, format_lsn
 from protocol.pagestream import RelTag, SlruKind
 
+SIZE_CACHE_ENTRIES = 4096
+
 
 def _rel(rel: RelTag) -> DatadirRel:
     return DatadirRel(rel.spcnode, rel.dbnode, rel.relnode, rel.forknum)
@@ -60,6 +62,10 @@ class TimelinePageReader:
         self.timeline = timeline
         self.datadir = Datadir(timeline)
         self._shutdown = shutdown if shutdown is not None else trio.Event()
+        # (fork, lsn) -> nblocks. History at or below last_record_lsn never changes (and reads
+        # below the GC cutoff are refused before they get here), so a size read once at an LSN
+        # stays true; this saves the second engine read per batch on a hot timeline.
+        self._sizes_at: dict[tuple[RelTag, Lsn], int] = {}
 
     @property
     def last_record_lsn(self) -> Lsn:
@@ -112,9 +118,15 @@ class TimelinePageReader:
     ) -> dict[tuple[RelTag, Lsn], int | PageRequestError]:
         """Size of every (fork, LSN) the batch touches: one vectored read per distinct LSN."""
         by_lsn: dict[Lsn, set[RelTag]] = {}
-        for read in reads:
-            by_lsn.setdefault(read.lsn, set()).add(read.rel)
         sizes: dict[tuple[RelTag, Lsn], int | PageRequestError] = {}
+        known = self._sizes_at
+        for read in reads:
+            cached = known.get((read.rel, read.lsn))
+            if cached is not None:
+                sizes[(read.rel, read.lsn)] = cached
+            else:
+                by_lsn.setdefault(read.lsn, set()).add(read.rel)
+        final = self.timeline.last_record_lsn
         for lsn, rels in by_lsn.items():
             keys: set[Key] = set()
             for r in rels:
@@ -122,7 +134,11 @@ class TimelinePageReader:
                 keys.add(rel_size_key(r.spcnode, r.dbnode, r.relnode, r.forknum))
             got = await self.timeline.get_vectored_results(sorted(keys), lsn)
             for r in rels:
-                sizes[(r, lsn)] = _size_of(r, lsn, got)
+                size = sizes[(r, lsn)] = _size_of(r, lsn, got)
+                if isinstance(size, int) and lsn <= final:
+                    if len(known) >= SIZE_CACHE_ENTRIES:
+                        known.clear()  # crude but bounded; refills from the next batches
+                    known[(r, lsn)] = size
         return sizes
 
     async def get_pages(self, reads: Sequence[PageRead]) -> list[bytes | PageRequestError]:

@@ -10,7 +10,8 @@ index_part lists them instead of the L0s, then the L0 files go (via the graveyar
 partitions of about ``compaction_target_size`` / 8 KiB keys (extended to tile the whole key
 space, so together they cover everything); a partition whose delta stack above its newest image
 has reached ``image_creation_threshold`` gets an image layer at ``disk_consistent_lsn``, built
-with ``get_vectored`` in batches. Image layers hold every key that exists in their range,
+with ``get_vectored`` in batches. Unless forced, the check runs only after 2 x
+``checkpoint_distance`` of WAL since the last one. Image layers hold every key that exists in their range,
 inherited ones included.
 """
 
@@ -136,9 +137,16 @@ def partition_keys(keys: list[Key], target_size: int) -> list[tuple[KeyRange, li
     return parts
 
 
+# Neon's image_layer_creation_check_threshold: look for work only every 2 checkpoint_distances
+# of WAL (finding the keyspace scans every layer index).
+IMAGE_CHECK_DISTANCES = 2
+
+
 async def create_image_layers(tl: Timeline, *, force: bool = False) -> list[PersistentLayer]:
     lsn = tl.disk_consistent_lsn
     if lsn <= 0 or lsn < tl.latest_gc_cutoff_lsn:
+        return []
+    if not force and lsn - tl.last_image_check_lsn < IMAGE_CHECK_DISTANCES * tl.config.checkpoint_distance:
         return []
     keys = sorted(await collect_keys(tl, lsn))
     created: list[PersistentLayer] = []

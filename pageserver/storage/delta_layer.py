@@ -24,7 +24,7 @@ from pathlib import Path
 import attrs
 
 from pageserver.storage.io_engine import IoEngine
-from pageserver.storage.key import KEY_SIZE, Key, KeyRange, key_from_int, key_next
+from pageserver.storage.key import KEY_SIZE, Key, KeyRange, key_next
 from pageserver.storage.layer_file import (
     IndexBlockCache,
     IndexEntry,
@@ -196,8 +196,8 @@ class PersistentLayer:
         # key -> [(lsn, offset, length, crc)], oldest first, from the newest will_init up.
         # Index order is (key, lsn) order is file order, so the plan comes out sorted by offset.
         planned: dict[Key, list[tuple[int, int, int, int, bool]]] = {}
-        for start, end in key_runs(keys):
-            for block, lo, hi in await r.scan(prefix_of(start, 0), prefix_of(end, 0)):
+        for first, last in key_runs(keys):
+            for block, lo, hi in await r.scan(first + _ZERO_LSN, last + _ALL_LSNS_END):
                 bkeys, lsns, positions = block.keys, block.lsns, block.positions
                 lengths, crcs = block.lengths, block.crcs
                 for i in range(lo, hi):
@@ -215,6 +215,9 @@ class PersistentLayer:
                         planned[key] = [blob]
                     else:
                         lst.append(blob)
+        if not planned:
+            self._finish_keys(keys, floor, states, ctx)
+            return
         # Plan the reads: a read grows while the next blob starts where it ends (invariant 7).
         flat = [(key, blob) for key, lst in planned.items() for blob in lst]
         slot0 = len(ctx.blobs)
@@ -288,23 +291,31 @@ class PersistentLayer:
 
 
 def key_runs(keys: Sequence[Key]) -> list[tuple[Key, Key]]:
-    """Sorted distinct keys -> ``[start, end)`` runs of consecutive keys."""
-    runs: list[tuple[Key, Key]] = []
+    """Sorted distinct keys -> inclusive ``(first, last)`` runs of consecutive keys."""
     if not keys:
-        return runs
-    start = keys[0]
-    prev = int.from_bytes(start, "big")
-    last = int.from_bytes(keys[-1], "big")
-    if last - prev == len(keys) - 1:  # the common case: one block run (sorted and distinct)
-        return [(start, key_from_int(last + 1))]
+        return []
+    first = keys[0]
+    if len(keys) == 1:
+        return [(first, first)]
+    prev = int.from_bytes(first, "big")
+    if int.from_bytes(keys[-1], "big") - prev == len(keys) - 1:
+        return [(first, keys[-1])]  # the common case: one run of blocks (sorted and distinct)
+    runs: list[tuple[Key, Key]] = []
+    start = last = first
     for key in keys[1:]:
         value = int.from_bytes(key, "big")
         if value != prev + 1:
-            runs.append((start, key_from_int(prev + 1)))
+            runs.append((start, last))
             start = key
         prev = value
-    runs.append((start, key_from_int(prev + 1)))
+        last = key
+    runs.append((start, last))
     return runs
+
+
+# Above every (key, lsn) prefix of the same key: scanning [key + 0*8, key + this) covers all LSNs.
+_ALL_LSNS_END = b"\xff" * 9
+_ZERO_LSN = bytes(8)
 
 
 async def write_delta_layer(

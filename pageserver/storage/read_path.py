@@ -29,7 +29,7 @@ from typing import Protocol
 
 from pageserver.storage.delta_layer import PersistentLayer, ReadContext, key_runs, read_and_resolve
 from pageserver.storage.inmemory_layer import InMemoryLayer
-from pageserver.storage.key import Key, KeyRange, is_inherited_key, key_hex
+from pageserver.storage.key import Key, KeyRange, is_inherited_key, key_hex, key_next
 from pageserver.storage.layer_map import LayerMap
 from pageserver.storage.reconstruct import KeyState
 from protocol.lsn import Lsn
@@ -117,6 +117,9 @@ class _Fringe:
         self._reads[ident] = (layer, keys)
         heapq.heappush(self._heap, (-cont, floor, id(layer)))
 
+    def empty(self) -> bool:
+        return not self._heap
+
     def pop(self) -> tuple[Layer, list[Key], int, int] | None:
         if not self._heap:
             return None
@@ -150,20 +153,32 @@ async def _walk_timeline(
     fringe = _Fringe()
     while True:
         unmapped = _pending(unmapped, states, cont_lsn, ctx.any_cached)
+        item: tuple[Layer, list[Key], int, int] | None = None
         if unmapped:
             mem = _first_in_memory(tl, cont_lsn)
             if mem is not None:
-                fringe.push(mem, unmapped, mem.start_lsn, cont_lsn)
+                item = (mem, unmapped, mem.start_lsn, cont_lsn)
             else:
-                for start, end in key_runs(unmapped):
+                runs = key_runs(unmapped)
+                for first, last in runs:
+                    start, end = first, key_next(last)
                     found, _missing = tl.layer_map.range_search(KeyRange(start, end), cont_lsn)
+                    if len(runs) == 1 and len(found) == 1 and found[0][2].start == start and found[0][2].end == end:
+                        item = (found[0][0], unmapped, found[0][1], cont_lsn)
+                        break
                     for hist, hist_floor, sub in found:
                         lo = bisect.bisect_left(unmapped, sub.start)
                         hi = bisect.bisect_left(unmapped, sub.end, lo)
                         fringe.push(hist, unmapped[lo:hi], hist_floor, cont_lsn)
-        item = fringe.pop()
+            if item is not None and not fringe.empty():
+                # other reads are pending: order them all by LSN range
+                fringe.push(*item)
+                item = None
         if item is None:
-            return
+            # (the usual L0-stack step, one layer for every key, skips the fringe entirely)
+            item = fringe.pop()
+            if item is None:
+                return
         layer, routed, floor, cont = item
         if ctx.any_cached:
             # a key sits in one fringe entry at a time, so only a cached page can have

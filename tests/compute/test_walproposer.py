@@ -8,6 +8,8 @@ content (the same writing term at every LSN) in every later term.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import pytest
 from hypothesis import given, settings
@@ -24,17 +26,23 @@ from compute.walproposer.proposer import (
     start_streaming_point,
 )
 from protocol.errors import LocalProtocolError
-from protocol.lsn import Lsn
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import WAL_SEGMENT_SIZE, Lsn
 from protocol.safekeeper import (
     AcceptorGreeting,
+    AppendRequest,
     AppendResponse,
     ProposerElected,
+    ProposerGreeting,
     TermSwitchEntry,
     VoteRequest,
     VoteResponse,
 )
+from safekeeper.acceptor import Acceptor, Reply
+from safekeeper.control_file import PersistentState
 
 BOOT = Lsn(0x0100_0028)
+TENANT, TIMELINE = TenantId(bytes(range(16))), TimelineId(bytes(range(16, 32)))
 
 
 def test_quorum_size() -> None:
@@ -246,6 +254,52 @@ class ModelAcceptor:
         return AppendResponse(self.term, Lsn(self.flush), Lsn(0))
 
 
+class SafekeeperAcceptor:
+    """The safekeeper room's real acceptor state machine behind the model's interface: the
+    proposer's messages must be ones it accepts (start points, contiguous appends)."""
+
+    def __init__(self, node_id: int) -> None:
+        self.acc = Acceptor(node_id, PersistentState(TENANT, TIMELINE), Lsn(0))
+
+    @property
+    def term(self) -> int:
+        return self.acc.term
+
+    @property
+    def history(self) -> TermHistory:
+        return self.acc.state.term_history
+
+    @property
+    def flush(self) -> int:
+        return self.acc.flush_lsn
+
+    def _reply(self, effects: Sequence[object]) -> object:
+        replies = [e.msg for e in effects if isinstance(e, Reply)]
+        return replies[0] if replies else None
+
+    def vote(self, req: VoteRequest) -> VoteResponse:
+        greeting = self._reply(
+            self.acc.process(ProposerGreeting(TENANT, TIMELINE, 150000, 1, WAL_SEGMENT_SIZE))
+        )
+        assert isinstance(greeting, AcceptorGreeting)
+        resp = self._reply(self.acc.process(req))
+        assert isinstance(resp, VoteResponse)
+        return resp
+
+    def elected(self, msg: ProposerElected) -> None:
+        assert self._reply(self.acc.process(msg)) is None
+
+    def append(self, term: int, begin: int, end: int) -> AppendResponse:
+        req = AppendRequest(term, Lsn(begin), Lsn(end), Lsn(0), Lsn(0), bytes(end - begin))
+        refusal = self._reply(self.acc.process(req))
+        if refusal is not None:
+            assert isinstance(refusal, AppendResponse)
+            return refusal
+        # Model WAL has no records: every byte position counts as a record end.
+        self.acc.wal_flushed(Lsn(max(end, self.acc.flush_record_lsn)))
+        return self.acc.append_response()
+
+
 def segments(history: TermHistory, end: int) -> list[tuple[int, int, int]]:
     """(start, end, term) pieces of WAL [first lsn, end) as written per ``history``."""
     out: list[tuple[int, int, int]] = []
@@ -257,10 +311,27 @@ def segments(history: TermHistory, end: int) -> list[tuple[int, int, int]]:
     return out
 
 
-@settings(max_examples=300)
-@given(st.sampled_from([1, 2, 3, 5]), st.data())
-def test_committed_wal_survives_every_later_election(n: int, data: st.DataObject) -> None:
-    acceptors = [ModelAcceptor(i) for i in range(n)]
+@pytest.mark.parametrize(
+    "acceptor",
+    [
+        ModelAcceptor,
+        pytest.param(
+            SafekeeperAcceptor,
+            marks=pytest.mark.xfail(
+                strict=False,
+                reason="safekeeper/acceptor.py checks start_streaming_at against its whole term "
+                "history; Neon cuts it at flush_lsn first (TermHistory::up_to), so an acceptor "
+                "that saw ProposerElected of a term but no WAL of it refuses the next election",
+            ),
+        ),
+    ],
+)
+@settings(max_examples=150)
+@given(n=st.sampled_from([1, 2, 3, 5]), data=st.data())
+def test_committed_wal_survives_every_later_election(
+    acceptor: type[ModelAcceptor | SafekeeperAcceptor], n: int, data: st.DataObject
+) -> None:
+    acceptors = [acceptor(i) for i in range(n)]
     committed: list[tuple[TermHistory, int]] = []
     min_term = 0
     for _round in range(data.draw(st.integers(1, 5), label="rounds")):
@@ -288,7 +359,7 @@ def test_committed_wal_survives_every_later_election(n: int, data: st.DataObject
                 action = data.draw(st.sampled_from(["wal", "send", "send", "drop"]), label="action")
                 active = [i for i in range(n) if p.slots[i].phase is Phase.ACTIVE]
                 if action == "wal":
-                    wal_end += data.draw(st.integers(1, 300_000))
+                    wal_end += data.draw(st.integers(1, 300_000 if acceptor is ModelAcceptor else 3_000))
                 elif action == "send" and active:
                     i = data.draw(st.sampled_from(active))
                     begin, end = p.next_append(i, Lsn(wal_end))
@@ -353,3 +424,13 @@ def test_newer_term_beats_longer_log() -> None:
     # sk0 holds term-1 WAL where term 2 wrote: it is truncated back to where term 2 began.
     assert p3.slots[0].start_streaming_at == BOOT
     assert acc[0].flush == BOOT
+
+
+def test_history_entry_beyond_flush_does_not_count() -> None:
+    """An acceptor told about term 2 (starting at B+9) that never received term-2 WAL reports
+    its history cut at its flush (B): it agrees with a term-3 proposer only up to B."""
+    b = BOOT
+    prop = h((1, b), (3, b + 9))
+    assert start_streaming_point(prop, h((1, b)), Lsn(b)) == b
+    # The donor that holds term-1 WAL up to B+9 is streamed from its end.
+    assert start_streaming_point(prop, h((1, b)), Lsn(b + 9)) == b + 9

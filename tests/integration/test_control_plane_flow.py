@@ -160,3 +160,27 @@ def test_branch_and_past_lsn_endpoints(cluster_dir: Path, capsys: pytest.Capture
     pagestore(capsys, "stop", *wd)
     assert all(p is not None and not is_alive(p) for p in pids)
     assert not any((cluster_dir / f"endpoints/{n}/pgdata/postmaster.pid").exists() for n in ("main", "half", "past"))
+
+
+def test_import_a_data_directory(cluster_dir: Path, pg_tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``timeline import --pgdata``: a stopped PostgreSQL's data becomes a branch an endpoint runs on."""
+    source = PostgresInstance.create(pg_tmp_path / "source")
+    source.start()
+    source.psql("CREATE TABLE imported AS SELECT g, md5(g::text) AS m FROM generate_series(1, 3000) g")
+    expected = source.psql("SELECT count(*), sum(g), max(m) FROM imported")
+    source.stop()
+
+    wd = ["--workdir", str(cluster_dir)]
+    pagestore(capsys, "start", *wd)
+    pagestore_json(capsys, "tenant", "create", *wd)
+    imported = pagestore_json(capsys, "timeline", "import", *wd, "--pgdata", str(source.datadir),
+                              "--branch-name", "imported")
+    assert imported["branch"] == "imported"
+    ep = pagestore_json(capsys, "endpoint", "start", "imp", *wd, "--branch-name", "imported")
+    assert ep["basebackup_lsn"] == imported["last_record_lsn"]
+    pg = PostgresInstance(cluster_dir / "endpoints/imp/pgdata", port=ep["port"], started=True)
+    assert pg.psql("SELECT count(*), sum(g), max(m) FROM imported") == expected
+    pg.psql("INSERT INTO imported VALUES (0, 'new')")
+    assert pg.psql("SELECT count(*) FROM imported") == "3001"
+    assert {t["branch"] for t in pagestore_json(capsys, "timeline", "list", *wd)} == {"main", "imported"}

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
+import shutil
 import tarfile
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from compute.postgres import PostgresInstance, initdb, pg_binary, run_as_postgres
 from pageserver.basebackup import (
+    CHUNK_BYTES,
     BackupResult,
     checkpoint_record_lsn,
     wal_segment_with_checkpoint,
@@ -85,6 +90,7 @@ async def _backup(
         chunks.append(b)
 
     result = await write_basebackup(DirectorySource(datadir), lsn, send, gzip=gzip_, now=now)
+    assert all(0 < len(c) <= CHUNK_BYTES for c in chunks)
     return b"".join(chunks), result
 
 
@@ -94,15 +100,15 @@ def _initdb_end_lsn(datadir: Path) -> Lsn:
 
 
 @pytest.fixture(scope="module")
-def initdb_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import os
-    import tempfile
-
+def initdb_dir() -> Iterator[Path]:
     base = Path(tempfile.mkdtemp(prefix="pagestore-bb-", dir="/tmp"))
     os.chmod(base, 0o755)
-    datadir = base / "initdb"
-    initdb(datadir)
-    return datadir
+    try:
+        datadir = base / "initdb"
+        initdb(datadir)
+        yield datadir
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.postgres

@@ -159,3 +159,28 @@ async def test_double_buffering_needs_the_owners_nursery(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="owner's nursery"):
         await EphemeralFile.create(make_io_engine("blocking"), tmp_path, double_buffering=True)
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_real_ingest_path_gives_identical_layers_for_every_io_knob(tmp_path: Path) -> None:
+    """WAL -> decoder -> ingest -> in-memory layer (ephemeral file) -> L0, as ``bench ingest``
+    runs it: the IO knobs change speed, never bytes. Tiny buffers force many (background)
+    flushes, and O_DIRECT pads and truncates."""
+    from bench.ingest import RowConfig, build_wal, run_row
+
+    chunks, counts = build_wal(1 << 20, fpi_every=2, seed=7)
+    assert counts["fpis"] > 0 and counts["heap_inserts"] > 3000
+    layers: list[dict[str, bytes]] = []
+    for i, row in enumerate([
+        RowConfig("blocking", 8192, False, "none"),
+        RowConfig("threadpool", 4096, True, "direct"),
+        RowConfig("blocking", 1 << 20, True, "dsync"),
+    ]):
+        workdir = tmp_path / str(i)
+        workdir.mkdir()
+        result = await run_row(row, chunks, workdir, keep=True)
+        assert result["records"] == counts["heap_inserts"] + counts["fpis"]
+        assert result["l0_layers"] == 1
+        tl_dir = Path(result["timeline_dir"])
+        assert not [p for p in tl_dir.iterdir() if p.name.startswith("ephemeral-")]
+        layers.append({p.name: p.read_bytes() for p in tl_dir.iterdir() if "__" in p.name})
+    assert layers[0] and layers[0] == layers[1] == layers[2]

@@ -11,7 +11,8 @@ import os
 import re
 import shutil
 import tarfile
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -104,13 +105,13 @@ def test_checkpoint_roundtrip(cp: CheckPoint) -> None:
 
 
 @pytest.fixture(scope="module")
-def initdb_dir() -> AsyncIterator[Path]:
+def initdb_dir() -> Iterator[Path]:
     from compute.postgres import initdb
 
-    root = Path(__import__("tempfile").mkdtemp(prefix="pagestore-import-", dir="/tmp"))
+    root = Path(tempfile.mkdtemp(prefix="pagestore-import-", dir="/tmp"))
     os.chmod(root, 0o755)
     initdb(root / "pgdata")
-    yield root / "pgdata"  # type: ignore[misc]
+    yield root / "pgdata"
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -257,4 +258,53 @@ async def test_bootstrap_timeline(tmp_path: Path) -> None:
     assert (GLOBALTABLESPACE_OID, 0) in dbs and (DEFAULTTABLESPACE_OID, 1) in dbs
     # pg_class of template1 is there and non-empty
     assert await dd.get_rel_size(RelTag(DEFAULTTABLESPACE_OID, 1, 1259, 0), tl.last_record_lsn) > 0
+    await tenant.shutdown()
+
+
+@pytest.mark.postgres
+async def test_import_pg_basebackup_tar(initdb_dir: Path, pg_tmp_path: Path) -> None:
+    """A ``pg_basebackup -Ft -X fetch`` of a running server imports at its START WAL LOCATION,
+    its WAL makes it consistent, and the result equals the server's files once the server
+    (idle since the backup) is shut down."""
+    from compute.postgres import (
+        PostgresInstance,
+        chown_to_postgres,
+        make_postgres_dir,
+        pg_binary,
+        run_as_postgres,
+    )
+    from tests.pageserver.test_walingest_pg import _compare_with_files
+
+    pgdata = pg_tmp_path / "pg"
+    shutil.copytree(initdb_dir, pgdata, symlinks=True)
+    chown_to_postgres(pgdata)
+    os.chmod(pgdata, 0o700)
+    pg = PostgresInstance(datadir=pgdata, settings={"autovacuum": "off", "fsync": "off"})
+    pg.start()
+    try:
+        pg.psql(
+            "CREATE TABLE t (id int PRIMARY KEY, v text);"
+            "INSERT INTO t SELECT g, repeat('v', 50) FROM generate_series(1, 3000) g;"
+        )
+        backup = make_postgres_dir(pg_tmp_path / "backup")
+        run_as_postgres(
+            [pg_binary("pg_basebackup"), "-h", "127.0.0.1", "-p", str(pg.port), "-U", "postgres",
+             "-D", str(backup), "-Ft", "-X", "fetch", "-c", "fast"]
+        )
+        with tarfile.open(backup / "base.tar") as tar:
+            label = tar.extractfile("backup_label")
+            assert label is not None
+            start_line = label.read().decode().splitlines()[0]
+    finally:
+        pg.stop("fast")
+    tenant = Tenant(pg_tmp_path / "t", TenantId.generate(), CONFIG, redo=PostgresRedoManager())
+    tl = await tenant.create_timeline(TimelineId.generate())
+    result = await import_datadir(tl, backup / "base.tar")
+    assert start_line.startswith("START WAL LOCATION: ")
+    assert start_line.split()[3] == f"{result.base_lsn >> 32:X}/{result.base_lsn & 0xFFFF_FFFF:X}"
+    assert result.end_lsn > result.control.checkpoint
+    dd = Datadir(tl)
+    user_rels = [r for r in await dd.list_rels(DEFAULTTABLESPACE_OID, 5, tl.last_record_lsn) if r.rel >= 16384]
+    assert len(user_rels) >= 2  # the table and its primary key, created before the backup
+    await _compare_with_files(tl, pgdata, set())
     await tenant.shutdown()

@@ -86,18 +86,6 @@ def _copy_out(node: NodeProcess, query: str) -> bytes:
         return b"".join(bytes(chunk) for chunk in copy)
 
 
-def test_restart_keeps_tenants_and_timelines(node: NodeProcess) -> None:
-    tenant, timeline, lsn = _bootstrap(node)
-    assert node.stop() == 0
-    assert "pageserver stopped" in node.log_text
-    node.start()
-    status, info = node.request("GET", f"/v1/tenant/{tenant}/timeline/{timeline}")
-    assert status == 200, info
-    assert info["last_record_lsn"] == lsn and info["disk_consistent_lsn"] == lsn
-    status, tenants = node.request("GET", "/v1/tenant")
-    assert [t["id"] for t in tenants] == [tenant]
-
-
 def test_basebackup_over_libpq_boots_postgres(
     shared: tuple[NodeProcess, tuple[str, str, str]], base: Path
 ) -> None:
@@ -148,6 +136,8 @@ BAD_BACKUP_QUERIES = [
     ("basebackup {t} {tl} --bogus", "unknown argument"),
     ("fullbackup {t} {tl} 0/1 0/1 0/1", "at most 4 arguments"),
     ("basebackup {t} {tl} 0/1000004", "not a record boundary"),
+    ("basebackup {t} {tl} 0/8", "no data directory at 0/8"),
+    ("fullbackup {t} {tl} 0/1000000 0/2000000", "prev_lsn 0/2000000 is not before"),
 ]
 
 
@@ -182,8 +172,8 @@ async def test_pagestream_page_equals_basebackup_file(
         assert not await client.exists(RelTag(1663, 5, 999_999, 0))
 
 
-async def test_sigterm_ends_open_pagestream_with_57p01(node: NodeProcess) -> None:
-    tenant, timeline, _ = await trio.to_thread.run_sync(_bootstrap, node)
+async def test_sigterm_ends_pagestream_with_57p01_and_restart_keeps_tenants(node: NodeProcess) -> None:
+    tenant, timeline, lsn = await trio.to_thread.run_sync(_bootstrap, node)
     async with await PageClient.connect("127.0.0.1", node.pg_port, TenantId.parse(tenant),
                                         TimelineId.parse(timeline)) as client:
         rel = RelTag(1663, 5, 1259, 0)
@@ -194,3 +184,11 @@ async def test_sigterm_ends_open_pagestream_with_57p01(node: NodeProcess) -> Non
             for _ in range(3):
                 await client.nblocks(rel)
         assert info.value.sqlstate == "57P01"
+    assert "pageserver stopped" in node.log_text
+
+    await trio.to_thread.run_sync(node.start)
+    status, got = await trio.to_thread.run_sync(node.request, "GET", f"/v1/tenant/{tenant}/timeline/{timeline}")
+    assert status == 200, got
+    assert got["last_record_lsn"] == lsn and got["disk_consistent_lsn"] == lsn
+    status, tenants = await trio.to_thread.run_sync(node.request, "GET", "/v1/tenant")
+    assert [t["id"] for t in tenants] == [tenant]

@@ -25,6 +25,7 @@ from pageserver.page_service.handler import (
 )
 from pageserver.page_service.metrics import PageServiceMetrics
 from pageserver.page_service.reader import NotFound, PageReader
+from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn
 from protocol.pagestream import (
@@ -33,9 +34,12 @@ from protocol.pagestream import (
     GetPageRequest,
     GetPageResponse,
     RelTag,
+    Response,
     SlruKind,
+    decode_request,
     decode_response,
     encode_request,
+    encode_response,
 )
 from protocol.pgwire.errors import PgError
 from tests.pageserver.page_service_fakes import ZERO_PAGE, FakeTimeline, page_image, slru_segment
@@ -327,3 +331,49 @@ async def test_hostile_connections_do_not_disturb_others() -> None:
             await good.aclose()
 
 
+
+
+class LyingHandler:
+    """Answers every GetPage with the response to a different request (wrong reqid)."""
+
+    async def handle_query(self, conn: object, query: str) -> None:
+        copy = await conn.enter_copy_both()  # type: ignore[attr-defined]
+        while (payload := await copy.receive()) is not None:
+            req = decode_request(payload, 3)
+            assert isinstance(req, GetPageRequest)
+            wrong = GetPageRequest(req.reqid + 1, req.request_lsn, req.not_modified_since, req.rel, req.blkno)
+            await copy.send(encode_response(GetPageResponse(wrong, ZERO_PAGE), 3))
+
+
+async def test_page_client_refuses_mismatched_v3_response() -> None:
+    server = PgServer(LyingHandler(), PgServerConfig(port=0, idle_timeout_s=None))
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            conn = await connect_memory(server, nursery)
+            client = await PageClient.start(conn, TENANT, TIMELINE)
+            with pytest.raises(RemoteProtocolError, match="does not answer"):
+                await client.get_page(REL, 1)
+            await conn.aclose()
+
+
+async def test_page_client_pipelined_queue_depth() -> None:
+    """At most queue_depth requests are ever in flight; all responses arrive in order."""
+    tl = make_timeline()
+    server = make_server(tl)
+    seen_depths: list[int] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            conn = await connect_memory(server, nursery)
+            client = await PageClient.start(conn, TENANT, TIMELINE)
+            original_receive = client.receive
+
+            async def spying_receive() -> Response:
+                seen_depths.append(client.in_flight)
+                return await original_receive()
+
+            client.receive = spying_receive  # type: ignore[method-assign]
+            requests = [GetPageRequest(client.next_reqid(), MAX, Lsn(0), REL, i % 10) for i in range(100)]
+            responses = await client.pipelined(requests, queue_depth=4)
+            assert [r.request for r in responses] == requests  # type: ignore[union-attr]
+            await conn.aclose()
+    assert max(seen_depths) <= 4 and max(seen_depths) > 1

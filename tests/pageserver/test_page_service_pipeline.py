@@ -23,6 +23,7 @@ from pageserver.page_service.config import (
     PageServiceConfig,
     PipelinedPipelining,
     SerialPipelining,
+    structure_config,
 )
 from pageserver.page_service.metrics import PageServiceMetrics
 from pageserver.page_service.pipeline import PagestreamContext, serve_pagestream_bytes
@@ -592,3 +593,26 @@ async def test_metrics(autojump_clock: trio.testing.MockClock) -> None:
     assert metrics.batching_factor() > 4
     assert get("pageserver_page_service_getpage_execution_seconds_count") == 65
     assert get("pageserver_page_service_time_in_batcher_seconds_count") == 66
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+
+
+def test_pipelining_config_tagged_union() -> None:
+    assert structure_config({}).page_service_pipelining == PipelinedPipelining(32, "scattered-lsn")
+    serial = structure_config({"page_service_pipelining": {"mode": "serial"}})
+    assert serial.page_service_pipelining == SerialPipelining()
+    piped = structure_config({"page_service_pipelining": {"mode": "pipelined", "max_batch_size": 8}})
+    # present without batching: neon's serde default, uniform-lsn
+    assert piped.page_service_pipelining == PipelinedPipelining(8, "uniform-lsn")
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"page_service_pipelining": {"mode": "pipelined", "max_batch_size": 64}}, "max_get_vectored_keys"),
+        ({"page_service_pipelining": {"mode": "pipelined", "batching": "sideways"}}, "batching"),
+        ({"page_service_pipelining": {"mode": "bogus"}}, "page_service"),
+        ({"page_service_pipelining": {"mode": "serial", "extra": 1}}, "extra"),
+        ({"wait_lsn_timeout_s": "soon"}, "wait_lsn_timeout_s"),
+    ]
+    for bad, word in cases:
+        with pytest.raises(ValueError, match=word):
+            structure_config(bad)

@@ -12,7 +12,7 @@ import trio.testing
 
 from pageserver.page_service.config import PageServiceConfig, PipelinedPipelining, SerialPipelining
 from pageserver.page_service.pipeline import PagestreamContext, serve_pagestream_bytes
-from pageserver.page_service.reader import SingleTimeline
+from pageserver.page_service.reader import PageRead, SingleTimeline
 from pageserver.page_service.timeline_adapter import TimelinePageReader
 from pageserver.pgdatadir import DatadirWriter
 from pageserver.storage.config import StorageConfig
@@ -125,3 +125,19 @@ async def test_pipelined_equals_serial_on_the_engine(tmp_path: Path) -> None:
     for batching in ("uniform-lsn", "scattered-lsn"):
         config = PageServiceConfig(page_service_pipelining=PipelinedPipelining(32, batching))
         assert await serve(tenant, config, reqs) == serial
+
+
+async def test_relation_growth_is_seen_through_the_size_cache(tmp_path: Path) -> None:
+    """Sizes are cached per (fork, LSN); a later LSN with a bigger relation is a new entry."""
+    tenant = await build_timeline(tmp_path / "t")
+    tl = next(iter(tenant.timelines.values()))
+    reader = TimelinePageReader(tl)
+    beyond = PageRead(REL, NBLOCKS + 2, tl.last_record_lsn)
+    assert await reader.get_pages([beyond]) == [bytes(BLCKSZ)]
+    writer = DatadirWriter(tl)
+    mod = writer.begin(Lsn(0x300))
+    await mod.put_rel_extend((1663, 5, 16384, 0), NBLOCKS + 5)
+    await mod.put_rel_page((1663, 5, 16384, 0), NBLOCKS + 2, Image(page(NBLOCKS + 2, 3)))
+    await mod.commit()
+    old, new = PageRead(REL, NBLOCKS + 2, Lsn(0x200)), PageRead(REL, NBLOCKS + 2, Lsn(0x300))
+    assert await reader.get_pages([old, new]) == [bytes(BLCKSZ), page(NBLOCKS + 2, 3)]

@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pageserver.storage.delta_layer import (
     PersistentLayer,
@@ -238,3 +240,41 @@ def test_layer_file_names_round_trip() -> None:
     assert LayerDesc.parse_file_name("ephemeral-3") is None
     assert LayerDesc.parse_file_name(d.file_name() + ".___temp") is None
     assert os.sep not in d.file_name()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+async def test_any_flipped_byte_gives_right_values_or_a_corruption_error(
+    tmp_path: Path, data: st.DataObject
+) -> None:
+    engine = BlockingIoEngine()
+    directory = tmp_path / f"fuzz-{data.draw(st.integers(0, 10**9), label='dir')}"
+    directory.mkdir()
+    items = [
+        (k(i), lsn, v)
+        for i in range(300)
+        for lsn, v in ((100, Image(b"base%d" % i)), (110, TestRecord.wal_append(f",{i}")))
+    ]
+    path = await write_delta_layer(engine, directory, KeyRange(k(0), k(300)), Lsn(100), Lsn(120), _entries(items))
+    assert path is not None
+    raw = bytearray(path.read_bytes())
+    pos = data.draw(st.integers(0, len(raw) - 1), label="position")
+    raw[pos] ^= data.draw(st.integers(1, 255), label="xor")
+    path.write_bytes(bytes(raw))
+    try:
+        layer = await PersistentLayer.open(engine, path, IndexBlockCache(16))
+        try:
+            states = _deferring({k(i): KeyState() for i in range(300)})
+            ctx = ReadContext()
+            await layer.get_values_vectored(sorted(states), 0, 120, states, ctx)
+            await read_and_resolve(ctx, states.values())
+            for i, st in enumerate(states.values()):
+                assert st.img == (100, b"base%d" % i)
+                assert st.records == [(110, TestRecord.wal_append(f",{i}"))]
+                legacy = KeyState()
+                await layer.get_value_legacy(k(i), 0, 120, legacy)
+                assert legacy.img == st.img and legacy.records == st.records
+        finally:
+            await layer.aclose()
+    except LayerCorruptionError as exc:
+        assert str(path) in str(exc)

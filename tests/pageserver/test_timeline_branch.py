@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import structlog
 import trio
+import trio.lowlevel
 import trio.testing
 from prometheus_client import REGISTRY
 
@@ -237,4 +238,60 @@ async def test_background_jobs_flush_old_layers_compact_and_gc(
         assert tl.latest_gc_cutoff_lsn == 12
         nursery.cancel_scope.cancel()
     assert await tl.get_vectored([k(0), k(1), k(2)], Lsn(12)) == {k(0): b"r0", k(1): b"r1", k(2): b"r2"}
+    await tenant.shutdown()
+
+
+async def test_reads_race_with_flushes_and_compactions(tmp_path: Path) -> None:
+    """Readers run while puts roll layers and compaction/GC replace them (threadpool engine, so
+    every IO await really yields to the other tasks)."""
+    cfg = StorageConfig(validate_get=True, double_buffering=True, io_engine="threadpool",
+                        write_buffer_size=1024, checkpoint_distance=8 * 1024,
+                        compaction_threshold=3, compaction_target_size=8192 * 4,
+                        image_creation_threshold=2, gc_horizon=400, pitr_interval_s=0)
+    model: dict[Key, list[tuple[int, bytes]]] = {}
+    done = trio.Event()
+    checked = 0
+
+    def expected(key: Key, lsn: int) -> bytes | None:
+        page = None
+        for at, data in model.get(key, []):
+            if at <= lsn:
+                page = data
+        return page
+
+    async with trio.open_nursery() as nursery:
+        tenant = Tenant(tmp_path, TenantId.generate(), cfg, nursery=nursery)
+        tl = await tenant.create_timeline(TimelineId.generate())
+
+        async def writer() -> None:
+            for lsn in range(1, 1500):
+                key = k(lsn % 37)
+                data = b"%d:" % lsn + bytes(150)
+                await tl.put(key, Lsn(lsn), Image(data))
+                model.setdefault(key, []).append((lsn, data))
+                tl.finish_write(Lsn(lsn))
+                if lsn % 200 == 0:
+                    await tl.compact(force_image=lsn % 400 == 0)
+                    await tenant.gc()
+            done.set()
+
+        async def reader(seed: int) -> None:
+            nonlocal checked
+            i = seed
+            while not done.is_set():
+                lsn = tl.last_record_lsn
+                keys = [k((i + j) % 37) for j in range(8)]
+                got = await tl.get_vectored_results(keys, lsn)
+                for key in keys:
+                    want = expected(key, lsn)
+                    assert got[key] == want if want is not None else isinstance(got[key], MissingKeyError)
+                checked += 1
+                i += 5
+                await trio.lowlevel.checkpoint()
+
+        nursery.start_soon(writer)
+        for seed in range(3):
+            nursery.start_soon(reader, seed)
+    assert checked > 50
+    assert tl.layer_map.l0_layers() != list(tl.layer_map)  # compaction/images happened
     await tenant.shutdown()

@@ -9,6 +9,7 @@ checks every key at ``disk_consistent_lsn`` and at a few older LSNs against the 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -104,6 +105,7 @@ def test_kill_during_flush_and_compaction_then_restart(pg_tmp_path: Path) -> Non
     rng = random.Random(7)
     path = pg_tmp_path / "tenant"
     last_dcl = 0
+    interrupted = 0
     for _round in range(4):
         proc = subprocess.Popen(
             [sys.executable, __file__, str(path)],
@@ -117,10 +119,23 @@ def test_kill_during_flush_and_compaction_then_restart(pg_tmp_path: Path) -> Non
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
+        interrupted += _half_done(path)
         dcl = trio.run(check, path)
         assert dcl >= last_dcl
         last_dcl = dcl
     assert last_dcl > N_KEYS * STEP, "the child never got far enough to test anything"
+    # (7 of 8 kills land mid-flush or mid-compaction when measured; none would test nothing)
+    assert interrupted, "no kill interrupted a flush or compaction"
+
+
+def _half_done(path: Path) -> bool:
+    """Did the kill leave a temp file or a layer index_part does not list?"""
+    tdir = path / "timelines" / TIMELINE.hex
+    listed = set(json.loads((tdir / "index_part.json").read_bytes())["layers"])
+    return any(
+        p.name.endswith("___temp") or ("__" in p.name and p.name not in listed)
+        for p in tdir.iterdir()
+    )
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ down cleanly (so its files are final):
 from __future__ import annotations
 
 import os
-import time
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,7 +57,7 @@ from pageserver.walredo.mask import btree_mask, fsm_vm_mask, heap_mask, masked, 
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn, parse_lsn
 
-pytestmark = pytest.mark.postgres
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 CONFIG = StorageConfig(checkpoint_distance=8 * 1024 * 1024)
 _REL = re.compile(r"^(\d+)(?:_(fsm|vm|init))?(?:\.(\d+))?$")

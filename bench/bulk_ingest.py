@@ -1,0 +1,162 @@
+"""``pagestore bench bulk-ingest``: a bulk INSERT's WAL, ingested by the pageserver vs replayed
+by PostgreSQL's own crash recovery (Neon's test_bulk_insert, issue 7).
+
+One run, one JSON line per phase and a final result line:
+
+1. ``initdb`` (as the postgres user) into a scratch directory; a PostgreSQL 15 starts on a copy
+   (no checkpoint during the run: ``max_wal_size`` and ``checkpoint_timeout`` are large);
+2. ``CREATE TABLE bulk (id int, v text)`` and ``INSERT ... SELECT generate_series`` in batches
+   until at least ``--mb`` MB of WAL were written since start-up;
+3. ``pg_ctl stop -m immediate``, then ``pg_ctl start -w``: PostgreSQL replays all of that WAL
+   (its last checkpoint is initdb's); **pg_recovery_s** is the time until it accepts
+   connections;
+4. a fresh pageserver timeline imported from the same initdb directory; its ``WalReceiver``
+   streams ``START_REPLICATION PHYSICAL`` straight from the recovered PostgreSQL (a safekeeper
+   speaks the same protocol) and the ingest runs until ``last_record_lsn`` reaches the end of
+   the bulk load: **ingest_s** (decode + ingest into the in-memory layer, which rolls to L0
+   files at ``checkpoint_distance``), then **flush_s** for the final flush to an L0 file.
+
+``ratio`` = ingest_s / pg_recovery_s (the issue's goal: at most 2). ``ingest_cpu_s`` is this
+process's CPU time during the ingest: on a shared machine wall time also counts waiting for a
+core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from compute.postgres import PostgresInstance, chown_to_postgres
+from pageserver.import_datadir import import_datadir, run_initdb
+from pageserver.storage.config import StorageConfig
+from pageserver.tenant import Tenant
+from pageserver.wal_receiver import WalReceiverConfig
+from pageserver.walingest import TimelineWalIngest
+from pageserver.walredo.manager import PostgresRedoManager
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import Lsn, format_lsn, parse_lsn
+
+MB = 1_000_000
+SETTINGS = {
+    "wal_level": "replica",
+    "full_page_writes": "on",
+    "max_wal_size": "8GB",
+    "min_wal_size": "1GB",
+    "checkpoint_timeout": "1h",
+    "wal_keep_size": "8GB",  # the end-of-recovery checkpoint must not remove what we stream
+    "autovacuum": "off",
+    "max_wal_senders": "4",
+    "wal_sender_timeout": "30s",
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mb", type=int, default=300, help="MB of WAL the bulk INSERT writes (default 300)")
+    parser.add_argument("--batch-rows", type=int, default=500_000, help="rows per INSERT statement")
+    parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: under /tmp)")
+    parser.add_argument("--io-engine", choices=("blocking", "threadpool"), default="blocking")
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def _lsn(pg: PostgresInstance, fn: str) -> Lsn:
+    return parse_lsn(pg.psql(f"SELECT {fn}()"))
+
+
+def _prepare(root: Path, args: argparse.Namespace) -> tuple[PostgresInstance, Lsn, Lsn, float]:
+    """Bulk load, crash, recover: (pg, start lsn, end lsn, recovery seconds)."""
+    pgdata = root / "pg"
+    shutil.copytree(root / "init", pgdata, symlinks=True)
+    chown_to_postgres(pgdata)
+    os.chmod(pgdata, 0o700)
+    pg = PostgresInstance(datadir=pgdata, settings=dict(SETTINGS))
+    pg.start()
+    start = _lsn(pg, "pg_current_wal_insert_lsn")
+    pg.psql("CREATE TABLE bulk (id int, v text)")
+    t0 = time.perf_counter()
+    done = 0
+    while True:
+        pg.psql(
+            f"INSERT INTO bulk SELECT g, repeat('x', 80) FROM generate_series({done + 1}, {done + args.batch_rows}) g"
+        )
+        done += args.batch_rows
+        end = _lsn(pg, "pg_current_wal_insert_lsn")
+        if end - start >= args.mb * MB:
+            break
+    load_s = time.perf_counter() - t0
+    _emit({"phase": "bulk_insert", "rows": done, "wal_mb": round((end - start) / MB, 1),
+           "start": format_lsn(start), "end": format_lsn(end), "seconds": round(load_s, 2)})
+    pg.stop("immediate")
+    t0 = time.perf_counter()
+    pg.start(timeout=600)
+    pg.wait_ready()
+    recovery_s = time.perf_counter() - t0
+    _emit({"phase": "pg_crash_recovery", "seconds": round(recovery_s, 2)})
+    return pg, start, end, recovery_s
+
+
+async def _ingest(root: Path, pg: PostgresInstance, end: Lsn, args: argparse.Namespace) -> dict[str, Any]:
+    config = StorageConfig(io_engine=args.io_engine, compaction_period_s=0, gc_period_s=0)
+    async with trio.open_nursery() as nursery:
+        tenant = Tenant(root / "tenant", TenantId.generate(), config, redo=PostgresRedoManager(),
+                        nursery=nursery)
+        tl = await tenant.create_timeline(TimelineId.generate())
+        imported = await import_datadir(tl, root / "init")
+        await tl.flush()
+        cfg = WalReceiverConfig(safekeepers=(("127.0.0.1", pg.port),), idle_timeout_s=60)
+        ing = TimelineWalIngest(tl, cfg)
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        nursery.start_soon(ing.run)
+        await tl.wait_lsn(end, timeout_s=3600)
+        ingest_s = time.perf_counter() - t0
+        ingest_cpu_s = time.process_time() - c0
+        await ing.flush()
+        flush_s = time.perf_counter() - t0 - ingest_s
+        nursery.cancel_scope.cancel()
+    stats = ing.ingest.stats
+    await tenant.shutdown()
+    wal_bytes = end - imported.end_lsn
+    return {
+        "ingest_s": round(ingest_s, 2),
+        "ingest_cpu_s": round(ingest_cpu_s, 2),
+        "flush_s": round(flush_s, 2),
+        "records": stats.records,
+        "values": stats.values,
+        "ingest_mb_per_s": round(wal_bytes / MB / ingest_s, 2),
+        "records_per_s": round(stats.records / ingest_s),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    base = args.dir or Path("/tmp")
+    root = Path(tempfile.mkdtemp(prefix="bench-bulk-ingest-", dir=base))
+    os.chmod(root, 0o755)
+    pg: PostgresInstance | None = None
+    try:
+        trio.run(run_initdb, root / "init")
+        pg, start, end, recovery_s = _prepare(root, args)
+        result = trio.run(_ingest, root, pg, end, args)
+        _emit({
+            "bench": "bulk_ingest",
+            "wal_mb": round((end - start) / MB, 1),
+            "pg_recovery_s": round(recovery_s, 2),
+            **result,
+            "ratio": round(result["ingest_s"] / recovery_s, 2),
+            "io_engine": args.io_engine,
+        })
+    finally:
+        if pg is not None:
+            pg.stop("immediate")
+        shutil.rmtree(root, ignore_errors=True)
+    return 0

@@ -1,0 +1,468 @@
+"""``pagestore bench getpage``: GetPage@LSN throughput and latency through the page service.
+
+Neon's pagebench semantics (storage.md §5.1): every client is its own libpq connection in a
+pagestream, keys are uniform over the timeline's relation blocks, requests ask for the latest
+version, latencies go into an HdrHistogram (µs, 3 significant digits). Extended with
+``--queue-depth`` (requests in flight per client) as in pagebench's later versions.
+
+One run builds a timeline per tenant through the storage engine (``--pages`` 8 KiB pages of
+one relation, written at one LSN and flushed to layer files; 10 % of them rewritten at a later
+LSN so reads walk two layers), then for every combination of ``--modes`` x ``--get-impl`` x
+``--cache`` x ``--queue-depth`` starts a pageserver *process* (so the client does not share a
+GIL with it), drives it for ``--duration`` seconds and prints one JSON line: request_count,
+pages/s, latency mean and p50/p95/p99/p99.9/p99.99 (µs), and the batching factor from the
+server's ``pageserver_page_service_batch_size`` histogram. ``--cache cold`` disables the
+pageserver's page cache (the OS cache stays warm). ``--postgres`` adds the baseline a user
+would pick today: PostgreSQL 15 serving the same number of 8 KiB pages with
+``SELECT get_raw_page('t', blk)`` (pageinspect) through ``pgbench -M prepared`` at the same
+client count.
+
+Prints JSON lines. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import trio
+
+PAGES_DEFAULT = 10_000
+REL = (1663, 5, 16384, 0)
+BASE_LSN = 0x1000_0000
+REWRITE_LSN = 0x2000_0000
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the timelines (once per run)
+
+
+def _page(blkno: int, version: int) -> bytes:
+    head = blkno.to_bytes(4, "big") + version.to_bytes(4, "big")
+    return (head * 1024)[:8192]
+
+
+async def _build(workdir: Path, tenants: int, pages: int) -> list[tuple[str, str]]:
+    from pageserver.pgdatadir import DatadirWriter
+    from pageserver.storage.config import StorageConfig
+    from pageserver.storage.value import Image
+    from pageserver.tenant import Tenant
+    from protocol.ids import TenantId, TimelineId
+    from protocol.lsn import Lsn
+
+    config = StorageConfig(validate_get=False, double_buffering=False)
+    ids = []
+    for _ in range(tenants):
+        tenant_id, timeline_id = TenantId.generate(), TimelineId.generate()
+        tenant = Tenant(workdir / tenant_id.hex, tenant_id, config)
+        tl = await tenant.create_timeline(timeline_id)
+        writer = DatadirWriter(tl)
+        mod = writer.begin(Lsn(BASE_LSN))
+        await mod.put_rel_creation(REL, pages)
+        for blk in range(pages):
+            await mod.put_rel_page(REL, blk, Image(_page(blk, 1)))
+        await mod.commit()
+        await tl.flush()
+        mod = writer.begin(Lsn(REWRITE_LSN))
+        for blk in range(0, pages, 10):
+            await mod.put_rel_page(REL, blk, Image(_page(blk, 2)))
+        await mod.commit()
+        await tl.flush()
+        await tl.shutdown()
+        ids.append((tenant_id.hex, timeline_id.hex))
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# The server process
+
+
+async def _write_steadily(timelines: list[Any], writes_per_s: float, pages: int) -> None:
+    """New versions of random pages at a steady rate: last_record_lsn keeps moving, so
+    "latest" requests get a new effective LSN every write (what breaks uniform-lsn batches)."""
+    from pageserver.pgdatadir import DatadirWriter
+    from pageserver.storage.value import Image
+    from protocol.lsn import Lsn
+
+    rng = random.Random(7)
+    writers = [DatadirWriter(tl) for tl in timelines]
+    version = 3
+    while True:
+        await trio.sleep(1 / writes_per_s)
+        version += 1
+        for w in writers:
+            mod = w.begin(Lsn(w.lsn + 8))
+            blk = rng.randrange(pages)
+            await mod.put_rel_page(REL, blk, Image(_page(blk, version)))
+            await mod.commit()
+
+
+async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per_s: float) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from common.pgserver import PgServer, PgServerConfig
+    from pageserver.page_service.config import (
+        PageServiceConfig,
+        PipelinedPipelining,
+        SerialPipelining,
+    )
+    from pageserver.page_service.handler import PageServiceHandler
+    from pageserver.page_service.metrics import PageServiceMetrics
+    from pageserver.page_service.reader import NotFound, PageReader
+    from pageserver.page_service.timeline_adapter import TimelinePageReader
+    from pageserver.storage.config import StorageConfig
+    from pageserver.tenant import Tenant
+    from protocol.ids import TenantId, TimelineId
+
+    config = StorageConfig(
+        validate_get=False,
+        double_buffering=False,
+        get_impl=get_impl,  # type: ignore[arg-type]
+        page_cache_size=0 if cache == "cold" else 256 * 1024 * 1024,
+    )
+    readers: dict[tuple[TenantId, TimelineId], PageReader] = {}
+    timelines = []
+    for tdir in sorted(workdir.iterdir()):
+        tenant = await Tenant.load(tdir, TenantId.parse(tdir.name), config)
+        for tid, tl in tenant.timelines.items():
+            readers[(tenant.tenant_id, tid)] = TimelinePageReader(tl)
+            timelines.append(tl)
+
+    class Lookup:
+        def get_reader(self, tenant_id: TenantId, timeline_id: TimelineId) -> PageReader:
+            try:
+                return readers[(tenant_id, timeline_id)]
+            except KeyError:
+                raise NotFound(f"no timeline {tenant_id}/{timeline_id}") from None
+
+    if mode == "serial":
+        pipelining: Any = SerialPipelining()
+    else:
+        size, _, batching = mode.removeprefix("pipelined-").partition("-")
+        lsn_rule: Literal["uniform-lsn", "scattered-lsn"] = (
+            "uniform-lsn" if batching == "uniform" else "scattered-lsn"
+        )
+        pipelining = PipelinedPipelining(int(size), lsn_rule)
+    registry = CollectorRegistry()
+    metrics = PageServiceMetrics.register(registry)
+    handler = PageServiceHandler(
+        Lookup(), PageServiceConfig(page_service_pipelining=pipelining), metrics
+    )
+    server = PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None))
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve)
+        if writes_per_s > 0:
+            pages = int(json.loads((workdir.parent / "pages.json").read_text()))
+            nursery.start_soon(_write_steadily, timelines, writes_per_s, pages)
+        print(json.dumps({"port": port}), flush=True)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                break
+        print(json.dumps({"batching_factor": metrics.batching_factor()}), flush=True)
+        server.shutdown()
+        nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
+# The client
+
+
+async def _client_loop(
+    port: int,
+    tenant: str,
+    timeline: str,
+    pages: int,
+    queue_depth: int,
+    deadline: float,
+    hist: Any,
+    seed: int,
+) -> int:
+    from compute.page_client import PageClient
+    from protocol.ids import TenantId, TimelineId
+    from protocol.lsn import MAX_LSN, Lsn
+    from protocol.pagestream import ErrorResponse, GetPageRequest, RelTag
+
+    rel = RelTag(*REL)
+    rng = random.Random(seed)
+    sent_at: dict[int, float] = {}
+    count = 0
+    client = await PageClient.connect(
+        "127.0.0.1", port, TenantId.parse(tenant), TimelineId.parse(timeline)
+    )
+    try:
+
+        def new_request() -> GetPageRequest:
+            reqid = client.next_reqid()
+            sent_at[reqid] = time.perf_counter()
+            return GetPageRequest(reqid, MAX_LSN, Lsn(0), rel, rng.randrange(pages))
+
+        await client.send(*[new_request() for _ in range(queue_depth)])
+        while True:
+            response = await client.receive()
+            if isinstance(response, ErrorResponse):
+                raise RuntimeError(f"GetPage failed: {response.message}")
+            now = time.perf_counter()
+            hist.record_value(max(1, int((now - sent_at.pop(response.request.reqid)) * 1e6)))
+            count += 1
+            if now < deadline:
+                await client.send(new_request())
+            elif client.in_flight == 0:
+                return count
+    finally:
+        await client.aclose()
+
+
+async def _drive(
+    port: int,
+    targets: list[tuple[str, str]],
+    clients: int,
+    pages: int,
+    queue_depth: int,
+    duration: float,
+) -> tuple[int, Any, float]:
+    from hdrh.histogram import HdrHistogram
+
+    hists = []
+    counts: list[int] = []
+    start = time.perf_counter()
+    deadline = start + duration
+
+    async def one(tenant: str, timeline: str, seed: int) -> None:
+        hist = HdrHistogram(1, 60_000_000, 3)
+        hists.append(hist)
+        counts.append(
+            await _client_loop(port, tenant, timeline, pages, queue_depth, deadline, hist, seed)
+        )
+
+    async with trio.open_nursery() as nursery:
+        for i, (tenant, timeline) in enumerate(targets):
+            for c in range(clients):
+                nursery.start_soon(one, tenant, timeline, i * 1000 + c)
+    elapsed = time.perf_counter() - start
+    total = hists[0]
+    for h in hists[1:]:
+        total.add(h)
+    return sum(counts), total, elapsed
+
+
+def _read_json(stream: Any, key: str) -> dict[str, Any]:
+    """The server's next JSON line carrying ``key`` (its log lines share stdout)."""
+    while line := stream.readline():
+        if line.startswith("{") and key in line:
+            return dict(json.loads(line))
+    raise RuntimeError(f"benchmark server exited before reporting {key!r}")
+
+
+def _run_config(
+    workdir: Path,
+    targets: list[tuple[str, str]],
+    args: argparse.Namespace,
+    mode: str,
+    get_impl: str,
+    cache: str,
+    qd: int,
+) -> dict[str, Any]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.getpage",
+            "--serve",
+            str(workdir),
+            mode,
+            get_impl,
+            cache,
+            str(args.writes_per_s),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    try:
+        assert proc.stdout is not None
+        port = _read_json(proc.stdout, "port")["port"]
+        count, hist, elapsed = trio.run(
+            _drive, port, targets, args.clients, args.pages, qd, args.duration
+        )
+        proc.send_signal(signal.SIGTERM)
+        server = _read_json(proc.stdout, "batching_factor")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    return {
+        "bench": "getpage",
+        "target": "pagestore",
+        "mode": mode,
+        "get_impl": get_impl,
+        "cache": cache,
+        "tenants": args.tenants,
+        "clients_per_tenant": args.clients,
+        "queue_depth": qd,
+        "writes_per_s": args.writes_per_s,
+        "pages": args.pages,
+        "duration_s": round(elapsed, 2),
+        "request_count": count,
+        "pages_per_s": round(count / elapsed),
+        "latency_mean_us": round(hist.get_mean_value(), 1),
+        **{f"latency_p{p}_us": hist.get_value_at_percentile(p) for p in (50, 95, 99, 99.9, 99.99)},
+        "batching_factor": round(server["batching_factor"], 2),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The PostgreSQL baseline
+
+
+def _postgres_baseline(args: argparse.Namespace, clients: int) -> dict[str, Any]:
+    from compute.postgres import PostgresInstance, chown_to_postgres, make_postgres_dir
+
+    base = Path(tempfile.mkdtemp(prefix="pagestore-bench-pg-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    pg = PostgresInstance.create(
+        make_postgres_dir(base / "data"),
+        {
+            "shared_buffers": "256MB",
+            "fsync": "off",
+            "synchronous_commit": "off",
+            "autovacuum": "off",
+        },
+    )
+    try:
+        pg.start()
+        pg.psql("CREATE EXTENSION pageinspect")
+        pg.psql("CREATE TABLE t (data char(1000)) WITH (fillfactor = 10)")
+        pg.psql(f"INSERT INTO t SELECT 'x' FROM generate_series(1, {args.pages})")
+        pages = int(pg.psql("SELECT pg_relation_size('t') / 8192"))
+        script = base / "getpage.sql"
+        script.write_text(f"\\set blk random(0, {pages - 1})\nSELECT get_raw_page('t', :blk);\n")
+        chown_to_postgres(script)
+        pg.pgbench(
+            "-n",
+            "-M",
+            "prepared",
+            "-c",
+            str(clients),
+            "-j",
+            str(clients),
+            "-T",
+            "2",
+            "-f",
+            str(script),
+        )
+        out = pg.pgbench(
+            "-n",
+            "-M",
+            "prepared",
+            "-c",
+            str(clients),
+            "-j",
+            str(clients),
+            "-T",
+            str(int(args.duration)),
+            "-f",
+            str(script),
+            "-r",
+        )
+    finally:
+        pg.destroy()
+        shutil.rmtree(base, ignore_errors=True)
+    tps = re.search(r"tps = ([0-9.]+)", out)
+    lat = re.search(r"latency average = ([0-9.]+) ms", out)
+    txns = re.search(r"number of transactions actually processed: (\d+)", out)
+    return {
+        "bench": "getpage",
+        "target": "postgres15-get_raw_page",
+        "clients": clients,
+        "pages": pages,
+        "duration_s": args.duration,
+        "request_count": int(txns.group(1)) if txns else None,
+        "pages_per_s": round(float(tps.group(1))) if tps else None,
+        "latency_mean_us": round(float(lat.group(1)) * 1000, 1) if lat else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per configuration")
+    parser.add_argument("--tenants", type=int, default=1)
+    parser.add_argument("--clients", type=int, default=1, help="connections per tenant")
+    parser.add_argument(
+        "--queue-depth", default="1,32", help="comma list of requests in flight per client"
+    )
+    parser.add_argument(
+        "--pages", type=int, default=PAGES_DEFAULT, help="relation blocks per timeline"
+    )
+    parser.add_argument(
+        "--modes",
+        default="serial,pipelined-1,pipelined-32",
+        help="comma list: serial, pipelined-N (max_batch_size N, scattered-lsn), "
+        "pipelined-N-uniform (uniform-lsn)",
+    )
+    parser.add_argument("--get-impl", default="vectored", help="comma list: vectored, legacy")
+    parser.add_argument("--cache", default="hot", help="comma list: hot, cold (no page cache)")
+    parser.add_argument(
+        "--postgres", action="store_true", help="also run the PostgreSQL 15 baseline"
+    )
+    parser.add_argument(
+        "--writes-per-s",
+        type=float,
+        default=0.0,
+        help="new page versions per second per timeline while reading (0: a static timeline)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    base = Path(tempfile.mkdtemp(prefix="pagestore-bench-getpage-"))
+    workdir = base / "tenants"
+    workdir.mkdir()
+    (base / "pages.json").write_text(json.dumps(args.pages))
+    try:
+        t0 = time.perf_counter()
+        targets = trio.run(_build, workdir, args.tenants, args.pages)
+        print(
+            json.dumps(
+                {
+                    "bench": "getpage",
+                    "setup": "timelines built",
+                    "tenants": args.tenants,
+                    "pages": args.pages,
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
+            ),
+            flush=True,
+        )
+        for get_impl in args.get_impl.split(","):
+            for cache in args.cache.split(","):
+                for mode in args.modes.split(","):
+                    for qd in (int(q) for q in args.queue_depth.split(",")):
+                        row = _run_config(workdir, targets, args, mode, get_impl, cache, qd)
+                        print(json.dumps(row), flush=True)
+        if args.postgres:
+            print(json.dumps(_postgres_baseline(args, args.clients * args.tenants)), flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 7 and sys.argv[1] == "--serve":
+        trio.run(
+            _serve, Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6])
+        )
+    else:
+        raise SystemExit("usage: pagestore bench getpage [options]")

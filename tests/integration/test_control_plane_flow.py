@@ -10,6 +10,8 @@ Checked:
 - a basebackup at the past LSN L0 boots a read-only endpoint with exactly the data of then;
 - the branch endpoint is a primary of its own: what it writes does not show on main;
 - ``status --json`` reports each timeline's pageserver and safekeeper LSNs;
+- ``timeline import --pgdata`` turns a stopped PostgreSQL's data directory into a branch that an
+  endpoint boots from and writes to;
 - ``stop`` ends every process it started.
 """
 
@@ -78,7 +80,8 @@ def cluster_dir(pg_tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Iterat
         cli.main(["stop", "--workdir", str(workdir), "--immediate"])
 
 
-def test_branch_and_past_lsn_endpoints(cluster_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_branch_past_lsn_and_import(cluster_dir: Path, pg_tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
     wd = ["--workdir", str(cluster_dir)]
     pagestore(capsys, "start", *wd)
     tenant = pagestore_json(capsys, "tenant", "create", *wd)
@@ -153,34 +156,26 @@ def test_branch_and_past_lsn_endpoints(cluster_dir: Path, capsys: pytest.Capture
     listed = pagestore_json(capsys, "timeline", "list", *wd)
     assert {t["branch"] for t in listed} == {"main", "half"}
 
-    # Stop ends every process the cluster started.
-    env = LocalEnv.load(cluster_dir)
-    pids = [read_pid(d / "pid") for _, d in env.node_dirs()]
-    pids += [read_pid(cluster_dir / f"endpoints/{n}/bridge.pid") for n in ("main", "half")]
-    pagestore(capsys, "stop", *wd)
-    assert all(p is not None and not is_alive(p) for p in pids)
-    assert not any((cluster_dir / f"endpoints/{n}/pgdata/postmaster.pid").exists() for n in ("main", "half", "past"))
-
-
-def test_import_a_data_directory(cluster_dir: Path, pg_tmp_path: Path,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """``timeline import --pgdata``: a stopped PostgreSQL's data becomes a branch an endpoint runs on."""
+    # timeline import --pgdata: a stopped PostgreSQL's data becomes a branch an endpoint runs on.
     source = PostgresInstance.create(pg_tmp_path / "source")
     source.start()
     source.psql("CREATE TABLE imported AS SELECT g, md5(g::text) AS m FROM generate_series(1, 3000) g")
     expected = source.psql("SELECT count(*), sum(g), max(m) FROM imported")
     source.stop()
-
-    wd = ["--workdir", str(cluster_dir)]
-    pagestore(capsys, "start", *wd)
-    pagestore_json(capsys, "tenant", "create", *wd)
     imported = pagestore_json(capsys, "timeline", "import", *wd, "--pgdata", str(source.datadir),
                               "--branch-name", "imported")
-    assert imported["branch"] == "imported"
-    ep = pagestore_json(capsys, "endpoint", "start", "imp", *wd, "--branch-name", "imported")
-    assert ep["basebackup_lsn"] == imported["last_record_lsn"]
-    pg = PostgresInstance(cluster_dir / "endpoints/imp/pgdata", port=ep["port"], started=True)
-    assert pg.psql("SELECT count(*), sum(g), max(m) FROM imported") == expected
-    pg.psql("INSERT INTO imported VALUES (0, 'new')")
-    assert pg.psql("SELECT count(*) FROM imported") == "3001"
-    assert {t["branch"] for t in pagestore_json(capsys, "timeline", "list", *wd)} == {"main", "imported"}
+    imp_ep = pagestore_json(capsys, "endpoint", "start", "imp", *wd, "--branch-name", "imported")
+    assert imp_ep["basebackup_lsn"] == imported["last_record_lsn"]
+    imp = PostgresInstance(cluster_dir / "endpoints/imp/pgdata", port=imp_ep["port"], started=True)
+    assert imp.psql("SELECT count(*), sum(g), max(m) FROM imported") == expected
+    imp.psql("INSERT INTO imported VALUES (0, 'new')")
+    assert imp.psql("SELECT count(*) FROM imported") == "3001"
+
+    # Stop ends every process the cluster started.
+    env = LocalEnv.load(cluster_dir)
+    pids = [read_pid(d / "pid") for _, d in env.node_dirs()]
+    pids += [read_pid(cluster_dir / f"endpoints/{n}/bridge.pid") for n in ("main", "half", "imp")]
+    pagestore(capsys, "stop", *wd)
+    assert all(p is not None and not is_alive(p) for p in pids)
+    assert not list(cluster_dir.glob("endpoints/*/pgdata/postmaster.pid"))
+

@@ -1,4 +1,4 @@
-"""``pagestore demo`` as a user runs it (a process), smaller: scale 1, a 5 s pgbench, ``--stop``.
+"""``pagestore demo`` as a user runs it (a process), smaller: scale 1, a 4 s pgbench, ``--stop``.
 
 The demo checks its own results and exits non-zero naming the failing step; here we also read
 the numbers it wrote (``--json-result``) and check that they say what the demo claims, and that
@@ -30,7 +30,7 @@ def run_demo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[st
 def test_demo_runs_and_checks(pg_tmp_path: Path) -> None:
     workdir = pg_tmp_path / "demo"
     result_path = pg_tmp_path / "result.json"
-    proc = run_demo("--workdir", str(workdir), "--free-ports", "--scale", "1", "--duration", "5",
+    proc = run_demo("--workdir", str(workdir), "--free-ports", "--scale", "1", "--duration", "4",
                     "--clients", "2", "--stop", "--json-result", str(result_path))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "every check passed" in proc.stdout

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 from pageserver.storage.delta_layer import (
     PersistentLayer,
@@ -33,7 +36,7 @@ def k(i: int) -> Key:
     return rel_block_key(1663, 5, 1000, 0, i)
 
 
-async def _entries(items: list[tuple[Key, int, Value]]) -> AsyncIterator[tuple[Key, Lsn, bytes, bool]]:
+async def _entries(items: Sequence[tuple[Key, int, Value]]) -> AsyncIterator[tuple[Key, Lsn, bytes, bool]]:
     for key, lsn, value in items:
         yield key, Lsn(lsn), encode_value(value), value.will_init
 
@@ -242,39 +245,67 @@ def test_layer_file_names_round_trip() -> None:
     assert os.sep not in d.file_name()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-async def test_any_flipped_byte_gives_right_values_or_a_corruption_error(
-    tmp_path: Path, data: st.DataObject
-) -> None:
-    engine = BlockingIoEngine()
-    directory = tmp_path / f"fuzz-{data.draw(st.integers(0, 10**9), label='dir')}"
-    directory.mkdir()
-    items = [
-        (k(i), lsn, v)
-        for i in range(300)
-        for lsn, v in ((100, Image(b"base%d" % i)), (110, TestRecord.wal_append(f",{i}")))
-    ]
-    path = await write_delta_layer(engine, directory, KeyRange(k(0), k(300)), Lsn(100), Lsn(120), _entries(items))
-    assert path is not None
-    raw = bytearray(path.read_bytes())
-    pos = data.draw(st.integers(0, len(raw) - 1), label="position")
-    raw[pos] ^= data.draw(st.integers(1, 255), label="xor")
+_FUZZ_KEYS = 300
+
+
+def _fuzz_layer_bytes() -> tuple[str, bytes]:
+    """(file name, contents) of a small delta layer, built once."""
+    cached = _fuzz_cache.get("layer")
+    if cached is None:
+        directory = Path(tempfile.mkdtemp(prefix="pagestore-fuzz-"))
+        items = [
+            (k(i), lsn, v)
+            for i in range(_FUZZ_KEYS)
+            for lsn, v in ((100, Image(b"base%d" % i)), (110, TestRecord.wal_append(f",{i}")))
+        ]
+
+        async def build() -> Path | None:
+            return await write_delta_layer(
+                BlockingIoEngine(), directory, KeyRange(k(0), k(_FUZZ_KEYS)), Lsn(100), Lsn(120),
+                _entries(items),
+            )
+
+        path = trio.run(build)
+        assert path is not None
+        cached = (path.name, path.read_bytes())
+        _fuzz_cache["layer"] = cached
+        shutil.rmtree(directory)
+    return cached
+
+
+_fuzz_cache: dict[str, tuple[str, bytes]] = {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(where=hst.floats(0, 1, exclude_max=True), xor=hst.integers(1, 255))
+def test_any_flipped_byte_gives_right_values_or_a_corruption_error(where: float, xor: int) -> None:
+    name, contents = _fuzz_layer_bytes()
+    raw = bytearray(contents)
+    raw[int(where * len(raw))] ^= xor
+    directory = Path(tempfile.mkdtemp(prefix="pagestore-fuzz-"))
+    path = directory / name
     path.write_bytes(bytes(raw))
-    try:
+
+    async def read_all() -> None:
+        engine = BlockingIoEngine()
         layer = await PersistentLayer.open(engine, path, IndexBlockCache(16))
         try:
-            states = _deferring({k(i): KeyState() for i in range(300)})
+            states = _deferring({k(i): KeyState() for i in range(_FUZZ_KEYS)})
             ctx = ReadContext()
             await layer.get_values_vectored(sorted(states), 0, 120, states, ctx)
             await read_and_resolve(ctx, states.values())
-            for i, st in enumerate(states.values()):
-                assert st.img == (100, b"base%d" % i)
-                assert st.records == [(110, TestRecord.wal_append(f",{i}"))]
+            for i, state in enumerate(states.values()):
+                assert state.img == (100, b"base%d" % i)
+                assert state.records == [(110, TestRecord.wal_append(f",{i}"))]
                 legacy = KeyState()
                 await layer.get_value_legacy(k(i), 0, 120, legacy)
-                assert legacy.img == st.img and legacy.records == st.records
+                assert legacy.img == state.img and legacy.records == state.records
         finally:
             await layer.aclose()
+
+    try:
+        trio.run(read_all)
     except LayerCorruptionError as exc:
         assert str(path) in str(exc)
+    finally:
+        shutil.rmtree(directory)

@@ -11,6 +11,11 @@ response must echo its request, and a mismatch is the server's protocol violatio
 ``pipelined`` keeps up to ``queue_depth`` requests in flight with one sender and one receiver
 task (the CopyBoth rule: one task sends, one task receives).
 
+``BlockingPageClient`` is the same stream over a blocking socket without trio, for load
+drivers (``pagestore bench getpage`` runs one per client process): an event loop round per
+response costs more CPU than the pageserver spends serving the page, and a benchmark whose
+client is the bottleneck measures the client.
+
 A stream-ending ErrorResponse from the server raises ``PgError``; a per-request failure is an
 ``ErrorResponse`` value among the responses (``get_page`` raises it as ``PageRequestFailed``).
 """
@@ -18,6 +23,7 @@ A stream-ending ErrorResponse from the server raises ``PgError``; a per-request 
 from __future__ import annotations
 
 import itertools
+import socket
 from collections import deque
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -26,11 +32,14 @@ import trio
 
 from common.pgclient import PgClientConnection, connect
 from common.pgcopy import CopyBothStream
-from protocol.errors import LocalProtocolError
+from protocol.buffer import Reader
+from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn
 from protocol.pagestream import (
     MAX_LSN,
+    NEED_DATA,
+    BackendMessage,
     DbSizeRequest,
     DbSizeResponse,
     ErrorResponse,
@@ -46,10 +55,17 @@ from protocol.pagestream import (
     RelTag,
     Request,
     Response,
+    ResponseStreamDecoder,
     SlruKind,
     decode_response,
     encode_request_into,
 )
+from protocol.pgwire import CLOSED, BackendDecoder
+from protocol.pgwire import NEED_DATA as PG_NEED_DATA
+from protocol.pgwire import messages as m
+from protocol.pgwire.errors import PgError
+
+RECEIVE_SIZE = 256 * 1024
 
 
 class PageRequestFailed(Exception):
@@ -244,3 +260,123 @@ class PageClient:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+class BlockingPageClient:
+    """One pagestream over a blocking TCP socket (no event loop): ``send`` requests ahead,
+    ``receive`` responses in order, as ``PageClient`` does. Trust authentication only."""
+
+    def __init__(self, sock: socket.socket, version: PagestreamVersion) -> None:
+        self.sock = sock
+        self.version = version
+        self._decoder = ResponseStreamDecoder()
+        self._in_flight: deque[Request] = deque()
+        self._reqids = itertools.count(1)
+        self._out = bytearray()
+
+    @classmethod
+    def connect(
+        cls,
+        host: str,
+        port: int,
+        tenant_id: TenantId,
+        timeline_id: TimelineId,
+        *,
+        version: PagestreamVersion = 3,
+        user: str = "pagestore",
+        params: Mapping[str, str] | None = None,
+        timeout_s: float = 10.0,
+    ) -> BlockingPageClient:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            startup = {"user": user, "database": user, **(params or {})}
+            decoder = BackendDecoder()
+            sock.sendall(m.encode(m.StartupMessage(startup)))
+            _await_message(sock, decoder, m.ReadyForQuery)
+            query = f"pagestream_v{version} {tenant_id.hex} {timeline_id.hex}"
+            sock.sendall(m.encode(m.Query(query)))
+            _await_message(sock, decoder, m.CopyBothResponse)
+            if decoder.buffered:
+                # The server speaks only when asked once the stream is open.
+                raise RemoteProtocolError("unsolicited data after CopyBothResponse")
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, version)
+
+    def next_reqid(self) -> int:
+        return next(self._reqids) if self.version == 3 else 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def send(self, *requests: Request) -> None:
+        out = self._out
+        out.clear()
+        for request in requests:
+            encode_request_into(out, request, self.version, framed=True)
+        self._in_flight.extend(requests)
+        self.sock.sendall(out)
+
+    def receive(self) -> Response:
+        """The response to the oldest unanswered request (blocks)."""
+        if not self._in_flight:
+            raise LocalProtocolError("receive() with no request in flight")
+        decoder = self._decoder
+        while True:
+            event = decoder.next_event()
+            if event is not NEED_DATA:
+                break
+            decoder.receive_data(self.sock.recv(RECEIVE_SIZE))
+        if isinstance(event, BackendMessage):
+            if event.tag == b"E":
+                raise PgError.from_response(m.ErrorResponse.decode(Reader(event.payload, "ErrorResponse")))
+            raise RemoteProtocolError(f"unexpected message {event.tag!r} during the pagestream")
+        assert isinstance(event, bytes)
+        return decode_response(event, self.version, self._in_flight.popleft())
+
+    def get_page(self, rel: RelTag, blkno: int, lsn: Lsn = MAX_LSN) -> bytes:
+        nms = Lsn(0) if lsn == MAX_LSN else lsn
+        self.send(GetPageRequest(self.next_reqid(), lsn, nms, rel, blkno))
+        response = self.receive()
+        if isinstance(response, ErrorResponse):
+            raise PageRequestFailed(response)
+        assert isinstance(response, GetPageResponse)
+        return bytes(response.page)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> BlockingPageClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _await_message(sock: socket.socket, decoder: BackendDecoder, want: type) -> None:
+    """Read backend messages until one of type ``want``; an ErrorResponse raises ``PgError``."""
+    while True:
+        msg = decoder.next_event()
+        if msg is PG_NEED_DATA:
+            decoder.receive_data(sock.recv(RECEIVE_SIZE))
+            continue
+        if msg is CLOSED:
+            raise trio.BrokenResourceError("server closed the connection during startup")
+        if isinstance(msg, want):
+            return
+        if isinstance(msg, m.ErrorResponse):
+            raise PgError.from_response(msg)
+        if isinstance(
+            msg,
+            m.AuthenticationOk
+            | m.ParameterStatus
+            | m.BackendKeyData
+            | m.NoticeResponse
+            | m.NegotiateProtocolVersion,
+        ):
+            continue
+        raise RemoteProtocolError(f"unexpected {type(msg).__name__} before the pagestream")

@@ -34,6 +34,7 @@ from compute import postgres
 from control_plane import cluster, process
 from control_plane.http_client import ApiError, get_json
 from control_plane.local_env import LocalEnv, LocalEnvError
+from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn, format_lsn, parse_lsn
 
 BRIDGE_START_TIMEOUT_S = 60.0
@@ -267,7 +268,10 @@ def start_endpoint(
     # Where the compute starts.
     if read_only:
         assert lsn is not None
-        at = parse_lsn(lsn)
+        try:
+            at = parse_lsn(lsn)
+        except RemoteProtocolError as exc:
+            raise LocalEnvError(f"--lsn {lsn!r}: {exc}") from None
         info = cluster.timeline_info(env, tenant, timeline)
         if at > parse_lsn(info["last_record_lsn"]):
             cluster.wait_for_lsn(env, tenant, timeline, at, timeout=30)

@@ -2,8 +2,8 @@
 
 ``compact_level0``: once ``compaction_threshold`` L0s exist, merge all of them (they are
 LSN-contiguous by construction) by (key, lsn) — a streaming k-way merge, blobs copied without
-decoding — into L1 files whose LSN range is the union of the inputs, cut at key boundaries once
-a file holds ``compaction_target_size`` bytes. The new files are made durable, then
+decoding, straight into the output files — into L1 files whose LSN range is the union of the
+inputs, cut at key boundaries once a file holds ``compaction_target_size`` bytes. The new files are made durable, then
 index_part lists them instead of the L0s, then the L0 files go (via the graveyard).
 
 ``create_image_layers``: the timeline's keyspace at ``disk_consistent_lsn`` is split into
@@ -18,12 +18,14 @@ inherited ones included.
 from __future__ import annotations
 
 import heapq
+import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from pageserver.storage.delta_layer import PersistentLayer, write_delta_layer
+from pageserver.storage.delta_layer import PersistentLayer
 from pageserver.storage.image_layer import write_image_layer
 from pageserver.storage.key import KEY_MAX, KEY_MIN, Key, KeyRange, is_inherited_key, key_next
+from pageserver.storage.layer_file import LayerDesc, LayerFileWriter
 from protocol.lsn import Lsn
 
 if TYPE_CHECKING:
@@ -63,44 +65,40 @@ async def compact_level0(tl: Timeline) -> list[PersistentLayer]:
         return []
     lsn_start, lsn_end = l0s[0].desc.lsn_start, l0s[-1].desc.lsn_end
     target = tl.config.compaction_target_size
-    merged = _merged(l0s)
+    # Streamed straight into the output files (no output held in memory); each file's final key
+    # range, and so its name, is fixed when it is finished.
+    provisional = LayerDesc(KeyRange.full(), lsn_start, lsn_end, True)
     outputs: list[PersistentLayer] = []
-    pending: tuple[Key, Lsn, bytes, bool] | None = None
-    done = False
-    while not done:
-        # One output file: entries until the target size is reached at a key boundary.
-        batch: list[tuple[Key, Lsn, bytes, bool]] = []
-        size = 0
-        if pending is not None:
-            batch.append(pending)
-            size += len(pending[2])
-            pending = None
-        async for entry in merged:
-            if size >= target and batch and entry[0] != batch[-1][0]:
-                pending = entry
-                break
-            batch.append(entry)
-            size += len(entry[2])
-        else:
-            done = True
-        if not batch:
-            break
-        key_range = KeyRange(batch[0][0], key_next(batch[-1][0]))
-
-        async def entries(b: list[tuple[Key, Lsn, bytes, bool]] = batch) -> AsyncIterator[tuple[Key, Lsn, bytes, bool]]:
-            for e in b:
-                yield e
-
-        path = await write_delta_layer(
-            tl.engine, tl.path, key_range, lsn_start, lsn_end, entries(),
-            opts=tl.write_options(),
-        )
-        if path is not None:
-            outputs.append(await PersistentLayer.open(tl.engine, path, tl.index_cache))
+    writer: LayerFileWriter | None = None
+    try:
+        async for key, lsn, blob, will_init in _merged(l0s):
+            if writer is not None and writer.data_size >= target and key != writer.last_key:
+                outputs.append(await _finish_l1(tl, writer))
+                writer = None
+            if writer is None:
+                writer = await LayerFileWriter.create(tl.engine, tl.path, provisional, tl.write_options())
+            await writer.put(key, lsn, blob, will_init)
+        if writer is not None:
+            outputs.append(await _finish_l1(tl, writer))
+            writer = None
+    except BaseException:
+        if writer is not None:
+            await writer.abort()
+        for done in outputs:
+            await done.aclose()
+            os.unlink(done.path)
+        raise
     tl.layer_map.replace(l0s, outputs)
     await tl.write_index_part()
     tl.graveyard.bury(l0s)
     return outputs
+
+
+async def _finish_l1(tl: Timeline, writer: LayerFileWriter) -> PersistentLayer:
+    first, last = writer.first_key, writer.last_key
+    assert first is not None and last is not None
+    path = await writer.finish(KeyRange(first, key_next(last)))
+    return await PersistentLayer.open(tl.engine, path, tl.index_cache)
 
 
 async def collect_keys(tl: Timeline, lsn: Lsn) -> set[Key]:

@@ -371,7 +371,8 @@ class LayerFileReader:
             raise LayerCorruptionError(
                 self.path, f"blob at offset {offset} truncated: {len(data)} of {length} bytes"
             )
-        pass
+        if crc32c.crc32c(data) != crc:
+            raise LayerCorruptionError(self.path, f"blob at offset {offset} checksum mismatch")
 
     def check_entry(self, offset: int, length: int) -> None:
         if offset < DATA_START or offset + length > self.summary.data_end:
@@ -493,8 +494,26 @@ class LayerFileWriter:
         crc = crc32c.crc32c(memoryview(self._index)[start + 4 : start + INDEX_BLOCK_SIZE])
         struct.pack_into(">I", self._index, start, crc)
 
-    async def finish(self) -> Path:
-        """Write index, fences and summary, fsync, rename into place, fsync the directory."""
+    @property
+    def first_key(self) -> Key | None:
+        return Key(self._fences[0][:KEY_SIZE]) if self._fences else None
+
+    @property
+    def last_key(self) -> Key | None:
+        return Key(self._last_prefix[:KEY_SIZE]) if self._last_prefix else None
+
+    async def finish(self, key_range: KeyRange | None = None) -> Path:
+        """Write index, fences and summary, fsync, rename into place, fsync the directory.
+
+        ``key_range`` narrows the layer's key range (and so its name) to what was written, for
+        writers that only learn it at the end (compaction); it must cover every written key.
+        """
+        if key_range is not None:
+            first, last = self.first_key, self.last_key
+            if first is not None and last is not None and not (key_range.start <= first and last < key_range.end):
+                raise ValueError(f"{self.tmp_path}: key range {key_range} does not cover the written keys")
+            self.desc = attrs.evolve(self.desc, key_range=key_range)
+            self.final_path = self.final_path.with_name(self.desc.file_name())
         try:
             if self._n_entries:
                 self._close_block()

@@ -37,7 +37,7 @@ from pageserver.wal_receiver import WalReceiver, WalReceiverConfig
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn, parse_lsn
 from protocol.wal.record import DecodedRecord
-from safekeeper.testing import SafekeeperProcess
+from safekeeper.testing import SafekeeperProcess, TestProposer
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -243,18 +243,27 @@ def test_bridge_quorum_commit_failover_and_restart(cluster: Cluster, pg_tmp_path
         status = cluster.sk_status(i)
         assert status["term"] > term_before and status["last_log_term"] == status["term"]
 
-    # 5. A clean PostgreSQL shutdown waits until its shutdown checkpoint is on a quorum (the
-    # walsender waits for the bridge's flush report); after a restart the bridge streams again.
-    pg.stop("fast")
-    control = run_as_postgres([pg_binary("pg_controldata"), str(pg.datadir)]).stdout.decode()
-    m = re.search(r"Latest checkpoint location:\s+(\S+)", control)
-    assert m, control
-    checkpoint = parse_lsn(m.group(1))
-    assert sum(cluster.sk_reached(i, Lsn(checkpoint + 1))() for i in range(3)) >= 2
-    pg.start()
-    assert pgbench_tps(pg, "-T", "1", "-c", "2") > 0
+    # A rival proposer takes a higher term on one safekeeper: the bridge sees its appends
+    # refused with that term and wins a new election above it.
+    st = cluster.sk_status(1)
+    rival_term = int(st["term"]) + 10
 
-    # 6. pg_waldump reads a safekeeper's segments: the same records as PostgreSQL's pg_wal.
+    async def rival() -> None:
+        async with await TestProposer.connect(
+            "127.0.0.1", sks[1].pg_port, cluster.tenant, cluster.timeline
+        ) as tp:
+            await tp.greet(system_id=int(st["system_id"]), pg_version=int(st["pg_version"]))
+            assert (await tp.vote(rival_term)).vote_given
+
+    trio.run(rival)
+    wait_until(
+        "a term above the rival's",
+        lambda: bridge.status().get("term", 0) > rival_term and bool(bridge.status().get("elected")),
+    )
+    assert pgbench_tps(pg, "-T", "1", "-c", "2") > 0
+    assert "term lost, starting over" in bridge.log_tail(10**8)
+
+    # 5. pg_waldump reads a safekeeper's segments: the same records as PostgreSQL's pg_wal.
     end = parse_lsn(cluster.sk_status(0)["commit_lsn"])
     seg_dir = pg_tmp_path / "waldump"
     copy_segments(sks[0].timeline_dir(cluster.tenant, cluster.timeline), seg_dir)
@@ -264,6 +273,17 @@ def test_bridge_quorum_commit_failover_and_restart(cluster: Cluster, pg_tmp_path
     from_pg = waldump_lsns(pg_wal, start_lsn, end)
     assert from_sk == from_pg
     assert len(from_sk) > 3000  # pgbench -i -s 1 and the runs write thousands of records
+
+    # 6. A clean PostgreSQL shutdown waits until its shutdown checkpoint is on a quorum (the
+    # walsender waits for the bridge's flush report); after a restart the bridge streams again.
+    pg.stop("fast")
+    control = run_as_postgres([pg_binary("pg_controldata"), str(pg.datadir)]).stdout.decode()
+    m = re.search(r"Latest checkpoint location:\s+(\S+)", control)
+    assert m, control
+    checkpoint = parse_lsn(m.group(1))
+    assert sum(cluster.sk_reached(i, Lsn(checkpoint + 1))() for i in range(3)) >= 2
+    pg.start()
+    assert pgbench_tps(pg, "-T", "1", "-c", "2") > 0
 
     # 7. The pageserver's WAL receiver decodes the same records from the safekeepers.
     # sk0 first refuses (it is down): the receiver must move on to another safekeeper.

@@ -231,6 +231,7 @@ async def _drive(
     queue_depth: int,
     duration: float,
 ) -> tuple[int, Any, float]:
+    """All clients as trio tasks of this process (``--client trio``: the ``PageClient``)."""
     from hdrh.histogram import HdrHistogram
 
     hists = []
@@ -254,6 +255,112 @@ async def _drive(
     for h in hists[1:]:
         total.add(h)
     return sum(counts), total, elapsed
+
+
+def _process_client(
+    port: int,
+    tenant: str,
+    timeline: str,
+    pages: int,
+    queue_depth: int,
+    start_at: float,
+    duration: float,
+    seed: int,
+    result: Any,
+) -> None:
+    """One client process (``--client process``): a ``BlockingPageClient`` in a closed loop.
+
+    Starts at ``start_at`` (``time.monotonic``, shared by all processes on Linux) so every
+    client measures the same window; sends back (count, end time, encoded histogram).
+    """
+    from collections import deque
+
+    from hdrh.histogram import HdrHistogram
+
+    from compute.page_client import BlockingPageClient
+    from protocol.ids import TenantId, TimelineId
+    from protocol.lsn import MAX_LSN, Lsn
+    from protocol.pagestream import ErrorResponse, GetPageRequest, RelTag
+
+    rel = RelTag(*REL)
+    rng = random.Random(seed)
+    hist = HdrHistogram(1, 60_000_000, 3)
+    client = BlockingPageClient.connect(
+        "127.0.0.1", port, TenantId.parse(tenant), TimelineId.parse(timeline)
+    )
+    sent_at: deque[float] = deque()
+    clock = time.perf_counter
+    count = 0
+    with client:
+
+        def new_request() -> GetPageRequest:
+            sent_at.append(clock())
+            return GetPageRequest(client.next_reqid(), MAX_LSN, Lsn(0), rel, rng.randrange(pages))
+
+        time.sleep(max(0.0, start_at - time.monotonic()))
+        deadline = clock() + duration
+        client.send(*[new_request() for _ in range(queue_depth)])
+        while True:
+            response = client.receive()
+            now = clock()
+            if isinstance(response, ErrorResponse):
+                raise RuntimeError(f"GetPage failed: {response.message}")
+            hist.record_value(max(1, int((now - sent_at.popleft()) * 1e6)))
+            count += 1
+            if now < deadline:
+                client.send(new_request())
+            elif client.in_flight == 0:
+                break
+    result.send((count, time.monotonic(), hist.encode()))
+
+
+def _drive_processes(
+    port: int,
+    targets: list[tuple[str, str]],
+    clients: int,
+    pages: int,
+    queue_depth: int,
+    duration: float,
+) -> tuple[int, Any, float]:
+    import multiprocessing
+
+    from hdrh.histogram import HdrHistogram
+
+    ctx = multiprocessing.get_context("spawn")
+    # Far enough ahead for every process to start and connect before the window opens.
+    start_at = time.monotonic() + 1.5 + 0.1 * clients * len(targets)
+    procs = []
+    for i, (tenant, timeline) in enumerate(targets):
+        for c in range(clients):
+            rx, tx = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_process_client,
+                args=(
+                    port,
+                    tenant,
+                    timeline,
+                    pages,
+                    queue_depth,
+                    start_at,
+                    duration,
+                    i * 1000 + c,
+                    tx,
+                ),
+                daemon=True,
+            )
+            proc.start()
+            procs.append((proc, rx))
+    total = HdrHistogram(1, 60_000_000, 3)
+    count, end = 0, start_at
+    for proc, rx in procs:
+        if not rx.poll(duration + 60):
+            raise RuntimeError("a benchmark client process did not report")
+        n, ended, encoded = rx.recv()
+        proc.join(timeout=10)
+        count += n
+        end = max(end, ended)
+        total.add(HdrHistogram.decode(encoded))
+    return count, total, end - start_at
 
 
 def _read_json(stream: Any, key: str) -> dict[str, Any]:
@@ -293,9 +400,14 @@ def _run_config(
     try:
         assert proc.stdout is not None
         port = _read_json(proc.stdout, "port")["port"]
-        count, hist, elapsed = trio.run(
-            _drive, port, targets, args.clients, args.pages, qd, args.duration
-        )
+        if args.client == "trio":
+            count, hist, elapsed = trio.run(
+                _drive, port, targets, args.clients, args.pages, qd, args.duration
+            )
+        else:
+            count, hist, elapsed = _drive_processes(
+                port, targets, args.clients, args.pages, qd, args.duration
+            )
         proc.send_signal(signal.SIGTERM)
         server = _read_json(proc.stdout, "batching_factor")
     finally:
@@ -307,6 +419,7 @@ def _run_config(
         "mode": mode,
         "get_impl": get_impl,
         "cache": cache,
+        "client": args.client,
         "tenants": args.tenants,
         "clients_per_tenant": args.clients,
         "queue_depth": qd,
@@ -417,6 +530,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", default="hot", help="comma list: hot, cold (no page cache)")
     parser.add_argument(
         "--postgres", action="store_true", help="also run the PostgreSQL 15 baseline"
+    )
+    parser.add_argument(
+        "--client",
+        choices=("process", "trio"),
+        default="process",
+        help="process: one process per client with a BlockingPageClient (default); "
+        "trio: every client a trio task of the driver process with the async PageClient",
     )
     parser.add_argument(
         "--writes-per-s",

@@ -333,7 +333,9 @@ class BlockingPageClient:
             decoder.receive_data(self.sock.recv(RECEIVE_SIZE))
         if isinstance(event, BackendMessage):
             if event.tag == b"E":
-                raise PgError.from_response(m.ErrorResponse.decode(Reader(event.payload, "ErrorResponse")))
+                raise PgError.from_response(
+                    m.ErrorResponse.decode(Reader(event.payload, "ErrorResponse"))
+                )
             raise RemoteProtocolError(f"unexpected message {event.tag!r} during the pagestream")
         assert isinstance(event, bytes)
         return decode_response(event, self.version, self._in_flight.popleft())

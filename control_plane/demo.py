@@ -346,12 +346,21 @@ class Demo:
             raise RuntimeError("main did not change between quarter and half way: the check would prove nothing")
 
     async def _compare_pages(self) -> None:
-        assert self.env is not None
-        env = self.env
         pg = self.pg("main")
-        # Autovacuum would change pages between our CHECKPOINT and reading the files.
+        # Autovacuum would change pages between our CHECKPOINT and reading the files; it is
+        # switched off only for the comparison and restored whatever happens.
         await trio.to_thread.run_sync(pg.psql, "ALTER SYSTEM SET autovacuum = off")
         await trio.to_thread.run_sync(pg.psql, "SELECT pg_reload_conf()")
+        try:
+            await self._compare_pages_quiesced(pg)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(pg.psql, "ALTER SYSTEM RESET autovacuum")
+                await trio.to_thread.run_sync(pg.psql, "SELECT pg_reload_conf()")
+
+    async def _compare_pages_quiesced(self, pg: postgres.PostgresInstance) -> None:
+        assert self.env is not None
+        env = self.env
         deadline = time.monotonic() + 60
         while (await trio.to_thread.run_sync(
                 pg.psql, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'")) != "0":

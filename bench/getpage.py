@@ -266,12 +266,11 @@ def _process_client(
     start_at: float,
     duration: float,
     seed: int,
-    result: Any,
-) -> None:
+) -> dict[str, Any]:
     """One client process (``--client process``): a ``BlockingPageClient`` in a closed loop.
 
     Starts at ``start_at`` (``time.monotonic``, shared by all processes on Linux) so every
-    client measures the same window; sends back (count, end time, encoded histogram).
+    client measures the same window; returns count, end time and the encoded histogram.
     """
     from collections import deque
 
@@ -311,7 +310,12 @@ def _process_client(
                 client.send(new_request())
             elif client.in_flight == 0:
                 break
-    result.send((count, time.monotonic(), hist.encode()))
+    encoded = hist.encode()
+    return {
+        "count": count,
+        "ended": time.monotonic(),
+        "hist": encoded.decode() if isinstance(encoded, bytes) else encoded,
+    }
 
 
 def _drive_processes(
@@ -322,44 +326,32 @@ def _drive_processes(
     queue_depth: int,
     duration: float,
 ) -> tuple[int, Any, float]:
-    import multiprocessing
-
     from hdrh.histogram import HdrHistogram
 
-    ctx = multiprocessing.get_context("spawn")
     # Far enough ahead for every process to start and connect before the window opens.
-    start_at = time.monotonic() + 1.5 + 0.1 * clients * len(targets)
+    start_at = time.monotonic() + 2.0 + 0.2 * clients * len(targets)
     procs = []
     for i, (tenant, timeline) in enumerate(targets):
         for c in range(clients):
-            rx, tx = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_process_client,
-                args=(
-                    port,
-                    tenant,
-                    timeline,
-                    pages,
-                    queue_depth,
-                    start_at,
-                    duration,
-                    i * 1000 + c,
-                    tx,
-                ),
-                daemon=True,
+            argv = [port, tenant, timeline, pages, queue_depth, start_at, duration, i * 1000 + c]
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "bench.getpage", "--client-process", json.dumps(argv)],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    cwd=Path(__file__).resolve().parent.parent,
+                )
             )
-            proc.start()
-            procs.append((proc, rx))
     total = HdrHistogram(1, 60_000_000, 3)
     count, end = 0, start_at
-    for proc, rx in procs:
-        if not rx.poll(duration + 60):
-            raise RuntimeError("a benchmark client process did not report")
-        n, ended, encoded = rx.recv()
-        proc.join(timeout=10)
-        count += n
-        end = max(end, ended)
-        total.add(HdrHistogram.decode(encoded))
+    for proc in procs:
+        out, _ = proc.communicate(timeout=duration + 60)
+        if proc.returncode != 0:
+            raise RuntimeError(f"a benchmark client process failed (exit {proc.returncode})")
+        got = json.loads(out.strip().splitlines()[-1])
+        count += got["count"]
+        end = max(end, got["ended"])
+        total.add(HdrHistogram.decode(got["hist"]))
     return count, total, end - start_at
 
 
@@ -580,7 +572,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--serve":
+    if len(sys.argv) == 3 and sys.argv[1] == "--client-process":
+        print(json.dumps(_process_client(*json.loads(sys.argv[2]))), flush=True)
+    elif len(sys.argv) == 7 and sys.argv[1] == "--serve":
         trio.run(
             _serve, Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6])
         )

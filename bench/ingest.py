@@ -21,8 +21,9 @@ and every row ingests the same bytes. It imitates a bulk load into one table:
 The matrix is io_engine x write_buffer_size x double_buffering x sync mode (the engine's
 ``write_sync_mode``, which applies to the ephemeral file, the layer files and index_part.json).
 All rows of one table come from one process run; each row prints one JSON object as soon as it
-is done, then a final ``summary`` object compares the best row with the seed's bad case
-(threadpool, 8 KiB, no double buffering, sync mode none).
+is done (with ``--repeat N`` the rounds are interleaved and a ``median_of`` row per
+configuration follows at the end), then a final ``summary`` object compares the best row with
+the seed's bad case (threadpool, 8 KiB, no double buffering, sync mode none).
 """
 
 from __future__ import annotations
@@ -271,8 +272,8 @@ def run(args: argparse.Namespace) -> int:
                 result = trio.run(run_row, row, chunks, workdir)
                 result["round"] = round_no
                 samples[row].append(result)
-                if args.repeat > 1:
-                    print(json.dumps({"sample": True, **result}), flush=True)
+                # Printed at once, so a long run that is stopped early still has its rows.
+                print(json.dumps(result), flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     rows: list[dict[str, Any]] = []
@@ -282,10 +283,11 @@ def run(args: argparse.Namespace) -> int:
             continue
         median = dict(runs[len(runs) // 2])
         median.pop("round")
-        median["runs"] = len(runs)
-        median["seconds_all"] = [r["seconds"] for r in samples[row]]
         rows.append(median)
-        print(json.dumps(median), flush=True)
+        if args.repeat > 1:
+            median["median_of"] = len(runs)
+            median["seconds_all"] = [r["seconds"] for r in samples[row]]
+            print(json.dumps(median), flush=True)
     bad = [r for r in rows if (r["io_engine"], r["write_buffer_size"], r["double_buffering"], r["sync_mode"]) == SEED_BAD]
     if rows:
         best = max(rows, key=lambda r: r["mb_per_s"])

@@ -158,8 +158,9 @@ def _pick_port(env: LocalEnv, name: str) -> int:
 
 async def _fetch_basebackup(host: str, port: int, tenant_id: str, timeline_id: str, lsn: Lsn,
                             out: Path) -> int:
-    # The pageserver may send a whole 16 MiB WAL segment plus its tar header in one CopyData.
-    conn = await pgclient.connect(host, port, user="pagestore", max_message_len=64 << 20)
+    # The default message limit holds: basebackup sends CopyData of at most 256 KiB
+    # (pageserver.basebackup.CHUNK_BYTES), also for the 16 MiB WAL segment.
+    conn = await pgclient.connect(host, port, user="pagestore")
     try:
         copy = await conn.copy_out(f"basebackup {tenant_id} {timeline_id} {format_lsn(lsn)}")
         size = 0

@@ -218,13 +218,32 @@ class Datadir:
         """Pages of one fork through one vectored read; blocks past the end are zeros."""
         if rel.rel == 0:
             raise RelNotFoundError("relnode 0 is not a relation")
-        nblocks = await self.get_rel_size(rel, lsn)
-        keys = [rel_block_key(rel.spc, rel.db, rel.rel, rel.fork, b) for b in blknos if b < nblocks]
-        got = await self.tl.get_vectored(keys, lsn) if keys else {}
-        return [
-            got[rel_block_key(rel.spc, rel.db, rel.rel, rel.fork, b)] if b < nblocks else ZERO_PAGE
-            for b in blknos
-        ]
+        # One walk for the directory, the size and the pages; results for blocks past the
+        # end are dropped (they read as zeros).
+        dkey = rel_dir_key(rel.spc, rel.db)
+        skey = rel_size_key(rel.spc, rel.db, rel.rel, rel.fork)
+        bkeys = [rel_block_key(rel.spc, rel.db, rel.rel, rel.fork, b) for b in blknos]
+        got = await self.tl.get_vectored_results([dkey, skey, *bkeys], lsn)
+        rdir, size = got[dkey], got[skey]
+        if not isinstance(rdir, bytes) and not isinstance(rdir, MissingKeyError):
+            raise rdir
+        if not isinstance(rdir, bytes) or (rel.rel, rel.fork) not in decode_rel_dir(rdir):
+            if rel.fork in (FSM_FORKNUM, VISIBILITYMAP_FORKNUM):
+                return [ZERO_PAGE] * len(blknos)
+            raise RelNotFoundError(f"relation {rel} does not exist at {format_lsn(lsn)}")
+        if not isinstance(size, bytes):
+            raise size
+        nblocks = decode_nblocks(size)
+        out: list[bytes] = []
+        for b, key in zip(blknos, bkeys, strict=True):
+            if b >= nblocks:
+                out.append(ZERO_PAGE)
+                continue
+            page = got[key]
+            if not isinstance(page, bytes):
+                raise page
+            out.append(page)
+        return out
 
     async def get_db_size(self, spc: int, db: int, lsn: Lsn) -> int:
         """Bytes of all relation forks of the database (PostgreSQL's pg_database_size)."""

@@ -165,6 +165,7 @@ class Timeline:
         self._waiters: list[tuple[int, int, trio.Event]] = []
         self._waiter_seq = 0
         self._layers_lock: trio.Lock | None = None
+        self._put_lock_obj: trio.Lock | None = None
         # (monotonic time, lsn) samples for pitr_interval: at most one per second
         self._lsn_times: list[tuple[float, Lsn]] = []
         self.last_image_check_lsn = INVALID_LSN
@@ -238,6 +239,12 @@ class Timeline:
             self._layers_lock = trio.Lock()
         return self._layers_lock
 
+    @property
+    def _put_lock(self) -> trio.Lock:
+        if self._put_lock_obj is None:
+            self._put_lock_obj = trio.Lock()
+        return self._put_lock_obj
+
     async def put(self, key: Key, lsn: Lsn, value: Value) -> None:
         """Store ``value`` at (key, lsn). ``lsn`` must be above ``last_record_lsn``."""
         if lsn <= self._last_record_lsn or lsn < self._max_put_lsn or lsn < self._next_layer_start:
@@ -249,11 +256,21 @@ class Timeline:
         layer = self.open_layer
         if layer is not None and lsn > self._max_put_lsn and self._should_roll(layer, lsn, len(blob)):
             await self.flush()
-            layer = None
-        if layer is None:
-            layer = await self._open_new_layer()
-        self._max_put_lsn = lsn
-        await layer.put(key, lsn, blob, value.will_init)
+        # A put's append and index update must not interleave with a freeze (the background
+        # flush): the put lock keeps them apart; uncontended, it costs no checkpoint.
+        lock = self._put_lock
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
+            layer = self.open_layer
+            if layer is None:
+                layer = await self._open_new_layer()
+            self._max_put_lsn = lsn
+            await layer.put(key, lsn, blob, value.will_init)
+        finally:
+            lock.release()
 
     def _should_roll(self, layer: InMemoryLayer, lsn: Lsn, size: int) -> bool:
         cfg = self.config
@@ -277,17 +294,18 @@ class Timeline:
 
     async def freeze(self) -> None:
         """Close the open layer at ``max(put LSNs, last_record_lsn) + 1``; no-op if empty."""
-        layer = self.open_layer
-        if layer is None or not layer.index:
-            return
-        end = Lsn(max(self._max_put_lsn, self._last_record_lsn) + 1)
-        # Move it to the frozen list before the first await: a read running meanwhile must
-        # find the layer in one of the two places.
-        layer.end_lsn = end
-        self.frozen_layers.append(layer)
-        self.open_layer = None
-        self._next_layer_start = end
-        await layer.freeze(end)
+        async with self._put_lock:
+            layer = self.open_layer
+            if layer is None or not layer.index:
+                return
+            end = Lsn(max(self._max_put_lsn, self._last_record_lsn) + 1)
+            # Move it to the frozen list before the first await: a read running meanwhile
+            # must find the layer in one of the two places.
+            layer.end_lsn = end
+            self.frozen_layers.append(layer)
+            self.open_layer = None
+            self._next_layer_start = end
+            await layer.freeze(end)
 
     async def flush_if_old(self) -> None:
         """Flush an open layer that has waited ``checkpoint_timeout_s`` (no put came to roll it)."""

@@ -206,7 +206,8 @@ def parse_size(text: str) -> int:
 
 
 class _Signal:
-    """A level-free wakeup: ``event`` is captured before checking state, then awaited."""
+    """An edge-triggered wakeup: a waiter takes ``event`` *before* checking the state it waits
+    on, then awaits it, so a ``fire()`` in between is never lost."""
 
     __slots__ = ("event",)
 
@@ -279,7 +280,16 @@ class Bridge:
             await self._commit_changed.event.wait()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self.info = await self._prepare_postgres()
+        backoff = 0.1
+        while True:
+            try:
+                self.info = await self._prepare_postgres()
+                break
+            except CONNECTION_ERRORS as exc:
+                # PostgreSQL may still be starting (or restarting): wait for it.
+                log.warning("postgres not reachable", error=repr(exc))
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, self.cfg.max_backoff_s)
         log.info(
             "postgres ready",
             system_id=self.info.system_id,

@@ -54,6 +54,7 @@ class InMemoryLayer:
     async def put(self, key: Key, lsn: Lsn, blob: bytes, will_init: bool) -> None:
         if self.end_lsn is not None:
             raise AssertionError("put into a frozen in-memory layer")
+        # (the timeline's put lock keeps freezing out until the index entry below is in)
         if lsn < self.start_lsn:
             raise ValueError(f"put at {lsn:X} below the layer start {self.start_lsn:X}")
         offset = await self.file.append(blob)

@@ -86,6 +86,7 @@ SLRU_PAGES_PER_SEGMENT = 32
 XLOG_SMGR_TRUNCATE = 0x20
 SMGR_TRUNCATE_VM = 0x0002
 XLOG_RELMAP_UPDATE = 0x00
+RELMAP_FILE_SIZE = 512
 
 RedoFn = Callable[[bytearray, DecodedRecord, BlockRef], None]
 
@@ -282,7 +283,13 @@ class PostgresRedoManager:
 
     def _validate(self, page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
         """verifyBackupPageConsistency: compare rm_mask(replayed) with rm_mask(image)."""
-        img = blk.image
+        try:
+            img = blk.image
+        except RemoteProtocolError as exc:
+            raise RedoError(
+                f"{record_name(rec)}: cannot restore the verification image: {exc.msg}",
+                lsn=rec.end_lsn, rmgr=rmgr_name(rec.xl_rmid),
+            ) from None
         assert img is not None
         mask = RM_MASKS.get(rec.xl_rmid)
         VALIDATION_CHECKS.inc()
@@ -379,11 +386,24 @@ class PostgresRedoManager:
         for lsn, value in records:
             if not isinstance(value, PostgresRecord):
                 raise RedoError(f"{type(value).__name__} does not apply to a relmap file", lsn=lsn)
-            rec = decode_record(value.rec, lsn, lsn)
+            try:
+                rec = decode_record(value.rec, lsn, lsn)
+            except RemoteProtocolError as exc:
+                raise RedoError(f"undecodable stored record: {exc.msg}", lsn=lsn) from None
             if rec.xl_rmid != RM_RELMAP or rec.xl_info & 0xF0 != XLOG_RELMAP_UPDATE:
                 raise RedoError(f"{record_name(rec)} does not apply to a relmap file", lsn=lsn)
-            _db, _ts, nbytes = _XL_RELMAP_UPDATE.unpack_from(rec.main_data)
-            data = bytes(rec.main_data[_XL_RELMAP_UPDATE.size : _XL_RELMAP_UPDATE.size + nbytes])
+            main = rec.main_data
+            if len(main) < _XL_RELMAP_UPDATE.size:
+                raise RedoError("truncated RelMap/UPDATE record", lsn=lsn, rmgr="RelMap")
+            _db, _ts, nbytes = _XL_RELMAP_UPDATE.unpack_from(main)
+            # relmap_redo insists on a whole RelMapFile; anything else is corrupt WAL.
+            if nbytes != RELMAP_FILE_SIZE or len(main) < _XL_RELMAP_UPDATE.size + nbytes:
+                raise RedoError(
+                    f"RelMap/UPDATE carries {nbytes} bytes ({len(main) - _XL_RELMAP_UPDATE.size} present),"
+                    f" not a {RELMAP_FILE_SIZE}-byte map file",
+                    lsn=lsn, rmgr="RelMap",
+                )
+            data = bytes(main[_XL_RELMAP_UPDATE.size : _XL_RELMAP_UPDATE.size + nbytes])
         if data is None:
             raise RedoError("relmap file without base or update")
         return data

@@ -295,3 +295,34 @@ async def test_reads_race_with_flushes_and_compactions(tmp_path: Path) -> None:
     assert checked > 50
     assert tl.layer_map.l0_layers() != list(tl.layer_map)  # compaction/images happened
     await tenant.shutdown()
+
+
+async def test_puts_race_with_background_flushes(tmp_path: Path) -> None:
+    """A flush (background job) freezing the open layer while a put is inside its append must
+    neither lose the value nor put it into a layer already being written."""
+    cfg = StorageConfig(validate_get=True, double_buffering=True, io_engine="threadpool",
+                        write_buffer_size=512, checkpoint_distance=1 << 30)
+    async with trio.open_nursery() as nursery:
+        tenant = Tenant(tmp_path, TenantId.generate(), cfg, nursery=nursery)
+        tl = await tenant.create_timeline(TimelineId.generate())
+        done = trio.Event()
+
+        async def writer() -> None:
+            for lsn in range(1, 600):
+                await _write(tl, lsn, k(lsn % 20), Image(b"%d:" % lsn + bytes(100)))
+            done.set()
+
+        async def flusher() -> None:
+            while not done.is_set():
+                await tl.flush()
+                await trio.sleep(0)
+
+        nursery.start_soon(writer)
+        nursery.start_soon(flusher)
+    await tl.flush()
+    assert len(tl.layer_map) > 5
+    got = await tl.get_vectored([k(i) for i in range(20)], Lsn(599))
+    for i in range(20):
+        last = max(lsn for lsn in range(1, 600) if lsn % 20 == i)
+        assert got[k(i)] == b"%d:" % last + bytes(100)
+    await tenant.shutdown()

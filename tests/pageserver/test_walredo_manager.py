@@ -192,3 +192,80 @@ def test_fpi_without_image() -> None:
     fpi = build_record(prev=0, rmid=0, info=0xB0, blocks=[BlockSpec(REL, 7)])
     with pytest.raises(PageReconstructError, match="XLOG/FPI block 0 has no image"):
         _apply(KEY, page, [(0x9000, PostgresRecord(False, fpi))])
+
+
+def _relmap_update(nbytes: int, payload: bytes) -> bytes:
+    return build_record(prev=0, rmid=7, info=0x00, main_data=struct.pack("<IIi", 5, 1663, nbytes) + payload)
+
+
+def test_relmap_update_replaces_the_file() -> None:
+    new_map = bytes(range(256)) * 2
+    out = _apply(relmap_file_key(1663, 5), b"\0" * 512, [(0x10, PostgresRecord(False, _relmap_update(512, new_map)))])
+    assert out == new_map
+
+
+@pytest.mark.parametrize(
+    ("main", "match"),
+    [
+        (b"\1\2", "truncated RelMap/UPDATE"),
+        (struct.pack("<IIi", 5, 1663, 512) + b"x" * 100, "not a 512-byte map file"),
+        (struct.pack("<IIi", 5, 1663, -1) + b"x" * 512, "not a 512-byte map file"),
+        (struct.pack("<IIi", 5, 1663, 100) + b"x" * 100, "not a 512-byte map file"),
+    ],
+)
+def test_hostile_relmap_update_is_a_reconstruct_error(main: bytes, match: str) -> None:
+    rec = build_record(prev=0, rmid=7, info=0x00, main_data=main)
+    with pytest.raises(PageReconstructError, match=match):
+        _apply(relmap_file_key(1663, 5), b"\0" * 512, [(0x10, PostgresRecord(False, rec))])
+
+
+def test_undecodable_relmap_record_is_a_reconstruct_error() -> None:
+    with pytest.raises(PageReconstructError, match="undecodable stored record"):
+        _apply(relmap_file_key(1663, 5), b"\0" * 512, [(0x10, PostgresRecord(False, b"\xff" * 30))])
+
+
+@settings(max_examples=200)
+@given(
+    target=st.sampled_from([
+        slru_block_key(SLRU_CLOG, 0, 0),
+        slru_block_key(SLRU_MULTIXACT_OFFSETS, 0, 0),
+        slru_block_key(SLRU_MULTIXACT_MEMBERS, 0, 0),
+        relmap_file_key(1663, 5),
+    ]),
+    rmid=st.sampled_from([1, 3, 6, 7]),
+    info=st.integers(0, 255),
+    main=st.binary(max_size=80),
+)
+def test_hostile_slru_and_relmap_records_give_clear_errors(target: bytes, rmid: int, info: int, main: bytes) -> None:
+    """Garbage in a record stored under an SLRU page or a relmap file: a result or
+    PageReconstructError, never another exception type."""
+    rec = build_record(prev=0, rmid=rmid, info=info, xid=5, main_data=main)
+    base = bytes(512) if target == relmap_file_key(1663, 5) else bytes(8192)
+    try:
+        out = _apply(target, base, [(0x9000, PostgresRecord(False, rec))])
+    except PageReconstructError:
+        return
+    assert len(out) == len(base)
+
+
+def test_corrupt_verification_image_is_a_reconstruct_error() -> None:
+    """validate: a compressed check image that does not decompress names the record."""
+    page = _sample_heap_page()
+    rec = build_record(
+        prev=0, rmid=10, info=0x00, xid=902,
+        blocks=[BlockSpec(REL, 7, data=struct.pack("<HHB", 2, 0x0802, 24) + b"\x00" + b"zz",
+                          image=bytes(8192), apply_image=False)],
+        main_data=struct.pack("<HB", 3, 0),
+    )
+    # Flip the image to "pglz compressed" garbage: find the stored image and corrupt its flag.
+    # Simplest honest route: an lz4 image whose bytes are then clobbered.
+    rec_lz4 = build_record(
+        prev=0, rmid=10, info=0x00, xid=902,
+        blocks=[BlockSpec(REL, 7, data=struct.pack("<HHB", 2, 0x0802, 24) + b"\x00" + b"zz",
+                          image=bytes(8192), apply_image=False, compression="lz4")],
+        main_data=struct.pack("<HB", 3, 0),
+    )
+    assert rec != rec_lz4
+    mgr = PostgresRedoManager(validate=True)
+    with pytest.raises(PageReconstructError):
+        mgr.apply(Key(KEY), page, [(Lsn(0x9000), PostgresRecord(False, _corrupt_lz4_image(rec_lz4)))])

@@ -120,6 +120,7 @@ async def run_config(
             transport = p.copy.transport
             burst = max(msg_size, 1 << 20) if msg_size > MAX_SEND_SIZE else 1 << 20
             t0 = time.perf_counter()
+            proposer_cpu0 = time.process_time()
 
             async def send_all() -> None:
                 view = memoryview(stream)
@@ -147,6 +148,7 @@ async def run_config(
                     nursery.start_soon(send_all)
                     nursery.start_soon(receive_acks, nursery.cancel_scope)
             del window
+        proposer_cpu_s = time.process_time() - proposer_cpu0
         status = sk.timeline_status(TENANT, TIMELINE)
         assert sk.proc is not None
         cpu_s = process_cpu_seconds(sk.proc.pid) - cpu_at_start
@@ -167,6 +169,7 @@ async def run_config(
         # steadier figure of its efficiency.
         "sk_cpu_s": round(cpu_s, 3),
         "mib_per_cpu_s": round(acked / (1 << 20) / cpu_s, 2) if cpu_s > 0 else 0.0,
+        "proposer_cpu_s": round(proposer_cpu_s, 3),
         "responses": responses,
         "write_groups": status["write_groups"],
         "write_messages": status["write_messages"],

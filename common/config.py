@@ -177,6 +177,8 @@ def load_config(
             text = source.read_text()
         except OSError as exc:
             raise ConfigError([f"cannot read: {exc.strerror}"], name) from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError([f"not UTF-8 text: {exc.reason} at byte {exc.start}"], name) from None
     else:
         name, text = "config", source
     try:

@@ -78,6 +78,9 @@ class Request:
             return json.loads(self.body or b"null")
         except (ValueError, UnicodeDecodeError) as exc:
             raise HttpError(400, f"malformed JSON body: {exc}") from None
+        except RecursionError:
+            # json raises this (not ValueError) for deeply nested input: still the client's fault
+            raise HttpError(400, "malformed JSON body: nested too deeply") from None
 
     def structure(self, cls: type[T]) -> T:
         """The JSON body as ``cls``; a bad body is a 400 naming the key (common.config rules)."""

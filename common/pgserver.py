@@ -243,6 +243,24 @@ class PgConnection:
             return bytes(await self._stream.receive_some(RECEIVE_SIZE))
         raise IdleTimeout(f"no message from the client for {timeout} s")
 
+    def take_receive_buffer(self) -> bytes:
+        """Remove and return the bytes received but not yet decoded.
+
+        For a handler that reads the transport itself during COPY (the page service decodes
+        pagestream requests straight from the bytes); it gives back whatever follows the end
+        of its stream with ``restore_receive_buffer``.
+        """
+        # The pgwire decoder (protocol/, not ours) has no public drain.
+        buf = self._decoder._buf
+        return buf.take(len(buf))
+
+    def restore_receive_buffer(self, data: bytes) -> None:
+        """Put back bytes a handler read past the end of its COPY stream (see above)."""
+        if self._decoder.buffered:
+            raise LocalProtocolError("restore_receive_buffer with bytes still buffered")
+        if data:
+            self._decoder.receive_data(data)
+
     def receive_message_nowait(self) -> m.FrontendMessage | None:
         """A message already buffered; ``None`` at EOF; ``trio.WouldBlock`` otherwise."""
         ev = self._decoder.next_event()

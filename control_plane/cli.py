@@ -41,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "timeline import": ("control_plane.cmd_timeline_import", "import a PostgreSQL data directory or tar as a timeline"),
     "timeline list": ("control_plane.cmd_timeline_list", "list a tenant's timelines"),
     "waldump": ("control_plane.cmd_waldump", "print WAL records of segment files as JSON lines"),
+    "verify oracle": ("bench.oracle", "every page and SLRU segment the pageserver serves vs PostgreSQL's files (masked)"),
     "walproposer": ("compute.walproposer.main", "stream a vanilla PostgreSQL's WAL to a quorum of safekeepers"),
 }
 
@@ -49,6 +50,7 @@ GROUP_HELP = {
     "tenant": "create and list tenants",
     "timeline": "branch, list and import timelines",
     "endpoint": "start and stop PostgreSQL computes on pagestore",
+    "verify": "correctness checks against PostgreSQL",
 }
 
 

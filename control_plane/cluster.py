@@ -65,8 +65,8 @@ def stop(env: LocalEnv, *, immediate: bool = False, log: Any = print) -> None:
         if ep.running():
             endpoint.stop_endpoint(env, ep.name, log=log)
     for name, node_dir in env.node_dirs():
-        pid = process.read_pid(_pid_path(node_dir))
-        if pid is None or not process.is_alive(pid):
+        pid = process.running_pid(_pid_path(node_dir))
+        if pid is None:
             log(f"{name} is not running")
             continue
         how = process.stop_pid(pid, timeout=0.5 if immediate else STOP_TIMEOUT_S, what=name)

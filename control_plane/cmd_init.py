@@ -19,6 +19,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                        help="let the OS pick free ports for every node and endpoint (tests)")
     parser.add_argument("--no-sync", action="store_true",
                         help="safekeepers skip fsync (tests on slow disks; commits are not durable)")
+    parser.add_argument("--validate-redo", action="store_true",
+                        help="the pageserver checks redo against wal_consistency_checking images (tests)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing pagestore.toml")
     add_json(parser)
 
@@ -30,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = plan_ports(args.safekeepers, port_offset=args.port_offset, free_ports=args.free_ports)
     if args.no_sync:
         cfg = attrs.evolve(cfg, safekeeper_no_sync=True)
+    if args.validate_redo:
+        cfg = attrs.evolve(cfg, validate_redo=True)
     env = LocalEnv.create(workdir_of(args), cfg, force=args.force)
     data = {
         "workdir": str(env.workdir),

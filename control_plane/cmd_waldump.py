@@ -22,9 +22,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from protocol.errors import RemoteProtocolError
 from protocol.lsn import (
     WAL_SEGMENT_SIZE,
     XLOG_BLCKSZ,
+    Lsn,
     format_lsn,
     parse_lsn,
     parse_segment_file_name,
@@ -78,23 +80,50 @@ def record_json(rec: DecodedRecord) -> dict[str, Any]:
     }
 
 
+def _lsn_arg(text: str | None, what: str) -> Lsn | None:
+    if text is None:
+        return None
+    try:
+        return parse_lsn(text)
+    except RemoteProtocolError as exc:
+        raise _UsageError(f"{what}: {exc.msg}") from None
+
+
+class _UsageError(Exception):
+    pass
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except _UsageError as exc:
+        print(f"waldump: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     seg_size: int = args.segment_size
+    # PostgreSQL's rule (IsValidWalSegSize): a power of two from 1 MiB to 1 GiB.
+    if seg_size < 1 << 20 or seg_size > 1 << 30 or seg_size & (seg_size - 1):
+        raise _UsageError(f"--segment-size {seg_size} is not a power of two between 1 MiB and 1 GiB")
     try:
         named = sorted(
             (parse_segment_file_name(p.name, seg_size), p) for p in args.segments
         )
     except ValueError as exc:
-        print(f"waldump: {exc}", file=sys.stderr)
-        return 2
+        raise _UsageError(str(exc)) from None
+    for _, path in named:
+        if not path.is_file():
+            raise _UsageError(f"{path}: not a readable file")
     for ((tli_a, seg_a), _), ((tli_b, seg_b), path_b) in itertools.pairwise(named):
         if seg_b != seg_a + 1 or tli_b != tli_a:
             print(f"waldump: {path_b.name} does not follow the previous segment", file=sys.stderr)
             return 2
     (timeline, first_seg), _ = named[0]
     data_start = first_seg * seg_size
-    wanted = data_start if args.start is None else parse_lsn(args.start)
-    end_limit = None if args.end is None else parse_lsn(args.end)
+    start_arg = _lsn_arg(args.start, "--start")
+    wanted = data_start if start_arg is None else start_arg
+    end_limit = _lsn_arg(args.end, "--end")
     if not data_start <= wanted < data_start + seg_size * len(named):
         print(f"waldump: --start {format_lsn(wanted)} is not in the given segments", file=sys.stderr)
         return 2
@@ -106,7 +135,11 @@ def run(args: argparse.Namespace) -> int:
     end: EndOfWal | None = None
     stopped_at_limit = False
     for _, path in named:
-        with path.open("rb") as f:
+        try:
+            f = path.open("rb")
+        except OSError as exc:
+            raise _UsageError(f"{path}: {exc.strerror}") from None
+        with f:
             while chunk := f.read(_CHUNK):
                 decoder.feed(chunk)
                 for rec in decoder.records():

@@ -74,6 +74,8 @@ class LocalEnvConfig:
     endpoint_base_port: int = DEFAULT_ENDPOINT_BASE_PORT
     # Safekeepers skip fsync: for tests on slow disks only; commits are then not durable.
     safekeeper_no_sync: bool = False
+    # The pageserver checks its redo against wal_consistency_checking images (tests).
+    validate_redo: bool = False
 
 
 def _port_free(port: int) -> bool:
@@ -232,6 +234,7 @@ class LocalEnv:
             "listen_http_addr": f"127.0.0.1:{p.http}",
             "safekeepers": self.safekeeper_pg_addrs,
             "log_file": "pageserver.log",
+            **({"validate_redo": True} if self.config.validate_redo else {}),
         }
 
     def safekeeper_config_table(self, sk_id: int) -> dict[str, Any]:

@@ -41,14 +41,37 @@ def spawn(cmd: Sequence[str], *, log_path: Path, pid_path: Path, cwd: Path | Non
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    pid_path.write_text(f"{proc.pid}\n")
+    # The start time goes with the pid: a stale pid file must not make `stop` signal an
+    # unrelated process that was later given the same pid.
+    started = start_time(proc.pid)
+    pid_path.write_text(f"{proc.pid}" + (f" {started}" if started is not None else "") + "\n")
     return proc.pid
 
 
-def read_pid(pid_path: Path) -> int | None:
+def _read_pid_file(pid_path: Path) -> tuple[int, int | None] | None:
     try:
-        return int(pid_path.read_text().strip())
-    except (OSError, ValueError):
+        fields = pid_path.read_text().split()
+        pid = int(fields[0])
+        started = int(fields[1]) if len(fields) > 1 else None
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid, started
+
+
+def read_pid(pid_path: Path) -> int | None:
+    """The pid recorded in ``pid_path`` (whether or not that process still runs)."""
+    got = _read_pid_file(pid_path)
+    return None if got is None else got[0]
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/PID/stat field 22), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # Fields after the parenthesised command name start at field 3 (the state).
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -73,8 +96,16 @@ def is_alive(pid: int) -> bool:
 
 
 def running_pid(pid_path: Path) -> int | None:
-    pid = read_pid(pid_path)
-    return pid if pid is not None and is_alive(pid) else None
+    """The pid of ``pid_path`` if that very process still runs (same pid and start time)."""
+    got = _read_pid_file(pid_path)
+    if got is None:
+        return None
+    pid, started = got
+    if not is_alive(pid):
+        return None
+    if started is not None and start_time(pid) != started:
+        return None  # the pid was reused by another process
+    return pid
 
 
 def stop_pid(pid: int, *, timeout: float = 10.0, what: str = "process") -> str:

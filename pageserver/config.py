@@ -9,6 +9,7 @@
     safekeepers = ["127.0.0.1:5454", "127.0.0.1:5455", "127.0.0.1:5456"]
     log_file = "pageserver.log"     # relative paths are inside workdir
     log_level = "info"
+    validate_redo = false         # check redo against wal_consistency_checking images
 
     [tenant_config]               # default storage settings of every tenant (storage.md §2.10)
     checkpoint_distance = 268435456
@@ -88,6 +89,9 @@ class PageserverConfig:
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Seconds a stopping node gives open connections before cancelling them.
     shutdown_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+    # Redo compares every replayed page with the wal_consistency_checking image its record
+    # carries (masked); a difference fails the read (docs/redo.md). Costs CPU: tests only.
+    validate_redo: bool = False
 
     @property
     def tenants_dir(self) -> Path:

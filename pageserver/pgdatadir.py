@@ -247,10 +247,10 @@ class Datadir:
 
     async def get_db_size(self, spc: int, db: int, lsn: Lsn) -> int:
         """Bytes of all relation forks of the database (PostgreSQL's pg_database_size)."""
-        total = 0
-        for rel in await self.list_rels(spc, db, lsn):
-            total += await self.get_rel_size(rel, lsn) * BLCKSZ
-        return total
+        rels = await self.list_rels(spc, db, lsn)
+        keys = [rel_size_key(r.spc, r.db, r.rel, r.fork) for r in rels]
+        got = await self.tl.get_vectored(keys, lsn) if keys else {}
+        return sum(decode_nblocks(v) for v in got.values()) * BLCKSZ
 
     async def list_slru_segments(self, kind: int, lsn: Lsn) -> set[int]:
         raw = await self._get_opt(slru_dir_key(kind), lsn)

@@ -31,6 +31,7 @@ from pageserver.timeline import Timeline
 from pageserver.wal_receiver import WalReceiverConfig
 from pageserver.walingest import TimelineWalIngest, WalIngest
 from pageserver.walredo.manager import PostgresRedoManager
+from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn
 from protocol.wal.record import DecodedRecord
@@ -74,6 +75,12 @@ class _PrevTrackingIngest(WalIngest):
         return applied
 
 
+def _fresh_dir(path: Path) -> None:
+    """``path`` created empty, with whatever an interrupted attempt left at its parent removed."""
+    shutil.rmtree(path.parent, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
 class TenantManager:
     def __init__(self, conf: PageserverConfig) -> None:
         self.conf = conf
@@ -91,7 +98,7 @@ class TenantManager:
         return self._locks.setdefault(tenant_id, trio.Lock())
 
     def _new_redo(self) -> PostgresRedoManager:
-        return PostgresRedoManager()
+        return PostgresRedoManager(validate=self.conf.validate_redo)
 
     # -- start and stop -----------------------------------------------------------------------
 
@@ -101,11 +108,11 @@ class TenantManager:
         self.tenants_dir.mkdir(parents=True, exist_ok=True)
         for entry in sorted(self.tenants_dir.iterdir()):
             if entry.name.startswith(TMP_PREFIX):
-                shutil.rmtree(entry)
+                await trio.to_thread.run_sync(shutil.rmtree, entry)
                 continue
             try:
                 tenant_id = TenantId.parse(entry.name)
-            except Exception:
+            except RemoteProtocolError:
                 log.warning("ignoring a directory that is not a tenant", path=str(entry))
                 continue
             tenant = await Tenant.load(
@@ -195,12 +202,12 @@ class TenantManager:
                 raise AlreadyExistsError(f"tenant {tenant_id} already exists")
             final = self.tenants_dir / tenant_id.hex
             tmp = self.tenants_dir / f"{TMP_PREFIX}{tenant_id.hex}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "timelines").mkdir(parents=True)
+            # Directory work can stall on a busy disk: keep it off the trio thread.
+            await trio.to_thread.run_sync(_fresh_dir, tmp / "timelines")
             tenant = Tenant(tmp, tenant_id, self.conf.storage_config(), redo=self._new_redo(),
                             nursery=self._nursery)
             await fsync_dir(tenant.engine, tmp)
-            os.rename(tmp, final)
+            await trio.to_thread.run_sync(os.rename, tmp, final)
             await fsync_dir(tenant.engine, self.tenants_dir)
             tenant.path = final
             self.tenants[tenant_id] = tenant
@@ -241,7 +248,7 @@ class TenantManager:
                         try:
                             await ancestor.wait_lsn(ancestor_start_lsn, min(self.conf.wait_lsn_timeout_s, 10.0))
                         except TimeoutError:
-                            pass
+                            pass  # create_timeline below refuses a branch point above the end
                 try:
                     tl = await tenant.create_timeline(
                         timeline_id, ancestor=ancestor, ancestor_lsn=ancestor_start_lsn
@@ -305,4 +312,7 @@ class TenantManager:
         with trio.CancelScope(shield=True):
             if tl is not None:
                 await tl.shutdown()
-            shutil.rmtree(tenant.timelines_dir / timeline_id.hex, ignore_errors=True)
+            # A bootstrapped timeline holds many layer files: remove them off the trio thread.
+            await trio.to_thread.run_sync(
+                lambda: shutil.rmtree(tenant.timelines_dir / timeline_id.hex, ignore_errors=True)
+            )

@@ -837,25 +837,46 @@ class TimelineWalIngest:
         self.ingest = ingest if ingest is not None else WalIngest(timeline)
         self._connect = connect
         self.receiver: WalReceiver | None = None
-        self._write_lock = trio.Lock()
+        self._in_record = False
+        self._between: trio.Event | None = None  # set when the record in progress is done
+        self._flush_done: trio.Event | None = None  # set while a flush runs
 
     def progress(self) -> Progress:
         return Progress(self.tl.disk_consistent_lsn, self.tl.disk_consistent_lsn)
 
     async def _on_record(self, rec: DecodedRecord) -> None:
-        async with self._write_lock:
-            try:
-                await self.ingest.ingest_record(rec)
-            except BaseException:
-                # a half-applied record must not leave stale sizes or directories behind
-                self.ingest.w.invalidate()
-                raise
+        # A flush must not interleave with the puts of a record. trio.Lock costs a schedule
+        # point per record (about 6 µs, a quarter of the whole per-record cost), so the hot
+        # path only tests a flag.
+        while self._flush_done is not None:
+            await self._flush_done.wait()
+        self._in_record = True
+        try:
+            await self.ingest.ingest_record(rec)
+        except BaseException:
+            # a half-applied record must not leave stale sizes or directories behind
+            self.ingest.w.invalidate()
+            raise
+        finally:
+            self._in_record = False
+            if self._between is not None:
+                self._between.set()
 
     async def flush(self) -> Lsn:
         """Flush the timeline between two records (a flush must not interleave with the puts
         of a record); returns ``disk_consistent_lsn``."""
-        async with self._write_lock:
+        while self._flush_done is not None:
+            await self._flush_done.wait()
+        done = self._flush_done = trio.Event()
+        try:
+            while self._in_record:
+                between = self._between = trio.Event()
+                await between.wait()
+            self._between = None
             await self.tl.flush()
+        finally:
+            self._flush_done = None
+            done.set()
         return self.tl.disk_consistent_lsn
 
     async def run(self) -> None:

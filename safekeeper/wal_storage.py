@@ -194,13 +194,13 @@ class WalStorage:
         """The CPU half of a write: feed the chunks to the record tracker (page headers and
         CRCs checked). Pure computation, so it may run on the event loop's thread while the
         IO half of the previous group runs in a worker thread."""
-        if begin != self.write_lsn:
-            raise WalStorageError(
-                f"write at {format_lsn(begin)} but write_lsn is {format_lsn(self.write_lsn)}"
-            )
-        if self._tracker is None:
-            raise WalStorageError("write before the first election initialised WAL")
         tracker = self._tracker
+        if tracker is None:
+            raise WalStorageError("write before the first election initialised WAL")
+        if begin != tracker.pos:
+            raise WalStorageError(
+                f"tracking at {format_lsn(begin)} but the tracker is at {format_lsn(tracker.pos)}"
+            )
         valid: list[memoryview] = []
         for chunk in chunks:
             view = memoryview(chunk).cast("B")
@@ -216,6 +216,10 @@ class WalStorage:
         """The IO half: one ``pwritev`` per segment. Invalid WAL raises ``InvalidWal`` after
         the valid chunks were written and WAL was cut back to the last valid record's end, so
         that storage and tracker agree again."""
+        if begin != self.write_lsn:
+            raise WalStorageError(
+                f"write at {format_lsn(begin)} but write_lsn is {format_lsn(self.write_lsn)}"
+            )
         self._pwrite_group(begin, group.views)
         if group.error is not None:
             # The tracker's state is garbage; truncate() syncs and starts a new one.

@@ -9,10 +9,10 @@ whatever has accumulated the moment it is idle.
 Why not a second memory channel: a batch handed over through a channel is sealed before the
 receiver is free to act on it, so requests arriving meanwhile would wait one extra round.
 
-Both ``send`` and ``receive`` follow ``MemorySendChannel.send``'s checkpoint discipline: a
-cancellation check first, then (possibly) parking, then a cancel-shielded checkpoint after the
-state change, so an operation either happened completely or raised ``Cancelled`` having
-changed nothing.
+Both ``send`` and ``receive`` follow trio's channel checkpoint discipline: a cancellation
+check first, then either parking or (when no parking was needed) a cancel-shielded checkpoint
+after the state change, so an operation either happened completely or raised ``Cancelled``
+having changed nothing, and every call is a schedule point.
 """
 
 from __future__ import annotations
@@ -42,13 +42,16 @@ class FoldChannel(Generic[T]):
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._closed:
             raise trio.ClosedResourceError("send on a closed FoldChannel")
+        parked = False
         while self._batch and not self._can_fold(self._batch, item):
             if self._receiver_gone:
                 raise trio.BrokenResourceError("FoldChannel receiver is gone")
             await self._lot.park()
+            parked = True
         self._batch.append(item)
         self._lot.unpark_all()
-        await trio.lowlevel.cancel_shielded_checkpoint()
+        if not parked:
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     def send_nowait(self, item: T) -> bool:
         """Fold ``item`` if the pending batch takes it now; ``False`` (nothing done) if not."""
@@ -75,13 +78,19 @@ class FoldChannel(Generic[T]):
     async def receive(self) -> list[T]:
         """Take the whole pending batch, parking while it is empty."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        parked = False
         while not self._batch:
             if self._closed:
                 raise trio.EndOfChannel
             await self._lot.park()
+            parked = True
         batch, self._batch = self._batch, []
         self._lot.unpark_all()
-        await trio.lowlevel.cancel_shielded_checkpoint()
+        if not parked:
+            # Parking already was this call's schedule point (as in trio's channels); a second
+            # one would cost an event-loop round per batch, which an idle pipeline at queue
+            # depth 1 pays on every request.
+            await trio.lowlevel.cancel_shielded_checkpoint()
         return batch
 
     def pending(self) -> int:

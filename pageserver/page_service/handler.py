@@ -30,7 +30,7 @@ from common.pgserver import PgConnection
 from pageserver.page_service.config import PageServiceConfig
 from pageserver.page_service.metrics import PageServiceMetrics
 from pageserver.page_service.pipeline import (
-    CopyRequestSource,
+    DirectStreamIO,
     PagestreamContext,
     serve_pagestream,
 )
@@ -40,8 +40,9 @@ from pageserver.page_service.reader import (
     Shutdown,
     StreamEndingError,
 )
+from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
-from protocol.pagestream import PagestreamVersion, Request
+from protocol.pagestream import PagestreamVersion, Request, RequestStreamDecoder, StreamEnd
 from protocol.pgwire import sqlstate
 from protocol.pgwire.errors import PgError
 
@@ -159,10 +160,28 @@ class PageServiceHandler:
             command.version, resolver, self.config, self.metrics, shutdown=resolver.wait_shutdown
         )
         copy = await conn.enter_copy_both()
+        # From here the pagestream reads the connection's bytes itself (DirectStreamIO): the
+        # libpq loop's message objects cost more than serving a page from cache.
+        decoder = RequestStreamDecoder(command.version, conn.take_receive_buffer())
+        io = DirectStreamIO(copy.transport, decoder)
         try:
-            await serve_pagestream(CopyRequestSource(copy, command.version), copy.transport, ctx)
+            end = await serve_pagestream(io, io, ctx)
+        except RemoteProtocolError as exc:
+            if exc.sqlstate == sqlstate.PROTOCOL_VIOLATION:
+                # Broken framing: the byte stream cannot be resynchronised, end the connection.
+                raise PgError(exc.msg, exc.sqlstate, severity="FATAL") from None
+            # A bad request inside intact framing: the loop answers ErrorResponse and goes on
+            # reading messages after it (skipping the rest of the COPY, as PostgreSQL does).
+            conn.restore_receive_buffer(io.take_unread())
+            raise
         except (Shutdown, Reconnect) as exc:
             # neon closes the connection after these; FATAL makes the loop do the same.
             raise PgError(str(exc), exc.sqlstate, severity="FATAL") from None
         except StreamEndingError as exc:
+            conn.restore_receive_buffer(io.take_unread())
             raise PgError(str(exc), exc.sqlstate) from None
+        if end is StreamEnd.COPY_DONE:
+            copy.peer_done = True
+            conn.restore_receive_buffer(io.take_unread())
+        else:
+            copy.peer_closed = True  # Terminate or EOF: the loop closes the connection

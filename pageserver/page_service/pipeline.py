@@ -40,6 +40,7 @@ wire and the caller can still write its ErrorResponse.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Final, Protocol, TypeAlias, cast
@@ -175,6 +176,106 @@ class StreamRequestSource:
         return event
 
 
+# Requests answered from already-received bytes before ``DirectStreamIO.receive`` yields to
+# the scheduler once anyway: a client that keeps the socket full must not starve the other
+# connections (or the shutdown watcher) of this single-threaded server.
+YIELD_EVERY: Final = 32
+
+
+class DirectStreamIO:
+    """Request source *and* response sink straight on the connection's byte stream.
+
+    The libpq loop hands over its undecoded bytes (``initial``) and the stream after
+    CopyBothResponse; requests are decoded by ``RequestStreamDecoder`` out of the receive buffer
+    (no CopyData message objects, no per-message scheduler round). On a TCP socket, reads and
+    writes go to the file descriptor first and only park in trio (``wait_readable`` /
+    ``wait_writable``) when the kernel has nothing to give or no room: a request that is
+    already there costs no event-loop iteration. Other streams (memory streams in tests) use
+    their own ``receive_some`` / ``send_all``.
+    """
+
+    __slots__ = ("_fd", "_sock", "_unyielded", "decoder", "stream")
+
+    def __init__(self, stream: trio.abc.Stream, decoder: RequestStreamDecoder) -> None:
+        self.stream = stream
+        self.decoder = decoder
+        sock = stream.socket if isinstance(stream, trio.SocketStream) else None
+        self._sock = sock
+        self._fd = sock.fileno() if sock is not None else -1
+        self._unyielded = 0
+
+    async def receive(self) -> Request | StreamEnd:
+        if self._unyielded >= YIELD_EVERY:
+            self._unyielded = 0
+            await trio.lowlevel.checkpoint()  # before decoding: a cancel loses nothing
+        decoder = self.decoder
+        while True:
+            event = decoder.next_event()
+            if event is not NEED_DATA:
+                self._unyielded += 1
+                return event
+            if self._sock is None:
+                decoder.receive_data(await self.stream.receive_some(MAX_RECV))
+                self._unyielded = 0
+                continue
+            try:
+                data = os.read(self._fd, MAX_RECV)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self._sock)
+                self._unyielded = 0
+                continue
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"receiving from the client: {exc}") from exc
+            decoder.receive_data(data)  # b"" is EOF
+
+    def receive_nowait(self) -> Request | StreamEnd:
+        event = self.decoder.next_event()
+        if event is NEED_DATA:
+            raise trio.WouldBlock
+        return event
+
+    def write_nowait(self, data: bytes | bytearray) -> memoryview | None:
+        """Write what the socket takes now; the rest (``None`` when all went, or always the
+        whole of ``data`` on a stream that is not a socket) is for ``send_all``."""
+        view = memoryview(data)
+        if self._sock is None:
+            return view
+        sent, n = 0, len(view)
+        while sent < n:
+            try:
+                sent += os.write(self._fd, view[sent:])
+            except BlockingIOError:
+                return view[sent:]
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"sending to the client: {exc}") from exc
+        return None
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._sock is None:
+            await self.stream.send_all(data)
+            return
+        view = memoryview(data)
+        while view:
+            rest = self.write_nowait(view)  # type: ignore[arg-type]
+            if rest is None:
+                return
+            view = rest
+            await trio.lowlevel.wait_writable(self._sock)
+
+    def take_unread(self) -> bytes:
+        """Bytes received after the end of the stream (CopyDone): the libpq loop's again."""
+        # RequestStreamDecoder (protocol/, not ours) has no public drain; its buffer holds
+        # exactly the bytes after the last message it returned.
+        buf = self.decoder._buf
+        return buf.take(len(buf))
+
+
+class ByteSink(Protocol):
+    """Where Execution writes framed responses (a ``trio.abc.SendStream`` or ``DirectStreamIO``)."""
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None: ...
+
+
 class CopyPayloads(Protocol):
     """The server loop's CopyBoth stream (``common.pgcopy.CopyBothStream``) as we use it."""
 
@@ -231,6 +332,10 @@ def effective_lsn(request: Request, last_record_lsn: Lsn, gc_cutoff_lsn: Lsn) ->
     return Lsn(min(last_record_lsn, lsn))
 
 
+# A tuple, not ``A | B | C``: the union expression would build a new object per request.
+_REL_REQUESTS: Final = (ExistsRequest, NblocksRequest, GetPageRequest)
+
+
 def prepare(request: Request, received_at: float, resolver: TimelineResolver) -> Item:
     try:
         timeline = resolver.resolve(request)
@@ -242,7 +347,7 @@ def prepare(request: Request, received_at: float, resolver: TimelineResolver) ->
     except StreamEndingError as exc:
         return Fatal(exc)
     try:
-        if isinstance(request, ExistsRequest | NblocksRequest | GetPageRequest):
+        if isinstance(request, _REL_REQUESTS):
             rel = request.rel
             if rel.relnode == 0:
                 raise BadRequest(f"invalid relnode 0 in relation {rel}")
@@ -313,7 +418,7 @@ async def _wait_for(timeline: PageReader, lsn: Lsn, timeout_s: float) -> None:
 
 def _count(metrics: PageServiceMetrics | None, request: Request, ok: bool) -> None:
     if metrics is not None:
-        metrics.requests.labels(REQUEST_TYPE[type(request)], "ok" if ok else "error").inc()
+        metrics.count(REQUEST_TYPE[type(request)], ok)
 
 
 async def execute_batch(
@@ -386,23 +491,33 @@ async def _execute_getpages(
             got = [exc] * len(reads)  # the walk itself failed: every read of it fails
         for i, got_one in zip(serve, got, strict=True):
             results[i] = got_one
-    metrics = ctx.metrics
+    failed = 0
     for request, outcome in zip(requests, results, strict=True):
         if outcome is None:
             raise AssertionError(f"no result for {request!r}")
         if isinstance(outcome, PageRequestError):
             writer.error(request, str(outcome))
-            _count(metrics, request, False)
+            failed += 1
         else:
             writer.get_page(request, outcome)
-            _count(metrics, request, True)
+    if ctx.metrics is not None:
+        if failed:
+            ctx.metrics.count("get_page", False, failed)
+        if failed < len(requests):
+            ctx.metrics.count("get_page", True, len(requests) - failed)
 
 
-async def _send(stream: trio.abc.SendStream, data: bytearray, timeout_s: float) -> None:
+async def _send(stream: ByteSink, data: bytearray, timeout_s: float) -> None:
+    rest: bytes | bytearray | memoryview = data
+    if isinstance(stream, DirectStreamIO):
+        view = stream.write_nowait(data)
+        if view is None:
+            return  # the common case: the socket took it all, nothing to wait for
+        rest = view
     # Shielded: a cancelled send_all leaves the stream mid-message, after which nobody could
     # write the ErrorResponse that tells the client why the stream ends.
     with trio.CancelScope(shield=True, deadline=trio.current_time() + timeout_s) as scope:
-        await stream.send_all(data)
+        await stream.send_all(rest)
     if scope.cancelled_caught:
         raise trio.BrokenResourceError(f"client did not read {len(data)} bytes in {timeout_s}s")
 
@@ -412,7 +527,7 @@ async def _send(stream: trio.abc.SendStream, data: bytearray, timeout_s: float) 
 
 
 async def _serve_serial(
-    source: RequestSource, sink: trio.abc.SendStream, ctx: PagestreamContext
+    source: RequestSource, sink: ByteSink, ctx: PagestreamContext
 ) -> StreamEnd:
     writer = ResponseWriter(ctx.version)
     while True:
@@ -433,10 +548,14 @@ def _observe(metrics: PageServiceMetrics | None, batch: list[Pending], taken: fl
         return
     done = time.perf_counter()
     metrics.batch_size.observe(len(batch))
+    getpages = 0
     for p in batch:
         metrics.time_in_batcher_seconds.observe(taken - p.received_at)
         if isinstance(p.request, GetPageRequest):
-            metrics.getpage_execution_seconds.observe(done - taken)
+            getpages += 1
+    if getpages:
+        # Every GetPage of a batch waited for the same execution.
+        metrics.getpage_execution_seconds.observe(done - taken, getpages)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,7 +589,13 @@ async def _read_stage(
                 await out.send(burst)
                 return
             if burst:
-                await out.send(burst)
+                # Without a schedule point when the queue has room: this task's next park
+                # (waiting for the socket) is one, and an extra event-loop round per request
+                # is what unbatchable traffic would pay over serial mode.
+                try:
+                    out.send_nowait(burst)
+                except trio.WouldBlock:
+                    await out.send(burst)
             if isinstance(event, StreamEnd):
                 state.end = event
                 return
@@ -498,7 +623,7 @@ async def _batch_stage(
 
 
 async def _execute_stage(
-    sink: trio.abc.SendStream, batches: FoldChannel[Item], ctx: PagestreamContext
+    sink: ByteSink, batches: FoldChannel[Item], ctx: PagestreamContext
 ) -> None:
     writer = ResponseWriter(ctx.version)
     try:
@@ -521,7 +646,7 @@ async def _execute_stage(
 
 async def _serve_pipelined(
     source: RequestSource,
-    sink: trio.abc.SendStream,
+    sink: ByteSink,
     ctx: PagestreamContext,
     cfg: PipelinedPipelining,
 ) -> StreamEnd:
@@ -547,12 +672,12 @@ async def serve_pagestream_bytes(
     stream: trio.abc.Stream, ctx: PagestreamContext, initial: bytes = b""
 ) -> StreamEnd:
     """``serve_pagestream`` over a raw byte stream (after CopyBothResponse was sent)."""
-    source = StreamRequestSource(stream, RequestStreamDecoder(ctx.version, initial))
-    return await serve_pagestream(source, stream, ctx)
+    io = DirectStreamIO(stream, RequestStreamDecoder(ctx.version, initial))
+    return await serve_pagestream(io, io, ctx)
 
 
 async def serve_pagestream(
-    source: RequestSource, sink: trio.abc.SendStream, ctx: PagestreamContext
+    source: RequestSource, sink: ByteSink, ctx: PagestreamContext
 ) -> StreamEnd:
     """Serve requests until the client ends the stream (see the module docstring).
 
@@ -584,7 +709,7 @@ async def serve_pagestream(
 
 async def _serve_mode(
     source: RequestSource,
-    sink: trio.abc.SendStream,
+    sink: ByteSink,
     ctx: PagestreamContext,
     mode: SerialPipelining | PipelinedPipelining,
 ) -> StreamEnd:

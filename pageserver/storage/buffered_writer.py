@@ -59,7 +59,7 @@ One writer per ``BufferedWriter``: concurrent ``write`` calls from two tasks rai
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -214,15 +214,23 @@ class BufferedWriter:
         self.stats.wait_seconds += time.perf_counter() - start
         self._check()
         assert self._spare is not None and self._nursery is not None
-        full, self._buf, self._spare = self._buf, self._spare, None
+        full = self._buf
+        done = trio.Event()
+        try:
+            # First, so that a closed nursery leaves the writer unchanged (and failed). The task
+            # cannot run before we yield, so the state changes below are in place by then.
+            self._nursery.start_soon(self._flush_task, full, self._buf_start, done)
+        except BaseException as exc:
+            self._record_error(exc)
+            raise
+        self._buf, self._spare = self._spare, None
         self._inflight = full
         self._inflight_start = self._buf_start
-        done = self._inflight_done = trio.Event()
+        self._inflight_done = done
         self._buf_start += self.buffer_size
         self._fill = 0
         self.stats.background_flushes += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, 1)
-        self._nursery.start_soon(self._flush_task, full, self._inflight_start, done)
         # Let the flush task start now: callers of write() rarely checkpoint otherwise, and a
         # flush that only starts when the next buffer is full overlaps with nothing (with the
         # threadpool engine this yield is what puts the write on a thread while we go on).
@@ -325,12 +333,64 @@ class BufferedWriter:
 
     # -- reading -------------------------------------------------------------------------
 
-    async def read_at(self, offset: int, size: int) -> bytes:
-        """``size`` bytes at ``offset``, which must lie within what was written."""
+    def _check_range(self, offset: int, size: int) -> None:
         if offset < 0 or size < 0 or offset + size > self.length:
             raise ValueError(
                 f"read of {size} bytes at {offset} is outside {self.file.path} (length {self.length})"
             )
+
+    async def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """``read_at`` for every ``(offset, size)``, with all the parts that are in the file read
+        in one engine call (one thread hop with the threadpool engine)."""
+        for offset, size in ranges:
+            self._check_range(offset, size)
+        self._check()
+        results: list[bytes] = [b""] * len(ranges)
+        # (result index, file offset, file size, memory tail) of the reads that need the file
+        pending: list[tuple[int, int, int, bytes]] = []
+        bstart = self._buf_start
+        inflight = self._inflight
+        mem_lo = self._inflight_start if inflight is not None else bstart
+        for i, (offset, size) in enumerate(ranges):
+            end = offset + size
+            if offset >= bstart:
+                results[i] = bytes(self._buf[offset - bstart : end - bstart])
+            elif end <= mem_lo:
+                pending.append((i, offset, size, b""))
+            else:
+                tail = self._memory_part(offset, end, bstart, inflight, mem_lo)
+                if offset >= mem_lo:
+                    results[i] = tail
+                else:
+                    pending.append((i, offset, mem_lo - offset, tail))
+        if pending:
+            heads = await self.file.read_many_exact_at([(o, n) for _, o, n, _ in pending])
+            for (i, _, _, tail), head in zip(pending, heads, strict=True):
+                results[i] = head + tail if tail else head
+        return results
+
+    def _memory_part(
+        self,
+        offset: int,
+        end: int,
+        bstart: int,
+        inflight: bytearray | mmap.mmap | None,
+        mem_lo: int,
+    ) -> bytes:
+        """The bytes of ``[max(offset, mem_lo), end)``, which are all in the two buffers."""
+        parts: list[bytes] = []
+        if inflight is not None:
+            lo = max(offset, mem_lo)
+            hi = min(end, mem_lo + self.buffer_size)
+            if hi > lo:
+                parts.append(bytes(inflight[lo - mem_lo : hi - mem_lo]))
+        if end > bstart:
+            parts.append(bytes(self._buf[0 : end - bstart]))
+        return b"".join(parts)
+
+    async def read_at(self, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset``, which must lie within what was written."""
+        self._check_range(offset, size)
         self._check()
         end = offset + size
         bstart = self._buf_start
@@ -342,15 +402,7 @@ class BufferedWriter:
         if end <= mem_lo:
             return await self.file.read_exact_at(offset, size)
         # Copy the memory part now, before any await lets the buffers move on.
-        parts: list[bytes] = []
-        if inflight is not None:
-            lo = max(offset, mem_lo)
-            hi = min(end, mem_lo + self.buffer_size)
-            if hi > lo:
-                parts.append(bytes(inflight[lo - mem_lo : hi - mem_lo]))
-        if end > bstart:
-            parts.append(bytes(self._buf[0 : end - bstart]))
-        tail = b"".join(parts)
+        tail = self._memory_part(offset, end, bstart, inflight, mem_lo)
         if offset >= mem_lo:
             return tail
         head = await self.file.read_exact_at(offset, mem_lo - offset)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -112,6 +113,11 @@ class EphemeralFile:
     async def read_at(self, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` (must be within ``length``), buffered or not."""
         return await self._writer.read_at(offset, size)
+
+    async def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """``read_at`` for each ``(offset, size)``; the flushed parts come from the file in one
+        engine call (one thread hop with the threadpool engine), however many ranges."""
+        return await self._writer.read_many(ranges)
 
     async def read_all(self) -> bytes:
         """The whole content, e.g. to flush a frozen layer from memory in one pass."""

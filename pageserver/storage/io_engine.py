@@ -170,6 +170,26 @@ def _pread_all(fd: int, size: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
+def _pread_direct(fd: int, size: int, offset: int) -> bytes:
+    """pread for an O_DIRECT fd: the aligned span into a page-aligned buffer, then the slice."""
+    if size == 0:
+        return b""
+    start = align_down(offset)
+    end = align_up(offset + size)
+    bounce = alloc_aligned(end - start)
+    try:
+        n = _preadv_all(fd, [bounce], start)
+        lo = offset - start
+        return bounce[lo : min(lo + size, max(n, lo))]
+    finally:
+        bounce.close()
+
+
+def _pread_many(fd: int, ranges: Sequence[tuple[int, int]], direct: bool) -> list[bytes]:
+    read = _pread_direct if direct else _pread_all
+    return [read(fd, size, offset) for offset, size in ranges]
+
+
 def _preadv_all(fd: int, buffers: Sequence[Buffer], offset: int) -> int:
     """preadv until every buffer is full or EOF; returns the bytes read."""
     views = [memoryview(b).cast("B") for b in buffers]
@@ -412,15 +432,11 @@ class IoFile:
             return b""
         if not self.direct:
             return await self.engine.pread(self.fd, size, offset)
-        start = align_down(offset)
-        end = align_up(offset + size)
-        bounce = alloc_aligned(end - start)
-        try:
-            n = await self.engine.preadv(self.fd, [bounce], start)
-            lo = offset - start
-            return bounce[lo : min(lo + size, max(n, lo))]
-        finally:
-            bounce.close()
+        stats = self.engine.stats
+        stats.preadvs += 1
+        data = await self.engine._call(_pread_direct, self.fd, size, offset)
+        stats.bytes_read += len(data)
+        return data
 
     async def read_exact_at(self, offset: int, size: int) -> bytes:
         """Exactly ``size`` bytes at ``offset``, else ``ShortReadError`` naming the file."""
@@ -431,6 +447,25 @@ class IoFile:
                 f"short read in {self.path}: wanted {size} bytes at offset {offset}, got {len(data)}",
             )
         return data
+
+    async def read_many_exact_at(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Exactly ``size`` bytes at each ``(offset, size)``, all in one engine call (one thread
+        hop for the threadpool engine, however many ranges); ``ShortReadError`` if any range
+        runs past the end of the file."""
+        if not ranges:
+            return []
+        stats = self.engine.stats
+        stats.run_syncs += 1
+        stats.preads += len(ranges)
+        datas = await self.engine._call(_pread_many, self.fd, ranges, self.direct)
+        for (offset, size), data in zip(ranges, datas, strict=True):
+            stats.bytes_read += len(data)
+            if len(data) != size:
+                raise ShortReadError(
+                    errno.EIO,
+                    f"short read in {self.path}: wanted {size} bytes at offset {offset}, got {len(data)}",
+                )
+        return datas
 
     async def write_at(self, offset: int, data: Buffer) -> None:
         """Write all of ``data`` at ``offset``.

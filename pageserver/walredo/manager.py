@@ -66,7 +66,16 @@ from pageserver.walredo.xlog import redo_xlog, restore_image
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn
 from protocol.wal.record import BlockRef, DecodedRecord, decode_record
-from protocol.wal.rmgr import record_type_name, rmgr_name
+from protocol.wal.rmgr import (
+    CLOG_ZEROPAGE,
+    XLOG_MULTIXACT_CREATE_ID,
+    XLOG_MULTIXACT_ZERO_MEM_PAGE,
+    XLOG_MULTIXACT_ZERO_OFF_PAGE,
+    XLOG_RELMAP_UPDATE,
+    XLOG_SMGR_TRUNCATE,
+    record_type_name,
+    rmgr_name,
+)
 
 RM_XLOG = 0
 RM_XACT = 1
@@ -83,9 +92,7 @@ RM_BTREE = 11
 RM_SEQ = 15
 
 SLRU_PAGES_PER_SEGMENT = 32
-XLOG_SMGR_TRUNCATE = 0x20
 SMGR_TRUNCATE_VM = 0x0002
-XLOG_RELMAP_UPDATE = 0x00
 RELMAP_FILE_SIZE = 512
 
 RedoFn = Callable[[bytearray, DecodedRecord, BlockRef], None]
@@ -358,7 +365,7 @@ class PostgresRedoManager:
         if self.count:
             self.stats.applied[record_name(rec)] += 1
         if target.kind == SLRU_CLOG:
-            if rmid == RM_CLOG and info == clog.CLOG_ZEROPAGE:
+            if rmid == RM_CLOG and info == CLOG_ZEROPAGE:
                 return bytearray(bp.BLCKSZ)
             if rmid == RM_XACT:
                 parsed = clog.parse_xact_xids(rec.xl_info, rec.xl_xid, rec.main_data, lsn)
@@ -368,14 +375,15 @@ class PostgresRedoManager:
                     clog.clog_apply(page, target.pageno, parsed[1], parsed[0])
                     return page
         elif rmid == RM_MULTIXACT:
-            if info in (multixact.XLOG_MULTIXACT_ZERO_OFF_PAGE, multixact.XLOG_MULTIXACT_ZERO_MEM_PAGE):
+            if info in (XLOG_MULTIXACT_ZERO_OFF_PAGE, XLOG_MULTIXACT_ZERO_MEM_PAGE):
                 return bytearray(bp.BLCKSZ)
-            if info == multixact.XLOG_MULTIXACT_CREATE_ID:
+            if info == XLOG_MULTIXACT_CREATE_ID:
                 if page is None:
                     raise RedoError("MultiXact page has no base image", lsn=lsn)
                 mid, moff, members = multixact.parse_create(rec.main_data, lsn)
                 if target.kind == SLRU_MULTIXACT_OFFSETS:
                     multixact.set_offset(page, target.pageno, mid, moff)
+                    multixact.set_offset(page, target.pageno, *multixact.next_multi_offset(mid, moff, len(members)))
                 elif target.kind == SLRU_MULTIXACT_MEMBERS:
                     multixact.set_members(page, target.pageno, moff, members)
                 return page

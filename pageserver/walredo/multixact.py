@@ -14,10 +14,6 @@ from pageserver.walredo.errors import RedoError
 
 BLCKSZ = 8192
 RM_MULTIXACT_ID = 6
-XLOG_MULTIXACT_ZERO_OFF_PAGE = 0x00
-XLOG_MULTIXACT_ZERO_MEM_PAGE = 0x10
-XLOG_MULTIXACT_CREATE_ID = 0x20
-XLOG_MULTIXACT_TRUNCATE_ID = 0x30
 
 MULTIXACT_OFFSETS_PER_PAGE = BLCKSZ // 4
 MXACT_MEMBER_BITS_PER_XACT = 8
@@ -43,6 +39,15 @@ def members_page_of(moff: int) -> int:
 def set_offset(page: bytearray, pageno: int, mid: int, moff: int) -> None:
     if mid // MULTIXACT_OFFSETS_PER_PAGE == pageno:
         _U32.pack_into(page, (mid % MULTIXACT_OFFSETS_PER_PAGE) * 4, moff)
+
+
+def next_multi_offset(mid: int, moff: int, nmembers: int) -> tuple[int, int]:
+    """(next multixact, its starting offset): PostgreSQL 15 since 15.15 (RecordNewMultiXact)
+    also writes the next multixact's offset when it creates one, on its page (the next one when
+    ``mid`` is last on its page), skipping 0 for both as GetNewMultiXactId does."""
+    nxt = (mid + 1) & 0xFFFF_FFFF
+    noff = (moff + nmembers) & 0xFFFF_FFFF
+    return (nxt or 1), (noff or 1)
 
 
 def set_members(page: bytearray, pageno: int, moff: int, members: Sequence[tuple[int, int]]) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pageserver.walredo import bufpage as bp
 from pageserver.walredo.errors import RedoError
 from protocol.wal.record import BlockRef, DecodedRecord
+from protocol.wal.rmgr import (
+    XLOG_SEQ_LOG,
+)
 
 RM_SEQ_ID = 15
-XLOG_SEQ_LOG = 0x00
 SEQ_MAGIC = 0x1717
 SIZEOF_XL_SEQ_REC = 12  # RelFileNode
 

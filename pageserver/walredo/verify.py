@@ -26,7 +26,6 @@ from pageserver.walredo.manager import (
     RM_HEAP2,
     RM_SMGR,
     SMGR_TRUNCATE_VM,
-    XLOG_SMGR_TRUNCATE,
     PostgresRedoManager,
     RelBlock,
     record_name,
@@ -36,6 +35,7 @@ from pageserver.walredo.visibilitymap import HEAPBLOCKS_PER_PAGE, heapblk_to_map
 from protocol.lsn import WAL_SEGMENT_SIZE, format_lsn, segment_file_name
 from protocol.wal.reader import WalStreamDecoder
 from protocol.wal.record import VISIBILITYMAP_FORKNUM, DecodedRecord
+from protocol.wal.rmgr import XLOG_SMGR_TRUNCATE
 
 
 def read_wal(wal_dir: Path, start_lsn: int, end_lsn: int) -> Iterator[DecodedRecord]:

@@ -13,10 +13,12 @@ from pageserver.walredo import bufpage as bp
 from pageserver.walredo.errors import RedoError
 from protocol.errors import RemoteProtocolError
 from protocol.wal.record import BlockRef, DecodedRecord
+from protocol.wal.rmgr import (
+    XLOG_FPI,
+    XLOG_FPI_FOR_HINT,
+)
 
 RM_XLOG_ID = 0
-XLOG_FPI_FOR_HINT = 0xA0
-XLOG_FPI = 0xB0
 
 
 def restore_image(blk: BlockRef, end_lsn: int) -> bytearray:

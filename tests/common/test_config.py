@@ -144,3 +144,10 @@ def test_several_errors_reported_at_once(conv: cattrs.Converter) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(NodeConfig, tmp_path / "missing.toml")
+
+
+def test_binary_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"id = 1\n\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(NodeConfig, path)

@@ -10,6 +10,8 @@ import prometheus_client
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.http import HttpError, HttpServer, HttpServerConfig, Request, Response, Router
 from common.metrics import add_metrics_route, metrics_text, new_registry
@@ -110,6 +112,8 @@ async def test_routes_params_and_json(http_port: int) -> None:
         ("GET", "/nope", b"", 404, "no route for GET /nope"),
         ("DELETE", "/v1/tenant/ab/timeline/cd", b"", 405, "method DELETE not allowed"),
         ("POST", "/v1/tenant/ab/timeline", b"{nope", 400, "malformed JSON body"),
+        ("POST", "/v1/tenant/ab/timeline", b"[" * 200_000, 400, "nested too deeply"),
+        ("POST", "/v1/tenant/ab/timeline", b"\xff\xfe{}", 400, "malformed JSON body"),
         ("POST", "/v1/tenant/ab/timeline", b'{"zzz": 1}', 400, "zzz: unknown key"),
         ("POST", "/v1/tenant/ab/timeline", b'{"new_timeline_id": 5}', 400, "new_timeline_id: expected a string"),
         ("GET", "/v1/crash", b"", 500, "internal error: bug"),
@@ -156,3 +160,43 @@ def test_metrics_text_is_per_registry() -> None:
     prometheus_client.Gauge("safekeeper_x", "x", registry=a).set(2)
     assert b"safekeeper_x 2.0" in metrics_text(a)
     assert b"safekeeper_x" not in metrics_text(b)
+
+
+_REQUEST_PIECES = [
+    b"GET ", b"POST ", b"HEAD ", b"/v1/tenant/ab/timeline", b"/v1/crash", b"/%ff%00", b"\xff",
+    b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", b"Host: x\r\n", b"Content-Length: 7\r\n",
+    b"Content-Length: -1\r\n", b"Content-Length: 99999999999999999999\r\n",
+    b"Transfer-Encoding: chunked\r\n", b"Connection: close\r\n", b"Expect: 100-continue\r\n",
+    b"\r\n", b"7\r\n{\"a\":1}\r\n0\r\n\r\n", b'{"new_timeline_id": "x"}', b"[[[[", b"\x00", b"\n",
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(_REQUEST_PIECES), max_size=14),
+    tail=st.binary(max_size=40),
+)
+def test_hostile_requests_end_the_connection_cleanly(pieces: list[bytes], tail: bytes) -> None:
+    """Whatever arrives, ``serve_connection`` answers (or not) and returns: no exception
+    escapes it (one would take down the whole HTTP server), and it never hangs."""
+    router, _ = make_router()
+    server = HttpServer(router, HttpServerConfig(idle_timeout_s=0.2, max_body_bytes=1000))
+
+    async def main() -> None:
+        client, server_side = trio.testing.memory_stream_pair()
+
+        async def talk() -> None:
+            try:
+                await client.send_all(b"".join(pieces) + tail)
+                while await client.receive_some(65536):
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(talk)
+                await server.serve_connection(server_side)
+                await client.aclose()
+
+    trio.run(main)

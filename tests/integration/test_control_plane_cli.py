@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane import cli
+from control_plane import cli, process
 from control_plane.local_env import LocalEnv, LocalEnvError, plan_ports
 from pageserver.config import load_pageserver_config
 from safekeeper.config import load_config as load_safekeeper_config
@@ -165,3 +165,24 @@ def test_branch_names_are_kept_per_tenant(tmp_path: Path) -> None:
     assert state["branches"]["a" * 32] == {"main": "1" * 32, "dev": "3" * 32}
     # The cluster config is plain TOML.
     assert tomllib.loads((tmp_path / "c" / "pagestore.toml").read_text())["pageserver"]["pg"] > 0
+
+
+def test_stale_pid_file_never_names_another_process(tmp_path: Path) -> None:
+    """A pid file whose pid now belongs to a different process (same pid, other start time)
+    is not "running": `stop` must not signal it."""
+    pid_path = tmp_path / "pid"
+    pid = process.spawn(["sleep", "30"], log_path=tmp_path / "log", pid_path=pid_path, cwd=tmp_path)
+    try:
+        assert process.running_pid(pid_path) == pid
+        recorded_pid, started = pid_path.read_text().split()
+        assert int(recorded_pid) == pid and int(started) == process.start_time(pid)
+        # The same pid with another start time: what a reboot or pid wrap-around leaves behind.
+        pid_path.write_text(f"{pid} {int(started) + 1}\n")
+        assert process.running_pid(pid_path) is None
+        assert process.read_pid(pid_path) == pid
+        # An old-style pid file (pid only) still works.
+        pid_path.write_text(f"{pid}\n")
+        assert process.running_pid(pid_path) == pid
+    finally:
+        assert process.stop_pid(pid, timeout=5) in ("terminated", "killed")
+    assert process.running_pid(pid_path) is None

@@ -80,10 +80,13 @@ async def test_file_equals_plain_write_reference(
                 reference += data
                 assert writer.length == len(reference)
                 # Reads at any moment see everything written so far, wherever it is.
+                ranges = []
                 for a, b in reads[i % 3 :: 3]:
                     lo = start_offset + int(a * (len(reference) - start_offset))
                     size = int(b * (len(reference) - lo))
                     assert await writer.read_at(lo, size) == reference[lo : lo + size]
+                    ranges.append((lo, size))
+                assert await writer.read_many(ranges) == [reference[o : o + n] for o, n in ranges]
             assert writer.stats.max_in_flight <= 1
         assert writer.closed
         assert writer.length == len(reference)
@@ -172,8 +175,12 @@ async def test_reads_during_pending_background_flush(tmp_path: Path) -> None:
         assert engine.in_flight == 1
         assert writer.flush_in_flight
         # Everything is readable: in-flight buffer, current buffer, and across both.
-        for lo, hi in [(0, 190), (0, 100), (95, 105), (150, 190), (99, 100), (0, 0)]:
+        spans = [(0, 190), (0, 100), (95, 105), (150, 190), (99, 100), (0, 0)]
+        for lo, hi in spans:
             assert await writer.read_at(lo, hi - lo) == reference[lo:hi]
+        assert await writer.read_many([(lo, hi - lo) for lo, hi in spans]) == [
+            reference[lo:hi] for lo, hi in spans
+        ]
         assert (tmp_path / "g").read_bytes() == b""  # really nothing on disk yet
 
         # Filling the second buffer must wait: at most one flush in flight.
@@ -344,4 +351,40 @@ async def test_stats_count_flushes(tmp_path: Path) -> None:
     assert writer.stats.flushes == 10
     assert engine.stats.pwrites == 10
     assert writer.stats.max_in_flight == 1
+    await f.aclose()
+
+
+async def test_closed_nursery_fails_the_writer_cleanly(tmp_path: Path) -> None:
+    f = await _open(BlockingIoEngine(), tmp_path / "cn")
+    async with trio.open_nursery() as nursery:
+        writer = BufferedWriter(f, buffer_size=8, double_buffering=True, nursery=nursery)
+    # The owner's nursery is gone: the handover cannot start a flush, says so, and leaves the
+    # writer failed but not stuck (abort returns, nothing is in flight).
+    with pytest.raises(RuntimeError, match="closed"):
+        await writer.write(b"12345678")
+    assert not writer.flush_in_flight
+    with pytest.raises(FlushFailedError):
+        await writer.write(b"x")
+    await writer.abort()
+    await f.aclose()
+
+
+async def test_read_many_reads_the_file_part_in_one_engine_call(tmp_path: Path) -> None:
+    engine = make_io_engine("threadpool")
+    f = await engine.open_file(tmp_path / "rm", "w+")
+    async with trio.open_nursery() as nursery:
+        writer = BufferedWriter(f, buffer_size=100, double_buffering=True, nursery=nursery)
+        reference = bytearray()
+        for i in range(12):
+            chunk = _payload(i, 45)
+            await writer.write(chunk)
+            reference += chunk
+        await writer.flush()
+        engine.stats.reset()
+        # Spans in the file, across file and buffer, and in the buffer only.
+        spans = [(0, 10), (120, 200), (400, 140), (530, 10), (7, 1)]
+        assert await writer.read_many(spans) == [reference[o : o + n] for o, n in spans]
+        assert engine.stats.run_syncs == 1
+        assert engine.stats.preads == 4
+        await writer.close()
     await f.aclose()

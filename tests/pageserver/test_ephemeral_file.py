@@ -66,6 +66,10 @@ async def test_append_and_read_back(
                 for p in probes[i % 4 :: 4]:
                     j = p % len(offsets)
                     assert await eph.read_at(offsets[j], len(values[j])) == values[j]
+            picks = [p % len(values) for p in probes] if values else []
+            assert await eph.read_many([(offsets[j], len(values[j])) for j in picks]) == [
+                values[j] for j in picks
+            ]
             assert len(eph) == sum(map(len, values))
             assert offsets == [sum(map(len, values[:i])) for i in range(len(values))]
             assert await eph.read_all() == b"".join(values)

@@ -262,10 +262,12 @@ async def test_bootstrap_timeline(tmp_path: Path) -> None:
 
 
 @pytest.mark.postgres
-async def test_import_pg_basebackup_tar(initdb_dir: Path, pg_tmp_path: Path) -> None:
-    """A ``pg_basebackup -Ft -X fetch`` of a running server imports at its START WAL LOCATION,
-    its WAL makes it consistent, and the result equals the server's files once the server
-    (idle since the backup) is shut down."""
+@pytest.mark.parametrize("wal_method", ["fetch", "stream"])
+async def test_import_pg_basebackup_tar(initdb_dir: Path, pg_tmp_path: Path, wal_method: str) -> None:
+    """A ``pg_basebackup -Ft`` of a running server (WAL inside ``base.tar`` with ``-X fetch``,
+    in ``pg_wal.tar`` beside it with ``-X stream``) imports at its START WAL LOCATION, its WAL
+    makes it consistent, and the result equals the server's files once the server (idle since
+    the backup) is shut down."""
     from compute.postgres import (
         PostgresInstance,
         chown_to_postgres,
@@ -289,8 +291,9 @@ async def test_import_pg_basebackup_tar(initdb_dir: Path, pg_tmp_path: Path) -> 
         backup = make_postgres_dir(pg_tmp_path / "backup")
         run_as_postgres(
             [pg_binary("pg_basebackup"), "-h", "127.0.0.1", "-p", str(pg.port), "-U", "postgres",
-             "-D", str(backup), "-Ft", "-X", "fetch", "-c", "fast"]
+             "-D", str(backup), "-Ft", "-X", wal_method, "-c", "fast"]
         )
+        assert (backup / "pg_wal.tar").exists() == (wal_method == "stream")
         with tarfile.open(backup / "base.tar") as tar:
             label = tar.extractfile("backup_label")
             assert label is not None

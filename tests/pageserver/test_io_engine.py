@@ -282,3 +282,19 @@ async def test_durable_rename_and_fsync_helpers(
     await fsync_file_and_dir(engine, tmp_path / "layer")
     assert synced == [str(tmp_path / "layer"), str(tmp_path)]
     assert engine.stats.fsyncs == 4
+
+
+@engines
+@pytest.mark.parametrize("sync_mode", ["none", "direct"])
+async def test_read_many_exact_at(kind: str, sync_mode: str, tmp_path: Path) -> None:
+    engine = make_io_engine(kind)
+    payload = bytes(range(256)) * 64
+    (tmp_path / "rm").write_bytes(payload)
+    f = await engine.open_file(tmp_path / "rm", "r+", sync_mode=sync_mode)  # type: ignore[arg-type]
+    ranges = [(0, 1), (4095, 2), (10, 5000), (len(payload) - 3, 3), (100, 0)]
+    assert await f.read_many_exact_at(ranges) == [payload[o : o + n] for o, n in ranges]
+    assert await f.read_many_exact_at([]) == []
+    assert engine.stats.run_syncs == 1 and engine.stats.preads == len(ranges)
+    with pytest.raises(ShortReadError, match="wanted 10 bytes at offset 16380"):
+        await f.read_many_exact_at([(0, 4), (len(payload) - 4, 10)])
+    await f.aclose()

@@ -18,9 +18,11 @@ import trio
 
 from compute.page_client import PageClient
 from compute.postgres import PostgresInstance
+from pageserver.basebackup import CHUNK_BYTES
 from protocol.ids import TenantId, TimelineId
-from protocol.lsn import parse_lsn
+from protocol.lsn import WAL_SEGMENT_SIZE, parse_lsn
 from protocol.pagestream import RelTag
+from protocol.pgwire.decoder import DEFAULT_MAX_MESSAGE_LEN
 from protocol.pgwire.errors import PgError
 from tests.pageserver.basebackup_helpers import unpack_tar
 from tests.pageserver.node_helpers import NodeProcess
@@ -76,21 +78,31 @@ def _bootstrap(node: NodeProcess) -> tuple[str, str, str]:
     return tenant, info["timeline_id"], info["last_record_lsn"]
 
 
-def _copy_out(node: NodeProcess, query: str) -> bytes:
+def _copy_out_chunks(node: NodeProcess, query: str) -> list[bytes]:
+    """The CopyData payloads of a COPY OUT, one per message (libpq's PQgetCopyData)."""
     with (
         psycopg.connect(host="127.0.0.1", port=node.pg_port, user="postgres", dbname="postgres",
                         autocommit=True) as conn,
         conn.cursor() as cur,
         cur.copy(query) as copy,
     ):
-        return b"".join(bytes(chunk) for chunk in copy)
+        return [bytes(chunk) for chunk in copy]
+
+
+def _copy_out(node: NodeProcess, query: str) -> bytes:
+    return b"".join(_copy_out_chunks(node, query))
 
 
 def test_basebackup_over_libpq_boots_postgres(
     shared: tuple[NodeProcess, tuple[str, str, str]], base: Path
 ) -> None:
     node, (tenant, timeline, lsn) = shared
-    data = _copy_out(node, f"basebackup {tenant} {timeline}")
+    chunks = _copy_out_chunks(node, f"basebackup {tenant} {timeline}")
+    # The 16 MiB WAL segment too goes out in CopyData messages of at most CHUNK_BYTES, so a
+    # client with the default 16 MiB message limit reads any basebackup.
+    assert max(len(c) for c in chunks) <= CHUNK_BYTES < DEFAULT_MAX_MESSAGE_LEN
+    data = b"".join(chunks)
+    assert len(data) > WAL_SEGMENT_SIZE
     packed = _copy_out(node, f"basebackup {tenant} {timeline} {lsn} --gzip")
     full = _copy_out(node, f"fullbackup {tenant} {timeline} {lsn}")
     assert packed[:2] == b"\x1f\x8b"

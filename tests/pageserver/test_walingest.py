@@ -83,9 +83,9 @@ class Wal:
         return rec
 
 
-async def _seed(tl: Timeline) -> WalIngest:
+async def _seed(tl: Timeline, lsn: Lsn = START) -> WalIngest:
     ing = WalIngest(tl)
-    mod = ing.w.begin(START)
+    mod = ing.w.begin(lsn)
     mod.put_checkpoint(_checkpoint())
     await mod.put_dbdir_creation(SPC, DB)
     await mod.put_slru_segment_creation(SLRU_CLOG, 0, 1)

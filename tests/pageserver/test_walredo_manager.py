@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import lz4.block
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,7 @@ from pageserver.storage.key import (
     SLRU_MULTIXACT_OFFSETS,
     Key,
     rel_block_key,
+    relmap_file_key,
     slru_block_key,
 )
 from pageserver.storage.reconstruct import PageReconstructError
@@ -34,7 +36,7 @@ from pageserver.walredo.manager import PostgresRedoManager
 from pageserver.walredo.visibilitymap import vm_get, vm_set_in_page
 from protocol.lsn import Lsn
 from protocol.wal.encoder import BlockSpec, build_record
-from protocol.wal.record import RelFileNode
+from protocol.wal.record import RelFileNode, record_crc
 
 REL = RelFileNode(1663, 5, 16384)
 KEY = rel_block_key(1663, 5, 16384, 0, 7)
@@ -249,23 +251,19 @@ def test_hostile_slru_and_relmap_records_give_clear_errors(target: bytes, rmid: 
 
 
 def test_corrupt_verification_image_is_a_reconstruct_error() -> None:
-    """validate: a compressed check image that does not decompress names the record."""
+    """validate: a compressed check image that does not decompress is a per-request error
+    naming the record, not a RemoteProtocolError escaping redo."""
     page = _sample_heap_page()
-    rec = build_record(
+    body = struct.pack("<HHB", 2, 0x0802, 24) + b"\x00" + b"zz"
+    rec = bytearray(build_record(
         prev=0, rmid=10, info=0x00, xid=902,
-        blocks=[BlockSpec(REL, 7, data=struct.pack("<HHB", 2, 0x0802, 24) + b"\x00" + b"zz",
-                          image=bytes(8192), apply_image=False)],
+        blocks=[BlockSpec(REL, 7, data=body, image=bytes(8192), apply_image=False, compression="lz4")],
         main_data=struct.pack("<HB", 3, 0),
-    )
-    # Flip the image to "pglz compressed" garbage: find the stored image and corrupt its flag.
-    # Simplest honest route: an lz4 image whose bytes are then clobbered.
-    rec_lz4 = build_record(
-        prev=0, rmid=10, info=0x00, xid=902,
-        blocks=[BlockSpec(REL, 7, data=struct.pack("<HHB", 2, 0x0802, 24) + b"\x00" + b"zz",
-                          image=bytes(8192), apply_image=False, compression="lz4")],
-        main_data=struct.pack("<HB", 3, 0),
-    )
-    assert rec != rec_lz4
-    mgr = PostgresRedoManager(validate=True)
-    with pytest.raises(PageReconstructError):
-        mgr.apply(Key(KEY), page, [(Lsn(0x9000), PostgresRecord(False, _corrupt_lz4_image(rec_lz4)))])
+    ))
+    packed = bytes(lz4.block.compress(bytes(8192), store_size=False))
+    at = bytes(rec).find(packed)
+    assert at > 0
+    rec[at : at + len(packed)] = b"\xff" * len(packed)  # same length, undecompressable
+    struct.pack_into("<I", rec, 20, record_crc(rec))
+    with pytest.raises(PageReconstructError, match="verification image"):
+        PostgresRedoManager(validate=True).apply(Key(KEY), page, [(Lsn(0x9000), PostgresRecord(False, bytes(rec)))])

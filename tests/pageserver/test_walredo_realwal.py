@@ -24,6 +24,7 @@ from pageserver.walredo.manager import PostgresRedoManager, SlruPage
 from pageserver.walredo.verify import VerifyReport, read_wal, verify_records
 from protocol.lsn import parse_lsn
 from protocol.wal.record import DecodedRecord
+from protocol.wal.rmgr import XLOG_MULTIXACT_CREATE_ID, RmgrId
 
 pytestmark = pytest.mark.postgres
 
@@ -209,7 +210,7 @@ def test_clog_pages_equal_pg_xact(wal_run: tuple[PostgresInstance, int, int]) ->
     # base and clear the run's xids so redo has to set them again.
     final = (pg.datadir / "pg_xact" / "0000").read_bytes()[:8192]
     base = bytearray(final)
-    recs = [r for r in read_wal(pg.wal_dir(), start, end) if r.xl_rmid == clog.RM_XACT_ID]
+    recs = [r for r in read_wal(pg.wal_dir(), start, end) if r.xl_rmid == RmgrId.XACT]
     xids: list[int] = []
     for r in recs:
         parsed = clog.parse_xact_xids(r.xl_info, r.xl_xid, r.main_data, r.end_lsn)
@@ -299,7 +300,7 @@ def test_multixact_pages_equal_pg_multixact(wal_run: tuple[PostgresInstance, int
     pg, start, end = wal_run
     recs = [
         r for r in read_wal(pg.wal_dir(), start, end)
-        if r.xl_rmid == mx.RM_MULTIXACT_ID and r.xl_info & 0xF0 == mx.XLOG_MULTIXACT_CREATE_ID
+        if r.xl_rmid == mx.RM_MULTIXACT_ID and r.xl_info & 0xF0 == XLOG_MULTIXACT_CREATE_ID
     ]
     assert recs, "the FOR SHARE sessions made no multixact"
     offsets_file = (pg.datadir / "pg_multixact" / "offsets" / "0000").read_bytes()[:8192]

@@ -97,3 +97,19 @@ def test_gap_between_segments_is_refused(tmp_path: Path) -> None:
     b.write_bytes(b"")
     rc, _, err = run(str(a), str(b))
     assert rc == 2 and "does not follow" in err
+
+
+def test_bad_arguments_are_usage_errors_not_tracebacks(tmp_path: Path) -> None:
+    seg = tmp_path / "000000010000000000000001"
+    seg.write_bytes(bytes(WAL_SEGMENT_SIZE))
+    cases = [
+        ((str(tmp_path / "000000010000000000000002"),), "not a readable file"),
+        ((str(seg), "--start", "nonsense"), "--start: invalid LSN"),
+        ((str(seg), "--end", "1/zz"), "--end: invalid LSN"),
+        ((str(seg), "--segment-size", "0"), "--segment-size 0"),
+        ((str(seg), "--segment-size", "3000000"), "not a power of two"),
+    ]
+    for args, expected in cases:
+        rc, records, err = run(*args)
+        assert (rc, records) == (2, []), (args, err)
+        assert expected in err, (args, err)

@@ -1,0 +1,738 @@
+"""``pagestore verify oracle``: every page the pageserver serves equals PostgreSQL's own.
+
+The end-to-end proof of WAL redo and ingest (issue 8, "the oracle test"). A local cluster (one
+pageserver with ``validate_redo`` on, N safekeepers) and a primary endpoint (vanilla PostgreSQL
+15 + the walproposer bridge) run pgbench and a set of workloads (btree splits and new roots,
+deletes + VACUUM incl. page deletion and relation truncation, HOT and non-HOT updates,
+multixacts from two sessions, sequences, TOAST, CREATE INDEX, TRUNCATE, subtransactions with
+rollbacks, an unlogged table). The workload sessions run with ``wal_consistency_checking =
+'all'``, so the pageserver's redo also compares each of their records with PostgreSQL's image.
+
+At four points the workload is paused (nothing else writes: autovacuum is off) and a CHECKPOINT
+makes the data files equal to the WAL up to the insert LSN L. The first three are copied (the
+relation files and SLRU directories); the last is the live directory at the end. For each:
+every relation file of every database (found on disk; its kind from that database's pg_class)
+and every fork, Nblocks and every block through pagestream GetPage@L (@latest for the last)
+against the file, both masked as PostgreSQL's ``bufmask`` does for the kind; and every SLRU
+segment (pg_xact, pg_multixact offsets and members) through GetSlruSegment, byte for byte.
+
+Masking beyond bufmask, each for a reason PostgreSQL itself has:
+- sequences: ``nextval`` WAL-logs the tuple 32 values ahead and keeps the true value in the
+  buffer, so a replayed page holds the logged state; the check is exact on that: the served
+  tuple has ``log_cnt = 0`` and ``last_value = file.last_value + file.log_cnt * increment``;
+- blocks past the pageserver's end of a fork must be all-zero pages (PostgreSQL extends
+  relations without WAL, e.g. ``RelationAddExtraBlocks``), for the VM fork an initialized page
+  with no bit set (``vm_extend``);
+- FSM forks are not WAL-logged at all: compared and reported, never a failure;
+- unlogged relations: only the init fork is WAL-logged, so only it is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import psycopg
+import trio
+
+from compute import postgres
+from compute.page_client import PageClient
+from control_plane import cluster, endpoint
+from control_plane.local_env import LocalEnv, plan_ports
+from pageserver.walredo import bufpage as bp
+from pageserver.walredo.mask import (
+    MaskFn,
+    btree_mask,
+    fsm_vm_mask,
+    heap_mask,
+    mask_page_hint_bits,
+    mask_page_lsn_and_checksum,
+    mask_unused_space,
+    seq_mask,
+)
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import Lsn, format_lsn, parse_lsn
+from protocol.pagestream import (
+    MAX_LSN,
+    ErrorResponse,
+    GetPageRequest,
+    GetPageResponse,
+    RelTag,
+    Request,
+    SlruKind,
+)
+
+PAGE = 8192
+SEGMENT_BLOCKS = 131072  # 1 GiB relation segments
+GLOBAL_TABLESPACE = 1664
+DEFAULT_TABLESPACE = 1663
+FORKS = {"": 0, "_fsm": 1, "_vm": 2, "_init": 3}
+FORK_NAMES = {0: "main", 1: "fsm", 2: "vm", 3: "init"}
+_REL_FILE = re.compile(r"^(\d+)(_fsm|_vm|_init)?(?:\.(\d+))?$")
+SLRU_DIRS = {SlruKind.CLOG: "pg_xact", SlruKind.MULTIXACT_OFFSETS: "pg_multixact/offsets",
+             SlruKind.MULTIXACT_MEMBERS: "pg_multixact/members"}
+QUEUE_DEPTH = 32
+BATCH = 256
+_SEQ_DATA = struct.Struct("<qq?")  # FormData_pg_sequence_data: last_value, log_cnt, is_called
+
+
+def generic_mask(page: bytearray, blkno: int) -> None:
+    """PostgreSQL's ``generic_mask`` (any page without a kind-specific mask)."""
+    mask_page_lsn_and_checksum(page)
+    mask_page_hint_bits(page)
+    mask_unused_space(page)
+
+
+# -- what is on disk -------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RelInfo:
+    """One relation as pg_class describes it (per database; shared ones with db 0)."""
+
+    name: str
+    kind: str  # heap, btree, sequence, generic
+    persistence: str  # p, u, t
+    seq_increment: int = 0
+
+
+@attrs.frozen
+class Fork:
+    rel: RelTag
+    nblocks: int  # from the file sizes
+    info: RelInfo | None  # None: a file pg_class does not know (a dropped relation's stub)
+
+    def describe(self) -> str:
+        name = self.info.name if self.info else "?"
+        return (f"{name} ({self.rel.spcnode}/{self.rel.dbnode}/{self.rel.relnode}) "
+                f"fork {FORK_NAMES[self.rel.forknum]}")
+
+
+@attrs.define
+class Snapshot:
+    """A data directory (a copy, or the live one) with the catalog knowledge of that moment."""
+
+    label: str
+    lsn: Lsn
+    root: Path
+    rels: dict[tuple[int, int], RelInfo]  # (db or 0 for shared, relfilenode) -> info
+    latest: bool = False  # compare GetPage@latest rather than @lsn
+
+
+def _kind(relkind: str, amname: str) -> str:
+    if relkind in ("r", "t", "m"):
+        return "heap"
+    if relkind == "S":
+        return "sequence"
+    if relkind == "i" and amname == "btree":
+        return "btree"
+    return "generic"
+
+
+def catalog_rels(dsn_of: Callable[[str], str]) -> dict[tuple[int, int], RelInfo]:
+    """Every relation with storage of every database, keyed by (db, relfilenode)."""
+    rels: dict[tuple[int, int], RelInfo] = {}
+    with psycopg.connect(dsn_of("postgres"), autocommit=True) as conn:
+        dbs = conn.execute("SELECT oid, datname FROM pg_database").fetchall()
+    for db_oid, datname in dbs:
+        with psycopg.connect(dsn_of(datname), autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT pg_relation_filenode(c.oid), c.relisshared, c.relkind, c.relpersistence, "
+                "coalesce(am.amname, ''), c.relname, coalesce(s.seqincrement, 0) "
+                "FROM pg_class c LEFT JOIN pg_am am ON am.oid = c.relam "
+                "LEFT JOIN pg_sequence s ON s.seqrelid = c.oid "
+                "WHERE pg_relation_filenode(c.oid) IS NOT NULL"
+            ).fetchall()
+        for filenode, shared, relkind, persistence, amname, relname, inc in rows:
+            key = (0 if shared else int(db_oid), int(filenode))
+            rels[key] = RelInfo(f"{datname}.{relname}" if not shared else relname,
+                                _kind(relkind, amname), persistence, int(inc))
+    return rels
+
+
+def list_forks(snap: Snapshot) -> list[Fork]:
+    """Every relation fork file under ``base/`` and ``global/`` of the snapshot."""
+    sizes: Counter[tuple[int, int, int, int]] = Counter()
+    dirs = [(GLOBAL_TABLESPACE, 0, snap.root / "global")]
+    dirs += [(DEFAULT_TABLESPACE, int(d.name), d) for d in sorted((snap.root / "base").iterdir())
+             if d.name.isdigit()]
+    for spc, db, d in dirs:
+        for f in d.iterdir():
+            m = _REL_FILE.match(f.name)
+            if not m:
+                continue
+            key = (spc, db, int(m.group(1)), FORKS[m.group(2) or ""])
+            seg = int(m.group(3) or 0)
+            size = f.stat().st_size
+            if size % PAGE:
+                raise RuntimeError(f"{f}: size {size} is not a multiple of {PAGE}")
+            sizes[key] = max(sizes[key], seg * SEGMENT_BLOCKS + size // PAGE)
+    return [Fork(RelTag(*key), n, snap.rels.get((key[1], key[2]))) for key, n in sorted(sizes.items())]
+
+
+def read_block(root: Path, rel: RelTag, blkno: int) -> bytes:
+    seg, off = divmod(blkno, SEGMENT_BLOCKS)
+    base = (root / "global") if rel.spcnode == GLOBAL_TABLESPACE else (root / "base" / str(rel.dbnode))
+    suffix = {0: "", 1: "_fsm", 2: "_vm", 3: "_init"}[rel.forknum]
+    name = f"{rel.relnode}{suffix}" + (f".{seg}" if seg else "")
+    with open(base / name, "rb") as f:
+        f.seek(off * PAGE)
+        data = f.read(PAGE)
+    if len(data) != PAGE:
+        raise RuntimeError(f"{base / name}: block {blkno} is short")
+    return data
+
+
+# -- comparison ------------------------------------------------------------------------------------
+
+
+def _diff(a: bytes | bytearray, b: bytes | bytearray) -> int:
+    return sum(1 for x, y in zip(a, b, strict=True) if x != y)
+
+
+def _masked(page: bytes, blkno: int, mask: MaskFn) -> bytes | str:
+    copy = bytearray(page)
+    try:
+        mask(copy, blkno)
+    except Exception as exc:  # a page the mask cannot parse is itself a finding
+        return f"unmaskable page: {exc}"
+    return bytes(copy)
+
+
+def _seq_fields(page: bytearray) -> tuple[int, int, int, bool] | None:
+    """(offset of the data, last_value, log_cnt, is_called) of a sequence page's tuple."""
+    if bp.max_offset(page) != 1:
+        return None
+    raw = bp.get_itemid(page, 1)
+    item = raw & 0x7FFF
+    t_hoff = page[item + 22]
+    pos = item + t_hoff
+    last, cnt, called = _SEQ_DATA.unpack_from(page, pos)
+    return pos, last, cnt, called
+
+
+def compare_sequence(served: bytes, local: bytes, increment: int) -> tuple[int, str]:
+    """Differing bytes (0 = equal) and a note. Exact on what ``nextval`` WAL-logs: the served
+    tuple is the logged one (``log_cnt`` 0, ``log_cnt`` values ahead of the file's)."""
+    a, b = bytearray(served), bytearray(local)
+    seq_mask(a, 0)
+    seq_mask(b, 0)
+    fa, fb = _seq_fields(a), _seq_fields(b)
+    if fa is None or fb is None or fa[0] != fb[0]:
+        return _diff(a, b), "not a one-tuple sequence page"
+    pos, s_last, s_cnt, s_called = fa
+    _, f_last, f_cnt, f_called = fb
+    if (s_last, s_cnt, s_called) != (f_last, f_cnt, f_called):
+        expect = f_last + f_cnt * increment
+        if not (s_cnt == 0 and s_called == f_called and s_last == expect):
+            return _diff(a, b), (f"sequence tuple served last_value {s_last} log_cnt {s_cnt}, file "
+                                 f"{f_last} + {f_cnt} x {increment} = {expect}")
+        # the logged-ahead state: equal by construction; compare the rest of the page
+        a[pos:pos + 16] = b[pos:pos + 16]
+    return _diff(a, b), ""
+
+
+def _is_zero(page: bytes) -> bool:
+    return page.count(0) == PAGE
+
+
+def _empty_vm_page(page: bytes) -> bool:
+    """An initialized VM page with no bit set, or a new (all-zero) one."""
+    if _is_zero(page):
+        return True
+    return page.count(0, bp.SIZE_OF_PAGE_HEADER) == PAGE - bp.SIZE_OF_PAGE_HEADER
+
+
+@attrs.define
+class SnapshotResult:
+    label: str
+    lsn: str
+    forks: int = 0
+    nblocks_equal: int = 0
+    pages: Counter[str] = attrs.field(factory=Counter)
+    equal: Counter[str] = attrs.field(factory=Counter)
+    new_pages_past_end: int = 0  # file blocks PostgreSQL added without WAL
+    fsm_pages: int = 0
+    fsm_equal: int = 0
+    sequences_logged_ahead: int = 0
+    skipped_unlogged_forks: int = 0
+    slru_segments: int = 0
+    slru_pages: int = 0
+    slru_equal: int = 0
+    mismatches: list[str] = attrs.field(factory=list)
+    seconds: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        d = attrs.asdict(self)
+        d["mismatches"] = len(self.mismatches)
+        d["first_mismatches"] = self.mismatches[:20]
+        d["pages"], d["equal"] = dict(self.pages), dict(self.equal)
+        return d
+
+
+def _mask_for(fork: Fork) -> tuple[str, MaskFn]:
+    if fork.rel.forknum == 2:
+        return "vm", fsm_vm_mask
+    kind = fork.info.kind if fork.info else "generic"
+    return kind, {"heap": heap_mask, "btree": btree_mask, "sequence": seq_mask}.get(kind, generic_mask)
+
+
+async def compare_snapshot(client: PageClient, snap: Snapshot,
+                           only: Callable[[Fork], bool] | None = None) -> SnapshotResult:
+    """Every fork and SLRU segment of ``snap`` against the pageserver at its LSN."""
+    started = time.monotonic()
+    res = SnapshotResult(snap.label, format_lsn(snap.lsn))
+    req_lsn = MAX_LSN if snap.latest else snap.lsn
+    at = f"{'latest' if snap.latest else 'LSN'} {format_lsn(snap.lsn)}"
+    forks = list_forks(snap)
+    for fork in forks:
+        if only is not None and not only(fork):
+            continue
+        if fork.info is not None and fork.info.persistence == "t":
+            continue  # temporary relations are local to their backend
+        if fork.info is not None and fork.info.persistence == "u" and fork.rel.forknum != 3:
+            res.skipped_unlogged_forks += 1
+            continue
+        res.forks += 1
+        exists = await client.exists(fork.rel, req_lsn, snap.lsn)
+        served_n = await client.nblocks(fork.rel, req_lsn, snap.lsn) if exists else 0
+        where = f"{fork.describe()} at {at}"
+        if fork.info is None:
+            if fork.nblocks == 0 and served_n == 0:
+                res.nblocks_equal += 1
+            else:
+                res.mismatches.append(f"{where}: a {fork.nblocks}-block file pg_class does not know "
+                                      f"(pageserver: {served_n} blocks)")
+            continue
+        fsm = fork.rel.forknum == 1
+        if served_n == fork.nblocks:
+            res.nblocks_equal += 1
+        elif served_n > fork.nblocks and not fsm:
+            res.mismatches.append(f"{where}: nblocks {served_n} on the pageserver, {fork.nblocks} in the files")
+        kind, mask = _mask_for(fork)
+        # past the pageserver's end: pages PostgreSQL extended without WAL
+        for blkno in range(served_n, fork.nblocks):
+            local = read_block(snap.root, fork.rel, blkno)
+            if fsm:
+                continue
+            ok = _empty_vm_page(local) if fork.rel.forknum == 2 else _is_zero(local)
+            if ok:
+                res.new_pages_past_end += 1
+            else:
+                res.mismatches.append(f"{where}: block {blkno} is past the pageserver's nblocks {served_n} "
+                                      f"but not a new page ({PAGE - local.count(0)} non-zero bytes)")
+        n = min(served_n, fork.nblocks)
+        for first in range(0, n, BATCH):
+            blocks = range(first, min(n, first + BATCH))
+            reqs: list[Request] = [GetPageRequest(client.next_reqid(), req_lsn, snap.lsn, fork.rel, b) for b in blocks]
+            responses = await client.pipelined(reqs, QUEUE_DEPTH)
+            for blkno, resp in zip(blocks, responses, strict=True):
+                if isinstance(resp, ErrorResponse):
+                    res.mismatches.append(f"{where}: block {blkno}: GetPage failed: {resp.message}")
+                    if not fsm:
+                        res.pages[kind] += 1
+                    continue
+                assert isinstance(resp, GetPageResponse)
+                served = bytes(resp.page)
+                local = read_block(snap.root, fork.rel, blkno)
+                if fsm:
+                    res.fsm_pages += 1
+                    res.fsm_equal += served == local
+                    continue
+                res.pages[kind] += 1
+                note = ""
+                if _is_zero(served) and _is_zero(local):
+                    diff = 0
+                elif kind == "vm" and _is_zero(served) and _empty_vm_page(local):
+                    diff = 0  # a VM page read as new is an empty one (vm_readbuf)
+                elif kind == "sequence":
+                    assert fork.info is not None
+                    diff, note = compare_sequence(served, local, fork.info.seq_increment)
+                    if diff == 0 and served != local and _masked(served, blkno, mask) != _masked(local, blkno, mask):
+                        res.sequences_logged_ahead += 1
+                else:
+                    a, b = _masked(served, blkno, mask), _masked(local, blkno, mask)
+                    if isinstance(a, bytes) and isinstance(b, bytes):
+                        diff = _diff(a, b)
+                    else:
+                        diff = _diff(served, local)
+                        note = f"served: {a}" if isinstance(a, str) else f"file: {b!s}"
+                if diff == 0:
+                    res.equal[kind] += 1
+                else:
+                    res.mismatches.append(f"{where}: block {blkno}: {diff} bytes differ after the {kind} mask"
+                                          + (f" ({note})" if note else ""))
+    if only is None:
+        await _compare_slru(client, snap, req_lsn, at, res)
+    res.seconds = round(time.monotonic() - started, 2)
+    return res
+
+
+async def _compare_slru(client: PageClient, snap: Snapshot, req_lsn: Lsn, at: str, res: SnapshotResult) -> None:
+    for kind, sub in SLRU_DIRS.items():
+        d = snap.root / sub
+        for f in sorted(d.iterdir()):
+            if not re.fullmatch(r"[0-9A-F]{4,}", f.name):
+                continue
+            segno = int(f.name, 16)
+            local = f.read_bytes()
+            res.slru_segments += 1
+            try:
+                served = await client.slru_segment(kind, segno, req_lsn, snap.lsn)
+            except Exception as exc:
+                res.mismatches.append(f"{sub}/{f.name} at {at}: GetSlruSegment failed: {exc}")
+                continue
+            if len(served) != len(local):
+                res.mismatches.append(f"{sub}/{f.name} at {at}: {len(served)} bytes served, {len(local)} in the file")
+                continue
+            for off in range(0, len(local), PAGE):
+                res.slru_pages += 1
+                a, b = served[off:off + PAGE], local[off:off + PAGE]
+                diff = _diff(a, b)
+                if diff:
+                    first = next(i for i in range(PAGE) if a[i] != b[i])
+                    word = first // 4 * 4
+                    res.mismatches.append(
+                        f"{sub}/{f.name} page {off // PAGE} at {at}: {diff} bytes differ, the first in u32 "
+                        f"{word // 4} (byte {word}): served {a[word:word + 4].hex()}, file {b[word:word + 4].hex()}")
+                else:
+                    res.slru_equal += 1
+
+
+# -- the workload --------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class OracleOptions:
+    workdir: Path
+    scale: int = 5
+    duration_s: float = 60.0
+    clients: int = 2
+    safekeepers: int = 3
+    consistency_checking: bool = True  # wal_consistency_checking = all in the workload sessions
+    workload_rows: int = 1200  # size of the btree workload (the others scale with it)
+
+
+def _wcc(conn: psycopg.Connection[Any], on: bool) -> None:
+    conn.execute(f"SET wal_consistency_checking = '{'all' if on else ''}'")
+
+
+def workload_a(conn: psycopg.Connection[Any], conn2: psycopg.Connection[Any], rows: int) -> None:
+    """Btree splits and new roots, deletes + VACUUM, HOT and non-HOT updates, multixacts."""
+    x = conn.execute
+    # 200-byte random keys: a fan-out of ~35, so ``rows`` inserts make a level-2 root.
+    x("CREATE TABLE o_bt (k text, v int)")
+    x("CREATE INDEX o_bt_k ON o_bt (k)")
+    x("CREATE INDEX o_bt_v ON o_bt (v)")
+    x("INSERT INTO o_bt SELECT repeat(md5(random()::text), 6) || g, g FROM generate_series(1, %s) g", (rows,))
+    x("INSERT INTO o_bt SELECT repeat(md5(g::text), 6), g + %s FROM generate_series(1, %s) g", (rows, rows // 4))
+    # Deletes: a contiguous v range empties whole o_bt_v leaves (page deletion), the tail lets
+    # VACUUM truncate the heap (Storage/TRUNCATE), every third row leaves holes everywhere.
+    x("DELETE FROM o_bt WHERE v BETWEEN %s AND %s", (rows // 5, rows // 2))
+    x("DELETE FROM o_bt WHERE v > %s", (rows + rows // 8,))
+    x("DELETE FROM o_bt WHERE v % 3 = 0")
+    x("VACUUM o_bt")
+    x("CREATE TABLE o_upd (id int PRIMARY KEY, a int, b text) WITH (fillfactor = 70)")
+    x("INSERT INTO o_upd SELECT g, g, md5(g::text) FROM generate_series(1, %s) g", (rows,))
+    x("UPDATE o_upd SET b = b || 'x' WHERE id % 5 = 0")  # HOT
+    x("UPDATE o_upd SET id = id + 1000000 WHERE id % 7 = 0")  # non-HOT: key changes
+    x("UPDATE o_upd SET b = repeat(b, 8) WHERE id % 11 = 0")  # non-HOT: no room left
+    x("DELETE FROM o_upd WHERE id % 13 = 0")
+    x("VACUUM o_upd")
+    # Multixacts: two sessions share-lock the same rows, then one updates under a key-share lock.
+    conn.autocommit = conn2.autocommit = False
+    try:
+        x("SELECT id FROM o_upd WHERE id <= 40 FOR SHARE")
+        conn2.execute("SELECT id FROM o_upd WHERE id <= 60 FOR SHARE")
+        conn2.execute("SELECT id FROM o_upd WHERE id BETWEEN 100 AND 140 FOR KEY SHARE")
+        conn.commit()
+        x("UPDATE o_upd SET a = -a WHERE id BETWEEN 100 AND 120")
+        conn.commit()
+        conn2.commit()
+    finally:
+        conn.autocommit = conn2.autocommit = True
+
+
+def workload_b(conn: psycopg.Connection[Any], rows: int) -> None:
+    """Sequences, TOAST, CREATE INDEX, TRUNCATE, subtransactions with rollbacks, unlogged."""
+    x = conn.execute
+    x("CREATE SEQUENCE o_seq")
+    x("CREATE SEQUENCE o_seq_by7 INCREMENT 7 START 100")
+    x("SELECT nextval('o_seq') FROM generate_series(1, 75)")
+    x("SELECT nextval('o_seq_by7') FROM generate_series(1, 5)")
+    x("CREATE TABLE o_ident (id bigint GENERATED ALWAYS AS IDENTITY, t text)")
+    x("INSERT INTO o_ident (t) SELECT g::text FROM generate_series(1, 40) g")
+    x("CREATE TABLE o_toast (id int, t text)")
+    x("ALTER TABLE o_toast ALTER COLUMN t SET STORAGE EXTERNAL")
+    x("INSERT INTO o_toast SELECT g, repeat(md5(g::text), 200 + g) FROM generate_series(1, %s) g", (max(8, rows // 60),))
+    x("UPDATE o_toast SET t = t || 'tail' WHERE id % 3 = 0")
+    x("DELETE FROM o_toast WHERE id % 4 = 0")
+    x("CREATE INDEX o_upd_a ON o_upd (a)")
+    x("CREATE INDEX o_toast_id ON o_toast (id)")
+    x("CREATE TABLE o_trunc (id int PRIMARY KEY, t text)")
+    x("INSERT INTO o_trunc SELECT g, md5(g::text) FROM generate_series(1, %s) g", (rows,))
+    x("TRUNCATE o_trunc")
+    x("INSERT INTO o_trunc SELECT g, md5(g::text) FROM generate_series(1, %s) g", (rows // 3,))
+    conn.autocommit = False
+    try:
+        x("TRUNCATE o_trunc")
+        x("INSERT INTO o_trunc VALUES (1, 'rolled back')")
+        conn.rollback()
+        # Subtransactions: rollbacks, releases, and more than 64 of them (XACT_ASSIGNMENT).
+        x("CREATE TABLE o_sub (id int, t text)")
+        for i in range(80):
+            x(f"SAVEPOINT s{i}")
+            x("INSERT INTO o_sub VALUES (%s, 'sub')", (i,))
+            if i % 3 == 0:
+                x(f"ROLLBACK TO SAVEPOINT s{i}")
+            elif i % 3 == 1:
+                x(f"RELEASE SAVEPOINT s{i}")
+        conn.commit()
+        x("INSERT INTO o_sub VALUES (-1, 'aborted top')")
+        x("SAVEPOINT a")
+        x("INSERT INTO o_sub VALUES (-2, 'aborted sub')")
+        conn.rollback()
+    finally:
+        conn.autocommit = True
+    x("CREATE UNLOGGED TABLE o_unlogged (id int PRIMARY KEY, t text)")
+    x("INSERT INTO o_unlogged SELECT g, md5(g::text) FROM generate_series(1, 500) g")
+
+
+def workload_c(conn: psycopg.Connection[Any], rows: int) -> None:
+    """After the last copy: change pages the copies hold, so @LSN must find the old versions."""
+    x = conn.execute
+    x("UPDATE o_upd SET a = a + 1 WHERE id % 4 = 1")
+    x("DELETE FROM o_bt WHERE v % 5 = 1")
+    x("VACUUM o_bt")
+    x("SELECT nextval('o_seq') FROM generate_series(1, 40)")
+    x("TRUNCATE o_toast")
+    x("INSERT INTO o_toast SELECT g, repeat(md5(g::text), 300) FROM generate_series(1, 5) g")
+    x("VACUUM FREEZE o_upd")
+    x("VACUUM pgbench_history")
+
+
+class Oracle:
+    """One run: cluster, workload with checkpoints and copies, comparisons, teardown."""
+
+    def __init__(self, opts: OracleOptions, emit: Callable[[dict[str, Any]], None]) -> None:
+        self.opts = opts
+        self.emit = emit
+        self.env: LocalEnv | None = None
+        self.snapshots: list[Snapshot] = []
+        self.results: list[SnapshotResult] = []
+        self.tenant = ""
+        self.timeline = ""
+        self.port = 0
+        self.pgdata = Path()
+        self.copies = Path()
+        self.validation: dict[str, float] = {}
+        self.self_check: list[str] = []
+
+    def dsn(self, db: str = "postgres") -> str:
+        return f"host=127.0.0.1 port={self.port} user={postgres.PG_USER} dbname={db}"
+
+    @contextmanager
+    def cluster(self) -> Iterator[LocalEnv]:
+        cfg = attrs.evolve(plan_ports(self.opts.safekeepers, free_ports=True),
+                           safekeeper_no_sync=True, validate_redo=True)
+        env = LocalEnv.create(self.opts.workdir, cfg)
+        self.env = env
+        quiet: Callable[[str], None] = lambda _msg: None  # noqa: E731
+        try:
+            cluster.start(env, log=quiet)
+            t = cluster.create_tenant(env, None, None, set_default=True)
+            self.tenant, self.timeline = t["tenant_id"], str(t["timeline_id"])
+            ep = endpoint.start_endpoint(env, "main", log=quiet)
+            self.port, self.pgdata = ep.spec.port, ep.pgdata
+            yield env
+        finally:
+            cluster.stop(env, immediate=True, log=quiet)
+
+    def pgbench(self, *args: str) -> str:
+        return postgres.PostgresInstance(self.pgdata, port=self.port, started=True).pgbench(*args)
+
+    def checkpoint(self, conn: psycopg.Connection[Any], label: str, *, copy: bool) -> Snapshot:
+        """Pause point: catalogs, CHECKPOINT, the insert LSN, the pageserver there, a copy."""
+        assert self.env is not None
+        rels = catalog_rels(self.dsn)  # before the CHECKPOINT: catalog reads may prune pages
+        conn.execute("SELECT pg_current_wal_insert_lsn()")
+        conn.execute("CHECKPOINT")
+        row = conn.execute("SELECT pg_current_wal_insert_lsn()").fetchone()
+        assert row is not None
+        lsn = parse_lsn(str(row[0]))
+        cluster.wait_for_lsn(self.env, self.tenant, self.timeline, lsn, timeout=600)
+        root = self.pgdata
+        if copy:
+            root = self.copies / label
+            for sub in ("global", "base", "pg_xact", "pg_multixact"):
+                shutil.copytree(self.pgdata / sub, root / sub)
+        snap = Snapshot(label, lsn, root, rels, latest=not copy)
+        self.emit({"checkpoint": label, "lsn": format_lsn(lsn), "relations": len(rels)})
+        return snap
+
+    def run(self) -> list[SnapshotResult]:
+        opts = self.opts
+        self.copies = Path(tempfile.mkdtemp(prefix="oracle-copies-", dir=opts.workdir.parent))
+        try:
+            with self.cluster():
+                self._workload()
+                trio.run(self._compare_all)
+        finally:
+            shutil.rmtree(self.copies, ignore_errors=True)
+        return self.results
+
+    def _workload(self) -> None:
+        opts = self.opts
+        rows = opts.workload_rows
+        with psycopg.connect(self.dsn(), autocommit=True) as conn, \
+                psycopg.connect(self.dsn(), autocommit=True) as conn2:
+            # No worker may change a page between a CHECKPOINT and the copy of the files.
+            conn.execute("ALTER SYSTEM SET autovacuum = off")
+            conn.execute("SELECT pg_reload_conf()")
+            conn.execute("ALTER DATABASE template0 ALLOW_CONNECTIONS true")  # to read its pg_class
+            t0 = time.monotonic()
+            self.pgbench("-i", "-s", str(opts.scale), "-q")
+            self.emit({"phase": "pgbench -i", "scale": opts.scale, "seconds": round(time.monotonic() - t0, 1)})
+            self.snapshots.append(self.checkpoint(conn, "after-init", copy=True))
+            half = max(1, int(opts.duration_s / 2))
+            bench = ("-n", "-c", str(opts.clients), "-j", str(opts.clients), "-T", str(half))
+            out = self.pgbench(*bench)
+            self.emit({"phase": "pgbench", "seconds": half, "tps": _tps(out)})
+            for c in (conn, conn2):
+                _wcc(c, opts.consistency_checking)
+            t0 = time.monotonic()
+            workload_a(conn, conn2, rows)
+            self.emit({"phase": "workload a", "seconds": round(time.monotonic() - t0, 1)})
+            self.snapshots.append(self.checkpoint(conn, "after-workload-a", copy=True))
+            out = self.pgbench(*bench)
+            self.emit({"phase": "pgbench", "seconds": half, "tps": _tps(out)})
+            t0 = time.monotonic()
+            workload_b(conn, rows)
+            self.emit({"phase": "workload b", "seconds": round(time.monotonic() - t0, 1)})
+            self.snapshots.append(self.checkpoint(conn, "after-workload-b", copy=True))
+            t0 = time.monotonic()
+            self.pgbench("-n", "-c", str(opts.clients), "-t", "50")
+            workload_c(conn, rows)
+            self.emit({"phase": "workload c", "seconds": round(time.monotonic() - t0, 1)})
+            self.snapshots.append(self.checkpoint(conn, "final", copy=False))
+
+    async def _compare_all(self) -> None:
+        assert self.env is not None
+        async with await PageClient.connect("127.0.0.1", self.env.config.pageserver.pg,
+                                            TenantId.parse(self.tenant), TimelineId.parse(self.timeline)) as client:
+            for snap in [self.snapshots[-1], *self.snapshots[:-1]]:
+                res = await compare_snapshot(client, snap)
+                self.results.append(res)
+                self.emit(res.as_json())
+            self.self_check = await self._self_check(client)
+            self.emit({"self_check": self.self_check})
+        self.validation = await trio.to_thread.run_sync(self.validation_counts)
+        self.emit({"redo_validation": self.validation})
+
+    async def _self_check(self, client: PageClient) -> list[str]:
+        """The comparison can fail: one byte flipped in a heap block, a btree block and a CLOG
+        page of the first copy must come back as exactly those mismatches."""
+        snap = self.snapshots[0]
+        by_name = {info.name: key for key, info in snap.rels.items()}
+        targets = []
+        for name, heap in (("postgres.pgbench_accounts", True), ("postgres.pgbench_accounts_pkey", False)):
+            db, relnode = by_name[name]
+            rel = RelTag(DEFAULT_TABLESPACE, db, relnode, 0)
+            path = snap.root / "base" / str(db) / str(relnode)
+            with open(path, "r+b") as f:  # block 1, the first data byte of item 1
+                f.seek(PAGE)
+                page = bytearray(f.read(PAGE))
+                item = bp.get_itemid(page, 1) & 0x7FFF
+                pos = item + (page[item + 22] if heap else 8)
+                f.seek(PAGE + pos)
+                f.write(bytes([page[pos] ^ 0xFF]))
+            targets.append(rel)
+        clog = snap.root / "pg_xact" / "0000"
+        data = bytearray(clog.read_bytes())
+        data[100] ^= 0x0F
+        clog.write_bytes(bytes(data))
+        found: list[str] = []
+        res = await compare_snapshot(client, snap, only=lambda fork: fork.rel in targets)
+        found += res.mismatches
+        slru = SnapshotResult(snap.label, format_lsn(snap.lsn))
+        await _compare_slru(client, snap, snap.lsn, f"LSN {format_lsn(snap.lsn)}", slru)
+        found += slru.mismatches
+        return found
+
+    def validation_counts(self) -> dict[str, float]:
+        """The pageserver's redo validation counters (read while it runs)."""
+        assert self.env is not None
+        with urllib.request.urlopen(f"{self.env.pageserver_http}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("pageserver_walredo_validation_") and "_total " in line:
+                name, value = line.split()
+                out[name] = float(value)
+        return out
+
+
+def _tps(out: str) -> float | None:
+    m = re.search(r"tps = ([0-9.]+)", out)
+    return float(m.group(1)) if m else None
+
+
+def run_oracle(opts: OracleOptions, emit: Callable[[dict[str, Any]], None] | None = None) -> Oracle:
+    """Run the whole check; the returned Oracle holds ``results``, ``validation`` (the
+    pageserver's redo validation counters) and ``self_check`` (the planted mismatches found)."""
+    oracle = Oracle(opts, emit or (lambda d: print(json.dumps(d), flush=True)))
+    oracle.run()
+    return oracle
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scale", type=int, default=5, help="pgbench scale factor (default 5)")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of pgbench in total (default 60)")
+    parser.add_argument("--clients", type=int, default=2, help="pgbench clients (default 2)")
+    parser.add_argument("--rows", type=int, default=1200, help="rows of the btree workload (default 1200)")
+    parser.add_argument("--no-consistency-checking", action="store_true",
+                        help="workload sessions without wal_consistency_checking (no redo validation)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where the throwaway cluster lives (default: a new directory in /tmp)")
+
+
+def run(args: argparse.Namespace) -> int:
+    base = Path(tempfile.mkdtemp(prefix="pagestore-oracle-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    workdir = args.workdir or base / "cluster"
+    opts = OracleOptions(workdir=workdir, scale=args.scale, duration_s=args.duration, clients=args.clients,
+                         consistency_checking=not args.no_consistency_checking, workload_rows=args.rows)
+    started = time.monotonic()
+    try:
+        oracle = run_oracle(opts)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    results, validation = oracle.results, oracle.validation
+    bad = sum(len(r.mismatches) for r in results)
+    pages = sum(sum(r.pages.values()) for r in results)
+    print(json.dumps({"result": "ok" if bad == 0 else "MISMATCH", "snapshots": len(results), "pages": pages,
+                      "equal": sum(sum(r.equal.values()) for r in results),
+                      "slru_pages": sum(r.slru_pages for r in results), "mismatches": bad,
+                      "validation": validation, "self_check_found": len(oracle.self_check),
+                      "seconds": round(time.monotonic() - started, 1)}), flush=True)
+    for r in results:
+        for m in r.mismatches[:50]:
+            print(f"MISMATCH {m}", file=sys.stderr)
+    return 0 if bad == 0 and len(oracle.self_check) == 3 else 1

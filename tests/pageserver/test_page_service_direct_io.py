@@ -1,0 +1,194 @@
+"""The page service reading and writing the TCP socket itself (``pipeline.DirectStreamIO``)
+behind the real libpq server loop, driven by ``compute.page_client.BlockingPageClient``.
+
+Over TCP the pagestream takes the connection's undecoded bytes from the libpq loop and gives
+back whatever follows the end of the stream: requests, CopyDone and the next Query sent in one
+segment must all be answered, in order. A bad request inside intact framing ends the stream
+but not the connection; broken framing ends the connection with FATAL 08P01.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+import trio
+
+from common.pgserver import PgServer, PgServerConfig
+from compute.page_client import BlockingPageClient
+from pageserver.page_service.config import PageServiceConfig, PipelinedPipelining, SerialPipelining
+from pageserver.page_service.handler import PageServiceHandler
+from protocol.lsn import Lsn
+from protocol.pagestream import (
+    ErrorResponse,
+    GetPageRequest,
+    GetPageResponse,
+    encode_request_into,
+)
+from protocol.pgwire import NEED_DATA, BackendDecoder
+from protocol.pgwire import messages as m
+from protocol.pgwire.errors import PgError
+from tests.pageserver.page_service_fakes import ZERO_PAGE, FakeTimeline, page_image
+from tests.pageserver.test_page_service_handler import MAX, REL, TENANT, TIMELINE, Lookup
+
+CONFIGS = [
+    PageServiceConfig(page_service_pipelining=SerialPipelining()),
+    PageServiceConfig(page_service_pipelining=PipelinedPipelining(1)),
+    PageServiceConfig(page_service_pipelining=PipelinedPipelining(8)),
+]
+IDS = ["serial", "pipelined-1", "pipelined-8"]
+
+
+def _timeline() -> FakeTimeline:
+    tl = FakeTimeline(last_record_lsn=0x1000)
+    tl.fill(REL, 64, [0x100, 0x800])
+    return tl
+
+
+def _server(config: PageServiceConfig) -> PgServer:
+    handler = PageServiceHandler(Lookup({(TENANT, TIMELINE): _timeline()}), config)
+    return PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None))
+
+
+def _blocking_session(port: int, version: int, queue_depth: int) -> list[tuple[int, bytes]]:
+    """``queue_depth`` requests in flight at a time, 200 in all: (blkno, page) per response."""
+    rng = random.Random(version * 100 + queue_depth)
+    out: list[tuple[int, bytes]] = []
+    with BlockingPageClient.connect("127.0.0.1", port, TENANT, TIMELINE, version=version) as c:  # type: ignore[arg-type]
+
+        def request() -> GetPageRequest:
+            return GetPageRequest(c.next_reqid(), MAX, Lsn(0), REL, rng.randrange(70))
+
+        c.send(*[request() for _ in range(queue_depth)])
+        sent = queue_depth
+        while c.in_flight:
+            response = c.receive()
+            assert isinstance(response, GetPageResponse)
+            out.append((response.request.blkno, bytes(response.page)))
+            if sent < 200:
+                c.send(request())
+                sent += 1
+        assert c.get_page(REL, 3, Lsn(0x200)) == page_image(REL, 3, 0x100)
+    return out
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("version", [2, 3])
+async def test_blocking_client_over_tcp(config: PageServiceConfig, version: int) -> None:
+    server = _server(config)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve)
+            for qd in (1, 16):
+                got = await trio.to_thread.run_sync(_blocking_session, port, version, qd)
+                assert len(got) == 200
+                for blkno, page in got:
+                    assert page == (page_image(REL, blkno, 0x800) if blkno < 64 else ZERO_PAGE)
+            server.shutdown()
+
+
+def _one_segment_session(port: int, tail: bytes, ready: int) -> list[object]:
+    """Open a v3 pagestream, then send 3 GetPages + ``tail`` in one segment; every message the
+    server sends back until the ``ready``-th ReadyForQuery or until it closes."""
+    c = BlockingPageClient.connect("127.0.0.1", port, TENANT, TIMELINE)
+    try:
+        out = bytearray()
+        for i in range(3):
+            encode_request_into(out, GetPageRequest(i + 1, MAX, Lsn(0), REL, i), 3, framed=True)
+        c.sock.sendall(bytes(out) + tail)
+        c.sock.settimeout(10.0)
+        decoder = BackendDecoder()
+        messages: list[object] = []
+        while sum(isinstance(msg, m.ReadyForQuery) for msg in messages) < ready:
+            msg = decoder.next_event()
+            if msg is NEED_DATA:
+                data = c.sock.recv(1 << 16)
+                if not data:
+                    break
+                decoder.receive_data(data)
+                continue
+            messages.append(msg)
+        return messages
+    finally:
+        c.close()
+
+
+def _copy_pages(messages: list[object]) -> list[bytes]:
+    return [bytes(msg.data) for msg in messages if isinstance(msg, m.CopyData)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+async def test_bytes_after_copydone_go_back_to_the_libpq_loop(config: PageServiceConfig) -> None:
+    server = _server(config)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve)
+            tail = m.encode(m.CopyDone(), m.Query("set a to b"))
+            got = await trio.to_thread.run_sync(_one_segment_session, port, tail, 2)
+            assert len(_copy_pages(got)) == 3
+            rest = [type(msg).__name__ for msg in got if not isinstance(msg, m.CopyData)]
+            assert rest == [
+                "CopyDone",
+                "CommandComplete",
+                "ReadyForQuery",
+                "CommandComplete",
+                "ReadyForQuery",
+            ]
+            assert [msg.tag for msg in got if isinstance(msg, m.CommandComplete)] == ["COPY", "SELECT 1"]
+            server.shutdown()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+async def test_bad_request_over_tcp_keeps_the_connection(config: PageServiceConfig) -> None:
+    server = _server(config)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve)
+            garbage = b"d" + struct.pack(">I", 4 + 3) + b"\x07xx"  # CopyData, unknown tag 7
+            tail = garbage + m.encode(m.CopyDone(), m.Query("set a to b"))
+            got = await trio.to_thread.run_sync(_one_segment_session, port, tail, 2)
+            assert len(_copy_pages(got)) == 3  # answered before the bad one
+            errors = [msg for msg in got if isinstance(msg, m.ErrorResponse)]
+            assert len(errors) == 1 and errors[0].sqlstate == "XX000"
+            assert "invalid tag 7" in errors[0].message and errors[0].severity == "ERROR"
+            # the stray CopyDone is skipped, the query after it is answered
+            assert [msg.tag for msg in got if isinstance(msg, m.CommandComplete)] == ["SELECT 1"]
+            assert isinstance(got[-1], m.ReadyForQuery)
+            server.shutdown()
+
+
+async def test_broken_framing_over_tcp_is_fatal() -> None:
+    server = _server(CONFIGS[2])
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve)
+            tail = b"d" + struct.pack(">I", 2)  # a length that cannot be
+            got = await trio.to_thread.run_sync(_one_segment_session, port, tail, 99)
+            assert len(_copy_pages(got)) == 3
+            errors = [msg for msg in got if isinstance(msg, m.ErrorResponse)]
+            assert len(errors) == 1
+            assert errors[0].sqlstate == "08P01" and errors[0].severity == "FATAL"
+            server.shutdown()
+
+
+async def test_blocking_client_reports_server_errors() -> None:
+    server = _server(CONFIGS[1])
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve)
+
+            def session() -> tuple[object, str]:
+                with BlockingPageClient.connect("127.0.0.1", port, TENANT, TIMELINE) as c:
+                    c.send(GetPageRequest(c.next_reqid(), Lsn(0), Lsn(0), REL, 1))
+                    per_request = c.receive()
+                    c.sock.sendall(b"d" + struct.pack(">I", 4 + 1) + b"\x09")
+                    c.send(GetPageRequest(c.next_reqid(), MAX, Lsn(0), REL, 1))
+                    with pytest.raises(PgError) as info:
+                        c.receive()
+                    return per_request, info.value.sqlstate
+
+            per_request, sqlstate = await trio.to_thread.run_sync(session)
+            assert isinstance(per_request, ErrorResponse) and "LSN(0)" in per_request.message
+            assert sqlstate == "XX000"
+            server.shutdown()

@@ -265,7 +265,9 @@ class SnapshotResult:
     nblocks_equal: int = 0
     pages: Counter[str] = attrs.field(factory=Counter)
     equal: Counter[str] = attrs.field(factory=Counter)
-    new_pages_past_end: int = 0  # file blocks PostgreSQL added without WAL
+    nblocks_file_longer: int = 0  # forks PostgreSQL extended without WAL (not FSM)
+    new_pages_past_end: int = 0  # their blocks past the pageserver's end: all new pages
+    fsm_nblocks_differ: int = 0
     fsm_pages: int = 0
     fsm_equal: int = 0
     sequences_logged_ahead: int = 0
@@ -321,8 +323,12 @@ async def compare_snapshot(client: PageClient, snap: Snapshot,
         fsm = fork.rel.forknum == 1
         if served_n == fork.nblocks:
             res.nblocks_equal += 1
-        elif served_n > fork.nblocks and not fsm:
+        elif fsm:
+            res.fsm_nblocks_differ += 1
+        elif served_n > fork.nblocks:
             res.mismatches.append(f"{where}: nblocks {served_n} on the pageserver, {fork.nblocks} in the files")
+        else:
+            res.nblocks_file_longer += 1  # every block past served_n is checked to be new below
         kind, mask = _mask_for(fork)
         # past the pageserver's end: pages PostgreSQL extended without WAL
         for blkno in range(served_n, fork.nblocks):

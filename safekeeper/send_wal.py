@@ -67,7 +67,9 @@ async def serve_replication(
     timeline.replicas[replica_id] = replica
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_receive_stage, copy, replica, nursery.cancel_scope.cancel)
+            nursery.start_soon(
+                _receive_stage, copy, timeline, replica, nursery.cancel_scope.cancel
+            )
             nursery.start_soon(_send_stage, copy, timeline, replica, start_lsn, term)
     finally:
         del timeline.replicas[replica_id]
@@ -128,7 +130,10 @@ def _greater_than(lsn: Lsn) -> Callable[[Lsn], bool]:
 
 
 async def _receive_stage(
-    copy: CopyBothStream, replica: ReplicaState, end_stream: Callable[[], None]
+    copy: CopyBothStream,
+    timeline: Timeline,
+    replica: ReplicaState,
+    end_stream: Callable[[], None],
 ) -> None:
     while True:
         payload = await copy.receive()
@@ -146,6 +151,7 @@ async def _receive_stage(
             replica.hs_catalog_xmin = msg.catalog_xmin
         elif isinstance(msg, NeonFeedback):
             fb = msg.feedback
+            timeline.ps_feedback = fb
             replica.write_lsn = fb.last_received_lsn
             replica.flush_lsn = fb.disk_consistent_lsn
             replica.apply_lsn = fb.remote_consistent_lsn

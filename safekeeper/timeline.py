@@ -26,7 +26,13 @@ import trio_util
 from common.metrics import BATCH_BUCKETS
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, Lsn
-from protocol.safekeeper import AcceptorMessage, AppendRequest, ProposerMessage
+from protocol.safekeeper import (
+    AcceptorMessage,
+    AppendRequest,
+    AppendResponse,
+    PageserverFeedback,
+    ProposerMessage,
+)
 from safekeeper.acceptor import (
     Acceptor,
     AcceptorError,
@@ -98,6 +104,8 @@ class Timeline:
         self.replicas: dict[int, ReplicaState] = {}
         self.stats = WriteStats()
         self.push_connections = 0
+        # The latest feedback a pageserver sent on a replication stream ('z').
+        self.ps_feedback: PageserverFeedback | None = None
 
     @property
     def tenant_id(self) -> TenantId:
@@ -169,7 +177,7 @@ class Timeline:
                     if appended:
                         # Acknowledge the appends before answering what follows them.
                         acceptor.advance_commit()
-                        replies.append(acceptor.append_response())
+                        replies.append(self._append_response())
                         appended = False
                     for effect in acceptor.process(msg):
                         if isinstance(effect, Reply):
@@ -188,9 +196,16 @@ class Timeline:
             if appended:
                 # commit_lsn moves only over flushed WAL, so it is advanced after the write.
                 acceptor.advance_commit()
-                replies.append(acceptor.append_response())
+                replies.append(self._append_response())
             await self._publish()
         return replies, error
+
+    def _append_response(self) -> AppendResponse:
+        resp = self.acceptor.append_response()
+        if self.ps_feedback is not None:
+            # The walproposer reads the pageserver's progress from here (Neon does the same).
+            resp = attrs.evolve(resp, pageserver_feedback=self.ps_feedback)
+        return resp
 
     async def _apply(self, effect: PersistControl | InitFirstSegment | TruncateWal) -> None:
         if isinstance(effect, PersistControl):

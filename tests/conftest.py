@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+# validate_get defaults to this variable: the whole suite runs both read paths and fails loudly on
+# any difference (issue 3). Child processes (nodes started by tests) inherit it.
+os.environ.setdefault("PAGESTORE_VALIDATE_GET", "1")
+
 settings.register_profile(
     "ci",
     deadline=None,

@@ -42,7 +42,7 @@ from pageserver.page_service.reader import (
 )
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
-from protocol.pagestream import PagestreamVersion, Request, RequestStreamDecoder, StreamEnd
+from protocol.pagestream import PagestreamVersion, Request, StreamEnd
 from protocol.pgwire import sqlstate
 from protocol.pgwire.errors import PgError
 
@@ -162,8 +162,7 @@ class PageServiceHandler:
         copy = await conn.enter_copy_both()
         # From here the pagestream reads the connection's bytes itself (DirectStreamIO): the
         # libpq loop's message objects cost more than serving a page from cache.
-        decoder = RequestStreamDecoder(command.version, conn.take_receive_buffer())
-        io = DirectStreamIO(copy.transport, decoder)
+        io = DirectStreamIO(copy.transport, command.version, conn.take_receive_buffer())
         try:
             end = await serve_pagestream(io, io, ctx)
         except RemoteProtocolError as exc:

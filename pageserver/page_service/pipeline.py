@@ -41,6 +41,7 @@ wire and the caller can still write its ErrorResponse.
 from __future__ import annotations
 
 import os
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Final, Protocol, TypeAlias, cast
@@ -70,6 +71,7 @@ from pageserver.page_service.reader import (
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn, format_lsn
 from protocol.pagestream import (
+    MAX_REQUEST_MESSAGE_LEN,
     NEED_DATA,
     DbSizeRequest,
     ExistsRequest,
@@ -77,10 +79,13 @@ from protocol.pagestream import (
     GetSlruSegmentRequest,
     NblocksRequest,
     PagestreamVersion,
+    RelTag,
     Request,
     RequestStreamDecoder,
+    RequestTag,
     ResponseWriter,
     StreamEnd,
+    _NeedData,
     decode_request,
 )
 
@@ -186,19 +191,39 @@ class DirectStreamIO:
     """Request source *and* response sink straight on the connection's byte stream.
 
     The libpq loop hands over its undecoded bytes (``initial``) and the stream after
-    CopyBothResponse; requests are decoded by ``RequestStreamDecoder`` out of the receive buffer
-    (no CopyData message objects, no per-message scheduler round). On a TCP socket, reads and
-    writes go to the file descriptor first and only park in trio (``wait_readable`` /
-    ``wait_writable``) when the kernel has nothing to give or no room: a request that is
-    already there costs no event-loop iteration. Other streams (memory streams in tests) use
-    their own ``receive_some`` / ``send_all``.
+    CopyBothResponse. A well-formed GetPage (the hot message: exact length, GetPage tag) is
+    decoded with one ``struct`` call straight out of the receive buffer; every other message,
+    and anything malformed, is handed whole to ``protocol.pagestream.RequestStreamDecoder``, so
+    errors and edge cases are exactly that decoder's. On a TCP socket, reads and writes go to
+    the file descriptor first and only park in trio (``wait_readable`` / ``wait_writable``) when
+    the kernel has nothing to give or no room: a request that is already there costs no
+    event-loop iteration. Other streams (memory streams in tests) use their own
+    ``receive_some`` / ``send_all``.
     """
 
-    __slots__ = ("_fd", "_sock", "_unyielded", "decoder", "stream")
+    __slots__ = (
+        "_buf",
+        "_decoder",
+        "_eof",
+        "_fast",
+        "_fd",
+        "_pos",
+        "_sock",
+        "_unyielded",
+        "_v3",
+        "stream",
+    )
 
-    def __init__(self, stream: trio.abc.Stream, decoder: RequestStreamDecoder) -> None:
+    def __init__(
+        self, stream: trio.abc.Stream, version: PagestreamVersion, initial: bytes = b""
+    ) -> None:
         self.stream = stream
-        self.decoder = decoder
+        self._decoder = RequestStreamDecoder(version)
+        self._v3 = version == 3
+        self._fast = _FRAMED_GETPAGE_V3 if self._v3 else _FRAMED_GETPAGE_V2
+        self._buf = bytearray(initial)
+        self._pos = 0
+        self._eof = False
         sock = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._sock = sock
         self._fd = sock.fileno() if sock is not None else -1
@@ -208,33 +233,83 @@ class DirectStreamIO:
         if self._unyielded >= YIELD_EVERY:
             self._unyielded = 0
             await trio.lowlevel.checkpoint()  # before decoding: a cancel loses nothing
-        decoder = self.decoder
         while True:
-            event = decoder.next_event()
+            event = self._next_event()
             if event is not NEED_DATA:
                 self._unyielded += 1
                 return event
             if self._sock is None:
-                decoder.receive_data(await self.stream.receive_some(MAX_RECV))
+                data = await self.stream.receive_some(MAX_RECV)
                 self._unyielded = 0
-                continue
-            try:
-                data = os.read(self._fd, MAX_RECV)
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(self._sock)
-                self._unyielded = 0
-                continue
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"receiving from the client: {exc}") from exc
-            decoder.receive_data(data)  # b"" is EOF
+            else:
+                try:
+                    data = os.read(self._fd, MAX_RECV)
+                except BlockingIOError:
+                    await trio.lowlevel.wait_readable(self._sock)
+                    self._unyielded = 0
+                    continue
+                except OSError as exc:
+                    raise trio.BrokenResourceError(f"receiving from the client: {exc}") from exc
+            if data:
+                self._buf += data
+            else:
+                self._eof = True
 
     def receive_nowait(self) -> Request | StreamEnd:
-        event = self.decoder.next_event()
+        event = self._next_event()
         if event is NEED_DATA:
             raise trio.WouldBlock
         return event
 
-    def write_nowait(self, data: bytes | bytearray) -> memoryview | None:
+    def _next_event(self) -> Request | StreamEnd | _NeedData:
+        buf, fast = self._buf, self._fast
+        while True:
+            pos = self._pos
+            have = len(buf) - pos
+            if have >= fast.size and buf[pos] == 0x64 and buf[pos + 5] == _GET_PAGE:
+                v = fast.unpack_from(buf, pos)
+                if v[1] == fast.size - 1:  # exactly a GetPage, no trailing bytes
+                    self._consume(fast.size)
+                    rel = RelTag(v[-5], v[-4], v[-3], v[-2])
+                    if self._v3:
+                        return GetPageRequest(v[3], v[4], v[5], rel, v[-1])
+                    return GetPageRequest(0, v[3], v[4], rel, v[-1])
+            decoder = self._decoder
+            if have >= 5:
+                length = _U32.unpack_from(buf, pos + 1)[0]
+                if 4 <= length <= MAX_REQUEST_MESSAGE_LEN and have < length + 1 and not self._eof:
+                    return NEED_DATA
+                # One whole message (or, if the framing is broken, everything there is):
+                # the protocol decoder answers it or raises its error.
+                take = length + 1 if 4 <= length <= MAX_REQUEST_MESSAGE_LEN else have
+                take = min(take, have)
+            elif self._eof:
+                take = have
+            else:
+                return NEED_DATA
+            if take:
+                decoder.receive_data(bytes(buf[pos : pos + take]))
+                self._consume(take)
+            if self._eof and self._pos == len(buf):
+                decoder.receive_data(b"")
+            event = decoder.next_event()
+            if event is NEED_DATA:
+                if not take:
+                    raise AssertionError("pagestream decoder wants data after end of stream")
+                continue  # a message PostgreSQL ignores during COPY (Flush, Sync)
+            return event
+
+    def _consume(self, n: int) -> None:
+        pos = self._pos + n
+        if pos == len(self._buf):
+            self._buf.clear()
+            pos = 0
+        elif pos >= COMPACT_AT:
+            del self._buf[:pos]
+            pos = 0
+        self._pos = pos
+
+    def write_nowait(self, data: bytes | bytearray | memoryview) -> memoryview | None:
         """Write what the socket takes now; the rest (``None`` when all went, or always the
         whole of ``data`` on a stream that is not a socket) is for ``send_all``."""
         view = memoryview(data)
@@ -254,20 +329,26 @@ class DirectStreamIO:
         if self._sock is None:
             await self.stream.send_all(data)
             return
-        view = memoryview(data)
+        view: memoryview | None = memoryview(data)
         while view:
-            rest = self.write_nowait(view)  # type: ignore[arg-type]
-            if rest is None:
-                return
-            view = rest
-            await trio.lowlevel.wait_writable(self._sock)
+            view = self.write_nowait(view)
+            if view is not None:
+                await trio.lowlevel.wait_writable(self._sock)
 
     def take_unread(self) -> bytes:
         """Bytes received after the end of the stream (CopyDone): the libpq loop's again."""
-        # RequestStreamDecoder (protocol/, not ours) has no public drain; its buffer holds
-        # exactly the bytes after the last message it returned.
-        buf = self.decoder._buf
-        return buf.take(len(buf))
+        rest = bytes(self._buf[self._pos :])
+        self._buf.clear()
+        self._pos = 0
+        return rest
+
+
+_GET_PAGE: Final = int(RequestTag.GET_PAGE)
+# 'd', length, then the GetPage payload of protocols.md §1.2 (v3 has the reqid).
+_FRAMED_GETPAGE_V3: Final = struct.Struct(">BIBQQQIIIBI")
+_FRAMED_GETPAGE_V2: Final = struct.Struct(">BIBQQIIIBI")
+_U32: Final = struct.Struct(">I")
+COMPACT_AT: Final = 256 * 1024
 
 
 class ByteSink(Protocol):
@@ -672,7 +753,7 @@ async def serve_pagestream_bytes(
     stream: trio.abc.Stream, ctx: PagestreamContext, initial: bytes = b""
 ) -> StreamEnd:
     """``serve_pagestream`` over a raw byte stream (after CopyBothResponse was sent)."""
-    io = DirectStreamIO(stream, RequestStreamDecoder(ctx.version, initial))
+    io = DirectStreamIO(stream, ctx.version, initial)
     return await serve_pagestream(io, io, ctx)
 
 

@@ -81,3 +81,4 @@ def test_every_page_equals_postgres(pg_tmp_path: Path) -> None:
     assert not mismatches, "\n".join(mismatches[:40])
     for r in results:
         assert r.equal == r.pages and r.slru_equal == r.slru_pages
+        assert r.nblocks_equal + r.nblocks_file_longer + r.fsm_nblocks_differ == r.forks

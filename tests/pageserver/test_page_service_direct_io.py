@@ -14,16 +14,24 @@ import struct
 
 import pytest
 import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from common.pgserver import PgServer, PgServerConfig
 from compute.page_client import BlockingPageClient
 from pageserver.page_service.config import PageServiceConfig, PipelinedPipelining, SerialPipelining
 from pageserver.page_service.handler import PageServiceHandler
+from pageserver.page_service.pipeline import DirectStreamIO
+from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn
 from protocol.pagestream import (
     ErrorResponse,
     GetPageRequest,
     GetPageResponse,
+    RelTag,
+    RequestStreamDecoder,
+    StreamEnd,
     encode_request_into,
 )
 from protocol.pgwire import NEED_DATA, BackendDecoder
@@ -192,3 +200,75 @@ async def test_blocking_client_reports_server_errors() -> None:
             assert isinstance(per_request, ErrorResponse) and "LSN(0)" in per_request.message
             assert sqlstate == "XX000"
             server.shutdown()
+
+
+# --- DirectStreamIO's decoding is RequestStreamDecoder's, fast path or not ---------------------
+
+_FRAMES = st.one_of(
+    # well-formed GetPages (the fast path), other requests, Flush/Sync, and junk
+    st.builds(
+        lambda reqid, lsn, blk, spc: ("getpage", reqid, lsn, blk, spc),
+        st.integers(0, 2**64 - 1),
+        st.integers(0, 2**64 - 1),
+        st.integers(0, 2**32 - 1),
+        st.integers(0, 2**32 - 1),
+    ),
+    st.sampled_from([b"H\x00\x00\x00\x04", b"S\x00\x00\x00\x04", b"c\x00\x00\x00\x04"]),
+    st.binary(min_size=0, max_size=60).map(lambda b: b"d" + struct.pack(">I", len(b) + 4) + b),
+    st.binary(min_size=1, max_size=12),
+)
+
+
+def _frame_bytes(frame: object, version: int) -> bytes:
+    if isinstance(frame, bytes):
+        return frame
+    assert isinstance(frame, tuple)
+    _, reqid, lsn, blk, spc = frame
+    out = bytearray()
+    request = GetPageRequest(reqid if version == 3 else 0, Lsn(lsn), Lsn(lsn // 3), RelTag(spc, 5, 7, 0), blk)
+    encode_request_into(out, request, version, framed=True)  # type: ignore[arg-type]
+    return bytes(out)
+
+
+def _oracle(data: bytes, version: int) -> list[object]:
+    decoder = RequestStreamDecoder(version)  # type: ignore[arg-type]
+    decoder.receive_data(data)
+    decoder.receive_data(b"")
+    out: list[object] = []
+    try:
+        while True:
+            event = decoder.next_event()
+            out.append(event)
+            if isinstance(event, StreamEnd):
+                return out
+    except RemoteProtocolError as exc:
+        return [*out, (exc.msg, exc.sqlstate)]
+
+
+async def _direct(chunks: list[bytes], version: int) -> list[object]:
+    client, server = trio.testing.memory_stream_pair()
+    io = DirectStreamIO(server, version, chunks[0] if chunks else b"")  # type: ignore[arg-type]
+    for chunk in chunks[1:]:
+        await client.send_all(chunk)
+    await client.send_eof()
+    out: list[object] = []
+    try:
+        while True:
+            event = await io.receive()
+            out.append(event)
+            if isinstance(event, StreamEnd):
+                return out
+    except RemoteProtocolError as exc:
+        return [*out, (exc.msg, exc.sqlstate)]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([2, 3]), st.lists(_FRAMES, max_size=12), st.lists(st.integers(0, 400), max_size=6))
+def test_direct_decoding_matches_the_protocol_decoder(
+    version: int, frames: list[object], cuts: list[int]
+) -> None:
+    data = b"".join(_frame_bytes(f, version) for f in frames)
+    points = sorted({min(c, len(data)) for c in cuts})
+    chunks = [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
+    chunks = [chunks[0], *(c for c in chunks[1:] if c)]
+    assert trio.run(_direct, chunks, version) == _oracle(data, version)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 
 # validate_get defaults to this variable: the whole suite runs both read paths and fails loudly on
 # any difference (issue 3). Child processes (nodes started by tests) inherit it.
-os.environ.setdefault("PAGESTORE_VALIDATE_GET", "1")
+os.environ["PAGESTORE_VALIDATE_GET"] = "1"
 
 settings.register_profile(
     "ci",

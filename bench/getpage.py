@@ -505,7 +505,13 @@ def _postgres_baseline(args: argparse.Namespace, clients: int) -> dict[str, Any]
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per configuration")
     parser.add_argument("--tenants", type=int, default=1)
-    parser.add_argument("--clients", type=int, default=1, help="connections per tenant")
+    parser.add_argument(
+        "--clients", default="1", help="comma list of connections per tenant (e.g. 1,4)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="measure every configuration this many times"
+    )
+    parser.add_argument("--plot", default=None, help="write a latency/throughput PNG here")
     parser.add_argument(
         "--queue-depth", default="1,32", help="comma list of requests in flight per client"
     )
@@ -538,11 +544,82 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_MEDIAN_FIELDS = (
+    "pages_per_s",
+    "latency_mean_us",
+    "latency_p50_us",
+    "latency_p95_us",
+    "latency_p99_us",
+    "latency_p99.9_us",
+    "batching_factor",
+)
+
+
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    import statistics
+
+    out = {k: v for k, v in rows[0].items() if k not in _MEDIAN_FIELDS and k != "round"}
+    out["summary"] = f"median of {len(rows)} rounds"
+    for field in _MEDIAN_FIELDS:
+        values = [r[field] for r in rows if r.get(field) is not None]
+        if values:
+            out[field] = round(statistics.median(values), 2)
+    out["pages_per_s_rounds"] = [r["pages_per_s"] for r in rows]
+    return out
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Mean/p50/p99 latency per configuration at queue depth 1 and pages/s at every queue
+    depth, one column per client count, PostgreSQL as a reference line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ours = [r for r in rows if r["target"] == "pagestore"]
+    pg = {r["clients"]: r for r in rows if r["target"] != "pagestore"}
+    client_counts = sorted({r["clients_per_tenant"] * r["tenants"] for r in ours})
+    fig, axes = plt.subplots(
+        2, len(client_counts), figsize=(7 * len(client_counts), 9), squeeze=False
+    )
+    for col, clients in enumerate(client_counts):
+        mine = [r for r in ours if r["clients_per_tenant"] * r["tenants"] == clients]
+        qd1 = [r for r in mine if r["queue_depth"] == 1]
+        labels = [f"{r['mode']}\n{r['get_impl']}/{r['cache']}" for r in qd1]
+        x = range(len(qd1))
+        ax = axes[0][col]
+        width = 0.27
+        for i, (field, name) in enumerate(
+            (("latency_mean_us", "mean"), ("latency_p50_us", "p50"), ("latency_p99_us", "p99"))
+        ):
+            ax.bar([xi + (i - 1) * width for xi in x], [r[field] for r in qd1], width, label=name)
+        if clients in pg and pg[clients].get("latency_mean_us"):
+            ax.axhline(pg[clients]["latency_mean_us"], color="k", ls="--", label="PostgreSQL mean")
+        ax.set_xticks(list(x), labels, fontsize=7, rotation=30)
+        ax.set_ylabel("latency, µs (queue depth 1)")
+        ax.set_yscale("log")
+        ax.set_title(f"{clients} client(s): GetPage latency at queue depth 1")
+        ax.legend(fontsize=8)
+        ax = axes[1][col]
+        labels = [f"{r['mode']} QD{r['queue_depth']}\n{r['get_impl']}/{r['cache']}" for r in mine]
+        ax.bar(range(len(mine)), [r["pages_per_s"] for r in mine], color="tab:blue")
+        if clients in pg and pg[clients].get("pages_per_s"):
+            ax.axhline(pg[clients]["pages_per_s"], color="k", ls="--", label="PostgreSQL")
+            ax.legend(fontsize=8)
+        ax.set_xticks(range(len(mine)), labels, fontsize=6, rotation=40)
+        ax.set_ylabel("pages/s")
+        ax.set_title(f"{clients} client(s): throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def run(args: argparse.Namespace) -> int:
     base = Path(tempfile.mkdtemp(prefix="pagestore-bench-getpage-"))
     workdir = base / "tenants"
     workdir.mkdir()
     (base / "pages.json").write_text(json.dumps(args.pages))
+    client_counts = [int(c) for c in str(args.clients).split(",")]
+    rows: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     try:
         t0 = time.perf_counter()
         targets = trio.run(_build, workdir, args.tenants, args.pages)
@@ -558,14 +635,33 @@ def run(args: argparse.Namespace) -> int:
             ),
             flush=True,
         )
-        for get_impl in args.get_impl.split(","):
-            for cache in args.cache.split(","):
-                for mode in args.modes.split(","):
-                    for qd in (int(q) for q in args.queue_depth.split(",")):
-                        row = _run_config(workdir, targets, args, mode, get_impl, cache, qd)
-                        print(json.dumps(row), flush=True)
-        if args.postgres:
-            print(json.dumps(_postgres_baseline(args, args.clients * args.tenants)), flush=True)
+        # Rounds outermost: every configuration is measured once per round, so a burst of
+        # load from elsewhere on the machine hits all of them alike; medians are printed last.
+        for round_no in range(args.rounds):
+            for clients in client_counts:
+                config_args = argparse.Namespace(**{**vars(args), "clients": clients})
+                for get_impl in args.get_impl.split(","):
+                    for cache in args.cache.split(","):
+                        for mode in args.modes.split(","):
+                            for qd in (int(q) for q in args.queue_depth.split(",")):
+                                row = _run_config(
+                                    workdir, targets, config_args, mode, get_impl, cache, qd
+                                )
+                                row["round"] = round_no
+                                print(json.dumps(row), flush=True)
+                                key = (clients, get_impl, cache, mode, qd)
+                                rows.setdefault(key, []).append(row)
+                if args.postgres:
+                    row = _postgres_baseline(args, clients * args.tenants)
+                    row["round"] = round_no
+                    print(json.dumps(row), flush=True)
+                    rows.setdefault(("postgres", clients), []).append(row)
+        summary = [_median_row(r) for r in rows.values()]
+        if args.rounds > 1:
+            for row in summary:
+                print(json.dumps(row), flush=True)
+        if args.plot:
+            _plot(summary, args.plot)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 0

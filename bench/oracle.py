@@ -609,6 +609,11 @@ class Oracle:
             # No worker may change a page between a CHECKPOINT and the copy of the files.
             conn.execute("ALTER SYSTEM SET autovacuum = off")
             conn.execute("SELECT pg_reload_conf()")
+            deadline = time.monotonic() + 60
+            while _autovacuum_workers(conn):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("autovacuum workers still running 60 s after autovacuum = off")
+                time.sleep(0.2)
             conn.execute("ALTER DATABASE template0 ALLOW_CONNECTIONS true")  # to read its pg_class
             t0 = time.monotonic()
             self.pgbench("-i", "-s", str(opts.scale), "-q")
@@ -690,6 +695,11 @@ class Oracle:
                 name, value = line.split()
                 out[name] = float(value)
         return out
+
+
+def _autovacuum_workers(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'").fetchone()
+    return int(row[0]) if row else 0
 
 
 def _tps(out: str) -> float | None:

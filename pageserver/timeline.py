@@ -253,6 +253,8 @@ class Timeline:
                 f"{format_lsn(self._last_record_lsn)} / earlier puts"
             )
         blob = encode_value(value)
+        if self.put_nowait(key, lsn, blob, value.will_init):
+            return
         layer = self.open_layer
         if layer is not None and lsn > self._max_put_lsn and self._should_roll(layer, lsn, len(blob)):
             await self.flush()
@@ -271,6 +273,26 @@ class Timeline:
             await layer.put(key, lsn, blob, value.will_init)
         finally:
             lock.release()
+
+    def put_nowait(self, key: Key, lsn: Lsn, blob: bytes, will_init: bool) -> bool:
+        """Store an encoded value (``encode_value``) at (key, lsn) without an await when
+        nothing stands in the way: an open layer with room in its write buffer, no roll due,
+        no put or freeze holding the put lock. ``False``: nothing was stored, call ``put``
+        (which also raises the errors). The WAL ingest's hot path: a put without the lock
+        and coroutine layers costs about half as much."""
+        if lsn <= self._last_record_lsn or lsn < self._max_put_lsn or lsn < self._next_layer_start:
+            return False
+        layer = self.open_layer
+        lock = self._put_lock_obj
+        if layer is None or (lock is not None and lock.locked()):
+            return False
+        if lsn > self._max_put_lsn and self._should_roll(layer, lsn, len(blob)):
+            return False
+        # No await from here on: a freeze cannot come between the append and the index entry.
+        if not layer.try_put(key, lsn, blob, will_init):
+            return False
+        self._max_put_lsn = lsn
+        return True
 
     def _should_roll(self, layer: InMemoryLayer, lsn: Lsn, size: int) -> bool:
         cfg = self.config

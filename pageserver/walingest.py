@@ -65,10 +65,10 @@ from pageserver.storage.value import (
     ClogSetCommitted,
     Image,
     MultixactMembersCreate,
-    MultixactOffsetCreate,
     PostgresRecord,
     TruncateVisibilityMap,
     Value,
+    encode_postgres_record,
 )
 from pageserver.timeline import Timeline
 from pageserver.wal_receiver import (
@@ -79,11 +79,18 @@ from pageserver.wal_receiver import (
     pgclient_connect,
 )
 from pageserver.walredo.heap import vm_clears
+from pageserver.walredo.multixact import next_multi_offset
 from pageserver.walredo.visibilitymap import HEAPBLOCKS_PER_PAGE
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ, Lsn, format_lsn, segment_file_name
 from protocol.wal.reader import EndOfWal, WalStreamDecoder
-from protocol.wal.record import BlockRef, DecodedRecord
+from protocol.wal.record import (
+    BKPBLOCK_HAS_IMAGE,
+    BKPBLOCK_WILL_INIT,
+    BKPIMAGE_APPLY,
+    BlockRef,
+    DecodedRecord,
+)
 from protocol.wal.rmgr import (
     CLOG_TRUNCATE,
     CLOG_ZEROPAGE,
@@ -368,16 +375,20 @@ class WalIngest:
             n = sizes.get((rnode.spc, rnode.db, rnode.rel, blk.forknum))
             if n is None or blk.blkno >= n:
                 return False
-        put = self.tl.put
+        tl = self.tl
         raw = rec.raw
         for blk in blocks:
             rnode = blk.rnode
-            await put(
-                rel_block_key(rnode.spc, rnode.db, rnode.rel, blk.forknum, blk.blkno),
-                end,
-                PostgresRecord(blk.will_init or blk.apply_image, raw),
+            key = rel_block_key(rnode.spc, rnode.db, rnode.rel, blk.forknum, blk.blkno)
+            # blk.will_init or blk.apply_image, without two property calls
+            flags = blk.fork_flags
+            will_init = bool(flags & BKPBLOCK_WILL_INIT) or (
+                bool(flags & BKPBLOCK_HAS_IMAGE) and bool(blk.bimg_info & BKPIMAGE_APPLY)
             )
-        self.tl.finish_write(end)
+            # the common case stores without an await; put() handles rolls, locks and errors
+            if not tl.put_nowait(key, end, encode_postgres_record(will_init, raw), will_init):
+                await tl.put(key, end, PostgresRecord(will_init, raw))
+        tl.finish_write(end)
         stats = self.stats
         stats.records += 1
         stats.values += len(blocks)
@@ -674,13 +685,17 @@ class WalIngest:
             (int(x), int(s) & 0xFF)
             for x, s in (_MX_MEMBER.unpack_from(rec.main_data, _MX_CREATE.size + i * 8) for i in range(n))
         ]
-        pageno = mid // MULTIXACT_OFFSETS_PER_PAGE
-        await mod.put_slru_page(
-            SLRU_MULTIXACT_OFFSETS,
-            pageno // SLRU_PAGES_PER_SEGMENT,
-            pageno % SLRU_PAGES_PER_SEGMENT,
-            MultixactOffsetCreate(mid, moff),
-        )
+        # PostgreSQL >= 15.15 (RecordNewMultiXact) also writes the next multixact's offset, on
+        # the next page when mid is the last entry of its page: redo of the raw record does both.
+        raw = PostgresRecord(False, rec.raw)
+        next_mid, _ = next_multi_offset(mid, moff, n)
+        for pageno in sorted({mid // MULTIXACT_OFFSETS_PER_PAGE, next_mid // MULTIXACT_OFFSETS_PER_PAGE}):
+            await mod.put_slru_page(
+                SLRU_MULTIXACT_OFFSETS,
+                pageno // SLRU_PAGES_PER_SEGMENT,
+                pageno % SLRU_PAGES_PER_SEGMENT,
+                raw,
+            )
         i = 0
         while i < n:
             off = (moff + i) & 0xFFFF_FFFF

@@ -21,7 +21,7 @@ Shape (the design card's "drain memory channels into coalesced writes"):
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import attrs
 import structlog
@@ -31,6 +31,7 @@ from common.pgcopy import CopyBothStream
 from protocol.errors import INTERNAL_ERROR, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.safekeeper import (
+    AcceptorMessage,
     AppendRequest,
     ProposerGreeting,
     ProposerMessage,
@@ -38,7 +39,7 @@ from protocol.safekeeper import (
     decode_proposer_message,
     encode_message,
 )
-from safekeeper.timeline import Timeline
+from safekeeper.timeline import PendingFlush, Timeline
 
 log = structlog.get_logger("safekeeper.receive_wal")
 
@@ -152,37 +153,80 @@ async def _write_stage(
     version: ProtocolVersion,
     max_write_bytes: int,
 ) -> None:
-    async with messages:
+    # With coalescing and fsync on, group N's fdatasync runs while group N+1 is checked and
+    # written (Timeline.write_appends/sync/finish); N's AppendResponse still leaves only
+    # after N's fdatasync, and before anything about N+1.
+    pipelined = max_write_bytes > 0 and not timeline.no_sync
+    pending: PendingFlush | None = None
+
+    async def send(replies: Iterable[AcceptorMessage]) -> None:
+        payloads = [encode_message(r, version) for r in replies]
+        if payloads:
+            await copy.send_many(payloads)
+
+    async def finish_pending() -> None:
+        nonlocal pending
+        if pending is not None:
+            done, pending = pending, None
+            await send([await timeline.finish(done)])
+
+    async with messages, trio.open_nursery() as syncs:
         while True:
             try:
-                first = await messages.receive()
+                if pending is not None:
+                    try:
+                        first = messages.receive_nowait()
+                    except trio.WouldBlock:
+                        # Nothing to overlap with: acknowledge the pending group first.
+                        await finish_pending()
+                        continue
+                else:
+                    first = await messages.receive()
             except trio.EndOfChannel:
+                await finish_pending()
                 return
-            batch: list[ProposerMessage] = []
-            stop: RemoteProtocolError | None = None
-            if isinstance(first, RemoteProtocolError):
-                stop = first
-            else:
-                batch.append(first)
-                if max_write_bytes > 0 and isinstance(first, AppendRequest):
-                    size = len(first.wal)
-                    while size < max_write_bytes:
-                        try:
-                            item = messages.receive_nowait()
-                        except (trio.WouldBlock, trio.EndOfChannel):
-                            break
-                        if isinstance(item, RemoteProtocolError):
-                            stop = item
-                            break
-                        batch.append(item)
-                        if not isinstance(item, AppendRequest):
-                            break
-                        size += len(item.wal)
-            if batch:
+            batch, stop = _collect(first, messages, max_write_bytes)
+            if pipelined and batch and all(isinstance(m, AppendRequest) for m in batch):
+                appends = [m for m in batch if isinstance(m, AppendRequest)]
+                replies, new_pending, error = await timeline.write_appends(appends)
+                await finish_pending()
+                await send(replies)
+                if new_pending is not None:
+                    pending = new_pending
+                    syncs.start_soon(timeline.sync, new_pending, name="wal_push.sync")
+                if error is not None:
+                    await finish_pending()
+                    raise error
+            elif batch:
+                await finish_pending()
                 replies, error = await timeline.process_batch(batch)
-                if replies:
-                    await copy.send_many(encode_message(r, version) for r in replies)
+                await send(replies)
                 if error is not None:
                     raise error
             if stop is not None:
+                await finish_pending()
                 raise stop
+
+
+def _collect(
+    first: Item, messages: trio.MemoryReceiveChannel[Item], max_write_bytes: int
+) -> tuple[list[ProposerMessage], RemoteProtocolError | None]:
+    """The write group that starts with ``first``: AppendRequests already queued, up to
+    ``max_write_bytes`` of WAL; a non-append message ends it (it is the group's last)."""
+    if isinstance(first, RemoteProtocolError):
+        return [], first
+    batch: list[ProposerMessage] = [first]
+    if max_write_bytes > 0 and isinstance(first, AppendRequest):
+        size = len(first.wal)
+        while size < max_write_bytes:
+            try:
+                item = messages.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if isinstance(item, RemoteProtocolError):
+                return batch, item
+            batch.append(item)
+            if not isinstance(item, AppendRequest):
+                break
+            size += len(item.wal)
+    return batch, None

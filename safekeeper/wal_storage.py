@@ -71,6 +71,8 @@ class WalStorage:
         self._fd = -1
         self._segno = -1
         self.fsync_count = 0
+        # Bumped by every open/truncate: a flush started before one must not be published.
+        self.epoch = 0
 
     # -- naming ------------------------------------------------------------------------------
 
@@ -103,6 +105,7 @@ class WalStorage:
     def open(self, scan_from: Lsn) -> Lsn:
         """Find the end of WAL from the record boundary ``scan_from`` (0: there is no WAL)."""
         self.close()
+        self.epoch += 1
         if scan_from == INVALID_LSN:
             self.write_lsn = self.flush_lsn = self.flush_record_lsn = INVALID_LSN
             self._tracker = None
@@ -274,6 +277,19 @@ class WalStorage:
                 skip = 0
             iov, start = rest, 0
 
+    def sync_handle(self) -> int:
+        """A duplicate of the open segment's descriptor for an ``fdatasync`` that runs while
+        the next group is written (-1 when no segment is open: everything is durable). The
+        caller closes it."""
+        if self._fd < 0 or self.no_sync:
+            return -1
+        return os.dup(self._fd)
+
+    def mark_flushed(self, write_lsn: Lsn, record_end: Lsn) -> None:
+        """An ``fdatasync`` that started after ``write_lsn`` was written has completed."""
+        self.flush_lsn = Lsn(max(self.flush_lsn, write_lsn))
+        self.flush_record_lsn = Lsn(max(self.flush_record_lsn, record_end))
+
     def flush(self) -> Lsn:
         """Make everything written durable; returns the new ``flush_record_lsn``."""
         if self._fd >= 0 and self.flush_lsn < self.write_lsn and not self.no_sync:
@@ -323,6 +339,7 @@ class WalStorage:
 
     def truncate(self, lsn: Lsn) -> None:
         """Forget all WAL at and after ``lsn`` (a record boundary); WAL continues there."""
+        self.epoch += 1
         if self._fd >= 0 and not self.no_sync:
             os.fdatasync(self._fd)
         self._close_fd()

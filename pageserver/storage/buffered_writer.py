@@ -177,6 +177,17 @@ class BufferedWriter:
         await self._write_slow(memoryview(data).cast("B"))
         return offset
 
+    def try_write(self, data: bytes) -> int:
+        """``write`` without an await when ``data`` fits in the buffer (the ingest hot path):
+        the offset, or -1 when ``write`` has to be used (full buffer, error, closed, busy)."""
+        pos = self._fill
+        n = len(data)
+        if pos + n >= self.buffer_size or self._error is not None or self._closed or self._busy:
+            return -1
+        self._buf[pos : pos + n] = data
+        self._fill = pos + n
+        return self._buf_start + pos
+
     async def _write_slow(self, view: memoryview) -> None:
         if self._busy:
             raise trio.BusyResourceError(f"another task is writing to {self.file.path}")

@@ -110,6 +110,10 @@ class EphemeralFile:
         background write failed."""
         return await self._writer.write(data)
 
+    def try_append(self, data: bytes) -> int:
+        """``append`` without an await if ``data`` fits in the write buffer; -1 otherwise."""
+        return self._writer.try_write(data)
+
     async def read_at(self, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` (must be within ``length``), buffered or not."""
         return await self._writer.read_at(offset, size)

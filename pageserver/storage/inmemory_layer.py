@@ -57,17 +57,31 @@ class InMemoryLayer:
         # (the timeline's put lock keeps freezing out until the index entry below is in)
         if lsn < self.start_lsn:
             raise ValueError(f"put at {lsn:X} below the layer start {self.start_lsn:X}")
-        offset = await self.file.append(blob)
+        self._index_put(key, lsn, await self.file.append(blob), len(blob), will_init)
+
+    def try_put(self, key: Key, lsn: Lsn, blob: bytes, will_init: bool) -> bool:
+        """``put`` without an await when the blob fits in the write buffer (the WAL ingest
+        hot path: no task switch can come between the append and the index entry, so no
+        lock is needed); ``False`` if nothing was written and ``put`` must be used."""
+        if self.end_lsn is not None or lsn < self.start_lsn:
+            return False
+        offset = self.file.try_append(blob)
+        if offset < 0:
+            return False
+        self._index_put(key, lsn, offset, len(blob), will_init)
+        return True
+
+    def _index_put(self, key: Key, lsn: Lsn, offset: int, size: int, will_init: bool) -> None:
         entries = self.index.get(key)
         if entries is None:
-            self.index[key] = array("Q", (lsn, (offset << 1) | will_init, len(blob)))
+            self.index[key] = array("Q", (lsn, (offset << 1) | will_init, size))
         elif entries[-3] == lsn:
             entries[-2] = (offset << 1) | will_init
-            entries[-1] = len(blob)
+            entries[-1] = size
         elif entries[-3] > lsn:
             raise ValueError(f"put at {lsn:X} below an earlier put of the same key")
         else:
-            entries.extend((lsn, (offset << 1) | will_init, len(blob)))
+            entries.extend((lsn, (offset << 1) | will_init, size))
         if self.max_lsn is None or lsn > self.max_lsn:
             self.max_lsn = lsn
 

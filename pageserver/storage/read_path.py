@@ -27,7 +27,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Protocol
 
-from pageserver.storage.delta_layer import PersistentLayer, ReadContext, key_runs, read_and_resolve
+from pageserver.storage.delta_layer import PersistentLayer, ReadContext, read_and_resolve
 from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.key import Key, KeyRange, is_inherited_key, key_hex, key_next
 from pageserver.storage.layer_map import LayerMap
@@ -159,17 +159,19 @@ async def _walk_timeline(
             if mem is not None:
                 item = (mem, unmapped, mem.start_lsn, cont_lsn)
             else:
-                runs = key_runs(unmapped)
-                for first, last in runs:
-                    start, end = first, key_next(last)
-                    found, _missing = tl.layer_map.range_search(KeyRange(start, end), cont_lsn)
-                    if len(runs) == 1 and len(found) == 1 and found[0][2].start == start and found[0][2].end == end:
-                        item = (found[0][0], unmapped, found[0][1], cont_lsn)
-                        break
+                # One layer-map search for the span of all the keys: its answer is per key (the
+                # sub-ranges split at every layer boundary), so keys in the gaps cost nothing,
+                # and a batch of scattered blocks is one search instead of one per run.
+                start, end = unmapped[0], key_next(unmapped[-1])
+                found, _missing = tl.layer_map.range_search(KeyRange(start, end), cont_lsn)
+                if len(found) == 1 and found[0][2].start == start and found[0][2].end == end:
+                    item = (found[0][0], unmapped, found[0][1], cont_lsn)
+                else:
                     for hist, hist_floor, sub in found:
                         lo = bisect.bisect_left(unmapped, sub.start)
                         hi = bisect.bisect_left(unmapped, sub.end, lo)
-                        fringe.push(hist, unmapped[lo:hi], hist_floor, cont_lsn)
+                        if lo < hi:
+                            fringe.push(hist, unmapped[lo:hi], hist_floor, cont_lsn)
             if item is not None and not fringe.empty():
                 # other reads are pending: order them all by LSN range
                 fringe.push(*item)

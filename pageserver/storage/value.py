@@ -143,6 +143,14 @@ def _opt_blk(v: int | None) -> int:
     return _NO_BLKNO if v is None else v
 
 
+_POSTGRES_HEADS = (bytes((TAG_POSTGRES, 0)), bytes((TAG_POSTGRES, 1)))
+
+
+def encode_postgres_record(will_init: bool, rec: bytes) -> bytes:
+    """``encode_value(PostgresRecord(will_init, rec))`` without building the value (ingest)."""
+    return _POSTGRES_HEADS[will_init] + rec
+
+
 def encode_value(value: Value) -> bytes:
     """Serialize a value; the inverse of ``decode_value``."""
     if isinstance(value, Image):

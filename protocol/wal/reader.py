@@ -30,7 +30,7 @@ the previous record's start exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Final
 
 import attrs
@@ -61,8 +61,10 @@ from protocol.wal.rmgr import RM_MAX_BUILTIN_ID, XLOG_SWITCH, RmgrId, rmgr_id_is
 __all__ = ["NEED_DATA", "EndOfWal", "NeedData", "WalStreamDecoder"]
 
 _PAGE_MASK = XLOG_BLCKSZ - 1
-# Compact the input buffer once this many consumed bytes sit at its front.
-_COMPACT_AT = 1 << 20
+_RM_XLOG = int(RmgrId.XLOG)  # an enum member lookup per record costs more than the compare
+# Records are built from trusted ints: going around the ``Lsn`` NewType's call (a Python-level
+# function call per field) saves about 0.2 us per record.
+_new_record: Callable[..., DecodedRecord] = DecodedRecord
 
 
 class NeedData:
@@ -127,7 +129,11 @@ class WalStreamDecoder:
         # Bytes before the page holding start_lsn are never looked at.
         self._drop_until = max(data_start, page)
         self._fed: int = data_start  # LSN just past the last byte fed
-        self._buf = bytearray()
+        # The unread input is immutable ``bytes`` so that a record is one slice (one copy);
+        # fed chunks wait in ``_pending`` and are joined onto the unread rest by
+        # ``next_record``, so feeding many small chunks stays linear.
+        self._buf = b""
+        self._pending: list[bytes] = []
         self._buf_lsn: int = self._drop_until
         # When starting mid-page with that page's header at hand, check it first.
         self._check_page_at: int | None = (
@@ -173,9 +179,24 @@ class WalStreamDecoder:
                 return
             data = memoryview(data)[skip:]
             start += skip
-        if not self._buf:
+        if not self._buf and not self._pending:
             self._buf_lsn = start
-        self._buf += data
+        # a copy unless already bytes: the caller may reuse its buffer
+        self._pending.append(data if isinstance(data, bytes) else bytes(data))
+
+    def _merge(self) -> None:
+        """Join the pending chunks onto what is still unread (bytes before ``_pos`` are never
+        looked at again)."""
+        buf = self._buf
+        drop = min(self._pos - self._buf_lsn, len(buf))
+        if drop > 0:
+            buf = buf[drop:]
+            self._buf_lsn += drop
+        parts = self._pending
+        if buf:
+            parts.insert(0, buf)
+        self._buf = parts[0] if len(parts) == 1 else b"".join(parts)
+        self._pending = []
 
     # -- output --------------------------------------------------------------------------
 
@@ -202,21 +223,14 @@ class WalStreamDecoder:
     def next_record(self) -> DecodedRecord | NeedData | EndOfWal:
         if self._ended is not None:
             return self._ended
-        buf = self._buf
-        consumed = self._pos - self._buf_lsn
-        if consumed >= _COMPACT_AT:
-            if consumed >= len(buf):
-                buf.clear()
-                self._buf_lsn = self._pos if self._pos <= self._fed else self._fed
-            else:
-                del buf[:consumed]
-                self._buf_lsn = self._pos
+        if self._pending:
+            self._merge()
         while True:
             pos = self._pos
             if pos > self._fed:
                 # Skipping ahead (after XLOG_SWITCH or over continuation pages).
                 self._drop_until = pos
-                buf.clear()
+                self._buf = b""
                 self._buf_lsn = self._fed
                 return NEED_DATA
             if pos & _PAGE_MASK == 0 or self._check_page_at is not None:
@@ -372,9 +386,7 @@ class WalStreamDecoder:
             if tot_len <= page_rem:
                 if avail < tot_len:
                     return NEED_DATA
-                return self._complete(
-                    bytes(buf[o : o + tot_len]), pos, (pos + tot_len + 7) & ~7, hdr
-                )
+                return self._complete(buf[o : o + tot_len], pos, (pos + tot_len + 7) & ~7, hdr)
             checked = True
         else:
             # Only xl_tot_len is guaranteed to be on this page.
@@ -392,7 +404,7 @@ class WalStreamDecoder:
             return self._end(pos, f"record length {tot_len} at {format_lsn(pos)} too long")
         if avail < page_rem:
             return NEED_DATA
-        self._partial = _Partial(pos, tot_len, [bytes(buf[o : o + page_rem])], page_rem, checked)
+        self._partial = _Partial(pos, tot_len, [buf[o : o + page_rem]], page_rem, checked)
         self._pos = pos + page_rem
         return None
 
@@ -404,7 +416,7 @@ class WalStreamDecoder:
         piece = min(partial.total - partial.got, XLOG_BLCKSZ - (pos & _PAGE_MASK))
         if len(buf) - o < piece:
             return NEED_DATA
-        partial.parts.append(bytes(buf[o : o + piece]))
+        partial.parts.append(buf[o : o + piece])
         partial.got += piece
         self._pos = pos + piece
         if not partial.header_checked and partial.got >= SIZE_OF_XLOG_RECORD:
@@ -433,25 +445,13 @@ class WalStreamDecoder:
             blocks, main_data, origin, top_xid = decode_body(raw, lsn)
         except RemoteProtocolError as exc:
             return self._end(lsn, exc.msg)
-        if rmid == RmgrId.XLOG and info & 0xF0 == XLOG_SWITCH:
+        if rmid == _RM_XLOG and info & 0xF0 == XLOG_SWITCH:
             # The rest of the segment is unused; the next record starts the next segment.
             end = (lsn // self._segment_size + 1) * self._segment_size
         self._pos = end
         self._prev = lsn
         self._last_lsn = lsn
         self._last_end = end
-        return DecodedRecord(
-            Lsn(lsn),
-            Lsn(end),
-            tot_len,
-            xid,
-            Lsn(prev),
-            info,
-            rmid,
-            crc,
-            blocks,
-            main_data,
-            origin,
-            top_xid,
-            raw,
+        return _new_record(
+            lsn, end, tot_len, xid, prev, info, rmid, crc, blocks, main_data, origin, top_xid, raw
         )

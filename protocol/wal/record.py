@@ -80,14 +80,20 @@ _BLOCK_HEADER = struct.Struct("<BH")  # fork_flags, data_length (after the id by
 _IMAGE_HEADER = struct.Struct("<HHB")  # bimg_len, hole_offset, bimg_info
 _RNODE_BLKNO = struct.Struct("<IIII")  # spc, db, rel, blkno
 _CRC_OFFSET = 20
+# The commonest record (a heap or btree insert): block 0 without an image or SAME_REL, then the
+# short main-data header and nothing else. Fragment headers: block_id, fork_flags, data_length,
+# spc, db, rel, blkno, XLR_BLOCK_ID_DATA_SHORT, main_len.
+_SIMPLE_HEADERS = struct.Struct("<BBHIIIIBB")
+_SIMPLE_PAYLOAD_AT = SIZE_OF_XLOG_RECORD + _SIMPLE_HEADERS.size
+_SIMPLE_NOT = BKPBLOCK_HAS_IMAGE | BKPBLOCK_SAME_REL
 
 
 
 def record_crc(raw: bytes | bytearray | memoryview) -> int:
     """CRC-32C as PostgreSQL computes it: the body after the header, then header bytes 0..20."""
-    mv = memoryview(raw)
+    # Plain slices: for a ~150-byte record, copying beats building memoryview objects.
     crc = _crcmod.crc32c
-    return int(crc(mv[:_CRC_OFFSET], crc(mv[SIZE_OF_XLOG_RECORD:])))
+    return crc(raw[:_CRC_OFFSET], crc(raw[SIZE_OF_XLOG_RECORD:]))
 
 
 @attrs.frozen(slots=True)
@@ -121,7 +127,11 @@ class XLogRecordHeader:
         )
 
 
-@attrs.frozen(slots=True)
+# BlockRef and DecodedRecord are built once per record on the ingest hot path. A frozen attrs
+# class sets each field through object.__setattr__, which made construction about 4x slower
+# than plain slot assignment (~3.5 vs ~0.9 us for DecodedRecord), so these two are mutable
+# slotted classes; nobody mutates them, and unsafe_hash keeps them usable as dict keys.
+@attrs.define(slots=True, unsafe_hash=True)
 class BlockRef:
     block_id: int
     rnode: RelFileNode
@@ -258,7 +268,7 @@ def _decompress(stored: bytes | memoryview, bimg_info: int, want: int) -> bytes:
     return bytes(out)
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True, unsafe_hash=True)  # mutable for speed: see BlockRef
 class DecodedRecord:
     lsn: Lsn
     end_lsn: Lsn
@@ -384,6 +394,28 @@ def decode_body(
     for error messages.
     """
     end = len(raw)
+    if end >= _SIMPLE_PAYLOAD_AT and raw[SIZE_OF_XLOG_RECORD] == 0:
+        # Fast path for the single-block record; it accepts exactly what the general parse
+        # below would accept for this layout and returns the same values.
+        _, fork_flags, data_len, spc, db, rel, blkno, main_id, main_len = (
+            _SIMPLE_HEADERS.unpack_from(raw, SIZE_OF_XLOG_RECORD)
+        )
+        if (
+            main_id == XLR_BLOCK_ID_DATA_SHORT
+            and not fork_flags & _SIMPLE_NOT
+            and _SIMPLE_PAYLOAD_AT + data_len + main_len == end
+            and (data_len != 0) == bool(fork_flags & BKPBLOCK_HAS_DATA)
+        ):
+            key = (spc, db, rel)
+            rnode = _RNODE_CACHE.get(key)
+            if rnode is None:
+                rnode = _rnode(key)
+            split = _SIMPLE_PAYLOAD_AT + data_len
+            block = BlockRef(
+                0, rnode, fork_flags & BKPBLOCK_FORK_MASK, blkno, fork_flags, 0, 0, 0, 0, None,
+                raw[_SIMPLE_PAYLOAD_AT:split],
+            )
+            return (block,), raw[split:], None, None
     pos = SIZE_OF_XLOG_RECORD
     datatotal = 0
     max_block_id = -1

@@ -142,11 +142,17 @@ async def http_get(port: int, path: str) -> tuple[int, bytes]:
     return await trio.to_thread.run_sync(get)
 
 
-@pytest.mark.parametrize("max_write_bytes", [0, 1 << 20])
-async def test_coalescing_one_response_per_group(tmp_path: Path, max_write_bytes: int) -> None:
+@pytest.mark.parametrize(
+    ("max_write_bytes", "no_sync"),
+    # fsync on + coalescing is the pipelined writer (group N+1 written during N's fdatasync).
+    [(0, True), (1 << 20, True), (1 << 20, False)],
+)
+async def test_coalescing_one_response_per_group(
+    tmp_path: Path, max_write_bytes: int, no_sync: bool
+) -> None:
     cfg = SafekeeperConfig(
         data_dir=str(tmp_path / "sk"), listen_pg="127.0.0.1:0", listen_http="127.0.0.1:0",
-        no_sync=True, max_write_bytes=max_write_bytes,
+        no_sync=no_sync, max_write_bytes=max_write_bytes,
     )
     sk = SafekeeperNode(cfg)
     start = Lsn(WAL_SEGMENT_SIZE)
@@ -160,9 +166,12 @@ async def test_coalescing_one_response_per_group(tmp_path: Path, max_write_bytes
                 await p.elect(start)
                 end = await p.append_many(start, chunks)
                 responses = 0
+                last_flush = start
                 while True:
                     reply = await p.receive()
                     assert isinstance(reply, AppendResponse)
+                    assert reply.flush_lsn >= last_flush
+                    last_flush = reply.flush_lsn
                     responses += 1
                     if reply.flush_lsn == end:
                         break
@@ -172,6 +181,8 @@ async def test_coalescing_one_response_per_group(tmp_path: Path, max_write_bytes
             status = json.loads(body)
             assert status["flush_lsn"] == format_lsn(end)
             assert status["write_messages"] == len(chunks) + 3  # + greeting, vote, elected
+            if not no_sync:
+                assert status["fsyncs"] >= status["write_groups"]
             if max_write_bytes == 0:
                 assert status["write_groups"] == len(chunks)
                 assert responses == len(chunks)

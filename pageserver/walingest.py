@@ -186,6 +186,9 @@ _PD_UPPER = struct.Struct("<H")
 _PD_LSN = struct.Struct("<II")
 
 
+# 1 GiB of zero pages: far beyond any bulk extension PostgreSQL does without WAL.
+MAX_ZERO_FILL_BLOCKS = 131072
+
 def _bad(rec: DecodedRecord, what: str) -> RemoteProtocolError:
     return RemoteProtocolError(
         f"{rec.rmgr_name}/{rec.record_type} at {format_lsn(rec.lsn)}: {what}", sqlstate=DATA_CORRUPTED
@@ -467,6 +470,15 @@ class WalIngest:
             await mod.put_rel_creation(rel, 0)
             nblocks = 0
         if blkno >= nblocks:
+            # PostgreSQL extends relations without WAL, so a small gap before a logged block is
+            # normal and gets zero pages. A gap beyond MAX_ZERO_FILL_BLOCKS cannot come from a
+            # sane compute: one such record would otherwise write terabytes of zero images.
+            if blkno - nblocks > MAX_ZERO_FILL_BLOCKS:
+                raise _bad(
+                    rec,
+                    f"block {blkno} of {rel} is {blkno - nblocks} blocks past its end "
+                    f"({nblocks} blocks); refusing to zero-fill more than {MAX_ZERO_FILL_BLOCKS}",
+                )
             await mod.put_rel_extend(rel, blkno + 1)
             zero = Image(ZERO_PAGE)
             for gap in range(nblocks, blkno):

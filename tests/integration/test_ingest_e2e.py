@@ -48,6 +48,7 @@ import trio
 
 from bench.oracle import (
     DEFAULT_TABLESPACE,
+    FORK_NAMES,
     GLOBAL_TABLESPACE,
     PAGE,
     Fork,
@@ -66,7 +67,7 @@ from control_plane.local_env import LocalEnv, plan_ports
 from pageserver.walredo.mask import fsm_vm_mask
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import format_lsn, parse_lsn
-from protocol.pagestream import MAX_LSN, RelTag
+from protocol.pagestream import MAX_LSN, ExistsRequest, ExistsResponse, RelTag, Request
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -257,16 +258,22 @@ async def pagestream_checks(run: Run, snap: Snapshot, gone: dict[str, RelTag], w
         for what, rel in gone.items():
             if await client.exists(rel, MAX_LSN, snap.lsn):
                 problems.append(f"{what} ({rel.spcnode}/{rel.dbnode}/{rel.relnode}) still exists on the pageserver")
-        checked = 0
-        for (db, relnode), info in sorted(snap.rels.items()):
-            if info.persistence == "t":
-                continue
-            fork = 3 if info.persistence == "u" else 0
-            rel = RelTag(GLOBAL_TABLESPACE if db == 0 else DEFAULT_TABLESPACE, db, relnode, fork)
-            checked += 1
-            if not await client.exists(rel, MAX_LSN, snap.lsn):
-                problems.append(f"{info.name} ({rel.spcnode}/{db}/{relnode} fork {fork}) is in pg_class "
-                                "but not on the pageserver")
+        # pg_class side: a permanent relation has its main fork on the pageserver, and the
+        # pageserver has no fork the data directory lacks (the file side is compare_snapshot's).
+        on_disk = {f.rel for f in list_forks(snap)}
+        rels = [(info, RelTag(GLOBAL_TABLESPACE if db == 0 else DEFAULT_TABLESPACE, db, relnode, fork))
+                for (db, relnode), info in sorted(snap.rels.items()) if info.persistence == "p"
+                for fork in range(4)]
+        reqs: list[Request] = [ExistsRequest(client.next_reqid(), MAX_LSN, snap.lsn, rel) for _, rel in rels]
+        responses = await client.pipelined(reqs, 32)
+        for (info, rel), resp in zip(rels, responses, strict=True):
+            assert isinstance(resp, ExistsResponse), resp
+            where = f"{info.name} ({rel.spcnode}/{rel.dbnode}/{rel.relnode}) fork {FORK_NAMES[rel.forknum]}"
+            if rel.forknum == 0 and not resp.exists:
+                problems.append(f"{where} is in pg_class but not on the pageserver")
+            elif resp.exists and rel not in on_disk:
+                problems.append(f"{where} exists on the pageserver but has no file")
+        checked = len(rels) // 4
         res = await compare_snapshot(client, snap)
         vm_lost = await recheck_wal_log_vm(client, snap, res, wal_log_dbs)
     return res, problems, checked, vm_lost
@@ -314,10 +321,14 @@ def test_ingest_end_to_end_with_pageserver_kill(run: Run) -> None:
             # The kill lost ingested WAL that only the in-memory layer held.
             assert on_disk == d < ingested <= flush_at_kill, (format_lsn(d), format_lsn(ingested))
             sessions_before = len(wal_receiver_starts(ps_log))
+            restarted = time.monotonic()
             cluster.start(env, log=QUIET)
             after = run.info()
             assert parse_lsn(after["disk_consistent_lsn"]) == d
             assert parse_lsn(after["last_record_lsn"]) >= d
+            # Re-ingest of what the kill lost (pgbench still writing meanwhile).
+            cluster.wait_for_lsn(env, run.tenant, run.timeline, flush_at_kill, timeout=120)
+            catch_up_s = time.monotonic() - restarted
         finally:
             out, _ = bench.communicate(timeout=120)
         assert bench.returncode == 0, out.decode(errors="replace")
@@ -357,7 +368,8 @@ def test_ingest_end_to_end_with_pageserver_kill(run: Run) -> None:
     print(json.dumps({**res.as_json(), "pg_class_relations": checked, "gone": len(gone),
                       "wal_log_vm_pages_bits_lost": vm_lost,
                       "kill": {"disk_consistent_lsn": format_lsn(d), "ingested_before_kill": format_lsn(ingested),
-                               "flush_at_kill": format_lsn(flush_at_kill)}}))
+                               "flush_at_kill": format_lsn(flush_at_kill),
+                               "restart_to_flush_at_kill_s": round(catch_up_s, 1)}}))
     assert not problems, "\n".join(problems)
     assert checked > 1000 and res.forks > checked
     # Every relation of every database: Nblocks equal to the file, except the FSM and

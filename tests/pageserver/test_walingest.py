@@ -141,6 +141,17 @@ async def test_heap_inserts_extend_relation(wal: Wal) -> None:
     assert struct.unpack_from("<II", p3) == (lsn >> 32, lsn & 0xFFFF_FFFF)
 
 
+async def test_block_far_past_the_end_is_refused(wal: Wal) -> None:
+    """A record naming a block terabytes past the end must not zero-fill the gap."""
+    await wal(RmgrId.SMGR, 0x10, main=_smgr_create(HEAP))
+    before = wal.tl.last_record_lsn
+    rec = wal.make(xid=1001, **_heap_insert(0xFFFF_FFF0, 1, init=True, payload=b"z" * 8))  # type: ignore[arg-type]
+    with pytest.raises(RemoteProtocolError, match="refusing to zero-fill"):
+        await wal.ingest.ingest_record(rec)
+    assert wal.tl.last_record_lsn == before
+    assert await Datadir(wal.tl).get_rel_size(RelTag(SPC, DB, HEAP.rel, 0), before) == 0
+
+
 async def test_fpi_becomes_image_with_lsn(wal: Wal) -> None:
     await wal(RmgrId.SMGR, 0x10, main=_smgr_create(HEAP))
     page = bytearray(8192)

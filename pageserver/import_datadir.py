@@ -228,14 +228,23 @@ def _start_lsn(src: _Source, cf: ControlFileData) -> Lsn:
     return Lsn(cf.checkpoint_copy.redo)
 
 
+async def _read_all(opener: Callable[[], IO[bytes]]) -> bytes:
+    def read() -> bytes:
+        with opener() as f:
+            return f.read()
+
+    return await trio.to_thread.run_sync(read)
+
+
 async def _import_rel_file(
     mod: DatadirModification, rel: RelKey, segno: int, opener: Callable[[], IO[bytes]], path: str
 ) -> int:
     base = segno * RELSEG_SIZE
     blk = base
-    with opener() as f:
+    # File reads leave the trio thread: an import must not stall the page service.
+    with await trio.to_thread.run_sync(opener) as f:
         while True:
-            chunk = f.read(_READ_CHUNK)
+            chunk = await trio.to_thread.run_sync(f.read, _READ_CHUNK)
             if not chunk:
                 break
             if len(chunk) % BLCKSZ:
@@ -255,8 +264,7 @@ async def _import_rel_file(
 async def _import_slru(
     mod: DatadirModification, kind: int, segno: int, opener: Callable[[], IO[bytes]], path: str
 ) -> None:
-    with opener() as f:
-        data = f.read()
+    data = await _read_all(opener)
     if len(data) % BLCKSZ:
         raise DatadirImportError(f"{path}: size is not a multiple of {BLCKSZ}")
     n = len(data) // BLCKSZ
@@ -281,7 +289,7 @@ async def import_datadir(
 
 
 async def _import(timeline: Timeline, src: _Source, ingest: WalIngest | None) -> ImportResult:
-    raw_control = src.read("global/pg_control")
+    raw_control = await trio.to_thread.run_sync(src.read, "global/pg_control")
     if raw_control is None:
         raise DatadirImportError("no global/pg_control: not a PostgreSQL data directory")
     cf = parse_control_file(raw_control)
@@ -293,13 +301,13 @@ async def _import(timeline: Timeline, src: _Source, ingest: WalIngest | None) ->
     writer = ingest.w if ingest is not None else DatadirWriter(timeline)
     mod = writer.begin(lsn)
     nrels = nblocks = 0
-    for d in src.dirs():
+    for d in await trio.to_thread.run_sync(lambda: list(src.dirs())):
         parts = d.split("/")
         if parts[0] == "pg_tblspc" and len(parts) == 2:
             raise DatadirImportError(f"tablespace {parts[1]} is not supported")
         if len(parts) == 2 and parts[0] == "base" and parts[1].isdigit():
             await mod.put_dbdir_creation(DEFAULTTABLESPACE_OID, int(parts[1]))
-    for path, opener in src.files():
+    for path, opener in await trio.to_thread.run_sync(lambda: list(src.files())):
         parts = path.split("/")
         name = parts[-1]
         where: tuple[int, int] | None = None
@@ -311,8 +319,7 @@ async def _import(timeline: Timeline, src: _Source, ingest: WalIngest | None) ->
             raise DatadirImportError(f"tablespaces are not supported ({path})")
         if where is not None:
             if name == "pg_filenode.map":
-                with opener() as f:
-                    await mod.put_relmap_file(where[0], where[1], f.read())
+                await mod.put_relmap_file(where[0], where[1], await _read_all(opener))
                 continue
             m = _REL_FILE.match(name)
             if m is None:
@@ -327,8 +334,7 @@ async def _import(timeline: Timeline, src: _Source, ingest: WalIngest | None) ->
         if kind is not None and re.fullmatch(r"[0-9A-F]{4,6}", name):
             await _import_slru(mod, kind, int(name, 16), opener, path)
         elif slru_dir == "pg_twophase" and re.fullmatch(r"[0-9A-F]{8}", name):
-            with opener() as f:
-                await mod.put_twophase_file(int(name, 16), f.read())
+            await mod.put_twophase_file(int(name, 16), await _read_all(opener))
     await mod.put_control_file(raw_control)
     mod.put_checkpoint(cf.checkpoint_copy)
     await mod.commit()

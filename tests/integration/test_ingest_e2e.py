@@ -69,8 +69,6 @@ from protocol.ids import TenantId, TimelineId
 from protocol.lsn import format_lsn, parse_lsn
 from protocol.pagestream import MAX_LSN, ExistsRequest, ExistsResponse, RelTag, Request
 
-pytestmark = [pytest.mark.postgres, pytest.mark.slow]
-
 SCALE = 2
 PGBENCH_SECONDS = 9
 KILL_AFTER_S = 3.0
@@ -279,6 +277,8 @@ async def pagestream_checks(run: Run, snap: Snapshot, gone: dict[str, RelTag], w
     return res, problems, checked, vm_lost
 
 
+@pytest.mark.postgres
+@pytest.mark.slow
 def test_ingest_end_to_end_with_pageserver_kill(run: Run) -> None:
     started = time.monotonic()
     env = run.env

@@ -42,6 +42,18 @@ log = structlog.get_logger("pgclient")
 RECEIVE_SIZE = 256 * 1024
 Row = tuple[str | None, ...]
 
+# What a refused, dropped, silent or misbehaving server raises from this client: callers that
+# retry another server catch these and let everything else (bugs, cancellation) through.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    EOFError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    trio.TooSlowError,
+    RemoteProtocolError,
+    PgError,
+)
+
 
 @attrs.frozen
 class QueryResult:
@@ -103,6 +115,17 @@ async def connect(
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
+
+
+async def connect_with_params(host: str, port: int, params: dict[str, str]) -> PgClientConnection:
+    """``connect`` with every startup parameter in one dict, as libpq's keyword list:
+    ``user`` (default ``postgres``), ``dbname`` and ``options`` are taken out, the rest
+    (``replication``, ``application_name``...) are sent as they are."""
+    rest = dict(params)
+    user = rest.pop("user", "postgres")
+    dbname = rest.pop("dbname", None)
+    options = rest.pop("options", None)
+    return await connect(host, port, user=user, dbname=dbname, params=rest, options=options)
 
 
 class PgClientConnection:

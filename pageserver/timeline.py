@@ -286,10 +286,18 @@ class Timeline:
         lock = self._put_lock_obj
         if layer is None or (lock is not None and lock.locked()):
             return False
-        if lsn > self._max_put_lsn and self._should_roll(layer, lsn, len(blob)):
-            return False
+        cfg = self.config
+        max_size = 1 << 62
+        if lsn > self._max_put_lsn:
+            # _should_roll, its size test left to try_put (layer.size costs three properties)
+            if (
+                lsn - layer.start_lsn >= cfg.checkpoint_distance
+                or time.monotonic() - layer.opened_at >= cfg.checkpoint_timeout_s
+            ):
+                return False
+            max_size = cfg.checkpoint_distance
         # No await from here on: a freeze cannot come between the append and the index entry.
-        if not layer.try_put(key, lsn, blob, will_init):
+        if not layer.try_put(key, lsn, blob, will_init, max_size):
             return False
         self._max_put_lsn = lsn
         return True

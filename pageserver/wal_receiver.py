@@ -19,7 +19,6 @@ as well (tests use that).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -31,7 +30,6 @@ from common import pgclient
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn
-from protocol.pgwire.errors import PgError
 from protocol.replication import (
     PrimaryKeepalive,
     StandbyStatusUpdate,
@@ -39,13 +37,12 @@ from protocol.replication import (
     XLogData,
     decode_server_copy_data,
     encode_copy_message,
+    pg_now,
 )
 from protocol.wal.reader import EndOfWal, WalStreamDecoder
 from protocol.wal.record import DecodedRecord
 
 log = structlog.get_logger("wal_receiver")
-
-PG_EPOCH_OFFSET_S = 946_684_800
 
 
 class CopyStream(Protocol):
@@ -67,13 +64,8 @@ Connector = Callable[[str, int, dict[str, str]], Awaitable[PgConnection]]
 OnRecord = Callable[[DecodedRecord], Awaitable[None]]
 
 
-async def pgclient_connect(host: str, port: int, params: dict[str, str]) -> PgConnection:
-    """The production connector: ``common.pgclient``."""
-    rest = dict(params)
-    user = rest.pop("user", "postgres")
-    dbname = rest.pop("dbname", None)
-    options = rest.pop("options", None)
-    return await pgclient.connect(host, port, user=user, dbname=dbname, params=rest, options=options)
+# The production connector.
+pgclient_connect: Connector = pgclient.connect_with_params
 
 
 @attrs.frozen
@@ -86,15 +78,7 @@ class Progress:
 
 ProgressFn = Callable[[], Progress]
 
-CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    EOFError,
-    trio.BrokenResourceError,
-    trio.ClosedResourceError,
-    trio.TooSlowError,
-    RemoteProtocolError,
-    PgError,
-)
+CONNECTION_ERRORS = pgclient.CONNECTION_ERRORS
 
 
 class WalDecodeError(RemoteProtocolError):
@@ -129,10 +113,6 @@ class _Wakeup:
     def consume(self) -> None:
         if self.event.is_set():
             self.event = trio.Event()
-
-
-def _pg_now() -> int:
-    return int((time.time() - PG_EPOCH_OFFSET_S) * 1_000_000)
 
 
 class WalReceiver:
@@ -272,7 +252,7 @@ class WalReceiver:
             flush, apply = p.disk_consistent_lsn, p.remote_consistent_lsn
         else:
             flush = apply = received
-        return StandbyStatusUpdate(received, flush, apply, _pg_now(), False)
+        return StandbyStatusUpdate(received, flush, apply, pg_now(), False)
 
 
 def parse_safekeepers(text: str | Sequence[str]) -> tuple[tuple[str, int], ...]:

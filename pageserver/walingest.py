@@ -32,7 +32,7 @@ restarted stream may overlap. ``finish_write`` runs once per record.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -232,6 +232,15 @@ def fsm_logical_to_physical(logpageno: int) -> int:
     return pages - 1
 
 
+def _raw_will_init(blk: BlockRef) -> bool:
+    """``blk.will_init or blk.apply_image`` (whether redo starts from nothing), without the
+    property calls."""
+    flags = blk.fork_flags
+    return bool(flags & BKPBLOCK_WILL_INIT) or (
+        bool(flags & BKPBLOCK_HAS_IMAGE) and bool(blk.bimg_info & BKPIMAGE_APPLY)
+    )
+
+
 def _may_clear_vm(rec: DecodedRecord) -> bool:
     """Whether a Heap/Heap2 record's flags may clear visibility-map bits (then ``vm_clears``
     says exactly which); conservative: a short main data also answers yes."""
@@ -344,8 +353,18 @@ class WalIngest:
         if end <= tl.last_record_lsn:
             self.stats.skipped += 1
             return False
-        if rec.xl_rmid in _FAST_RMGRS and await self._fast_path(rec, end):
-            return True
+        if rec.xl_rmid in _FAST_RMGRS:
+            done = self._fast_path(rec, end)
+            if done >= 0:
+                blocks = rec.blocks
+                if done < len(blocks):
+                    await self._put_raw(blocks[done:], end, rec.raw)
+                tl.finish_write(end)
+                stats = self.stats
+                stats.records += 1
+                stats.values += len(blocks)
+                stats.wal_records += len(blocks)
+                return True
         mod = self.w.begin(end)
         await self._ingest(rec, mod)
         await mod.commit()
@@ -353,50 +372,57 @@ class WalIngest:
         self.stats.values += mod.values
         return True
 
-    async def _fast_path(self, rec: DecodedRecord, end: Lsn) -> bool:
+    def _fast_path(self, rec: DecodedRecord, end: Lsn) -> int:
         """The bulk of the WAL (heap, btree... records touching pages inside their forks, with
-        an xid below nextXid and no VM bits to clear) needs no metadata change: put one raw
-        record per block and finish. Anything else returns ``False`` before writing."""
+        an xid below nextXid and no VM bits to clear) needs no metadata change: one raw record
+        per block. Synchronous, so the common record costs no coroutine: returns -1 (not such
+        a record, nothing written) or how many blocks were stored; ``ingest_record`` puts the
+        rest (when ``put_nowait`` declined: a roll, a full write buffer) and finishes."""
         w = self.w
         xid = rec.xl_xid
         if xid:
             cp = w.checkpoint
             if cp is None:
-                return False
+                return -1
             nxt = cp.next_xid & 0xFFFF_FFFF
             if xid >= FIRST_NORMAL_XID and nxt >= FIRST_NORMAL_XID:
                 if ((xid - nxt) & 0xFFFF_FFFF) < 0x8000_0000:
-                    return False  # nextXid advances
+                    return -1  # nextXid advances
             elif xid >= nxt:
-                return False
+                return -1
         if rec.xl_rmid <= _RM_HEAP and _may_clear_vm(rec):
-            return False
+            return -1
         sizes = w.rel_sizes
         blocks = rec.blocks
         for blk in blocks:
             rnode = blk.rnode
             n = sizes.get((rnode.spc, rnode.db, rnode.rel, blk.forknum))
             if n is None or blk.blkno >= n:
-                return False
-        tl = self.tl
+                return -1
+        put_nowait = self.tl.put_nowait
         raw = rec.raw
+        done = 0
         for blk in blocks:
             rnode = blk.rnode
-            key = rel_block_key(rnode.spc, rnode.db, rnode.rel, blk.forknum, blk.blkno)
-            # blk.will_init or blk.apply_image, without two property calls
-            flags = blk.fork_flags
-            will_init = bool(flags & BKPBLOCK_WILL_INIT) or (
-                bool(flags & BKPBLOCK_HAS_IMAGE) and bool(blk.bimg_info & BKPIMAGE_APPLY)
+            will_init = _raw_will_init(blk)
+            if not put_nowait(
+                rel_block_key(rnode.spc, rnode.db, rnode.rel, blk.forknum, blk.blkno),
+                end,
+                encode_postgres_record(will_init, raw),
+                will_init,
+            ):
+                break
+            done += 1
+        return done
+
+    async def _put_raw(self, blocks: Sequence[BlockRef], end: Lsn, raw: bytes) -> None:
+        for blk in blocks:
+            rnode = blk.rnode
+            await self.tl.put(
+                rel_block_key(rnode.spc, rnode.db, rnode.rel, blk.forknum, blk.blkno),
+                end,
+                PostgresRecord(_raw_will_init(blk), raw),
             )
-            # the common case stores without an await; put() handles rolls, locks and errors
-            if not tl.put_nowait(key, end, encode_postgres_record(will_init, raw), will_init):
-                await tl.put(key, end, PostgresRecord(will_init, raw))
-        tl.finish_write(end)
-        stats = self.stats
-        stats.records += 1
-        stats.values += len(blocks)
-        stats.wal_records += len(blocks)
-        return True
 
     async def _ingest(self, rec: DecodedRecord, mod: DatadirModification) -> None:
         rmid = rec.xl_rmid

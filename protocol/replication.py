@@ -13,13 +13,15 @@ This module owns (protocols.md §3.1, §3.6; PostgreSQL's protocol-replication d
 
 Malformed CopyData raises ``RemoteProtocolError`` (08P01); a malformed command raises it with
 SQLSTATE 42601 (syntax error), as PostgreSQL's replication grammar does. XLogData keeps its WAL
-as a ``memoryview`` into the decoded payload.
+as a ``memoryview`` into the decoded payload. Timestamps are PostgreSQL's TimestampTz
+(microseconds since 2000-01-01): ``pg_now``.
 """
 
 from __future__ import annotations
 
 import re
 import struct
+import time
 from typing import Final, TypeAlias
 
 import attrs
@@ -32,6 +34,13 @@ SYNTAX_ERROR: Final = "42601"
 FEATURE_NOT_SUPPORTED: Final = "0A000"
 
 Bytes: TypeAlias = bytes | bytearray | memoryview
+
+PG_EPOCH_OFFSET_S: Final = 946_684_800  # 2000-01-01 in Unix seconds
+
+
+def pg_now() -> int:
+    """PostgreSQL's TimestampTz for now: microseconds since 2000-01-01."""
+    return int((time.time() - PG_EPOCH_OFFSET_S) * 1_000_000)
 
 # ---------------------------------------------------------------------------------------------
 # CopyData messages

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from tests.tmpdirs import pg_tmpdir
 
 # validate_get defaults to this variable: the whole suite runs both read paths and fails loudly on
 # any difference (issue 3). Child processes (nodes started by tests) inherit it.
@@ -27,9 +27,5 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 @pytest.fixture
 def pg_tmp_path() -> Iterator[Path]:
     """A temporary directory the postgres user can traverse (pytest's tmp_path is 0700 root)."""
-    path = Path(tempfile.mkdtemp(prefix="pagestore-test-", dir="/tmp"))
-    os.chmod(path, 0o755)
-    try:
+    with pg_tmpdir() as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)

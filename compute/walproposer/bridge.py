@@ -30,7 +30,6 @@ term above the one it saw, which is also what happens after the bridge itself re
 from __future__ import annotations
 
 import re
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Final, Protocol
@@ -57,6 +56,7 @@ from protocol.replication import (
     XLogData,
     decode_server_copy_data,
     encode_copy_message,
+    pg_now,
 )
 from protocol.safekeeper import (
     MAX_SEND_SIZE,
@@ -75,14 +75,6 @@ from protocol.safekeeper import (
 log = structlog.get_logger("walproposer")
 
 PROTO_VERSION: Final = 3
-PG_EPOCH_OFFSET_S = 946_684_800  # 2000-01-01 in Unix seconds
-
-
-def pg_now() -> int:
-    """PostgreSQL's TimestampTz for now: microseconds since 2000-01-01."""
-    return int((time.time() - PG_EPOCH_OFFSET_S) * 1_000_000)
-
-
 # ---------------------------------------------------------------------------------------------
 # What the bridge needs from a libpq client (``common.pgclient`` provides it; tests may fake it)
 
@@ -107,13 +99,8 @@ class PgConnection(Protocol):
 Connector = Callable[[str, int, dict[str, str]], Awaitable[PgConnection]]
 
 
-async def pgclient_connect(host: str, port: int, params: dict[str, str]) -> PgConnection:
-    """The production connector: ``common.pgclient``."""
-    rest = dict(params)
-    user = rest.pop("user", "postgres")
-    dbname = rest.pop("dbname", None)
-    options = rest.pop("options", None)
-    return await pgclient.connect(host, port, user=user, dbname=dbname, params=rest, options=options)
+# The production connector.
+pgclient_connect: Connector = pgclient.connect_with_params
 
 
 async def receive_payload(copy: CopyStream) -> bytes:
@@ -124,15 +111,7 @@ async def receive_payload(copy: CopyStream) -> bytes:
 
 
 # What ends one connection without ending the bridge.
-CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    EOFError,
-    trio.BrokenResourceError,
-    trio.ClosedResourceError,
-    trio.TooSlowError,
-    RemoteProtocolError,
-    PgError,
-)
+CONNECTION_ERRORS = pgclient.CONNECTION_ERRORS
 
 
 # ---------------------------------------------------------------------------------------------

@@ -177,16 +177,24 @@ class BufferedWriter:
         await self._write_slow(memoryview(data).cast("B"))
         return offset
 
-    def try_write(self, data: bytes) -> int:
+    def try_write(self, data: bytes, limit: int = 1 << 62) -> int:
         """``write`` without an await when ``data`` fits in the buffer (the ingest hot path):
-        the offset, or -1 when ``write`` has to be used (full buffer, error, closed, busy)."""
+        the offset, or -1 when ``write`` has to be used (full buffer, error, closed, busy) or
+        when the data would end past file offset ``limit``."""
         pos = self._fill
         n = len(data)
-        if pos + n >= self.buffer_size or self._error is not None or self._closed or self._busy:
+        offset = self._buf_start + pos
+        if (
+            pos + n >= self.buffer_size
+            or offset + n > limit
+            or self._error is not None
+            or self._closed
+            or self._busy
+        ):
             return -1
         self._buf[pos : pos + n] = data
         self._fill = pos + n
-        return self._buf_start + pos
+        return offset
 
     async def _write_slow(self, view: memoryview) -> None:
         if self._busy:

@@ -110,9 +110,10 @@ class EphemeralFile:
         background write failed."""
         return await self._writer.write(data)
 
-    def try_append(self, data: bytes) -> int:
-        """``append`` without an await if ``data`` fits in the write buffer; -1 otherwise."""
-        return self._writer.try_write(data)
+    def try_append(self, data: bytes, limit: int = 1 << 62) -> int:
+        """``append`` without an await if ``data`` fits in the write buffer and ends at or
+        before offset ``limit``; -1 otherwise (nothing appended)."""
+        return self._writer.try_write(data, limit)
 
     async def read_at(self, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` (must be within ``length``), buffered or not."""

@@ -59,13 +59,16 @@ class InMemoryLayer:
             raise ValueError(f"put at {lsn:X} below the layer start {self.start_lsn:X}")
         self._index_put(key, lsn, await self.file.append(blob), len(blob), will_init)
 
-    def try_put(self, key: Key, lsn: Lsn, blob: bytes, will_init: bool) -> bool:
-        """``put`` without an await when the blob fits in the write buffer (the WAL ingest
-        hot path: no task switch can come between the append and the index entry, so no
-        lock is needed); ``False`` if nothing was written and ``put`` must be used."""
+    def try_put(
+        self, key: Key, lsn: Lsn, blob: bytes, will_init: bool, max_size: int = 1 << 62
+    ) -> bool:
+        """``put`` without an await when the blob fits in the write buffer and the layer stays
+        within ``max_size`` bytes (the WAL ingest hot path: no task switch can come between
+        the append and the index entry, so no lock is needed); ``False`` if nothing was
+        written and ``put`` must be used."""
         if self.end_lsn is not None or lsn < self.start_lsn:
             return False
-        offset = self.file.try_append(blob)
+        offset = self.file.try_append(blob, max_size)
         if offset < 0:
             return False
         self._index_put(key, lsn, offset, len(blob), will_init)

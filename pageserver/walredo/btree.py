@@ -32,9 +32,6 @@ from protocol.wal.rmgr import (
     XLOG_BTREE_VACUUM,
 )
 
-RM_BTREE_ID = 11
-
-
 BTP_LEAF = 1 << 0
 BTP_ROOT = 1 << 1
 BTP_DELETED = 1 << 2

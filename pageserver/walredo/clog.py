@@ -11,8 +11,15 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable
 
+from pageserver.walredo.bufpage import BLCKSZ
 from pageserver.walredo.errors import RedoError
 from protocol.wal.rmgr import (
+    XACT_XINFO_HAS_DBINFO,
+    XACT_XINFO_HAS_DROPPED_STATS,
+    XACT_XINFO_HAS_INVALS,
+    XACT_XINFO_HAS_RELFILENODES,
+    XACT_XINFO_HAS_SUBXACTS,
+    XACT_XINFO_HAS_TWOPHASE,
     XLOG_XACT_ABORT,
     XLOG_XACT_ABORT_PREPARED,
     XLOG_XACT_COMMIT,
@@ -21,7 +28,6 @@ from protocol.wal.rmgr import (
     XLOG_XACT_OPMASK,
 )
 
-BLCKSZ = 8192
 CLOG_BITS_PER_XACT = 2
 CLOG_XACTS_PER_BYTE = 4
 CLOG_XACTS_PER_PAGE = BLCKSZ * CLOG_XACTS_PER_BYTE
@@ -31,16 +37,6 @@ TRANSACTION_STATUS_IN_PROGRESS = 0x00
 TRANSACTION_STATUS_COMMITTED = 0x01
 TRANSACTION_STATUS_ABORTED = 0x02
 TRANSACTION_STATUS_SUB_COMMITTED = 0x03
-
-RM_XACT_ID = 1
-RM_CLOG_ID = 3
-
-XACT_XINFO_HAS_DBINFO = 1 << 0
-XACT_XINFO_HAS_SUBXACTS = 1 << 1
-XACT_XINFO_HAS_RELFILENODES = 1 << 2
-XACT_XINFO_HAS_INVALS = 1 << 3
-XACT_XINFO_HAS_TWOPHASE = 1 << 4
-XACT_XINFO_HAS_DROPPED_STATS = 1 << 8
 
 _I32 = struct.Struct("<i")
 _U32 = struct.Struct("<I")

@@ -30,23 +30,9 @@ from protocol.wal.rmgr import (
     XLOG_HEAP_LOCK,
     XLOG_HEAP_OPMASK,
     XLOG_HEAP_UPDATE,
+    RmgrId,
+    record_type_name,
 )
-
-RM_HEAP2_ID = 9
-RM_HEAP_ID = 10
-
-
-# Heap
-# Heap2
-
-HEAP_NAMES = {
-    0x00: "INSERT", 0x10: "DELETE", 0x20: "UPDATE", 0x30: "TRUNCATE", 0x40: "HOT_UPDATE",
-    0x50: "CONFIRM", 0x60: "LOCK", 0x70: "INPLACE",
-}
-HEAP2_NAMES = {
-    0x00: "REWRITE", 0x10: "PRUNE", 0x20: "VACUUM", 0x30: "FREEZE_PAGE", 0x40: "VISIBLE",
-    0x50: "MULTI_INSERT", 0x60: "LOCK_UPDATED", 0x70: "NEW_CID",
-}
 
 # xl_heap_insert / multi_insert flags
 XLH_INSERT_ALL_VISIBLE_CLEARED = 0x01
@@ -535,7 +521,7 @@ def redo_heap(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
     elif op == XLOG_HEAP_CONFIRM:
         redo_confirm(page, rec, blk)
     else:  # TRUNCATE has no block reference
-        raise RedoError(f"Heap/{HEAP_NAMES[op]} does not reference pages", lsn=rec.end_lsn, rmgr="Heap")
+        raise RedoError(f"Heap/{record_type_name(RmgrId.HEAP, op)} does not reference pages", lsn=rec.end_lsn, rmgr="Heap")
 
 
 def redo_heap2(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
@@ -553,7 +539,7 @@ def redo_heap2(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
     elif op == XLOG_HEAP2_LOCK_UPDATED:
         redo_lock_updated(page, rec, blk)
     else:  # NEW_CID and REWRITE are for logical decoding only
-        raise RedoError(f"Heap2/{HEAP2_NAMES[op]} does not reference pages", lsn=rec.end_lsn, rmgr="Heap2")
+        raise RedoError(f"Heap2/{record_type_name(RmgrId.HEAP2, op)} does not reference pages", lsn=rec.end_lsn, rmgr="Heap2")
 
 
 def vm_clears(rec: DecodedRecord) -> list[tuple[int, int]]:
@@ -563,7 +549,7 @@ def vm_clears(rec: DecodedRecord) -> list[tuple[int, int]]:
     b0 = rec.block(0)
     if b0 is None or not main:
         return []
-    if rec.xl_rmid == RM_HEAP_ID:
+    if rec.xl_rmid == RmgrId.HEAP:
         if op == XLOG_HEAP_INSERT:
             flags = main[2] if len(main) >= 3 else 0
             return [(b0.blkno, VM_VALID_BITS)] if flags & XLH_INSERT_ALL_VISIBLE_CLEARED else []
@@ -581,7 +567,7 @@ def vm_clears(rec: DecodedRecord) -> list[tuple[int, int]]:
         if op == XLOG_HEAP_LOCK:
             flags = main[7] if len(main) >= 8 else 0
             return [(b0.blkno, VM_ALL_FROZEN)] if flags & XLH_LOCK_ALL_FROZEN_CLEARED else []
-    elif rec.xl_rmid == RM_HEAP2_ID:
+    elif rec.xl_rmid == RmgrId.HEAP2:
         if op == XLOG_HEAP2_MULTI_INSERT:
             return [(b0.blkno, VM_VALID_BITS)] if main[0] & XLH_INSERT_ALL_VISIBLE_CLEARED else []
         if op == XLOG_HEAP2_LOCK_UPDATED:

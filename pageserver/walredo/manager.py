@@ -68,44 +68,42 @@ from protocol.lsn import Lsn
 from protocol.wal.record import BlockRef, DecodedRecord, decode_record
 from protocol.wal.rmgr import (
     CLOG_ZEROPAGE,
+    SMGR_TRUNCATE_VM,
     XLOG_MULTIXACT_CREATE_ID,
     XLOG_MULTIXACT_ZERO_MEM_PAGE,
     XLOG_MULTIXACT_ZERO_OFF_PAGE,
     XLOG_RELMAP_UPDATE,
     XLOG_SMGR_TRUNCATE,
+    RmgrId,
     record_type_name,
     rmgr_name,
 )
 
-RM_XLOG = 0
-RM_XACT = 1
-RM_SMGR = 2
-RM_CLOG = 3
-RM_DBASE = 4
-RM_TBLSPC = 5
-RM_MULTIXACT = 6
-RM_RELMAP = 7
-RM_STANDBY = 8
-RM_HEAP2 = 9
-RM_HEAP = 10
-RM_BTREE = 11
-RM_SEQ = 15
-
-SLRU_PAGES_PER_SEGMENT = 32
-SMGR_TRUNCATE_VM = 0x0002
 RELMAP_FILE_SIZE = 512
 
 RedoFn = Callable[[bytearray, DecodedRecord, BlockRef], None]
 
 REDO_ROUTINES: dict[int, RedoFn] = {
-    RM_XLOG: redo_xlog,
-    RM_HEAP: redo_heap,
-    RM_HEAP2: redo_heap2,
-    RM_BTREE: redo_btree,
-    RM_SEQ: redo_seq,
+    RmgrId.XLOG: redo_xlog,
+    RmgrId.HEAP: redo_heap,
+    RmgrId.HEAP2: redo_heap2,
+    RmgrId.BTREE: redo_btree,
+    RmgrId.SEQ: redo_seq,
 }
 # resource managers whose records never change relation pages
-NO_PAGE_EFFECT = frozenset({RM_XLOG, RM_XACT, RM_SMGR, RM_CLOG, RM_DBASE, RM_TBLSPC, RM_MULTIXACT, RM_RELMAP, RM_STANDBY})
+NO_PAGE_EFFECT = frozenset(
+    {
+        RmgrId.XLOG,
+        RmgrId.XACT,
+        RmgrId.SMGR,
+        RmgrId.CLOG,
+        RmgrId.DBASE,
+        RmgrId.TBLSPC,
+        RmgrId.MULTIXACT,
+        RmgrId.RELMAP,
+        RmgrId.STANDBY,
+    }
+)
 
 VALIDATION_FAILURES = Counter(
     "pageserver_walredo_validation_failures",
@@ -152,7 +150,7 @@ def target_of_key(key: bytes) -> Target:
     if f1 == SECTION_REL and f4 == 0 and f5 == 0 and f6 == 0 and (f2 or f3):
         return RelmapFile(f2, f3)
     if f1 == SECTION_SLRU and f3 == 1 and f6 != 0xFFFF_FFFF:
-        return SlruPage(f2, f4 * SLRU_PAGES_PER_SEGMENT + f6)
+        return SlruPage(f2, f4 * clog.SLRU_PAGES_PER_SEGMENT + f6)
     raise RedoError(f"key {key.hex()} is not a page redo can rebuild")
 
 
@@ -322,7 +320,7 @@ class PostgresRedoManager:
     def _redo_unreferenced(self, target: RelBlock, page: bytearray | None, rec: DecodedRecord) -> bytearray | None:
         """A record stored under a page it does not reference: VM bits, VM truncation, or no effect."""
         lsn = rec.end_lsn
-        if target.fork == VISIBILITYMAP_FORKNUM and rec.xl_rmid in (RM_HEAP, RM_HEAP2):
+        if target.fork == VISIBILITYMAP_FORKNUM and rec.xl_rmid in (RmgrId.HEAP, RmgrId.HEAP2):
             clears = vm_clears(rec)
             if not clears:
                 raise RedoError(f"{record_name(rec)} does not touch VM page {target.blkno}", lsn=lsn)
@@ -334,7 +332,7 @@ class PostgresRedoManager:
             if self.count:
                 self.stats.applied[record_name(rec) + " (vm)"] += 1
             return page
-        if rec.xl_rmid == RM_SMGR and rec.xl_info & 0xF0 == XLOG_SMGR_TRUNCATE:
+        if rec.xl_rmid == RmgrId.SMGR and rec.xl_info & 0xF0 == XLOG_SMGR_TRUNCATE:
             if len(rec.main_data) < _XL_SMGR_TRUNCATE.size:
                 raise RedoError("truncated Storage/TRUNCATE record", lsn=lsn, rmgr="Storage")
             nblocks, spc, db, rel, flags = _XL_SMGR_TRUNCATE.unpack_from(rec.main_data)
@@ -365,16 +363,16 @@ class PostgresRedoManager:
         if self.count:
             self.stats.applied[record_name(rec)] += 1
         if target.kind == SLRU_CLOG:
-            if rmid == RM_CLOG and info == CLOG_ZEROPAGE:
+            if rmid == RmgrId.CLOG and info == CLOG_ZEROPAGE:
                 return bytearray(bp.BLCKSZ)
-            if rmid == RM_XACT:
+            if rmid == RmgrId.XACT:
                 parsed = clog.parse_xact_xids(rec.xl_info, rec.xl_xid, rec.main_data, lsn)
                 if parsed is not None:
                     if page is None:
                         raise RedoError("CLOG page has no base image", lsn=lsn)
                     clog.clog_apply(page, target.pageno, parsed[1], parsed[0])
                     return page
-        elif rmid == RM_MULTIXACT:
+        elif rmid == RmgrId.MULTIXACT:
             if info in (XLOG_MULTIXACT_ZERO_OFF_PAGE, XLOG_MULTIXACT_ZERO_MEM_PAGE):
                 return bytearray(bp.BLCKSZ)
             if info == XLOG_MULTIXACT_CREATE_ID:
@@ -398,7 +396,7 @@ class PostgresRedoManager:
                 rec = decode_record(value.rec, lsn, lsn)
             except RemoteProtocolError as exc:
                 raise RedoError(f"undecodable stored record: {exc.msg}", lsn=lsn) from None
-            if rec.xl_rmid != RM_RELMAP or rec.xl_info & 0xF0 != XLOG_RELMAP_UPDATE:
+            if rec.xl_rmid != RmgrId.RELMAP or rec.xl_info & 0xF0 != XLOG_RELMAP_UPDATE:
                 raise RedoError(f"{record_name(rec)} does not apply to a relmap file", lsn=lsn)
             main = rec.main_data
             if len(main) < _XL_RELMAP_UPDATE.size:

@@ -11,21 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pageserver.walredo import bufpage as bp
+from pageserver.walredo.btree import BTP_HAS_GARBAGE, BTP_LEAF, BTP_SPLIT_END
 from pageserver.walredo.errors import RedoError
+from pageserver.walredo.heap import (
+    HEAP_XACT_MASK,
+    HEAP_XMAX_COMMITTED,
+    HEAP_XMAX_INVALID,
+    HEAP_XMIN_FROZEN,
+    SPEC_TOKEN_OFFSET,
+)
+from protocol.wal.rmgr import RmgrId
 
 MASK_MARKER = 0
-
-# heap tuple header bits (htup_details.h)
-_HEAP_XACT_MASK = 0xFFF0
-_HEAP_XMIN_FROZEN = 0x0300
-_HEAP_XMAX_COMMITTED = 0x0400
-_HEAP_XMAX_INVALID = 0x0800
-_SPEC_TOKEN_OFFSET = 0xFFFE
-
-# btree special area: prev u32, next u32, level u32, flags u16, cycleid u16
-_BTP_LEAF = 0x0001
-_BTP_SPLIT_END = 0x0020
-_BTP_HAS_GARBAGE = 0x0040
 
 
 def mask_page_lsn_and_checksum(page: bytearray) -> None:
@@ -70,13 +67,13 @@ def heap_mask(page: bytearray, blkno: int) -> None:
         length = raw >> 17
         if (raw >> 15) & 3 == bp.LP_NORMAL:
             (infomask,) = u16.unpack_from(page, item + 20)
-            if infomask & _HEAP_XMIN_FROZEN != _HEAP_XMIN_FROZEN:
-                infomask &= ~_HEAP_XACT_MASK
+            if infomask & HEAP_XMIN_FROZEN != HEAP_XMIN_FROZEN:
+                infomask &= ~HEAP_XACT_MASK
             else:
-                infomask &= ~(_HEAP_XMAX_INVALID | _HEAP_XMAX_COMMITTED)
+                infomask &= ~(HEAP_XMAX_INVALID | HEAP_XMAX_COMMITTED)
             u16.pack_into(page, item + 20, infomask)
             bp.U32.pack_into(page, item + 8, MASK_MARKER)
-            if u16.unpack_from(page, item + 16)[0] == _SPEC_TOKEN_OFFSET:
+            if u16.unpack_from(page, item + 16)[0] == SPEC_TOKEN_OFFSET:
                 bp.U16.pack_into(page, item + 12, blkno >> 16)
                 bp.U16.pack_into(page, item + 14, blkno & 0xFFFF)
                 bp.U16.pack_into(page, item + 16, off)
@@ -91,11 +88,11 @@ def btree_mask(page: bytearray, blkno: int) -> None:
     mask_page_hint_bits(page)
     mask_unused_space(page)
     special = bp.get_special(page)
-    flags_pos = special + 12
+    flags_pos = special + 12  # after btpo_prev, btpo_next, btpo_level
     (flags,) = bp.U16.unpack_from(page, flags_pos)
-    if flags & _BTP_LEAF:
+    if flags & BTP_LEAF:
         mask_lp_flags(page)
-    bp.U16.pack_into(page, flags_pos, flags & ~(_BTP_HAS_GARBAGE | _BTP_SPLIT_END))
+    bp.U16.pack_into(page, flags_pos, flags & ~(BTP_HAS_GARBAGE | BTP_SPLIT_END))
     bp.U16.pack_into(page, flags_pos + 2, 0)
 
 
@@ -117,11 +114,11 @@ MaskFn = Callable[[bytearray, int], None]
 
 # rmid -> rm_mask
 RM_MASKS: dict[int, MaskFn] = {
-    0: no_mask,
-    9: heap_mask,
-    10: heap_mask,
-    11: btree_mask,
-    15: seq_mask,
+    RmgrId.XLOG: no_mask,
+    RmgrId.HEAP2: heap_mask,
+    RmgrId.HEAP: heap_mask,
+    RmgrId.BTREE: btree_mask,
+    RmgrId.SEQ: seq_mask,
 }
 
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
+from pageserver.walredo.bufpage import BLCKSZ
 from pageserver.walredo.errors import RedoError
-
-BLCKSZ = 8192
-RM_MULTIXACT_ID = 6
 
 MULTIXACT_OFFSETS_PER_PAGE = BLCKSZ // 4
 MXACT_MEMBER_BITS_PER_XACT = 8

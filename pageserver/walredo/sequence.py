@@ -9,7 +9,6 @@ from protocol.wal.rmgr import (
     XLOG_SEQ_LOG,
 )
 
-RM_SEQ_ID = 15
 SEQ_MAGIC = 0x1717
 SIZEOF_XL_SEQ_REC = 12  # RelFileNode
 

@@ -22,10 +22,6 @@ from pageserver.walredo import bufpage as bp
 from pageserver.walredo.errors import RedoError, RedoValidationError
 from pageserver.walredo.heap import vm_clears
 from pageserver.walredo.manager import (
-    RM_HEAP,
-    RM_HEAP2,
-    RM_SMGR,
-    SMGR_TRUNCATE_VM,
     PostgresRedoManager,
     RelBlock,
     record_name,
@@ -35,7 +31,7 @@ from pageserver.walredo.visibilitymap import HEAPBLOCKS_PER_PAGE, heapblk_to_map
 from protocol.lsn import WAL_SEGMENT_SIZE, format_lsn, segment_file_name
 from protocol.wal.reader import WalStreamDecoder
 from protocol.wal.record import VISIBILITYMAP_FORKNUM, DecodedRecord
-from protocol.wal.rmgr import XLOG_SMGR_TRUNCATE
+from protocol.wal.rmgr import SMGR_TRUNCATE_VM, XLOG_SMGR_TRUNCATE, RmgrId
 
 
 def read_wal(wal_dir: Path, start_lsn: int, end_lsn: int) -> Iterator[DecodedRecord]:
@@ -151,7 +147,7 @@ def verify_records(records: Iterable[DecodedRecord], max_failures: int = 50) -> 
                     if masked(new, blk.blkno, fsm_vm_mask) != masked(img, blk.blkno, fsm_vm_mask):
                         report.failures.append(f"{format_lsn(rec.lsn)} {record_name(rec)}: VM page {t} differs")
                         pages[t] = bytearray(img)
-        if rec.xl_rmid in (RM_HEAP, RM_HEAP2):
+        if rec.xl_rmid in (RmgrId.HEAP, RmgrId.HEAP2):
             b0 = rec.block(0)
             for heapblk, _flags in vm_clears(rec):
                 assert b0 is not None
@@ -159,7 +155,7 @@ def verify_records(records: Iterable[DecodedRecord], max_failures: int = 50) -> 
                 vm = pages.get(vt)
                 if vm is not None:
                     mgr.redo_page(vt, vm, rec)
-        if rec.xl_rmid == RM_SMGR and rec.xl_info & 0xF0 == XLOG_SMGR_TRUNCATE:
+        if rec.xl_rmid == RmgrId.SMGR and rec.xl_info & 0xF0 == XLOG_SMGR_TRUNCATE:
             _truncate_tracked(mgr, pages, rec)
         if len(report.failures) >= max_failures:
             break

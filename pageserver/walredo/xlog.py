@@ -18,8 +18,6 @@ from protocol.wal.rmgr import (
     XLOG_FPI_FOR_HINT,
 )
 
-RM_XLOG_ID = 0
-
 
 def restore_image(blk: BlockRef, end_lsn: int) -> bytearray:
     """XLogReadBufferForRedo's BLK_RESTORED: the image, stamped with the record's end LSN

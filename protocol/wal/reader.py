@@ -37,6 +37,7 @@ import attrs
 
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ, Lsn, format_lsn, segment_file_name
+from protocol.wal import crc as _crcmod
 from protocol.wal.page import (
     LONG_PHD_TAIL,
     SHORT_PHD,
@@ -375,7 +376,7 @@ class WalStreamDecoder:
             if avail < SIZE_OF_XLOG_RECORD:
                 return NEED_DATA
             hdr = XLOG_RECORD_HEADER.unpack_from(buf, o)
-            tot_len, _xid, prev, info, rmid, _crc = hdr
+            tot_len, xid, prev, info, rmid, crc = hdr
             # The common case in one test; the full check names the failed rule.
             if not (
                 tot_len >= SIZE_OF_XLOG_RECORD and rmid <= RM_MAX_BUILTIN_ID and prev == self._prev
@@ -386,7 +387,25 @@ class WalStreamDecoder:
             if tot_len <= page_rem:
                 if avail < tot_len:
                     return NEED_DATA
-                return self._complete(buf[o : o + tot_len], pos, (pos + tot_len + 7) & ~7, hdr)
+                raw = buf[o : o + tot_len]
+                end = (pos + tot_len + 7) & ~7
+                # The hot path, _complete inlined: a bad CRC, an XLOG record (XLOG_SWITCH) or
+                # an undecodable body go to _complete, which does it all again and reports.
+                crc32c = _crcmod.crc32c
+                if rmid == _RM_XLOG or crc32c(raw[:20], crc32c(raw[SIZE_OF_XLOG_RECORD:])) != crc:
+                    return self._complete(raw, pos, end, hdr)
+                try:
+                    blocks, main_data, origin, top_xid = decode_body(raw, pos)
+                except RemoteProtocolError:
+                    return self._complete(raw, pos, end, hdr)
+                self._pos = end
+                self._prev = pos
+                self._last_lsn = pos
+                self._last_end = end
+                return _new_record(
+                    pos, end, tot_len, xid, prev, info, rmid, crc, blocks, main_data, origin,
+                    top_xid, raw,
+                )
             checked = True
         else:
             # Only xl_tot_len is guaranteed to be on this page.

@@ -109,10 +109,23 @@ XLOG_XACT_ASSIGNMENT = 0x50
 XLOG_XACT_INVALIDATIONS = 0x60
 XLOG_XACT_OPMASK = 0x70
 XLOG_XACT_HAS_INFO = 0x80
+# xl_xact_xinfo.xinfo: which optional parts follow a commit/abort record (xact.h)
+XACT_XINFO_HAS_DBINFO = 1 << 0
+XACT_XINFO_HAS_SUBXACTS = 1 << 1
+XACT_XINFO_HAS_RELFILENODES = 1 << 2
+XACT_XINFO_HAS_INVALS = 1 << 3
+XACT_XINFO_HAS_TWOPHASE = 1 << 4
+XACT_XINFO_HAS_ORIGIN = 1 << 5
+XACT_XINFO_HAS_GID = 1 << 7
+XACT_XINFO_HAS_DROPPED_STATS = 1 << 8
 
 # Storage (rmid 2)
 XLOG_SMGR_CREATE = 0x10
 XLOG_SMGR_TRUNCATE = 0x20
+# xl_smgr_truncate.flags: which forks the truncation covers (storage_xlog.h)
+SMGR_TRUNCATE_HEAP = 0x01
+SMGR_TRUNCATE_VM = 0x02
+SMGR_TRUNCATE_FSM = 0x04
 
 # CLOG (rmid 3)
 CLOG_ZEROPAGE = 0x00

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import shutil
 import struct
-import tempfile
 from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -43,6 +41,7 @@ from protocol.wal.encoder import BlockSpec, WalEncoder
 from protocol.wal.reader import WalStreamDecoder
 from protocol.wal.record import RelFileNode
 from tests.protocol.wal_strategies import make_page
+from tests.tmpdirs import pg_tmpdir
 
 pytestmark = pytest.mark.postgres
 
@@ -122,48 +121,46 @@ def segment_files(wal_dir: Path) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def cluster_wal() -> Iterator[Path]:
-    # Module scope, so pg_tmp_path (function scope) cannot be used; same recipe.
-    base = Path(tempfile.mkdtemp(prefix="pagestore-waldump-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    pg = PostgresInstance.create(
-        base / "data",
-        settings={
-            # logical: subtransactions then log their top-level xid (block id 252)
-            "wal_level": "logical",
-            "full_page_writes": "on",
-            "wal_keep_size": "1GB",  # keep every segment since initdb
-            "fsync": "off",
-        },
-    )
-    try:
-        pg.start()
-        pg.pgbench("-i", "-s", "1", "-q")
-        pg.pgbench("-n", "-t", "300")
-        for sql in ("VACUUM", "CREATE INDEX ON pgbench_accounts (abalance)", "CHECKPOINT"):
-            pg.psql(sql)
-        for method in ("pglz", "lz4", "zstd"):
-            pg.psql("CHECKPOINT")
+    # Module scope, so the pg_tmp_path fixture (function scope) cannot be used.
+    with pg_tmpdir("pagestore-waldump-") as base:
+        pg = PostgresInstance.create(
+            base / "data",
+            settings={
+                # logical: subtransactions then log their top-level xid (block id 252)
+                "wal_level": "logical",
+                "full_page_writes": "on",
+                "wal_keep_size": "1GB",  # keep every segment since initdb
+                "fsync": "off",
+            },
+        )
+        try:
+            pg.start()
+            pg.pgbench("-i", "-s", "1", "-q")
+            pg.pgbench("-n", "-t", "300")
+            for sql in ("VACUUM", "CREATE INDEX ON pgbench_accounts (abalance)", "CHECKPOINT"):
+                pg.psql(sql)
+            for method in ("pglz", "lz4", "zstd"):
+                pg.psql("CHECKPOINT")
+                pg.psql(
+                    f"SET wal_compression = '{method}'; "
+                    "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 97 = 0"
+                )
+            # Consistency checking attaches images without APPLY ("FPW for WAL verification").
             pg.psql(
-                f"SET wal_compression = '{method}'; "
-                "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 97 = 0"
+                "SET wal_consistency_checking = 'heap,btree'; "
+                "UPDATE pgbench_accounts SET abalance = abalance - 1 WHERE aid % 1000 = 0"
             )
-        # Consistency checking attaches images without APPLY ("FPW for WAL verification").
-        pg.psql(
-            "SET wal_consistency_checking = 'heap,btree'; "
-            "UPDATE pgbench_accounts SET abalance = abalance - 1 WHERE aid % 1000 = 0"
-        )
-        # A replication origin (block id 253) and a subtransaction (block id 252).
-        pg.psql("SELECT pg_replication_origin_create('pagestore_test')")
-        pg.psql(
-            "SELECT pg_replication_origin_session_setup('pagestore_test'); BEGIN; "
-            "INSERT INTO pgbench_history VALUES (1, 1, 1, 1, now(), 'top'); SAVEPOINT s1; "
-            "INSERT INTO pgbench_history VALUES (2, 2, 2, 2, now(), 'sub'); RELEASE s1; COMMIT"
-        )
-        pg.stop()
-        yield pg.wal_dir()
-    finally:
-        pg.stop("immediate")
-        shutil.rmtree(base, ignore_errors=True)
+            # A replication origin (block id 253) and a subtransaction (block id 252).
+            pg.psql("SELECT pg_replication_origin_create('pagestore_test')")
+            pg.psql(
+                "SELECT pg_replication_origin_session_setup('pagestore_test'); BEGIN; "
+                "INSERT INTO pgbench_history VALUES (1, 1, 1, 1, now(), 'top'); SAVEPOINT s1; "
+                "INSERT INTO pgbench_history VALUES (2, 2, 2, 2, now(), 'sub'); RELEASE s1; COMMIT"
+            )
+            pg.stop()
+            yield pg.wal_dir()
+        finally:
+            pg.stop("immediate")
 
 
 def test_every_record_agrees_with_pg_waldump(cluster_wal: Path) -> None:

@@ -11,6 +11,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +108,17 @@ class NodeProcess:
         if "json" in ctype:
             return status, json.loads(payload)
         return status, payload.decode()
+
+
+@contextmanager
+def running_node(workdir: Path, extra: str = "") -> Iterator[NodeProcess]:
+    """A started node for the block's duration: stopped gracefully (if still running) at the
+    end, and killed if that fails."""
+    proc = NodeProcess.configure(workdir, extra).start()
+    try:
+        yield proc
+    finally:
+        try:
+            proc.stop()
+        finally:
+            proc.kill()

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import gzip
 import io
-import os
-import shutil
 import tarfile
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +26,7 @@ from protocol.wal.reader import WalStreamDecoder
 from protocol.wal.record import DecodedRecord
 from protocol.wal.rmgr import XLOG_CHECKPOINT_SHUTDOWN, RmgrId
 from tests.pageserver.basebackup_helpers import DirectorySource, unpack_tar
+from tests.tmpdirs import pg_tmpdir
 
 SYSID = 0x7312_3456_789A_BCDE
 
@@ -101,14 +99,10 @@ def _initdb_end_lsn(datadir: Path) -> Lsn:
 
 @pytest.fixture(scope="module")
 def initdb_dir() -> Iterator[Path]:
-    base = Path(tempfile.mkdtemp(prefix="pagestore-bb-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    try:
+    with pg_tmpdir("pagestore-bb-") as base:
         datadir = base / "initdb"
         initdb(datadir)
         yield datadir
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.postgres

@@ -9,28 +9,16 @@ import pytest
 
 from pageserver.storage.key import is_rel_block_key, key_parse_hex
 from protocol.lsn import parse_lsn
-from tests.pageserver.node_helpers import NodeProcess
+from tests.pageserver.node_helpers import NodeProcess, running_node
+from tests.tmpdirs import pg_tmpdir
 
 pytestmark = pytest.mark.postgres  # timeline bootstrap runs initdb
 
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[NodeProcess]:
-    import os
-    import shutil
-    import tempfile
-
-    base = Path(tempfile.mkdtemp(prefix="pagestore-http-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    proc = NodeProcess.configure(base / "ps").start()
-    try:
+    with pg_tmpdir("pagestore-http-") as base, running_node(base / "ps") as proc:
         yield proc
-    finally:
-        try:
-            proc.stop()
-        finally:
-            proc.kill()
-            shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

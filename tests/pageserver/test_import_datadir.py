@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import tarfile
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from pageserver.tenant import Tenant
 from pageserver.walredo.manager import PostgresRedoManager
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
+from tests.tmpdirs import pg_tmpdir
 
 CONFIG = StorageConfig(validate_get=True, double_buffering=False)
 _REL = re.compile(r"^(\d+)(?:_(fsm|vm|init))?$")
@@ -108,11 +108,9 @@ def test_checkpoint_roundtrip(cp: CheckPoint) -> None:
 def initdb_dir() -> Iterator[Path]:
     from compute.postgres import initdb
 
-    root = Path(tempfile.mkdtemp(prefix="pagestore-import-", dir="/tmp"))
-    os.chmod(root, 0o755)
-    initdb(root / "pgdata")
-    yield root / "pgdata"
-    shutil.rmtree(root, ignore_errors=True)
+    with pg_tmpdir("pagestore-import-") as root:
+        initdb(root / "pgdata")
+        yield root / "pgdata"
 
 
 def _files_of(pgdata: Path) -> dict[RelTag, bytes]:

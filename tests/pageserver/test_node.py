@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import gzip
 import io
-import os
-import shutil
 import tarfile
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,48 +22,29 @@ from protocol.pagestream import RelTag
 from protocol.pgwire.decoder import DEFAULT_MAX_MESSAGE_LEN
 from protocol.pgwire.errors import PgError
 from tests.pageserver.basebackup_helpers import unpack_tar
-from tests.pageserver.node_helpers import NodeProcess
+from tests.pageserver.node_helpers import NodeProcess, running_node
+from tests.tmpdirs import pg_tmpdir
 
 pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture
 def base() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="pagestore-node-", dir="/tmp"))
-    os.chmod(path, 0o755)
-    try:
+    with pg_tmpdir("pagestore-node-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
 def node(base: Path) -> Iterator[NodeProcess]:
-    proc = NodeProcess.configure(base / "ps").start()
-    try:
+    with running_node(base / "ps") as proc:
         yield proc
-    finally:
-        try:
-            if proc.proc is not None and proc.proc.poll() is None:
-                proc.stop()
-        finally:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
 def shared() -> Iterator[tuple[NodeProcess, tuple[str, str, str]]]:
     """One node with one bootstrapped timeline for the tests that only read."""
-    path = Path(tempfile.mkdtemp(prefix="pagestore-node-", dir="/tmp"))
-    os.chmod(path, 0o755)
-    proc = NodeProcess.configure(path / "ps").start()
-    try:
+    with pg_tmpdir("pagestore-node-") as path, running_node(path / "ps") as proc:
         yield proc, _bootstrap(proc)
-    finally:
-        try:
-            proc.stop()
-        finally:
-            proc.kill()
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _bootstrap(node: NodeProcess) -> tuple[str, str, str]:

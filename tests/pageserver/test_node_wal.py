@@ -5,12 +5,9 @@ receiver -> a new basebackup that holds the new data. Checks the basebackup LSN 
 from __future__ import annotations
 
 import io
-import os
-import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +23,7 @@ from protocol.wal.record import DecodedRecord
 from safekeeper.testing import SafekeeperProcess
 from tests.pageserver.basebackup_helpers import unpack_tar
 from tests.pageserver.node_helpers import REPO, NodeProcess
+from tests.tmpdirs import pg_tmpdir
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -69,12 +67,8 @@ def _checkpoint_xl_prev(tar_bytes: bytes) -> int:
 
 @pytest.fixture
 def base() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="pagestore-nodewal-", dir="/tmp"))
-    os.chmod(path, 0o755)
-    try:
+    with pg_tmpdir("pagestore-nodewal-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_compute_wal_flows_back_into_the_timeline(base: Path) -> None:

@@ -37,6 +37,7 @@ from pageserver.walredo.visibilitymap import vm_get, vm_set_in_page
 from protocol.lsn import Lsn
 from protocol.wal.encoder import BlockSpec, build_record
 from protocol.wal.record import RelFileNode, record_crc
+from protocol.wal.rmgr import XACT_XINFO_HAS_SUBXACTS
 
 REL = RelFileNode(1663, 5, 16384)
 KEY = rel_block_key(1663, 5, 16384, 0, 7)
@@ -145,7 +146,7 @@ def test_clog_and_multixact_values() -> None:
 
 
 def test_raw_commit_with_subxacts_sets_clog() -> None:
-    xinfo = clog.XACT_XINFO_HAS_SUBXACTS
+    xinfo = XACT_XINFO_HAS_SUBXACTS
     main = struct.pack("<qI", 0, xinfo) + struct.pack("<i", 2) + struct.pack("<II", 1001, 1002)
     rec = build_record(prev=0, rmid=1, info=0x80, xid=1000, main_data=main)
     page = _apply(slru_block_key(SLRU_CLOG, 0, 0), bytes(8192), [(0x10, PostgresRecord(False, rec))])

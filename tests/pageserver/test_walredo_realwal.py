@@ -25,6 +25,7 @@ from pageserver.walredo.verify import VerifyReport, read_wal, verify_records
 from protocol.lsn import parse_lsn
 from protocol.wal.record import DecodedRecord
 from protocol.wal.rmgr import XLOG_MULTIXACT_CREATE_ID, RmgrId
+from tests.tmpdirs import pg_tmpdir
 
 pytestmark = pytest.mark.postgres
 
@@ -157,26 +158,20 @@ def _run_workload(pg: PostgresInstance) -> None:
 
 @pytest.fixture(scope="module")
 def wal_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PostgresInstance, int, int]]:
-    import os
-    import shutil
-    import tempfile
-
-    base = Path(tempfile.mkdtemp(prefix="pagestore-redo-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    pg = PostgresInstance.create(base / "data", settings=SETTINGS)
-    try:
-        pg.start()
-        pg.psql("CHECKPOINT")
-        start = parse_lsn(pg.psql("SELECT pg_current_wal_insert_lsn()"))
-        t0 = time.monotonic()
-        _run_workload(pg)
-        end = parse_lsn(pg.psql("SELECT pg_current_wal_insert_lsn()"))
-        pg.psql("CHECKPOINT")
-        print(f"workload took {time.monotonic() - t0:.1f}s, WAL {(end - start) / 2**20:.1f} MiB")
-        yield pg, start, end
-    finally:
-        pg.destroy()
-        shutil.rmtree(base, ignore_errors=True)
+    with pg_tmpdir("pagestore-redo-") as base:
+        pg = PostgresInstance.create(base / "data", settings=SETTINGS)
+        try:
+            pg.start()
+            pg.psql("CHECKPOINT")
+            start = parse_lsn(pg.psql("SELECT pg_current_wal_insert_lsn()"))
+            t0 = time.monotonic()
+            _run_workload(pg)
+            end = parse_lsn(pg.psql("SELECT pg_current_wal_insert_lsn()"))
+            pg.psql("CHECKPOINT")
+            print(f"workload took {time.monotonic() - t0:.1f}s, WAL {(end - start) / 2**20:.1f} MiB")
+            yield pg, start, end
+        finally:
+            pg.destroy()
 
 
 def _records(pg: PostgresInstance, start: int, end: int) -> list[DecodedRecord]:
@@ -300,7 +295,7 @@ def test_multixact_pages_equal_pg_multixact(wal_run: tuple[PostgresInstance, int
     pg, start, end = wal_run
     recs = [
         r for r in read_wal(pg.wal_dir(), start, end)
-        if r.xl_rmid == mx.RM_MULTIXACT_ID and r.xl_info & 0xF0 == XLOG_MULTIXACT_CREATE_ID
+        if r.xl_rmid == RmgrId.MULTIXACT and r.xl_info & 0xF0 == XLOG_MULTIXACT_CREATE_ID
     ]
     assert recs, "the FOR SHARE sessions made no multixact"
     offsets_file = (pg.datadir / "pg_multixact" / "offsets" / "0000").read_bytes()[:8192]
@@ -332,27 +327,21 @@ SMALL_SQL = [
 
 def test_checksums_and_lz4_images() -> None:
     """A second cluster: data checksums (FPI_FOR_HINT, heap LSN on VISIBLE) and lz4 images."""
-    import os
-    import shutil
-    import tempfile
-
     from compute.postgres import initdb
 
-    base = Path(tempfile.mkdtemp(prefix="pagestore-redo-k-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    initdb(base / "data", extra_args=["--data-checksums"])
-    pg = PostgresInstance(datadir=base / "data", settings={**SETTINGS, "wal_compression": "lz4"})
-    try:
-        pg.start()
-        pg.psql("CHECKPOINT")
-        start = parse_lsn(pg.psql("SELECT pg_current_wal_insert_lsn()"))
-        for sql in SMALL_SQL:
-            pg.psql(sql)
-        end = parse_lsn(pg.psql("SELECT pg_current_wal_insert_lsn()"))
-        recs = list(read_wal(pg.wal_dir(), start, end))
-    finally:
-        pg.destroy()
-        shutil.rmtree(base, ignore_errors=True)
+    with pg_tmpdir("pagestore-redo-k-") as base:
+        initdb(base / "data", extra_args=["--data-checksums"])
+        pg = PostgresInstance(datadir=base / "data", settings={**SETTINGS, "wal_compression": "lz4"})
+        try:
+            pg.start()
+            pg.psql("CHECKPOINT")
+            start = parse_lsn(pg.psql("SELECT pg_current_wal_insert_lsn()"))
+            for sql in SMALL_SQL:
+                pg.psql(sql)
+            end = parse_lsn(pg.psql("SELECT pg_current_wal_insert_lsn()"))
+            recs = list(read_wal(pg.wal_dir(), start, end))
+        finally:
+            pg.destroy()
     lz4 = sum(1 for r in recs for b in r.blocks if b.compression == "lz4")
     assert lz4 > 100
     report = verify_records(recs)

@@ -242,6 +242,7 @@ async def run_row(
         "l0_layers": len(layers),
         "layer_mib": round(layer_bytes / MiB, 1),
         "pwrites": stats["pwrites"],
+        "preads": stats["preads"] + stats["preadvs"],
         "fsyncs": stats["fsyncs"],
         "mib_written": round(stats["bytes_written"] / MiB, 1),
         **({"timeline_dir": str(tl.path)} if keep else {}),
@@ -269,7 +270,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         for round_no in range(args.repeat):
             for row in matrix:
-                result = trio.run(run_row, row, chunks, workdir)
+                try:
+                    result = trio.run(run_row, row, chunks, workdir)
+                except Exception as exc:  # one failed row (say ENOSPC) must not lose the others
+                    print(json.dumps({**attrs.asdict(row), "round": round_no, "error": repr(exc)}),
+                          flush=True)
+                    continue
                 result["round"] = round_no
                 samples[row].append(result)
                 # Printed at once, so a long run that is stopped early still has its rows.

@@ -29,21 +29,9 @@ from pageserver.storage.key import Key, rel_block_key
 from pageserver.storage.value import PostgresRecord, WalRecordValue
 from pageserver.walredo import bufpage as bp
 from pageserver.walredo.manager import PostgresRedoManager, RelBlock, record_name
-from pageserver.walredo.verify import read_wal
+from pageserver.walredo.verify import VERIFY_SETTINGS, read_wal
 from protocol.lsn import Lsn, parse_lsn
 from protocol.wal.record import DecodedRecord, decode_record
-
-SETTINGS = {
-    "wal_consistency_checking": "all",
-    "full_page_writes": "on",
-    "wal_level": "replica",
-    "autovacuum": "off",
-    "wal_keep_size": "4GB",
-    "max_wal_size": "4GB",
-    "checkpoint_timeout": "1h",
-    "fsync": "off",
-    "synchronous_commit": "off",
-}
 
 WORKLOAD = [
     "CREATE TABLE b (id int PRIMARY KEY, v text)",
@@ -66,7 +54,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _generate(transactions: int) -> tuple[Path, PostgresInstance, int, int]:
     base = Path(tempfile.mkdtemp(prefix="pagestore-bench-redo-", dir="/tmp"))
     os.chmod(base, 0o755)
-    pg = PostgresInstance.create(base / "data", settings=SETTINGS)
+    pg = PostgresInstance.create(base / "data", settings=VERIFY_SETTINGS)
     pg.start()
     pg.psql("CHECKPOINT")
     start = parse_lsn(pg.psql("SELECT pg_current_wal_insert_lsn()"))

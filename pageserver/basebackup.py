@@ -62,7 +62,13 @@ from pageserver.pg_control import (
     encode_control_file,
     parse_control_file,
 )
-from pageserver.pgdatadir import Datadir, RelTag
+from pageserver.pgdatadir import (
+    BLCKSZ,
+    DEFAULTTABLESPACE_OID,
+    GLOBALTABLESPACE_OID,
+    Datadir,
+    RelTag,
+)
 from pageserver.storage.key import (
     CHECKPOINT_KEY,
     CONTROLFILE_KEY,
@@ -109,10 +115,7 @@ from protocol.wal.rmgr import XLOG_CHECKPOINT_SHUTDOWN, RmgrId
 
 log = structlog.get_logger("pageserver.basebackup")
 
-BLCKSZ: Final = 8192
 RELSEG_SIZE: Final = 131072  # blocks per 1 GiB relation segment file
-GLOBALTABLESPACE_OID: Final = 1664
-DEFAULTTABLESPACE_OID: Final = 1663
 PG_MAJORVERSION: Final = "15"
 PG_TLI: Final = 1
 FORK_SUFFIX: Final = {0: "", 1: "_fsm", 2: "_vm", 3: "_init"}

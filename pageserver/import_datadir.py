@@ -37,6 +37,7 @@ import structlog
 import trio
 
 from compute import postgres
+from pageserver.basebackup import RELSEG_SIZE, SLRU_DIRS
 from pageserver.pg_control import ControlFileData, DBState, parse_control_file
 from pageserver.pgdatadir import (
     BLCKSZ,
@@ -45,11 +46,6 @@ from pageserver.pgdatadir import (
     DatadirModification,
     DatadirWriter,
     RelKey,
-)
-from pageserver.storage.key import (
-    SLRU_CLOG,
-    SLRU_MULTIXACT_MEMBERS,
-    SLRU_MULTIXACT_OFFSETS,
 )
 from pageserver.storage.value import Image
 from pageserver.tenant import Tenant
@@ -60,14 +56,9 @@ from protocol.lsn import Lsn, format_lsn, parse_lsn, segment_file_name
 
 log = structlog.get_logger(__name__)
 
-RELSEG_SIZE = 131072  # blocks per relation segment file (1 GiB)
 _REL_FILE = re.compile(r"^(\d+)(?:_(fsm|vm|init))?(?:\.(\d+))?$")
 _FORKS = {None: 0, "fsm": 1, "vm": 2, "init": 3}
-_SLRU_DIRS = {
-    "pg_xact": SLRU_CLOG,
-    "pg_multixact/offsets": SLRU_MULTIXACT_OFFSETS,
-    "pg_multixact/members": SLRU_MULTIXACT_MEMBERS,
-}
+_SLRU_DIRS = {path: kind for kind, path in SLRU_DIRS.items()}
 _READ_CHUNK = 64 * BLCKSZ
 
 

@@ -230,7 +230,11 @@ class Acceptor:
         # Validate before changing anything, so that an error leaves no unpersisted state.
         if not msg.term_history:
             raise AcceptorError("ProposerElected with an empty term history")
-        point = highest_common_point(msg.term_history, self.state.term_history, self.flush_lsn)
+        # Compare with our history cut at our WAL end, as the vote did: a term we were elected in
+        # but received no WAL of says nothing about what we hold (Neon's TermHistory::up_to).
+        flush_lsn = self.flush_lsn
+        mine = tuple(e for e in self.state.term_history if e.lsn <= flush_lsn)
+        point = highest_common_point(msg.term_history, mine, flush_lsn)
         if point is None:
             point = msg.term_history[0]
         start = msg.start_streaming_at

@@ -177,7 +177,7 @@ class BufferedWriter:
         await self._write_slow(memoryview(data).cast("B"))
         return offset
 
-    def try_write(self, data: bytes, limit: int = 1 << 62) -> int:
+    def try_write(self, data: bytes | bytearray | memoryview, limit: int = 1 << 62) -> int:
         """``write`` without an await when ``data`` fits in the buffer (the ingest hot path):
         the offset, or -1 when ``write`` has to be used (full buffer, error, closed, busy) or
         when the data would end past file offset ``limit``."""

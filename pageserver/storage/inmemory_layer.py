@@ -29,6 +29,8 @@ from pageserver.storage.value import decode_value
 from protocol.lsn import MAX_LSN, Lsn
 
 _READ_WHOLE_MAX = 64 * 1024 * 1024
+# Values read per engine call when a big layer is flushed value by value (bounded memory).
+_READ_BATCH = 2048
 
 
 class InMemoryLayer:
@@ -145,15 +147,35 @@ class InMemoryLayer:
         # A small frozen file is read once, whole, then sliced per value: one big sequential
         # read instead of a syscall per value. A big one is read per value, so a flush never
         # holds a whole checkpoint_distance of data in memory (issue 3's RSS goal).
-        whole = self.size <= _READ_WHOLE_MAX
-        data = memoryview(await self.file.read_all()) if whole else None
+        if self.size <= _READ_WHOLE_MAX:
+            data = memoryview(await self.file.read_all())
+            for key in sorted(self.index):
+                entries = self.index[key]
+                for i in range(0, len(entries), 3):
+                    pos, length = entries[i + 1], entries[i + 2]
+                    off = pos >> 1
+                    yield key, Lsn(entries[i]), data[off : off + length], bool(pos & 1)
+            return
+        # A big one: _READ_BATCH values per read_many (one engine call; a read_at per value
+        # cost a coroutine stack and an engine call each, several seconds per GiB of WAL).
+        batch: list[tuple[Key, int, int]] = []  # key, lsn, pos
+        ranges: list[tuple[int, int]] = []
         for key in sorted(self.index):
             entries = self.index[key]
             for i in range(0, len(entries), 3):
-                pos, length = entries[i + 1], entries[i + 2]
-                off = pos >> 1
-                blob = data[off : off + length] if data is not None else await self.file.read_at(off, length)
-                yield key, Lsn(entries[i]), blob, bool(pos & 1)
+                pos = entries[i + 1]
+                batch.append((key, entries[i], pos))
+                ranges.append((pos >> 1, entries[i + 2]))
+            if len(batch) >= _READ_BATCH:
+                blobs = await self.file.read_many(ranges)
+                for (k, lsn, pos), blob in zip(batch, blobs, strict=True):
+                    yield k, Lsn(lsn), blob, bool(pos & 1)
+                batch = []
+                ranges = []
+        if batch:
+            blobs = await self.file.read_many(ranges)
+            for (k, lsn, pos), blob in zip(batch, blobs, strict=True):
+                yield k, Lsn(lsn), blob, bool(pos & 1)
 
     async def write_l0(self, engine: IoEngine, directory: Path, opts: WriteOptions) -> Path | None:
         if self.end_lsn is None:

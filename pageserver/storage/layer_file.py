@@ -484,7 +484,9 @@ class LayerFileWriter:
         self._index += ENTRY.pack(prefix, (self._offset << 1) | will_init, length, crc32c.crc32c(blob))
         self._n_in_block += 1
         self._n_entries += 1
-        await self.writer.write(blob)
+        # no coroutine per value while the blob fits in the write buffer
+        if self.writer.try_write(blob) < 0:
+            await self.writer.write(blob)
         self._offset += length
 
     def _close_block(self) -> None:

@@ -388,17 +388,34 @@ def page_truncate_line_pointer_array(page: bytearray) -> None:
 # --- index page deletes and overwrite ---------------------------------------------------
 
 
+def _index_item(page: bytearray, offnum: int, nline: int, upper: int, special: int) -> tuple[int, int, int]:
+    """(raw line pointer, offset, length) of item ``offnum``, checked as the PageIndex*
+    routines check it before moving tuples."""
+    if offnum <= 0 or offnum > nline:
+        raise PageError(f"invalid index offnum: {offnum}")
+    raw = get_itemid(page, offnum)
+    size = raw >> 17
+    offset = raw & 0x7FFF
+    if offset < upper or offset + size > special or offset != maxalign(offset):
+        raise PageError(f"corrupted line pointer: offset = {offset}, size = {size}")
+    return raw, offset, size
+
+
+def _shift_items_below(page: bytearray, nline: int, offset: int, delta: int) -> None:
+    """Move the line pointers of stored items at or below ``offset`` by ``delta`` bytes
+    (their tuples were just moved by as much)."""
+    for i in range(1, nline + 1):
+        p = itemid_pos(i)
+        raw = _unpack_u32(page, p)[0]
+        if (raw >> 17) and (raw & 0x7FFF) <= offset:
+            _pack_u32(page, p, raw + delta)
+
+
 def page_index_tuple_delete(page: bytearray, offnum: int) -> None:
     """PageIndexTupleDelete: remove the pointer and close the gap by moving lower tuples up."""
     lower, upper, special = _check_pointers(page)
     nline = max_offset(page)
-    if offnum <= 0 or offnum > nline:
-        raise PageError(f"invalid index offnum: {offnum}")
-    itemid = get_itemid(page, offnum)
-    size = itemid >> 17
-    offset = itemid & 0x7FFF
-    if offset < upper or offset + size > special or offset != maxalign(offset):
-        raise PageError(f"corrupted line pointer: offset = {offset}, size = {size}")
+    _, offset, size = _index_item(page, offnum, nline, upper, special)
     size = maxalign(size)
     pos = itemid_pos(offnum)
     page[pos:lower - ITEM_ID_SIZE] = page[pos + ITEM_ID_SIZE : lower]
@@ -458,13 +475,7 @@ def page_index_tuple_delete_no_compact(page: bytearray, offnum: int) -> None:
     """PageIndexTupleDeleteNoCompact: mark the pointer unused (drop it if last), close the gap."""
     lower, upper, special = _check_pointers(page)
     nline = max_offset(page)
-    if offnum <= 0 or offnum > nline:
-        raise PageError(f"invalid index offnum: {offnum}")
-    itemid = get_itemid(page, offnum)
-    size = itemid >> 17
-    offset = itemid & 0x7FFF
-    if offset < upper or offset + size > special or offset != maxalign(offset):
-        raise PageError(f"corrupted line pointer: offset = {offset}, size = {size}")
+    _, offset, size = _index_item(page, offnum, nline, upper, special)
     size = maxalign(size)
     if offnum < nline:
         set_itemid(page, offnum, 0, 0, 0)
@@ -476,25 +487,14 @@ def page_index_tuple_delete_no_compact(page: bytearray, offnum: int) -> None:
     upper += size
     LOWER_UPPER_SPECIAL.pack_into(page, OFF_LOWER, lower, upper, special)
     if lower > SIZE_OF_PAGE_HEADER:
-        for i in range(1, nline + 1):
-            p = itemid_pos(i)
-            raw = _unpack_u32(page, p)[0]
-            if (raw >> 17) and (raw & 0x7FFF) <= offset:
-                _pack_u32(page, p, raw + size)
+        _shift_items_below(page, nline, offset, size)
 
 
 def page_index_tuple_overwrite(page: bytearray, offnum: int, newtup: bytes | bytearray | memoryview) -> bool:
     """PageIndexTupleOverwrite: replace an item in place, shifting lower tuples by the size change."""
     lower, upper, special = _check_pointers(page)
     itemcount = max_offset(page)
-    if offnum <= 0 or offnum > itemcount:
-        raise PageError(f"invalid index offnum: {offnum}")
-    pos = itemid_pos(offnum)
-    raw = _unpack_u32(page, pos)[0]
-    oldsize = raw >> 17
-    offset = raw & 0x7FFF
-    if offset < upper or offset + oldsize > special or offset != maxalign(offset):
-        raise PageError(f"corrupted line pointer: offset = {offset}, size = {oldsize}")
+    raw, offset, oldsize = _index_item(page, offnum, itemcount, upper, special)
     oldsize = maxalign(oldsize)
     newsize = len(newtup)
     alignednew = maxalign(newsize)
@@ -504,13 +504,9 @@ def page_index_tuple_overwrite(page: bytearray, offnum: int, newtup: bytes | byt
     if size_diff != 0:
         page[upper + size_diff : offset + size_diff] = page[upper:offset]
         _pack_u16(page, OFF_UPPER, upper + size_diff)
-        for i in range(1, itemcount + 1):
-            p = itemid_pos(i)
-            r = _unpack_u32(page, p)[0]
-            if (r >> 17) and (r & 0x7FFF) <= offset:
-                _pack_u32(page, p, r + size_diff)
+        _shift_items_below(page, itemcount, offset, size_diff)
     flags = (raw >> 15) & 3
     newoff = offset + size_diff
-    _pack_u32(page, pos, newoff | (flags << 15) | (newsize << 17))
+    _pack_u32(page, itemid_pos(offnum), newoff | (flags << 15) | (newsize << 17))
     page[newoff : newoff + newsize] = newtup
     return True

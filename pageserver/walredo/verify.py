@@ -33,6 +33,20 @@ from protocol.wal.reader import WalStreamDecoder
 from protocol.wal.record import VISIBILITYMAP_FORKNUM, DecodedRecord
 from protocol.wal.rmgr import SMGR_TRUNCATE_VM, XLOG_SMGR_TRUNCATE, RmgrId
 
+# A PostgreSQL that records WAL for ``verify_records``: a verification image on every block
+# reference, and every segment and record kept (no checkpoint or autovacuum in between).
+VERIFY_SETTINGS: dict[str, str] = {
+    "wal_consistency_checking": "all",
+    "full_page_writes": "on",
+    "wal_level": "replica",
+    "autovacuum": "off",
+    "wal_keep_size": "4GB",
+    "max_wal_size": "4GB",
+    "checkpoint_timeout": "1h",
+    "fsync": "off",
+    "synchronous_commit": "off",
+}
+
 
 def read_wal(wal_dir: Path, start_lsn: int, end_lsn: int) -> Iterator[DecodedRecord]:
     """Records that start in [start_lsn, end_lsn), read from a pg_wal directory."""

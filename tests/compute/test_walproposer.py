@@ -315,15 +315,7 @@ def segments(history: TermHistory, end: int) -> list[tuple[int, int, int]]:
     "acceptor",
     [
         ModelAcceptor,
-        pytest.param(
-            SafekeeperAcceptor,
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="safekeeper/acceptor.py checks start_streaming_at against its whole term "
-                "history; Neon cuts it at flush_lsn first (TermHistory::up_to), so an acceptor "
-                "that saw ProposerElected of a term but no WAL of it refuses the next election",
-            ),
-        ),
+        SafekeeperAcceptor,
     ],
 )
 @settings(max_examples=150)
@@ -341,13 +333,7 @@ def test_committed_wal_survives_every_later_election(
         online = order[: data.draw(st.integers(max(1, quorum_size(n) - 1), n), label="online")]
         wal_end = 0
         try:
-            for i in online:
-                p.connected(i)
-                for j, req in p.on_greeting(i, AcceptorGreeting(i, acceptors[i].term)):
-                    assert isinstance(req, VoteRequest)
-                    for k, el in p.on_vote(j, acceptors[j].vote(req)):
-                        assert isinstance(el, ProposerElected)
-                        acceptors[k].elected(el)
+            _run_election(p, acceptors, online)
             if not p.elected:
                 continue
             assert p.election is not None
@@ -383,7 +369,9 @@ def test_committed_wal_survives_every_later_election(
             assert segments(a.history, upto) == segments(hist, upto)
 
 
-def _run_election(p: Proposer, acceptors: list[ModelAcceptor], online: list[int]) -> None:
+def _run_election(
+    p: Proposer, acceptors: Sequence[ModelAcceptor | SafekeeperAcceptor], online: Sequence[int]
+) -> None:
     for i in online:
         p.connected(i)
         for j, req in p.on_greeting(i, AcceptorGreeting(i, acceptors[i].term)):

@@ -11,14 +11,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from compute.postgres import chown_to_postgres, make_postgres_dir
-from pageserver.basebackup import (
-    DEFAULTTABLESPACE_OID,
-    GLOBALTABLESPACE_OID,
-    RELSEG_SIZE,
-    RelFork,
-    rel_file_path,
-)
+from pageserver.basebackup import RELSEG_SIZE, RelFork, rel_file_path
 from pageserver.pg_control import parse_control_file
+from pageserver.pgdatadir import DEFAULTTABLESPACE_OID, GLOBALTABLESPACE_OID
 from pageserver.storage.key import (
     SLRU_CLOG,
     SLRU_MULTIXACT_MEMBERS,

@@ -21,7 +21,7 @@ import pytest
 from compute.postgres import PostgresInstance
 from pageserver.walredo import clog
 from pageserver.walredo.manager import PostgresRedoManager, SlruPage
-from pageserver.walredo.verify import VerifyReport, read_wal, verify_records
+from pageserver.walredo.verify import VERIFY_SETTINGS, VerifyReport, read_wal, verify_records
 from protocol.lsn import parse_lsn
 from protocol.wal.record import DecodedRecord
 from protocol.wal.rmgr import XLOG_MULTIXACT_CREATE_ID, RmgrId
@@ -29,18 +29,7 @@ from tests.tmpdirs import pg_tmpdir
 
 pytestmark = pytest.mark.postgres
 
-SETTINGS = {
-    "wal_consistency_checking": "all",
-    "full_page_writes": "on",
-    "wal_level": "replica",
-    "autovacuum": "off",
-    "wal_keep_size": "4GB",
-    "max_wal_size": "4GB",
-    "checkpoint_timeout": "1h",
-    "fsync": "off",
-    "synchronous_commit": "off",
-    "shared_buffers": "64MB",
-}
+SETTINGS = {**VERIFY_SETTINGS, "shared_buffers": "64MB"}
 
 WORKLOAD_SQL = [
     # btree: rightmost splits up to a level-2 root, and random (middle) splits

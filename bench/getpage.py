@@ -601,13 +601,14 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_title(f"{clients} client(s): GetPage latency at queue depth 1")
         ax.legend(fontsize=8)
         ax = axes[1][col]
-        labels = [f"{r['mode']} QD{r['queue_depth']}\n{r['get_impl']}/{r['cache']}" for r in mine]
-        ax.bar(range(len(mine)), [r["pages_per_s"] for r in mine], color="tab:blue")
+        labels = [f"{r['mode']} QD{r['queue_depth']} {r['get_impl']}/{r['cache']}" for r in mine]
+        ax.barh(range(len(mine)), [r["pages_per_s"] for r in mine], color="tab:blue")
         if clients in pg and pg[clients].get("pages_per_s"):
-            ax.axhline(pg[clients]["pages_per_s"], color="k", ls="--", label="PostgreSQL")
+            ax.axvline(pg[clients]["pages_per_s"], color="k", ls="--", label="PostgreSQL")
             ax.legend(fontsize=8)
-        ax.set_xticks(range(len(mine)), labels, fontsize=6, rotation=40)
-        ax.set_ylabel("pages/s")
+        ax.set_yticks(range(len(mine)), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("pages/s")
         ax.set_title(f"{clients} client(s): throughput")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -53,6 +53,8 @@ from compute import postgres
 from compute.page_client import PageClient
 from control_plane import cluster, endpoint
 from control_plane.local_env import LocalEnv, plan_ports
+from pageserver.basebackup import RELSEG_SIZE, read_datadir_block
+from pageserver.pgdatadir import BLCKSZ, DEFAULTTABLESPACE_OID, GLOBALTABLESPACE_OID
 from pageserver.walredo import bufpage as bp
 from pageserver.walredo.mask import (
     MaskFn,
@@ -76,10 +78,6 @@ from protocol.pagestream import (
     SlruKind,
 )
 
-PAGE = 8192
-SEGMENT_BLOCKS = 131072  # 1 GiB relation segments
-GLOBAL_TABLESPACE = 1664
-DEFAULT_TABLESPACE = 1663
 FORKS = {"": 0, "_fsm": 1, "_vm": 2, "_init": 3}
 FORK_NAMES = {0: "main", 1: "fsm", 2: "vm", 3: "init"}
 _REL_FILE = re.compile(r"^(\d+)(_fsm|_vm|_init)?(?:\.(\d+))?$")
@@ -167,8 +165,8 @@ def catalog_rels(dsn_of: Callable[[str], str]) -> dict[tuple[int, int], RelInfo]
 def list_forks(snap: Snapshot) -> list[Fork]:
     """Every relation fork file under ``base/`` and ``global/`` of the snapshot."""
     sizes: Counter[tuple[int, int, int, int]] = Counter()
-    dirs = [(GLOBAL_TABLESPACE, 0, snap.root / "global")]
-    dirs += [(DEFAULT_TABLESPACE, int(d.name), d) for d in sorted((snap.root / "base").iterdir())
+    dirs = [(GLOBALTABLESPACE_OID, 0, snap.root / "global")]
+    dirs += [(DEFAULTTABLESPACE_OID, int(d.name), d) for d in sorted((snap.root / "base").iterdir())
              if d.name.isdigit()]
     for spc, db, d in dirs:
         for f in d.iterdir():
@@ -178,23 +176,10 @@ def list_forks(snap: Snapshot) -> list[Fork]:
             key = (spc, db, int(m.group(1)), FORKS[m.group(2) or ""])
             seg = int(m.group(3) or 0)
             size = f.stat().st_size
-            if size % PAGE:
-                raise RuntimeError(f"{f}: size {size} is not a multiple of {PAGE}")
-            sizes[key] = max(sizes[key], seg * SEGMENT_BLOCKS + size // PAGE)
+            if size % BLCKSZ:
+                raise RuntimeError(f"{f}: size {size} is not a multiple of {BLCKSZ}")
+            sizes[key] = max(sizes[key], seg * RELSEG_SIZE + size // BLCKSZ)
     return [Fork(RelTag(*key), n, snap.rels.get((key[1], key[2]))) for key, n in sorted(sizes.items())]
-
-
-def read_block(root: Path, rel: RelTag, blkno: int) -> bytes:
-    seg, off = divmod(blkno, SEGMENT_BLOCKS)
-    base = (root / "global") if rel.spcnode == GLOBAL_TABLESPACE else (root / "base" / str(rel.dbnode))
-    suffix = {0: "", 1: "_fsm", 2: "_vm", 3: "_init"}[rel.forknum]
-    name = f"{rel.relnode}{suffix}" + (f".{seg}" if seg else "")
-    with open(base / name, "rb") as f:
-        f.seek(off * PAGE)
-        data = f.read(PAGE)
-    if len(data) != PAGE:
-        raise RuntimeError(f"{base / name}: block {blkno} is short")
-    return data
 
 
 # -- comparison ------------------------------------------------------------------------------------
@@ -247,14 +232,14 @@ def compare_sequence(served: bytes, local: bytes, increment: int) -> tuple[int, 
 
 
 def _is_zero(page: bytes) -> bool:
-    return page.count(0) == PAGE
+    return page.count(0) == BLCKSZ
 
 
 def _empty_vm_page(page: bytes) -> bool:
     """An initialized VM page with no bit set, or a new (all-zero) one."""
     if _is_zero(page):
         return True
-    return page.count(0, bp.SIZE_OF_PAGE_HEADER) == PAGE - bp.SIZE_OF_PAGE_HEADER
+    return page.count(0, bp.SIZE_OF_PAGE_HEADER) == BLCKSZ - bp.SIZE_OF_PAGE_HEADER
 
 
 @attrs.define
@@ -332,7 +317,7 @@ async def compare_snapshot(client: PageClient, snap: Snapshot,
         kind, mask = _mask_for(fork)
         # past the pageserver's end: pages PostgreSQL extended without WAL
         for blkno in range(served_n, fork.nblocks):
-            local = read_block(snap.root, fork.rel, blkno)
+            local = read_datadir_block(snap.root, fork.rel, blkno)
             if fsm:
                 continue
             ok = _empty_vm_page(local) if fork.rel.forknum == 2 else _is_zero(local)
@@ -340,7 +325,7 @@ async def compare_snapshot(client: PageClient, snap: Snapshot,
                 res.new_pages_past_end += 1
             else:
                 res.mismatches.append(f"{where}: block {blkno} is past the pageserver's nblocks {served_n} "
-                                      f"but not a new page ({PAGE - local.count(0)} non-zero bytes)")
+                                      f"but not a new page ({BLCKSZ - local.count(0)} non-zero bytes)")
         n = min(served_n, fork.nblocks)
         for first in range(0, n, BATCH):
             blocks = range(first, min(n, first + BATCH))
@@ -354,7 +339,7 @@ async def compare_snapshot(client: PageClient, snap: Snapshot,
                     continue
                 assert isinstance(resp, GetPageResponse)
                 served = bytes(resp.page)
-                local = read_block(snap.root, fork.rel, blkno)
+                local = read_datadir_block(snap.root, fork.rel, blkno)
                 if fsm:
                     res.fsm_pages += 1
                     res.fsm_equal += served == local
@@ -405,15 +390,15 @@ async def _compare_slru(client: PageClient, snap: Snapshot, req_lsn: Lsn, at: st
             if len(served) != len(local):
                 res.mismatches.append(f"{sub}/{f.name} at {at}: {len(served)} bytes served, {len(local)} in the file")
                 continue
-            for off in range(0, len(local), PAGE):
+            for off in range(0, len(local), BLCKSZ):
                 res.slru_pages += 1
-                a, b = served[off:off + PAGE], local[off:off + PAGE]
+                a, b = served[off:off + BLCKSZ], local[off:off + BLCKSZ]
                 diff = _diff(a, b)
                 if diff:
-                    first = next(i for i in range(PAGE) if a[i] != b[i])
+                    first = next(i for i in range(BLCKSZ) if a[i] != b[i])
                     word = first // 4 * 4
                     res.mismatches.append(
-                        f"{sub}/{f.name} page {off // PAGE} at {at}: {diff} bytes differ, the first in u32 "
+                        f"{sub}/{f.name} page {off // BLCKSZ} at {at}: {diff} bytes differ, the first in u32 "
                         f"{word // 4} (byte {word}): served {a[word:word + 4].hex()}, file {b[word:word + 4].hex()}")
                 else:
                     res.slru_equal += 1
@@ -662,14 +647,14 @@ class Oracle:
         targets = []
         for name, heap in (("postgres.pgbench_accounts", True), ("postgres.pgbench_accounts_pkey", False)):
             db, relnode = by_name[name]
-            rel = RelTag(DEFAULT_TABLESPACE, db, relnode, 0)
+            rel = RelTag(DEFAULTTABLESPACE_OID, db, relnode, 0)
             path = snap.root / "base" / str(db) / str(relnode)
             with open(path, "r+b") as f:  # block 1, the first data byte of item 1
-                f.seek(PAGE)
-                page = bytearray(f.read(PAGE))
+                f.seek(BLCKSZ)
+                page = bytearray(f.read(BLCKSZ))
                 item = bp.get_itemid(page, 1) & 0x7FFF
                 pos = item + (page[item + 22] if heap else 8)
-                f.seek(PAGE + pos)
+                f.seek(BLCKSZ + pos)
                 f.write(bytes([page[pos] ^ 0xFF]))
             targets.append(rel)
         clog = snap.root / "pg_xact" / "0000"

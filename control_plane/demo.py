@@ -48,15 +48,14 @@ from compute import postgres
 from compute.page_client import PageClient
 from control_plane import cluster, endpoint
 from control_plane.local_env import LocalEnv, LocalEnvError, default_workdir, plan_ports
+from pageserver.basebackup import read_datadir_block
+from pageserver.pgdatadir import BLCKSZ, DEFAULTTABLESPACE_OID
 from pageserver.walredo.mask import MaskFn, btree_mask, heap_mask, masked
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import format_lsn, parse_lsn
 from protocol.pagestream import RelTag
 
 DEMO_MARKER = ".pagestore-demo"
-PAGE = 8192
-SEGMENT_BLOCKS = 131072  # 1 GiB relation segments
-DEFAULT_TABLESPACE = 1663
 
 
 class DemoFailed(Exception):
@@ -381,9 +380,9 @@ class Demo:
                 parts = path.split("/")
                 if len(parts) != 3 or parts[0] != "base":
                     raise RuntimeError(f"{relname} is at {path!r}, not base/<db>/<relfilenode>")
-                rel = RelTag(DEFAULT_TABLESPACE, int(parts[1]), int(parts[2]), 0)
+                rel = RelTag(DEFAULTTABLESPACE_OID, int(parts[1]), int(parts[2]), 0)
                 file_blocks = sum(
-                    (f.stat().st_size // PAGE) for f in (ep.pgdata / "base" / parts[1]).glob(f"{parts[2]}*")
+                    (f.stat().st_size // BLCKSZ) for f in (ep.pgdata / "base" / parts[1]).glob(f"{parts[2]}*")
                     if f.name == parts[2] or (f.name.startswith(parts[2] + ".") and f.name[len(parts[2]) + 1:].isdigit())
                 )
                 nblocks = await client.nblocks(rel, lsn)
@@ -393,7 +392,7 @@ class Demo:
                 blocks = sorted({0, 1, nblocks // 3, nblocks // 2, (2 * nblocks) // 3, nblocks - 1} & set(range(nblocks)))
                 for blkno in blocks:
                     served = await client.get_page(rel, blkno, lsn)
-                    local = _read_block(ep.pgdata / path, blkno)
+                    local = read_datadir_block(ep.pgdata, rel, blkno)
                     a, b = masked(served, blkno, mask), masked(local, blkno, mask)
                     diff = sum(1 for x, y in zip(a, b, strict=True) if x != y)
                     self.result.pages.append(PageCheck(relname, blkno, diff == 0, diff))
@@ -446,17 +445,6 @@ def _pagestore_command() -> str:
             return "pagestore"
         return os.path.relpath(argv0) if not argv0.is_absolute() else str(argv0)
     return "pagestore" if on_path else f"{sys.executable} -m control_plane.cli"
-
-
-def _read_block(path: Path, blkno: int) -> bytes:
-    seg, off = divmod(blkno, SEGMENT_BLOCKS)
-    file = path if seg == 0 else path.with_name(f"{path.name}.{seg}")
-    with open(file, "rb") as f:
-        f.seek(off * PAGE)
-        data = f.read(PAGE)
-    if len(data) != PAGE:
-        raise RuntimeError(f"{file}: block {blkno} is short ({len(data)} bytes)")
-    return data
 
 
 def result_json(result: DemoResult) -> str:

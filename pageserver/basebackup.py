@@ -50,6 +50,7 @@ import tarfile
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Final, Protocol
 
 import attrs
@@ -102,6 +103,7 @@ from protocol.lsn import (
     parse_lsn,
     segment_file_name,
 )
+from protocol.pagestream import RelTag as PagestreamRelTag
 from protocol.pgwire.errors import PgError
 from protocol.wal.encoder import WalEncoder
 from protocol.wal.page import (
@@ -212,7 +214,7 @@ class BackupSource(Protocol):
         ...
 
 
-def rel_file_path(rel: RelFork, segno: int = 0) -> str:
+def rel_file_path(rel: RelFork | PagestreamRelTag, segno: int = 0) -> str:
     """Path of a relation segment file inside the data directory."""
     if rel.spcnode == GLOBALTABLESPACE_OID:
         base = f"global/{rel.relnode}"
@@ -224,6 +226,19 @@ def rel_file_path(rel: RelFork, segno: int = 0) -> str:
     if suffix is None:
         raise BasebackupError(f"relation {rel.relnode} has unknown fork {rel.forknum}")
     return f"{base}{suffix}" + (f".{segno}" if segno else "")
+
+
+def read_datadir_block(datadir: Path, rel: RelFork | PagestreamRelTag, blkno: int) -> bytes:
+    """Block ``blkno`` of ``rel`` as a PostgreSQL data directory on disk holds it (the
+    verification tools compare it with what the pageserver serves)."""
+    segno, off = divmod(blkno, RELSEG_SIZE)
+    path = datadir / rel_file_path(rel, segno)
+    with open(path, "rb") as f:
+        f.seek(off * BLCKSZ)
+        data = f.read(BLCKSZ)
+    if len(data) != BLCKSZ:
+        raise EOFError(f"{path}: block {blkno} is short ({len(data)} bytes)")
+    return data
 
 
 def checkpoint_record_lsn(lsn: int, segment_size: int = WAL_SEGMENT_SIZE) -> Lsn:

@@ -22,9 +22,9 @@ from enum import IntEnum
 import attrs
 
 from protocol.errors import RemoteProtocolError
+from protocol.pgwire.sqlstate import DATA_CORRUPTED
 from protocol.wal import crc as _crc
 
-DATA_CORRUPTED = "XX001"
 PG_CONTROL_VERSION = 1300
 PG_CONTROL_FILE_SIZE = 8192
 SIZEOF_CHECKPOINT = 88

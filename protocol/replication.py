@@ -28,10 +28,8 @@ import attrs
 
 from protocol.errors import PROTOCOL_VIOLATION, LocalProtocolError, RemoteProtocolError
 from protocol.lsn import Lsn, format_lsn, parse_lsn
+from protocol.pgwire.sqlstate import FEATURE_NOT_SUPPORTED, SYNTAX_ERROR
 from protocol.safekeeper import PageserverFeedback
-
-SYNTAX_ERROR: Final = "42601"
-FEATURE_NOT_SUPPORTED: Final = "0A000"
 
 Bytes: TypeAlias = bytes | bytearray | memoryview
 

@@ -114,6 +114,8 @@ class Acceptor:
         self.flush_record_lsn = flush_record_lsn
         self.commit_lsn = state.commit_lsn
         self.peer_horizon_lsn = state.peer_horizon_lsn
+        # The pageserver's durable-in-remote-storage position (its feedback); only grows.
+        self.remote_consistent_lsn = state.remote_consistent_lsn
         self.term_start_lsn = state.term_history[-1].lsn if state.term_history else INVALID_LSN
         self._commit_candidate = state.commit_lsn
 
@@ -273,6 +275,7 @@ class Acceptor:
         self.commit_lsn = Lsn(max(self.commit_lsn, new.commit_lsn))
         self._commit_candidate = Lsn(max(self._commit_candidate, self.commit_lsn))
         self.peer_horizon_lsn = Lsn(max(self.peer_horizon_lsn, new.peer_horizon_lsn))
+        self.remote_consistent_lsn = Lsn(max(self.remote_consistent_lsn, new.remote_consistent_lsn))
         self.term_start_lsn = msg.term_history[-1].lsn
         effects.append(PersistControl(new))
         return effects
@@ -339,5 +342,13 @@ class Acceptor:
     def persisted_state(self) -> PersistentState:
         """The state with the in-memory LSNs folded in, for a lazy control file save."""
         return attrs.evolve(
-            self.state, commit_lsn=self.commit_lsn, peer_horizon_lsn=self.peer_horizon_lsn
+            self.state,
+            commit_lsn=self.commit_lsn,
+            peer_horizon_lsn=self.peer_horizon_lsn,
+            remote_consistent_lsn=self.remote_consistent_lsn,
         )
+
+    def pageserver_progress(self, remote_consistent_lsn: Lsn) -> None:
+        """A pageserver reported what it has made durable; stale reports are ignored."""
+        if remote_consistent_lsn > self.remote_consistent_lsn:
+            self.remote_consistent_lsn = remote_consistent_lsn

@@ -9,6 +9,7 @@ Unknown keys and bad values stop start-up with a message naming the key.
     no_sync = false
     ingest_queue = 4096          # AppendRequests buffered between the reader and the writer
     max_write_bytes = 1048576    # coalesce up to this much WAL per write+fsync; 0 = off
+    wal_removal_period_s = 10.0  # how often old WAL segments are removed; 0 = never
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def _non_negative(_inst: object, attr: attrs.Attribute[int], value: int) -> None
         raise ValueError(f"{attr.name} must be >= 0, got {value}")
 
 
+def _non_negative_float(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{attr.name} must be >= 0, got {value}")
+
+
 def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attr.name} must be >= 1, got {value}")
@@ -52,6 +58,7 @@ class SafekeeperConfig:
     no_sync: bool = False
     ingest_queue: int = attrs.field(default=4096, validator=_positive)
     max_write_bytes: int = attrs.field(default=1 << 20, validator=_non_negative)
+    wal_removal_period_s: float = attrs.field(default=10.0, validator=_non_negative_float)
     log_level: str = attrs.field(default="info", validator=attrs.validators.in_(LEVELS))
     log_file: str | None = None
 

@@ -48,6 +48,7 @@ from safekeeper.http_api import build_http_server
 from safekeeper.receive_wal import IngestConfig, serve_wal_push
 from safekeeper.send_wal import check_start, serve_replication
 from safekeeper.timeline import Timeline
+from safekeeper.wal_removal import run_wal_removal
 
 log = structlog.get_logger("safekeeper")
 
@@ -65,6 +66,8 @@ class SafekeeperNode:
         )
         self.ingest = IngestConfig(cfg.ingest_queue, cfg.max_write_bytes)
         self._stop = trio.Event()
+        # Where the per-timeline background tasks (WAL removal) run; set by run().
+        self._tasks: trio.Nursery | None = None
 
     def stop(self) -> None:
         """Begin a graceful shutdown (what SIGTERM does)."""
@@ -108,8 +111,14 @@ class SafekeeperNode:
                     )
                 )
                 self.timelines[key] = tl
+                self._start_background(tl)
                 log.info("timeline created", tenant_id=tenant_id.hex, timeline_id=timeline_id.hex)
             return tl
+
+    def _start_background(self, tl: Timeline) -> None:
+        period = self.cfg.wal_removal_period_s
+        if self._tasks is not None and period > 0:
+            self._tasks.start_soon(run_wal_removal, tl, period)
 
     def status(self) -> dict[str, object]:
         return {
@@ -120,6 +129,7 @@ class SafekeeperNode:
             "no_sync": self.cfg.no_sync,
             "ingest_queue": self.cfg.ingest_queue,
             "max_write_bytes": self.cfg.max_write_bytes,
+            "wal_removal_period_s": self.cfg.wal_removal_period_s,
         }
 
     async def run(self, *, task_status: trio.TaskStatus[tuple[int, int]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -128,6 +138,9 @@ class SafekeeperNode:
         async with trio.open_nursery() as nursery:
             self.pg_port = await nursery.start(self.pg_server.serve)
             self.http_port = await nursery.start(http.serve)
+            self._tasks = nursery
+            for tl in self.timelines.values():
+                self._start_background(tl)
             log.info("safekeeper started", pg_port=self.pg_port, http_port=self.http_port, id=self.cfg.id)
             task_status.started((self.pg_port, self.http_port))
             if threading.current_thread() is threading.main_thread():

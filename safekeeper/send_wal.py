@@ -11,7 +11,9 @@ Two tasks per stream:
   when more WAL is available, like the Neon safekeeper); after a second without new WAL it
   sends a keepalive asking for a reply;
 - the receiver reads standby status updates and hot standby feedback and records them as the
-  replica's LSNs. CopyDone (or EOF) from the client ends the stream.
+  replica's LSNs (a ``pageserver*`` receiver's apply position, or Neon ``'z'`` feedback, is the
+  pageserver's remote_consistent_lsn that WAL removal waits for). CopyDone (or EOF) from the
+  client ends the stream.
 """
 
 from __future__ import annotations
@@ -63,7 +65,11 @@ async def serve_replication(
     Call ``check_start`` before entering COPY mode, so that a refusal is a plain error."""
     check_start(timeline, start_lsn, term)
     replica_id = next(_ids)
-    replica = ReplicaState(name=name, sent_lsn=start_lsn, last_reply=time.monotonic())
+    # Registered with no checkpoint after check_start: WAL removal sees this receiver before
+    # it could remove the start's segment.
+    replica = ReplicaState(
+        name=name, sent_lsn=start_lsn, last_reply=time.monotonic(), start_lsn=start_lsn
+    )
     timeline.replicas[replica_id] = replica
     try:
         async with trio.open_nursery() as nursery:
@@ -116,13 +122,8 @@ def check_start(timeline: Timeline, start_lsn: Lsn, term: int | None) -> None:
             f"position of this server {format_lsn(limit)}",
             sqlstate=INTERNAL_ERROR,
         )
-    segno = start_lsn // timeline.storage.seg_size
-    if start_lsn < limit and timeline.storage.segment_path(segno) is None:
-        raise RemoteProtocolError(
-            f"requested WAL segment {timeline.storage.segment_name(segno)} has already been "
-            "removed",
-            sqlstate="58P01",
-        )
+    if start_lsn < limit:
+        timeline.check_not_removed(start_lsn)
 
 
 def _greater_than(lsn: Lsn) -> Callable[[Lsn], bool]:
@@ -135,6 +136,7 @@ async def _receive_stage(
     replica: ReplicaState,
     end_stream: Callable[[], None],
 ) -> None:
+    is_pageserver = replica.name.startswith("pageserver")
     while True:
         payload = await copy.receive()
         if payload is None:
@@ -146,12 +148,16 @@ async def _receive_stage(
             replica.write_lsn = msg.write_lsn
             replica.flush_lsn = msg.flush_lsn
             replica.apply_lsn = msg.apply_lsn
+            if is_pageserver:
+                # pagestore's pageserver reports remote_consistent_lsn as its apply position.
+                timeline.acceptor.pageserver_progress(msg.apply_lsn)
         elif isinstance(msg, HotStandbyFeedback):
             replica.hs_xmin = msg.xmin
             replica.hs_catalog_xmin = msg.catalog_xmin
         elif isinstance(msg, NeonFeedback):
             fb = msg.feedback
             timeline.ps_feedback = fb
+            timeline.acceptor.pageserver_progress(fb.remote_consistent_lsn)
             replica.write_lsn = fb.last_received_lsn
             replica.flush_lsn = fb.disk_consistent_lsn
             replica.apply_lsn = fb.remote_consistent_lsn

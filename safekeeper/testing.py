@@ -79,6 +79,8 @@ class TestProposer:
         self.timeline_id = timeline_id
         self.term = 0
         self.history: tuple[TermSwitchEntry, ...] = ()
+        # Sent as every AppendRequest's truncate_lsn (the peer horizon); tests set it.
+        self.truncate_lsn = INVALID_LSN
 
     @classmethod
     async def connect(
@@ -162,7 +164,7 @@ class TestProposer:
 
     def append_payload(self, begin: Lsn, wal: bytes | memoryview, commit_lsn: Lsn) -> list[bytes | memoryview]:
         msg = AppendRequest(
-            self.term, begin, Lsn(begin + len(wal)), commit_lsn, INVALID_LSN, wal
+            self.term, begin, Lsn(begin + len(wal)), commit_lsn, self.truncate_lsn, wal
         )
         return [encode_append_request_header(msg, self.version), wal]
 

@@ -5,6 +5,8 @@ control-file IO: ``process_batch`` runs a batch of proposer messages under the t
 lock, carries out the acceptor's effects in order (blocking IO in ``trio.to_thread``), writes
 all the batch's WAL as one group with one flush, and returns the replies. ``flush_lsn`` and
 ``commit_lsn`` are ``trio_util.AsyncValue`` s: replication senders wait on ``commit_lsn``.
+``remove_old_wal`` deletes segments below the removal horizon (``safekeeper.wal_removal``),
+saving the control file first when its ``commit_lsn`` would otherwise point into them.
 
 Concurrency: any number of push connections and senders may share a timeline; the lock makes
 acceptor transitions and WAL writes one at a time. Senders only read completed bytes below
@@ -25,6 +27,7 @@ import trio
 import trio_util
 
 from common.metrics import BATCH_BUCKETS
+from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, Lsn
 from protocol.safekeeper import (
@@ -45,7 +48,8 @@ from safekeeper.acceptor import (
 )
 from safekeeper.control_file import PersistentState, read_control_file, write_control_file
 from safekeeper.record_tracker import InvalidWal
-from safekeeper.wal_storage import TrackedGroup, WalStorage
+from safekeeper.wal_removal import first_kept_segment, removal_horizon
+from safekeeper.wal_storage import TrackedGroup, WalStorage, WalStorageError
 
 log = structlog.get_logger("safekeeper.timeline")
 
@@ -64,6 +68,13 @@ class ReplicaState:
     hs_catalog_xmin: int = 0
     sent_lsn: Lsn = INVALID_LSN
     last_reply: float = 0.0
+    # Where this stream started: what the receiver needs until it reports a flush position.
+    start_lsn: Lsn = INVALID_LSN
+
+    @property
+    def needs_from(self) -> Lsn:
+        """The lowest LSN this live receiver may still ask for (after a reconnection too)."""
+        return Lsn(max(self.flush_lsn, self.start_lsn))
 
 
 @attrs.define(eq=False)
@@ -119,6 +130,8 @@ class Timeline:
         self.push_connections = 0
         # The latest feedback a pageserver sent on a replication stream ('z').
         self.ps_feedback: PageserverFeedback | None = None
+        # Segments below this number were removed (or are being removed) by WAL removal.
+        self.wal_removed_below = 0
 
     @property
     def tenant_id(self) -> TenantId:
@@ -384,6 +397,50 @@ class Timeline:
                 )
                 self.persisted = state
 
+    # -- WAL removal -------------------------------------------------------------------------
+
+    def removal_horizon(self) -> Lsn:
+        """The lowest LSN a consumer may still need (see ``safekeeper.wal_removal``)."""
+        acc = self.acceptor
+        return removal_horizon(
+            remote_consistent_lsn=acc.remote_consistent_lsn,
+            peer_horizon_lsn=acc.peer_horizon_lsn,
+            commit_lsn=acc.commit_lsn,
+            flush_lsn=acc.flush_lsn,
+            consumers=[r.needs_from for r in self.replicas.values()],
+        )
+
+    async def remove_old_wal(self) -> int:
+        """Delete the segments wholly below the removal horizon; returns how many."""
+        seg = self.storage.seg_size
+        async with self.lock:
+            # Under the lock: no election or write moves the LSNs while we decide.
+            cutoff = first_kept_segment(self.removal_horizon(), seg)
+            if cutoff <= self.wal_removed_below:
+                return 0
+            # A restart scans for the end of WAL from the persisted commit_lsn, so that LSN
+            # must not lie in a removed segment. The horizon is <= commit_lsn in memory.
+            if self.persisted.commit_lsn < cutoff * seg:
+                state = self.acceptor.persisted_state()
+                await trio.to_thread.run_sync(
+                    write_control_file, self.directory, state, self.no_sync
+                )
+                self.persisted = state
+            # Published first: a reader that loses the race gets 58P01, not a generic error.
+            self.wal_removed_below = cutoff
+            removed = await trio.to_thread.run_sync(self.storage.remove_segments_below, cutoff)
+        return len(removed)
+
+    def check_not_removed(self, lsn: Lsn) -> None:
+        """PostgreSQL's answer to a request for WAL in a segment that is gone."""
+        segno = lsn // self.storage.seg_size
+        if segno < self.wal_removed_below or self.storage.segment_path(segno) is None:
+            raise RemoteProtocolError(
+                f"requested WAL segment {self.storage.segment_name(segno)} has already been "
+                "removed",
+                sqlstate="58P01",
+            )
+
     # -- the read path -----------------------------------------------------------------------
 
     async def read_wal(self, lsn: Lsn, size: int) -> bytes:
@@ -394,7 +451,14 @@ class Timeline:
             except FileNotFoundError:
                 # The segment was renamed from .partial to its final name meanwhile.
                 continue
-        return await trio.to_thread.run_sync(self.storage.read, lsn, size)
+            except WalStorageError:
+                self.check_not_removed(lsn)
+                raise
+        try:
+            return await trio.to_thread.run_sync(self.storage.read, lsn, size)
+        except (FileNotFoundError, WalStorageError):
+            self.check_not_removed(lsn)
+            raise
 
     def status(self) -> dict[str, object]:
         acc = self.acceptor
@@ -412,6 +476,9 @@ class Timeline:
             "local_start_lsn": _fmt(st.local_start_lsn),
             "peer_horizon_lsn": _fmt(acc.peer_horizon_lsn),
             "persisted_commit_lsn": _fmt(self.persisted.commit_lsn),
+            "remote_consistent_lsn": _fmt(acc.remote_consistent_lsn),
+            "removal_horizon": _fmt(self.removal_horizon()),
+            "wal_removed_below": _fmt(self.wal_removed_below * self.storage.seg_size),
             "pg_version": st.pg_version,
             "system_id": st.system_id,
             "wal_seg_size": st.wal_seg_size,

@@ -363,6 +363,30 @@ class WalStorage:
         self.write_lsn = self.flush_lsn = self.flush_record_lsn = lsn
         self._tracker = RecordTracker(lsn, self.seg_size)
 
+    # -- removal -----------------------------------------------------------------------------
+
+    def remove_segments_below(self, segno: int) -> list[int]:
+        """Delete every segment file numbered below ``segno`` (the caller decided no consumer
+        needs them); returns the numbers removed. Refuses to touch the segment holding the
+        flushed WAL end or anything after it."""
+        limit = self.flush_record_lsn // self.seg_size
+        if segno > limit:
+            raise WalStorageError(
+                f"refusing to remove WAL segments below {self.segment_name(segno)}: the flushed "
+                f"WAL ends in {self.segment_name(limit)}"
+            )
+        removed = []
+        for other in self.segments():
+            if other >= segno:
+                break
+            path = self.segment_path(other)
+            if path is not None:
+                path.unlink()
+                removed.append(other)
+        if removed and not self.no_sync:
+            fsync_dir(self.directory)
+        return removed
+
     # -- read path (replication) -------------------------------------------------------------
 
     def read(self, lsn: Lsn, size: int) -> bytes:

@@ -162,7 +162,12 @@ class PageServiceHandler:
         copy = await conn.enter_copy_both()
         # From here the pagestream reads the connection's bytes itself (DirectStreamIO): the
         # libpq loop's message objects cost more than serving a page from cache.
-        io = DirectStreamIO(copy.transport, command.version, conn.take_receive_buffer())
+        io = DirectStreamIO(
+            copy.transport,
+            command.version,
+            conn.take_receive_buffer(),
+            idle_timeout_s=conn.server.config.idle_timeout_s,
+        )
         try:
             end = await serve_pagestream(io, io, ctx)
         except RemoteProtocolError as exc:

@@ -40,6 +40,7 @@ wire and the caller can still write its ErrorResponse.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import time
@@ -49,6 +50,7 @@ from typing import Final, Protocol, TypeAlias, cast
 import attrs
 import trio
 
+from common.pgserver import IdleTimeout
 from pageserver.page_service.config import (
     PageServiceConfig,
     PipelinedPipelining,
@@ -207,6 +209,7 @@ class DirectStreamIO:
         "_eof",
         "_fast",
         "_fd",
+        "_idle_timeout_s",
         "_pos",
         "_sock",
         "_unyielded",
@@ -215,9 +218,16 @@ class DirectStreamIO:
     )
 
     def __init__(
-        self, stream: trio.abc.Stream, version: PagestreamVersion, initial: bytes = b""
+        self,
+        stream: trio.abc.Stream,
+        version: PagestreamVersion,
+        initial: bytes = b"",
+        *,
+        idle_timeout_s: float | None = None,
     ) -> None:
         self.stream = stream
+        # The libpq loop's idle timeout, kept while we read the socket instead of it.
+        self._idle_timeout_s = math.inf if idle_timeout_s is None else idle_timeout_s
         self._decoder = RequestStreamDecoder(version)
         self._v3 = version == 3
         self._fast = _FRAMED_GETPAGE_V3 if self._v3 else _FRAMED_GETPAGE_V2
@@ -239,13 +249,19 @@ class DirectStreamIO:
                 self._unyielded += 1
                 return event
             if self._sock is None:
-                data = await self.stream.receive_some(MAX_RECV)
+                with trio.move_on_after(self._idle_timeout_s) as idle:
+                    data = await self.stream.receive_some(MAX_RECV)
+                if idle.cancelled_caught:
+                    raise self._idle()
                 self._unyielded = 0
             else:
                 try:
                     data = os.read(self._fd, MAX_RECV)
                 except BlockingIOError:
-                    await trio.lowlevel.wait_readable(self._sock)
+                    with trio.move_on_after(self._idle_timeout_s) as idle:
+                        await trio.lowlevel.wait_readable(self._sock)
+                    if idle.cancelled_caught:
+                        raise self._idle() from None
                     self._unyielded = 0
                     continue
                 except OSError as exc:
@@ -254,6 +270,9 @@ class DirectStreamIO:
                 self._buf += data
             else:
                 self._eof = True
+
+    def _idle(self) -> IdleTimeout:
+        return IdleTimeout(f"no message from the client for {self._idle_timeout_s} s")
 
     def receive_nowait(self) -> Request | StreamEnd:
         event = self._next_event()

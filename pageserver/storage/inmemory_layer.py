@@ -157,25 +157,43 @@ class InMemoryLayer:
                     yield key, Lsn(entries[i]), data[off : off + length], bool(pos & 1)
             return
         # A big one: _READ_BATCH values per read_many (one engine call; a read_at per value
-        # cost a coroutine stack and an engine call each, several seconds per GiB of WAL).
-        batch: list[tuple[Key, int, int]] = []  # key, lsn, pos
+        # cost a coroutine stack and an engine call each, several seconds per GiB of WAL), and
+        # values that sit back to back in the file (a key's successive records usually do)
+        # read as one range: a pread per run instead of per value.
+        batch: list[tuple[Key, int, int, int]] = []  # key, lsn, pos, length
         ranges: list[tuple[int, int]] = []
         for key in sorted(self.index):
             entries = self.index[key]
             for i in range(0, len(entries), 3):
-                pos = entries[i + 1]
-                batch.append((key, entries[i], pos))
-                ranges.append((pos >> 1, entries[i + 2]))
+                pos, length = entries[i + 1], entries[i + 2]
+                off = pos >> 1
+                batch.append((key, entries[i], pos, length))
+                if ranges and sum(ranges[-1]) == off and length:
+                    ranges[-1] = (ranges[-1][0], ranges[-1][1] + length)
+                else:
+                    ranges.append((off, length))
             if len(batch) >= _READ_BATCH:
-                blobs = await self.file.read_many(ranges)
-                for (k, lsn, pos), blob in zip(batch, blobs, strict=True):
-                    yield k, Lsn(lsn), blob, bool(pos & 1)
+                async for item in self._read_batch(batch, ranges):
+                    yield item
                 batch = []
                 ranges = []
         if batch:
-            blobs = await self.file.read_many(ranges)
-            for (k, lsn, pos), blob in zip(batch, blobs, strict=True):
-                yield k, Lsn(lsn), blob, bool(pos & 1)
+            async for item in self._read_batch(batch, ranges):
+                yield item
+
+    async def _read_batch(
+        self, batch: list[tuple[Key, int, int, int]], ranges: list[tuple[int, int]]
+    ) -> AsyncIterator[tuple[Key, Lsn, bytes | bytearray | memoryview, bool]]:
+        """The values of ``batch``, in order, cut out of the coalesced ``ranges``."""
+        runs = iter(await self.file.read_many(ranges))
+        view = memoryview(b"")
+        at = 0
+        for key, lsn, pos, length in batch:
+            if at == len(view):
+                view = memoryview(next(runs))
+                at = 0
+            yield key, Lsn(lsn), view[at : at + length], bool(pos & 1)
+            at += length
 
     async def write_l0(self, engine: IoEngine, directory: Path, opts: WriteOptions) -> Path | None:
         if self.end_lsn is None:

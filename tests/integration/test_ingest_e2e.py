@@ -47,23 +47,21 @@ import pytest
 import trio
 
 from bench.oracle import (
-    DEFAULT_TABLESPACE,
     FORK_NAMES,
-    GLOBAL_TABLESPACE,
-    PAGE,
     Fork,
     Snapshot,
     SnapshotResult,
     catalog_rels,
     compare_snapshot,
     list_forks,
-    read_block,
 )
 from compute import postgres
 from compute.page_client import PageClient
 from control_plane import cluster, endpoint, process
 from control_plane.http_client import request_json
 from control_plane.local_env import LocalEnv, plan_ports
+from pageserver.basebackup import read_datadir_block
+from pageserver.pgdatadir import BLCKSZ, DEFAULTTABLESPACE_OID, GLOBALTABLESPACE_OID
 from pageserver.walredo.mask import fsm_vm_mask
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import format_lsn, parse_lsn
@@ -142,14 +140,14 @@ def ddl_part_a(conn: psycopg.Connection[Any], run: Run) -> dict[str, RelTag]:
         c2.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
         c2.execute("INSERT INTO t SELECT g, md5(g::text) FROM generate_series(1, 3000) g")
     x("CREATE TABLE e2e_trunc AS SELECT g AS id, md5(g::text) AS v FROM generate_series(1, 4000) g")
-    gone["e2e_trunc before TRUNCATE"] = RelTag(DEFAULT_TABLESPACE, db, int(one(
+    gone["e2e_trunc before TRUNCATE"] = RelTag(DEFAULTTABLESPACE_OID, db, int(one(
         conn, "SELECT pg_relation_filenode('e2e_trunc')")), 0)
     x("TRUNCATE e2e_trunc")
     x("INSERT INTO e2e_trunc SELECT g, 'after' FROM generate_series(1, 500) g")
     x("CREATE TABLE e2e_drop (id int PRIMARY KEY)")
     x("INSERT INTO e2e_drop SELECT generate_series(1, 2000)")
-    gone["e2e_drop"] = RelTag(DEFAULT_TABLESPACE, db, int(one(conn, "SELECT pg_relation_filenode('e2e_drop')")), 0)
-    gone["e2e_drop_pkey"] = RelTag(DEFAULT_TABLESPACE, db, int(one(
+    gone["e2e_drop"] = RelTag(DEFAULTTABLESPACE_OID, db, int(one(conn, "SELECT pg_relation_filenode('e2e_drop')")), 0)
+    gone["e2e_drop_pkey"] = RelTag(DEFAULTTABLESPACE_OID, db, int(one(
         conn, "SELECT pg_relation_filenode('e2e_drop_pkey')")), 0)
     x("DROP TABLE e2e_drop")
     x("CREATE SEQUENCE e2e_seq INCREMENT 3")
@@ -169,15 +167,15 @@ def ddl_part_b(conn: psycopg.Connection[Any], run: Run) -> dict[str, RelTag]:
     old = int(one(conn, "SELECT pg_relation_filenode('e2e_t')"))
     x("ALTER TABLE e2e_t ADD COLUMN r float8 DEFAULT random()")  # volatile: the table is rewritten
     assert int(one(conn, "SELECT pg_relation_filenode('e2e_t')")) != old, "ADD COLUMN random() did not rewrite"
-    gone["e2e_t before the rewrite"] = RelTag(DEFAULT_TABLESPACE, db, old, 0)
+    gone["e2e_t before the rewrite"] = RelTag(DEFAULTTABLESPACE_OID, db, old, 0)
     x("CREATE DATABASE e2e_copy TEMPLATE e2e_db STRATEGY file_copy")
     x("CREATE DATABASE e2e_gone")
     gone_db = int(one(conn, "SELECT oid FROM pg_database WHERE datname = 'e2e_gone'"))
     with psycopg.connect(run.dsn("e2e_gone"), autocommit=True) as c2:
         c2.execute("CREATE TABLE g (id int)")
         c2.execute("INSERT INTO g SELECT generate_series(1, 1000)")
-        gone["e2e_gone.g"] = RelTag(DEFAULT_TABLESPACE, gone_db, int(one(c2, "SELECT pg_relation_filenode('g')")), 0)
-        gone["e2e_gone.pg_class"] = RelTag(DEFAULT_TABLESPACE, gone_db, int(one(
+        gone["e2e_gone.g"] = RelTag(DEFAULTTABLESPACE_OID, gone_db, int(one(c2, "SELECT pg_relation_filenode('g')")), 0)
+        gone["e2e_gone.pg_class"] = RelTag(DEFAULTTABLESPACE_OID, gone_db, int(one(
             c2, "SELECT pg_relation_filenode('pg_class')")), 0)
     x("DROP DATABASE e2e_gone")
     return gone
@@ -210,7 +208,7 @@ VM_HEADER = 24  # SizeOfPageHeaderData: the bitmap follows it
 def vm_bits_only_lost(served: bytes, local: bytes) -> bool:
     """The served VM page is the file's with some all-visible/all-frozen bits clear, none set
     extra (a missing bit costs a heap visit; an extra one would be corruption)."""
-    if served.count(0) == PAGE:
+    if served.count(0) == BLCKSZ:
         return True  # read as a new page: an empty bitmap
     a, b = bytearray(served), bytearray(local)
     fsm_vm_mask(a, 0)
@@ -239,7 +237,7 @@ async def recheck_wal_log_vm(client: PageClient, snap: Snapshot, res: SnapshotRe
             continue
         blkno = int(block)
         served = await client.get_page(fork.rel, blkno, MAX_LSN, snap.lsn)
-        if vm_bits_only_lost(served, read_block(snap.root, fork.rel, blkno)):
+        if vm_bits_only_lost(served, read_datadir_block(snap.root, fork.rel, blkno)):
             lost += 1
         else:
             kept.append(m + " (and it has all-visible/frozen bits the file does not have)")
@@ -259,7 +257,7 @@ async def pagestream_checks(run: Run, snap: Snapshot, gone: dict[str, RelTag], w
         # pg_class side: a permanent relation has its main fork on the pageserver, and the
         # pageserver has no fork the data directory lacks (the file side is compare_snapshot's).
         on_disk = {f.rel for f in list_forks(snap)}
-        rels = [(info, RelTag(GLOBAL_TABLESPACE if db == 0 else DEFAULT_TABLESPACE, db, relnode, fork))
+        rels = [(info, RelTag(GLOBALTABLESPACE_OID if db == 0 else DEFAULTTABLESPACE_OID, db, relnode, fork))
                 for (db, relnode), info in sorted(snap.rels.items()) if info.persistence == "p"
                 for fork in range(4)]
         reqs: list[Request] = [ExistsRequest(client.next_reqid(), MAX_LSN, snap.lsn, rel) for _, rel in rels]
@@ -389,8 +387,8 @@ def test_ingest_end_to_end_with_pageserver_kill(run: Run) -> None:
 
 def test_vm_bits_only_lost() -> None:
     """The VM exception of the e2e test accepts lost bits only."""
-    file = bytearray(PAGE)
-    file[12:16] = (24).to_bytes(2, "little") + (PAGE).to_bytes(2, "little")  # pd_lower, pd_upper
+    file = bytearray(BLCKSZ)
+    file[12:16] = (24).to_bytes(2, "little") + (BLCKSZ).to_bytes(2, "little")  # pd_lower, pd_upper
     file[18:20] = (0x2004).to_bytes(2, "little")  # pd_pagesize_version
     file[VM_HEADER:VM_HEADER + 3] = b"\xff\x0f\x03"
     served = bytearray(file)
@@ -407,4 +405,4 @@ def test_vm_bits_only_lost() -> None:
     served[VM_HEADER + 4000] = 0
     served[15] = 0x1F  # pd_upper differs: not the same page
     assert not vm_bits_only_lost(bytes(served), bytes(file))
-    assert vm_bits_only_lost(bytes(PAGE), bytes(file))  # a new page: no bit at all
+    assert vm_bits_only_lost(bytes(BLCKSZ), bytes(file))  # a new page: no bit at all

@@ -33,6 +33,7 @@ import pytest
 import trio
 
 from compute.postgres import PostgresInstance, pg_binary, run_as_postgres
+from control_plane.process import wait_until
 from pageserver.wal_receiver import WalReceiver, WalReceiverConfig
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn, parse_lsn
@@ -42,15 +43,6 @@ from safekeeper.testing import SafekeeperProcess, TestProposer
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_until(what: str, cond: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @attrs.define
@@ -149,7 +141,7 @@ def cluster(pg_tmp_path: Path) -> Iterator[Cluster]:
             s.start()
         bridge.start()
         c = Cluster(pg, sks, bridge, tenant, timeline)
-        wait_until("the bridge's election", lambda: bool(bridge.status().get("elected")))
+        wait_until("the bridge's election", lambda: bool(bridge.status().get("elected")), timeout=30)
         yield c
     finally:
         bridge.kill()
@@ -197,11 +189,11 @@ def test_bridge_quorum_commit_failover_and_restart(cluster: Cluster, pg_tmp_path
     assert pgbench_tps(pg, "-T", "3", "-c", "4", "-j", "2") > 0
     target = cluster.flush_lsn()
     for i in range(3):
-        wait_until(f"sk{i} flush", cluster.sk_reached(i, target))
-        wait_until(f"sk{i} commit", cluster.sk_reached(i, target, "commit_lsn"))
-    wait_until("bridge commit", lambda: parse_lsn(bridge.status()["commit_lsn"]) >= target)
+        wait_until(f"sk{i} flush", cluster.sk_reached(i, target), timeout=30)
+        wait_until(f"sk{i} commit", cluster.sk_reached(i, target, "commit_lsn"), timeout=30)
+    wait_until("bridge commit", lambda: parse_lsn(bridge.status()["commit_lsn"]) >= target, timeout=30)
     # The slot follows the safekeepers (the lowest flush).
-    wait_until("slot advance", lambda: cluster.slot_lsn() >= target)
+    wait_until("slot advance", lambda: cluster.slot_lsn() >= target, timeout=30)
 
     # 2. kill -9 one safekeeper: the other two are a quorum, pgbench still commits.
     sk2_flush = parse_lsn(cluster.sk_status(2)["flush_lsn"])
@@ -229,17 +221,17 @@ def test_bridge_quorum_commit_failover_and_restart(cluster: Cluster, pg_tmp_path
     for i in range(3):
         wait_until(f"sk{i} catch-up", cluster.sk_reached(i, target), timeout=60)
     assert "catching up from postgres" in bridge.log_tail(100_000)
-    wait_until("slot advance after catch-up", lambda: cluster.slot_lsn() >= target)
+    wait_until("slot advance after catch-up", lambda: cluster.slot_lsn() >= target, timeout=30)
 
     # 4. kill -9 the bridge and restart it: a new, higher term; commits go on.
     term_before = bridge.status()["term"]
     bridge.kill()
     bridge.start()
-    wait_until("re-election", lambda: bridge.status().get("term", 0) > term_before)
+    wait_until("re-election", lambda: bridge.status().get("term", 0) > term_before, timeout=30)
     assert pgbench_tps(pg, "-T", "2", "-c", "2") > 0
     target = cluster.flush_lsn()
     for i in range(3):
-        wait_until(f"sk{i} after restart", cluster.sk_reached(i, target))
+        wait_until(f"sk{i} after restart", cluster.sk_reached(i, target), timeout=30)
         status = cluster.sk_status(i)
         assert status["term"] > term_before and status["last_log_term"] == status["term"]
 
@@ -259,6 +251,7 @@ def test_bridge_quorum_commit_failover_and_restart(cluster: Cluster, pg_tmp_path
     wait_until(
         "a term above the rival's",
         lambda: bridge.status().get("term", 0) > rival_term and bool(bridge.status().get("elected")),
+        timeout=30,
     )
     assert pgbench_tps(pg, "-T", "1", "-c", "2") > 0
     assert "term lost, starting over" in bridge.log_tail(10**8)

@@ -15,7 +15,9 @@ from compute.postgres import PostgresInstance, initdb, pg_binary, run_as_postgre
 from pageserver.basebackup import (
     CHUNK_BYTES,
     BackupResult,
+    RelFork,
     checkpoint_record_lsn,
+    read_datadir_block,
     wal_segment_with_checkpoint,
     write_basebackup,
 )
@@ -103,6 +105,20 @@ def initdb_dir() -> Iterator[Path]:
         datadir = base / "initdb"
         initdb(datadir)
         yield datadir
+
+
+@pytest.mark.postgres
+def test_read_datadir_block_reads_the_relation_file(initdb_dir: Path) -> None:
+    # the largest relation file of template1, so it has several blocks to tell apart
+    path = max((f for f in (initdb_dir / "base" / "1").iterdir() if f.name.isdigit()), key=lambda f: f.stat().st_size)
+    raw = path.read_bytes()
+    nblocks = len(raw) // 8192
+    assert nblocks >= 2
+    rel = RelFork(1663, 1, int(path.name), 0)
+    for blkno in (0, 1, nblocks - 1):
+        assert read_datadir_block(initdb_dir, rel, blkno) == raw[blkno * 8192 : (blkno + 1) * 8192]
+    with pytest.raises(EOFError):
+        read_datadir_block(initdb_dir, rel, nblocks)
 
 
 @pytest.mark.postgres

@@ -8,14 +8,14 @@ import io
 import subprocess
 import sys
 import tarfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
 
 from compute.postgres import PostgresInstance, pg_binary, run_as_postgres
+from control_plane.process import wait_until
 from pageserver.pg_control import parse_control_file
 from protocol.lsn import WAL_SEGMENT_SIZE, parse_lsn
 from protocol.wal.reader import WalStreamDecoder
@@ -26,15 +26,6 @@ from tests.pageserver.node_helpers import REPO, NodeProcess
 from tests.tmpdirs import pg_tmpdir
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
-
-
-def wait_until(what: str, cond: Callable[[], bool], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _copy_out(port: int, query: str) -> bytes:
@@ -108,7 +99,7 @@ def test_compute_wal_flows_back_into_the_timeline(base: Path) -> None:
             _, tl = node.request("GET", f"/v1/tenant/{tenant}/timeline/{timeline}")
             return parse_lsn(tl["last_record_lsn"]) >= flush
 
-        wait_until("the pageserver to ingest the compute's WAL", ingested)
+        wait_until("the pageserver to ingest the compute's WAL", ingested, timeout=60)
         _, tl = node.request("GET", f"/v1/tenant/{tenant}/timeline/{timeline}")
         assert tl["wal_receiver_safekeeper"] == f"127.0.0.1:{sk.pg_port}"
 

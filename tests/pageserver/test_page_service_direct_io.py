@@ -18,8 +18,9 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.pgclient import PgClientConnection
 from common.pgserver import PgServer, PgServerConfig
-from compute.page_client import BlockingPageClient
+from compute.page_client import BlockingPageClient, PageClient
 from pageserver.page_service.config import PageServiceConfig, PipelinedPipelining, SerialPipelining
 from pageserver.page_service.handler import PageServiceHandler
 from pageserver.page_service.pipeline import DirectStreamIO
@@ -272,3 +273,22 @@ def test_direct_decoding_matches_the_protocol_decoder(
     chunks = [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
     chunks = [chunks[0], *(c for c in chunks[1:] if c)]
     assert trio.run(_direct, chunks, version) == _oracle(data, version)
+
+
+async def test_idle_pagestream_is_closed_with_57p05(autojump_clock: trio.testing.MockClock) -> None:
+    """The libpq loop's idle timeout still applies while the pagestream reads the socket."""
+    handler = PageServiceHandler(Lookup({(TENANT, TIMELINE): _timeline()}), CONFIGS[2])
+    server = PgServer(handler, PgServerConfig(port=0, idle_timeout_s=30))
+    async with trio.open_nursery() as nursery:
+        client_stream, server_stream = trio.testing.memory_stream_pair()
+        nursery.start_soon(server.serve_connection, server_stream)
+        conn = await PgClientConnection.open(client_stream, user="test")
+        client = await PageClient.start(conn, TENANT, TIMELINE)
+        assert await client.get_page(REL, 1) == page_image(REL, 1, 0x800)
+        await trio.sleep(20)  # less than the timeout: still served
+        assert await client.get_page(REL, 2) == page_image(REL, 2, 0x800)
+        start = trio.current_time()
+        with trio.fail_after(100), pytest.raises(PgError) as info:
+            await client.copy.receive()
+        assert info.value.sqlstate == "57P05" and info.value.severity == "FATAL"
+        assert 29 <= trio.current_time() - start <= 31

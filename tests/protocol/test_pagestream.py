@@ -41,12 +41,8 @@ from protocol.pagestream import (
     encode_request_into,
     encode_response,
 )
+from tests.strategies import i64, lsns, u8, u32, u64
 
-u8 = st.integers(0, 0xFF)
-u32 = st.integers(0, 0xFFFF_FFFF)
-u64 = st.integers(0, 0xFFFF_FFFF_FFFF_FFFF)
-i64 = st.integers(-(2**63), 2**63 - 1)
-lsns = u64.map(Lsn)
 rels = st.builds(RelTag, u32, u32, u32, u8)
 kinds = st.sampled_from(list(SlruKind))
 

@@ -14,12 +14,10 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.pgwire import CLOSED, NEED_DATA, BackendDecoder, FrontendDecoder
 from protocol.pgwire import messages as m
 from protocol.pgwire.decoder import MAX_STARTUP_PACKET_LEN, SMALL_MESSAGE_LIMIT
+from tests.strategies import i16, i32, u32
 
 text = st.text(st.characters(exclude_characters="\x00", exclude_categories=["Cs"]), max_size=20)
 name = text.filter(bool)
-i32 = st.integers(-(2**31), 2**31 - 1)
-u32 = st.integers(0, 2**32 - 1)
-i16 = st.integers(-(2**15), 2**15 - 1)
 kind = st.sampled_from(["S", "P"])
 blob = st.binary(max_size=64)
 fields = st.lists(

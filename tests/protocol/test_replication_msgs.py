@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn
+from protocol.pgwire.sqlstate import SYNTAX_ERROR
 from protocol.replication import (
-    SYNTAX_ERROR,
     CopyMessage,
     CreateReplicationSlot,
     HotStandbyFeedback,
@@ -34,11 +34,8 @@ from protocol.replication import (
     parse_replication_command,
 )
 from protocol.safekeeper import PageserverFeedback
+from tests.strategies import i64, lsns, u32, u64
 
-u32 = st.integers(0, 0xFFFF_FFFF)
-u64 = st.integers(0, 0xFFFF_FFFF_FFFF_FFFF)
-i64 = st.integers(-(2**63), 2**63 - 1)
-lsns = u64.map(Lsn)
 feedbacks = st.builds(PageserverFeedback, u64, lsns, lsns, lsns, i64, u32, st.booleans())
 
 server_msgs = st.one_of(

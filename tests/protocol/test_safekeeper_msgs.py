@@ -27,18 +27,14 @@ from protocol.safekeeper import (
     TermSwitchEntry,
     VoteRequest,
     VoteResponse,
+    _decode_proposer_message,
     decode_acceptor_message,
     decode_proposer_message,
     encode_append_request_header,
     encode_message,
 )
+from tests.strategies import i64, lsns, u16, u32, u64
 
-u8 = st.integers(0, 0xFF)
-u16 = st.integers(0, 0xFFFF)
-u32 = st.integers(0, 0xFFFF_FFFF)
-u64 = st.integers(0, 0xFFFF_FFFF_FFFF_FFFF)
-i64 = st.integers(-(2**63), 2**63 - 1)
-lsns = u64.map(Lsn)
 uuid16 = st.binary(min_size=16, max_size=16)
 tenants = uuid16.map(TenantId)
 timelines = uuid16.map(TimelineId)
@@ -288,3 +284,35 @@ def test_truncated_v2_proposer_messages(msg: Message, data: st.DataObject) -> No
     cut = data.draw(st.integers(0, len(raw) - 1))
     with pytest.raises(RemoteProtocolError):
         decode_proposer_message(raw[:cut], 2)
+
+
+def _general_decoder(data: bytes) -> Message | str:
+    try:
+        return _decode_proposer_message(data, 3)
+    except RemoteProtocolError as exc:
+        return f"{exc.sqlstate}: {exc.msg}"
+
+
+def _fast_decoder(data: bytes) -> Message | str:
+    try:
+        return decode_proposer_message(data, 3)
+    except RemoteProtocolError as exc:
+        return f"{exc.sqlstate}: {exc.msg}"
+
+
+@given(append_requests(v3=True), st.data())
+def test_v3_append_fast_path_matches_the_general_decoder(msg: AppendRequest, data: st.DataObject) -> None:
+    wire = encode_message(msg, 3)
+    # Well-formed, cut short, with trailing bytes, or with header bytes overwritten.
+    cut = data.draw(st.integers(0, len(wire)))
+    extra = data.draw(st.binary(max_size=8))
+    pos = data.draw(st.integers(0, 44))
+    junk = data.draw(st.binary(min_size=1, max_size=8))
+    mangled = wire[:pos] + junk + wire[pos + len(junk) :]
+    for payload in (wire, wire + extra, wire[:cut], mangled):
+        fast = _fast_decoder(payload)
+        assert fast == _general_decoder(payload)
+        if isinstance(fast, AppendRequest):
+            assert isinstance(fast.wal, memoryview)
+            assert fast.wal.obj is payload  # a view of the payload, not a copy
+    assert _fast_decoder(wire) == msg

@@ -46,7 +46,12 @@ from safekeeper.acceptor import (
     TruncateWal,
     WriteWal,
 )
-from safekeeper.control_file import PersistentState, read_control_file, write_control_file
+from safekeeper.control_file import (
+    PersistentState,
+    fsync_dir,
+    read_control_file,
+    write_control_file,
+)
 from safekeeper.record_tracker import InvalidWal
 from safekeeper.wal_removal import first_kept_segment, removal_horizon
 from safekeeper.wal_storage import TrackedGroup, WalStorage, WalStorageError
@@ -161,6 +166,11 @@ class Timeline:
         directory.mkdir(parents=True, exist_ok=True)
         state = PersistentState(tenant_id=tenant_id, timeline_id=timeline_id)
         write_control_file(directory, state, no_sync=no_sync)
+        if not no_sync:
+            # The new directories' own entries: without these a crash could lose the whole
+            # timeline, votes included, though its control file was fsynced.
+            fsync_dir(directory.parent)
+            fsync_dir(directory.parent.parent)
         storage = WalStorage(directory, seg_size=state.wal_seg_size, no_sync=no_sync)
         return cls(directory, Acceptor(node_id, state, INVALID_LSN), storage, no_sync=no_sync)
 
@@ -336,7 +346,9 @@ class Timeline:
                 self.stats.record_group(len(chunks), sum(len(c) for c in chunks))
                 self.stats.fsyncs += storage.fsync_count - fsyncs_before
             pending = PendingFlush(
-                fd=storage.sync_handle() if chunks and error is None else -1,
+                # Synced even when an error stopped the batch: the appends accepted before it
+                # are acknowledged by finish(), so they must be durable first.
+                fd=storage.sync_handle() if chunks else -1,
                 write_lsn=storage.write_lsn,
                 record_end=Lsn(min(record_end, storage.write_lsn)),
                 epoch=storage.epoch,

@@ -70,12 +70,17 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
     )
 
 
+def _replace_file(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 async def _write_status(bridge: Bridge, path: str) -> None:
     while True:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(bridge.statistics(), f)
-        os.replace(tmp, path)
+        # The snapshot is taken on the trio thread; the file IO runs off it.
+        await trio.to_thread.run_sync(_replace_file, path, json.dumps(bridge.statistics()))
         await trio.sleep(1)
 
 

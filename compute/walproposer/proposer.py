@@ -25,7 +25,9 @@ Rules, in the order a term goes through them:
    our next term there, or the end of its own WAL in that term, whichever is lower); with no
    common term, the start of our history.
 5. **Commit.** ``commit_lsn`` is the ``quorum``-th highest ``flush_lsn`` acknowledged *in our
-   term* (a safekeeper's last acknowledgement survives its disconnection: it was fsynced). It
+   term* and not below ``epoch_start_lsn`` (Raft: a term commits nothing until a quorum holds
+   its own start; a safekeeper's last acknowledgement survives its disconnection: it was
+   fsynced). It
    only moves forward; it rides on every AppendRequest. ``truncate_lsn`` (peer horizon) is the
    lowest of those acknowledgements over all safekeepers, also never moving back.
 """
@@ -313,7 +315,15 @@ class Proposer:
         lowest = Lsn(min(s.acked_flush_lsn for s in self.slots))
         if lowest > self.truncate_lsn:
             self.truncate_lsn = lowest
-        new_commit = quorum_lsn([s.acked_flush_lsn for s in self.slots], self.quorum)
+        # Raft's rule (Neon's walproposer too): an acknowledgement below our epoch start is of
+        # older terms' WAL we are re-replicating; counting it could commit WAL that a later
+        # donor of another term overwrites. Only a quorum at or past the epoch start commits.
+        assert self.election is not None
+        epoch_start = self.election.epoch_start_lsn
+        new_commit = quorum_lsn(
+            [f if f >= epoch_start else INVALID_LSN for f in (s.acked_flush_lsn for s in self.slots)],
+            self.quorum,
+        )
         if new_commit > self.commit_lsn:
             self.commit_lsn = new_commit
             return True

@@ -422,3 +422,50 @@ def test_history_entry_beyond_flush_does_not_count() -> None:
     assert start_streaming_point(prop, h((1, b)), Lsn(b)) == b
     # The donor that holds term-1 WAL up to B+9 is streamed from its end.
     assert start_streaming_point(prop, h((1, b)), Lsn(b + 9)) == b + 9
+
+
+def test_acks_below_epoch_start_do_not_commit() -> None:
+    """Raft's "figure 8": a term must not count acknowledgements of WAL below its epoch start
+    (older terms' WAL it is re-replicating) toward commit. Otherwise a later term whose donor
+    holds another term's WAL at those LSNs overwrites what was reported committed."""
+    acc = [ModelAcceptor(i) for i in range(3)]
+    a, b, c = 0, 1, 2
+    committed: list[tuple[TermHistory, int]] = []
+    # Term 1: only A receives WAL; nothing is committed.
+    p1 = Proposer(3, bootstrap_lsn=BOOT)
+    _run_election(p1, acc, [a, b, c])
+    _push(p1, acc, a, BOOT + 100)
+    assert p1.commit_lsn == 0
+    # Term 2: B and C vote, only C hears it was elected and gets term-2 WAL at [BOOT, BOOT+50).
+    p2 = Proposer(3, bootstrap_lsn=BOOT, min_term=p1.term)
+    for i in (b, c):
+        p2.connected(i)
+    reqs = [*p2.on_greeting(b, AcceptorGreeting(b, acc[b].term)),
+            *p2.on_greeting(c, AcceptorGreeting(c, acc[c].term))]
+    elected = []
+    for j, req in reqs:
+        assert isinstance(req, VoteRequest)
+        elected += p2.on_vote(j, acc[j].vote(req))
+    for k, el in elected:
+        if k == c:
+            assert isinstance(el, ProposerElected)
+            acc[k].elected(el)
+    p2.disconnected(b)
+    _push(p2, acc, c, BOOT + 50)
+    # Term 3: A (term-1 WAL to BOOT+100) is the donor; B is re-replicated term-1 WAL.
+    p3 = Proposer(3, bootstrap_lsn=BOOT, min_term=p2.term)
+    _run_election(p3, acc, [a, b])
+    assert p3.election is not None and p3.election.epoch_start_lsn == BOOT + 100
+    for i, end in ((a, BOOT + 100), (b, BOOT + 50)):
+        begin, stop = p3.next_append(i, Lsn(end))
+        p3.sent(i, stop)
+        if p3.on_append_response(i, acc[i].append(p3.term, begin, stop)):
+            committed.append((p3.election.term_history, p3.commit_lsn))
+    # Term 4: B and C; C's last log term (2) beats B's (1 below B's flush): C is the donor.
+    p4 = Proposer(3, bootstrap_lsn=BOOT, min_term=p3.term)
+    _run_election(p4, acc, [b, c])
+    assert p4.election is not None
+    for hist, lsn in committed:
+        assert segments(p4.election.term_history, lsn) == segments(hist, lsn), (
+            f"WAL reported committed at {lsn:X} was overwritten by a later term"
+        )

@@ -187,7 +187,11 @@ async def test_reports_progress_and_uses_tenant_options(autojump_clock: trio.tes
     async with trio.open_nursery() as nursery:
         nursery.start_soon(recv.run)
         await recv.wait_for_lsn(spans[-1][1])
-        await trio.sleep(2)
+        # Wait for a status update that reports the last record (sent every 0.5 s and on the
+        # keepalive's reply request), with a deadline generous enough for a loaded CI box.
+        with trio.fail_after(30):
+            while not sk.statuses or sk.statuses[-1].write_lsn < spans[-1][1]:
+                await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
     assert sk.options == [f"-c timeline_id={timeline} tenant_id={tenant}"]
     assert sk.statuses, "no standby status update sent"
@@ -211,11 +215,16 @@ async def test_cancellation_is_prompt_and_closes() -> None:
     recv = WalReceiver(
         WalReceiverConfig(safekeepers=(("h", 1),)), start_lsn=START, on_record=on_record, connect=connect
     )
-    with trio.fail_after(2):
+    with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(recv.run)
-            await trio.sleep(0.3)
+            # Cancel mid-session: once it has connected and received something.
+            while recv.current is None or recv.records_received == 0:
+                await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
+            cancelled_at = trio.current_time()
+    # Prompt: the connection's shielded close has a 1 s deadline.
+    assert trio.current_time() - cancelled_at < 2
     assert conns and all(c.closed for c in conns)
 
 

@@ -241,7 +241,7 @@ async def test_pageserver_feedback_reaches_the_proposer(node: SafekeeperNode) ->
             async with conn:
                 copy = await conn.copy_both(f"START_REPLICATION PHYSICAL {format_lsn(start)}")
                 await copy.send(encode_copy_message(NeonFeedback(feedback)))
-                with trio.fail_after(5):
+                with trio.fail_after(20):
                     while not node.timelines[(TENANT, TIMELINE)].ps_feedback:
                         await trio.sleep(0.01)
                 more = synthetic_wal(end, 8192)

@@ -176,7 +176,7 @@ async def test_acknowledged_segments_are_removed_and_old_starts_fail(node: Safek
                 await ps_copy.send(
                     encode_copy_message(StandbyStatusUpdate(x, x, x, 0, False))
                 )
-                with trio.fail_after(5):
+                with trio.fail_after(30):
                     while tl.acceptor.remote_consistent_lsn != x:
                         await trio.sleep(0.01)
                 await settle()
@@ -187,7 +187,7 @@ async def test_acknowledged_segments_are_removed_and_old_starts_fail(node: Safek
                 await standby_copy.send(
                     encode_copy_message(StandbyStatusUpdate(x, x, Lsn(0), 0, False))
                 )
-                with trio.fail_after(10):
+                with trio.fail_after(30):
                     while segment_files(node) != [3]:
                         await trio.sleep(0.02)
                 assert tl.removal_horizon() == x

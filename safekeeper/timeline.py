@@ -359,7 +359,7 @@ class Timeline:
         """The fdatasync of a pending group (run as its own task)."""
         try:
             if pending.fd >= 0:
-                await trio.to_thread.run_sync(os.fdatasync, pending.fd)
+                await trio.to_thread.run_sync(self.storage.fdatasync, pending.fd)
                 self.stats.fsyncs += 1
         except BaseException as exc:
             pending.error = exc

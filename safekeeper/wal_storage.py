@@ -17,6 +17,9 @@ Rules:
 - ``open`` finds the end of WAL by a CRC-checked record scan from a known record boundary
   (the persisted commit_lsn): the first invalid or missing byte ends WAL.
 - ``no_sync`` skips every fsync/fdatasync (tests, benchmarks of the CPU path).
+- A failed fdatasync leaves the storage ``broken``: every later write, flush or truncation
+  raises ``WalStorageError`` until a restart rescans the disk (a retried fsync may succeed
+  over pages the kernel already dropped).
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ class WalStorage:
         self.fsync_count = 0
         # Bumped by every open/truncate: a flush started before one must not be published.
         self.epoch = 0
+        # A failed fsync: Linux may have dropped the dirty pages and a retried fsync can then
+        # succeed over lost data, so nothing more is written or acknowledged until a restart
+        # rescans what is really on disk (PostgreSQL PANICs for the same reason).
+        self.broken: OSError | None = None
 
     # -- naming ------------------------------------------------------------------------------
 
@@ -169,6 +176,21 @@ class WalStorage:
         self._segno = segno
         return self._fd
 
+    def fdatasync(self, fd: int) -> None:
+        """``os.fdatasync`` that marks the storage broken when it fails."""
+        self.check_usable()
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:
+            self.broken = exc
+            raise
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise WalStorageError(
+                f"an fsync of this timeline's WAL failed ({self.broken}); restart the safekeeper"
+            )
+
     def _close_fd(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
@@ -178,7 +200,7 @@ class WalStorage:
     def _complete_segment(self) -> None:
         """The open segment is full: make it durable and give it its final name."""
         if not self.no_sync:
-            os.fdatasync(self._fd)
+            self.fdatasync(self._fd)
             self.fsync_count += 1
         name = self.segment_name(self._segno)
         self._close_fd()
@@ -197,6 +219,7 @@ class WalStorage:
         """The CPU half of a write: feed the chunks to the record tracker (page headers and
         CRCs checked). Pure computation, so it may run on the event loop's thread while the
         IO half of the previous group runs in a worker thread."""
+        self.check_usable()
         tracker = self._tracker
         if tracker is None:
             raise WalStorageError("write before the first election initialised WAL")
@@ -219,6 +242,7 @@ class WalStorage:
         """The IO half: one ``pwritev`` per segment. Invalid WAL raises ``InvalidWal`` after
         the valid chunks were written and WAL was cut back to the last valid record's end, so
         that storage and tracker agree again."""
+        self.check_usable()
         if begin != self.write_lsn:
             raise WalStorageError(
                 f"write at {format_lsn(begin)} but write_lsn is {format_lsn(self.write_lsn)}"
@@ -292,8 +316,9 @@ class WalStorage:
 
     def flush(self) -> Lsn:
         """Make everything written durable; returns the new ``flush_record_lsn``."""
+        self.check_usable()
         if self._fd >= 0 and self.flush_lsn < self.write_lsn and not self.no_sync:
-            os.fdatasync(self._fd)
+            self.fdatasync(self._fd)
             self.fsync_count += 1
         self.flush_lsn = self.write_lsn
         if self._tracker is not None:
@@ -339,9 +364,10 @@ class WalStorage:
 
     def truncate(self, lsn: Lsn) -> None:
         """Forget all WAL at and after ``lsn`` (a record boundary); WAL continues there."""
+        self.check_usable()
         self.epoch += 1
         if self._fd >= 0 and not self.no_sync:
-            os.fdatasync(self._fd)
+            self.fdatasync(self._fd)
         self._close_fd()
         segno = lsn // self.seg_size
         for other in self.segments():
@@ -358,7 +384,11 @@ class WalStorage:
         os.ftruncate(fd, offset)
         os.posix_fallocate(fd, 0, self.seg_size)
         if not self.no_sync:
-            os.fsync(fd)
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                self.broken = exc
+                raise
             fsync_dir(self.directory)
         self.write_lsn = self.flush_lsn = self.flush_record_lsn = lsn
         self._tracker = RecordTracker(lsn, self.seg_size)

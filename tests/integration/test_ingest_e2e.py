@@ -68,7 +68,7 @@ from protocol.lsn import format_lsn, parse_lsn
 from protocol.pagestream import MAX_LSN, ExistsRequest, ExistsResponse, RelTag, Request
 
 SCALE = 2
-PGBENCH_SECONDS = 9
+PGBENCH_SECONDS = 15  # long enough that the kill lands mid-run even on a slow CI machine
 KILL_AFTER_S = 3.0
 QUIET = lambda _msg: None  # noqa: E731
 

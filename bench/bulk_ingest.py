@@ -22,6 +22,12 @@ threads were runnable but waiting for a core (``/proc/self/task/*/schedstat``: o
 2-core machine that is the other processes' load), the rest (``ingest_idle_s``) blocked, e.g.
 waiting for the stream; ``walsender_cpu_s`` is what PostgreSQL's walsender used meanwhile (it
 shares the cores), ``loadavg`` the 1-minute load average at the start and the end.
+
+Memory (issue 3's goal: pageserver RSS below ``page_cache_size`` + 300 MiB while ingesting
+1 GiB): the peak-RSS mark (``VmHWM``) is reset (``/proc/self/clear_refs``) after the import, so
+**peak_rss_mib** is this process's peak over the ingest and its final flush;
+``rss_before_ingest_mib`` is the RSS at the reset; ``rss_goal_mib`` = ``page_cache_size_mib`` +
+300. The walredo process is not counted (a separate process, as in Neon).
 """
 
 from __future__ import annotations
@@ -84,6 +90,21 @@ def _runq_wait_s() -> float:
     return total / 1e9
 
 
+def _reset_peak_rss() -> None:
+    """Make VmHWM restart from the current RSS (Linux clear_refs, value 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _status_mib(field: str) -> float:
+    """A ``/proc/self/status`` memory field (VmRSS, VmHWM) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def _proc_cpu_s(pid: int) -> float:
     """utime + stime of another process, from /proc/<pid>/stat."""
     with open(f"/proc/{pid}/stat") as f:
@@ -138,6 +159,8 @@ async def _ingest(root: Path, pg: PostgresInstance, end: Lsn, args: argparse.Nam
         cfg = WalReceiverConfig(safekeepers=(("127.0.0.1", pg.port),), idle_timeout_s=60)
         ing = TimelineWalIngest(tl, cfg)
         load0 = os.getloadavg()[0]
+        _reset_peak_rss()
+        rss0 = _status_mib("VmRSS")
         t0 = time.perf_counter()
         c0 = time.process_time()
         w0 = _runq_wait_s()
@@ -152,6 +175,7 @@ async def _ingest(root: Path, pg: PostgresInstance, end: Lsn, args: argparse.Nam
         walsender_cpu_s = sum(_proc_cpu_s(int(p)) for p in pids.split())
         await ing.flush()
         flush_s = time.perf_counter() - t0 - ingest_s
+        peak_rss = _status_mib("VmHWM")
         nursery.cancel_scope.cancel()
     stats = ing.ingest.stats
     await tenant.shutdown()
@@ -169,6 +193,10 @@ async def _ingest(root: Path, pg: PostgresInstance, end: Lsn, args: argparse.Nam
         "ingest_mb_per_s": round(wal_bytes / MB / ingest_s, 2),
         "us_per_record_cpu": round(ingest_cpu_s / max(1, stats.records) * 1e6, 2),
         "records_per_s": round(stats.records / ingest_s),
+        "rss_before_ingest_mib": round(rss0, 1),
+        "peak_rss_mib": round(peak_rss, 1),
+        "page_cache_size_mib": round(config.page_cache_size / (1 << 20), 1),
+        "rss_goal_mib": round(config.page_cache_size / (1 << 20) + 300, 1),
     }
 
 

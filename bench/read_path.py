@@ -198,6 +198,10 @@ async def _main(args: argparse.Namespace) -> int:
         build_s = time.perf_counter() - t0
         shapes = [s for s in args.shapes.split(",") if s]
         caches = [c for c in args.caches.split(",") if c]
+        if bad := sorted(set(shapes) - {"deep_l0", "l1", "image"}):
+            raise SystemExit(f"unknown --shapes {', '.join(bad)}: choose from deep_l0, l1, image")
+        if bad := sorted(set(caches) - {"hot", "cold"}):
+            raise SystemExit(f"unknown --caches {', '.join(bad)}: choose from hot, cold")
         for shape in ("deep_l0", "l1", "image"):
             if shape == "l1":
                 tl.config = cfg = attrs.evolve(cfg, compaction_threshold=2, image_creation_threshold=1_000_000)

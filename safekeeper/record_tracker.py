@@ -182,9 +182,9 @@ class RecordTracker:
         return self.record_end
 
     def _fast_records(
-        self, view: bytes, i: int, n: int, pos: int, page_left: int
+        self, buf: bytes, i: int, n: int, pos: int, page_left: int
     ) -> tuple[int, Lsn]:
-        """Consume complete records that lie entirely in ``view[i:n]`` and on this page,
+        """Consume complete records that lie entirely in ``buf[i:n]`` and on this page,
         each followed by its MAXALIGN padding; stop before anything else. Returns the new
         (index, position); the caller handles a page end."""
         # Per record: one unpack, two CRC calls, a handful of int ops. The stored CRC is
@@ -196,14 +196,14 @@ class RecordTracker:
         page_end = min(i + page_left, n)
         last_end = -1
         while page_end - i >= RECORD_HEADER:
-            tot_len, info, rmid = unpack(view, i)
+            tot_len, info, rmid = unpack(buf, i)
             end = i + tot_len
             if tot_len < RECORD_HEADER or end > page_end:
                 break
             if rmid == RM_XLOG_ID and info & 0xF0 == XLOG_SWITCH:
                 break
             body = i + RECORD_HEADER
-            if crc32(view[i:body], crc32(view[body:end])) != _CRC_RESIDUE:
+            if crc32(buf[i:body], crc32(buf[body:end])) != _CRC_RESIDUE:
                 raise InvalidWal(f"record CRC mismatch for the record at {base + i:#x}")
             padded_end = i + ((tot_len + 7) & ~7)
             last_end = padded_end

@@ -11,7 +11,8 @@ Public interface (stable; other rooms build on it):
 - reads: ``await get(key, lsn) -> bytes``; ``await get_vectored(keys, lsn) -> dict[Key, bytes]``;
   ``await get_vectored_results(keys, lsn) -> dict[Key, bytes | PageReconstructError]`` (per-key
   errors); ``await get_pages([(key, lsn), ...]) -> list[bytes | PageReconstructError]`` (one walk
-  per distinct LSN, for the page service); ``get_rel_size`` / ``get_rel_exists``.
+  for the whole batch, each key at its own LSN, for the page service; ``get_pages_per_lsn`` is
+  the old one-walk-per-LSN way); ``get_rel_size`` / ``get_rel_exists``.
 - maintenance: ``freeze()``, ``flush()`` (freeze + write L0s + index_part), ``compact()``
   (L0 -> L1, then image layers), ``gc(retain_lsns)`` (normally via ``Tenant.gc``).
 
@@ -516,8 +517,69 @@ class Timeline:
             raise result
         return result
 
-    async def get_pages(self, requests: Sequence[tuple[Key, Lsn]]) -> list[Result]:
-        """Many (key, lsn) requests: one walk per distinct LSN; results in request order."""
+    async def _read_mixed(self, requests: dict[Key, Lsn], ctx: ReadContext | None) -> dict[Key, Result]:
+        """``_read`` (vectored, with the page cache) for keys that each have their own LSN."""
+        states: dict[Key, KeyState] = {}
+        for key, lsn in requests.items():
+            hit = self.page_cache.lookup(self._key, key, lsn)
+            states[key] = KeyState() if hit is None else KeyState(hit[0], hit[1])
+        ctx = ctx or ReadContext(max_vectored_read_bytes=self.config.max_vectored_read_bytes)
+        self.graveyard.readers += 1
+        try:
+            await read_path.get_vectored_mixed(self, requests, states, ctx)
+        finally:
+            self.graveyard.readers -= 1
+        await self.graveyard.collect()
+        out: dict[Key, Result] = {}
+        for key, st in states.items():
+            try:
+                page, applied = reconstruct_value(key, requests[key], st, self.redo)
+            except PageReconstructError as exc:
+                out[key] = exc
+                continue
+            if applied is not None:
+                self.page_cache.memorize(self._key, key, applied, page)
+            out[key] = page
+        return out
+
+    async def get_pages(
+        self, requests: Sequence[tuple[Key, Lsn]], ctx: ReadContext | None = None
+    ) -> list[Result]:
+        """Many (key, lsn) requests, LSNs mixed, in one vectored walk (neon#10765); results in
+        request order. A key asked at several LSNs (the page service's scattered-lsn batching
+        never does that) costs one more walk per extra LSN: a walk holds one LSN per key."""
+        if self.config.get_impl != "vectored":
+            return await self.get_pages_per_lsn(requests)
+        answers: dict[tuple[Key, Lsn], Result] = {}
+        rounds: list[dict[Key, Lsn]] = []
+        for key, lsn in dict.fromkeys(requests):
+            if lsn < self.latest_gc_cutoff_lsn:
+                answers[(key, lsn)] = LsnBelowGcCutoffError(
+                    key, lsn, f"below the GC cutoff {format_lsn(self.latest_gc_cutoff_lsn)}"
+                )
+                continue
+            for batch in rounds:
+                if key not in batch:
+                    batch[key] = lsn
+                    break
+            else:
+                rounds.append({key: lsn})
+        for batch in rounds:
+            results = await self._read_mixed(batch, ctx)
+            if self.config.validate_get:
+                by_lsn: dict[Lsn, list[Key]] = {}
+                for key, lsn in batch.items():
+                    by_lsn.setdefault(lsn, []).append(key)
+                for lsn, keys in by_lsn.items():
+                    oracle = await self._read(keys, lsn, "legacy", use_cache=False)
+                    got = {k: results[k] for k in keys}
+                    self._validate(lsn, got, oracle, "vectored-mixed", "legacy")
+            for key, lsn in batch.items():
+                answers[(key, lsn)] = results[key]
+        return [answers[(key, lsn)] for key, lsn in requests]
+
+    async def get_pages_per_lsn(self, requests: Sequence[tuple[Key, Lsn]]) -> list[Result]:
+        """``get_pages`` the old way, one walk per distinct LSN (an oracle for tests/benches)."""
         by_lsn: dict[Lsn, list[Key]] = {}
         for key, lsn in requests:
             by_lsn.setdefault(lsn, []).append(key)

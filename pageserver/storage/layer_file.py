@@ -60,6 +60,8 @@ _BLOCK_HDR = struct.Struct(">IHH")
 ENTRIES_PER_BLOCK: Final = (INDEX_BLOCK_SIZE - _BLOCK_HDR.size) // ENTRY.size
 _PREFIX = KEY_SIZE + 8
 _LSN = struct.Struct(">Q")
+# read size when copying spilled index blocks behind the data (a multiple of the block size)
+_COPY_CHUNK: Final = 32 * INDEX_BLOCK_SIZE
 
 
 class LayerCorruptionError(RemoteProtocolError):
@@ -419,22 +421,33 @@ class LayerFileWriter:
     Blobs, then index and fences, go through engineer F's ``BufferedWriter``
     (``write_buffer_size``, ``double_buffering``; the background flush runs in ``nursery``).
     Entries must arrive in strictly increasing (key, lsn) order (invariant 1, storage.md §6).
+
+    The index goes behind the data, whose end is only known at ``finish``, so finished index
+    blocks are spilled to a scratch file ``<name>.___temp.index`` in the same directory (own
+    ``BufferedWriter``) and copied behind the data in ``finish``: the writer holds one 8 KiB
+    block and the fences (26 bytes per 194 entries), not 42 bytes per entry. The scratch file is
+    deleted on success and on abort; after a crash it is an unlisted file, which
+    ``Tenant.load`` deletes like every other file index_part.json does not list.
     """
 
     def __init__(self, engine: IoEngine, file: IoFile, writer: BufferedWriter, tmp_path: Path,
-                 final_path: Path, desc: LayerDesc) -> None:
+                 final_path: Path, desc: LayerDesc, index_file: IoFile, index_writer: BufferedWriter,
+                 index_path: Path) -> None:
         self.engine = engine
         self.file = file
         self.writer = writer
         self.tmp_path = tmp_path
         self.final_path = final_path
         self.desc = desc
+        self.index_file = index_file
+        self.index_writer = index_writer
+        self.index_path = index_path
         self._offset = DATA_START
-        self._index = bytearray()
+        self._block = bytearray(INDEX_BLOCK_SIZE)
+        self._n_blocks = 0
         self._fences: list[bytes] = []
         self._n_entries = 0
         self._n_in_block = 0
-        self._block_start = 0
         self._last_prefix = b""
 
     @classmethod
@@ -443,20 +456,34 @@ class LayerFileWriter:
         opts = opts or WriteOptions()
         final = directory / desc.file_name()
         tmp = directory / (desc.file_name() + ".___temp")
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        index_tmp = directory / (desc.file_name() + ".___temp.index")
+        for stale in (tmp, index_tmp):
+            try:
+                os.unlink(stale)
+            except FileNotFoundError:
+                pass
         file = await engine.open_file(tmp, "x+")
+        index_file: IoFile | None = None
         try:
             writer = BufferedWriter(file, buffer_size=opts.buffer_size,
                                     double_buffering=opts.double_buffering,
                                     nursery=opts.nursery, start_offset=DATA_START)
+            # Scratch, never made durable (the final file is fsynced after the copy), so
+            # O_DSYNC would only cost; O_DIRECT is kept so the page cache is spared as configured.
+            index_file = await engine.open_file(
+                index_tmp, "x+", sync_mode="direct" if file.direct else "none"
+            )
+            # Index blocks are ~1/6 of the bytes of small values: one buffer is enough.
+            index_writer = BufferedWriter(index_file, buffer_size=opts.buffer_size,
+                                          double_buffering=False)
         except BaseException:
             await file.aclose()
             os.unlink(tmp)
+            if index_file is not None:
+                await index_file.aclose()
+                os.unlink(index_tmp)
             raise
-        return cls(engine, file, writer, tmp, final, desc)
+        return cls(engine, file, writer, tmp, final, desc, index_file, index_writer, index_tmp)
 
     @property
     def n_entries(self) -> int:
@@ -474,14 +501,12 @@ class LayerFileWriter:
             raise ValueError(f"{self.final_path.name}: ({key_hex(key)}, {lsn:X}) outside the layer")
         self._last_prefix = prefix
         length = len(blob)
-        if self._n_entries == 0 or self._n_in_block == ENTRIES_PER_BLOCK:
-            if self._n_entries:
-                self._close_block()
-            self._block_start = len(self._index)
-            self._index += bytes(_BLOCK_HDR.size)
+        if self._n_in_block == ENTRIES_PER_BLOCK:
+            await self._spill_block()
+        if self._n_in_block == 0:
             self._fences.append(prefix)
-            self._n_in_block = 0
-        self._index += ENTRY.pack(prefix, (self._offset << 1) | will_init, length, crc32c.crc32c(blob))
+        ENTRY.pack_into(self._block, _BLOCK_HDR.size + self._n_in_block * ENTRY.size, prefix,
+                        (self._offset << 1) | will_init, length, crc32c.crc32c(blob))
         self._n_in_block += 1
         self._n_entries += 1
         # no coroutine per value while the blob fits in the write buffer
@@ -489,12 +514,18 @@ class LayerFileWriter:
             await self.writer.write(blob)
         self._offset += length
 
-    def _close_block(self) -> None:
-        start = self._block_start
-        self._index += bytes(INDEX_BLOCK_SIZE - (len(self._index) - start))
-        _BLOCK_HDR.pack_into(self._index, start, 0, self._n_in_block, 0)
-        crc = crc32c.crc32c(memoryview(self._index)[start + 4 : start + INDEX_BLOCK_SIZE])
-        struct.pack_into(">I", self._index, start, crc)
+    async def _spill_block(self) -> None:
+        """Seal the current index block (header, crc, zero tail) and append it to the scratch
+        index file; the block buffer is reused for the next one."""
+        block = self._block
+        used = _BLOCK_HDR.size + self._n_in_block * ENTRY.size
+        block[used:] = bytes(INDEX_BLOCK_SIZE - used)
+        _BLOCK_HDR.pack_into(block, 0, 0, self._n_in_block, 0)
+        _SUMMARY_CRC.pack_into(block, 0, crc32c.crc32c(memoryview(block)[4:]))
+        if self.index_writer.try_write(block) < 0:
+            await self.index_writer.write(block)
+        self._n_blocks += 1
+        self._n_in_block = 0
 
     @property
     def first_key(self) -> Key | None:
@@ -517,12 +548,12 @@ class LayerFileWriter:
             self.desc = attrs.evolve(self.desc, key_range=key_range)
             self.final_path = self.final_path.with_name(self.desc.file_name())
         try:
-            if self._n_entries:
-                self._close_block()
+            if self._n_in_block:
+                await self._spill_block()
             index_start = self._offset
-            n_blocks = len(self._index) // INDEX_BLOCK_SIZE
+            n_blocks = self._n_blocks
             fences = b"".join(self._fences)
-            fence_start = index_start + len(self._index)
+            fence_start = index_start + n_blocks * INDEX_BLOCK_SIZE
             summary = Summary(
                 magic=DELTA_MAGIC if self.desc.is_delta else IMAGE_MAGIC,
                 key_range=self.desc.key_range,
@@ -536,23 +567,47 @@ class LayerFileWriter:
                 file_size=fence_start + len(fences),
                 fences_crc=crc32c.crc32c(fences),
             )
-            await self.writer.write(self._index)
+            await self._copy_index()
             await self.writer.write(fences)
             if await self.writer.close() != summary.file_size:
                 raise AssertionError(f"{self.tmp_path}: written length disagrees with the summary")
             header = summary.encode()
             await self.file.write_at(0, header + bytes(DATA_START - len(header)))
             await self.file.aclose()
+            # fsync of the layer, rename, fsync of the directory: visible only when durable
             await durable_rename(self.engine, self.tmp_path, self.final_path)
         except BaseException:
             await self.abort()
             raise
         return self.final_path
 
-    async def abort(self) -> None:
-        await self.writer.abort()
-        await self.file.aclose()
+    async def _copy_index(self) -> None:
+        """Append the spilled index blocks behind the data, ``_COPY_CHUNK`` bytes at a time,
+        then drop the scratch file."""
+        size = await self.index_writer.close()
+        if size != self._n_blocks * INDEX_BLOCK_SIZE:
+            raise AssertionError(f"{self.index_path}: {size} bytes for {self._n_blocks} index blocks")
+        for offset in range(0, size, _COPY_CHUNK):
+            chunk = await self.index_file.read_exact_at(offset, min(_COPY_CHUNK, size - offset))
+            await self.writer.write(chunk)
+        await self._drop_index_file()
+
+    async def _drop_index_file(self) -> None:
+        # unlink first: a cancelled close must not leave the scratch file behind
         try:
-            os.unlink(self.tmp_path)
+            os.unlink(self.index_path)
         except FileNotFoundError:
             pass
+        await self.index_file.aclose()
+
+    async def abort(self) -> None:
+        try:
+            await self.index_writer.abort()
+            await self._drop_index_file()
+        finally:
+            await self.writer.abort()
+            await self.file.aclose()
+            try:
+                os.unlink(self.tmp_path)
+            except FileNotFoundError:
+                pass

@@ -32,6 +32,7 @@ from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.key import Key, KeyRange, is_inherited_key, key_hex, key_next
 from pageserver.storage.layer_map import LayerMap
 from pageserver.storage.reconstruct import KeyState
+from pageserver.storage.value import decode_value
 from protocol.lsn import Lsn
 
 Layer = InMemoryLayer | PersistentLayer
@@ -216,3 +217,161 @@ async def get_vectored(
         timeline = timeline.ancestor_timeline
     # The walk only planned the persistent layers' reads: do them all at once, then decode.
     await read_and_resolve(ctx, (states[k] for k in keys))
+
+
+# -- mixed-LSN batches (the page service's scattered-lsn batching, neon#10765) -------------------
+#
+# Each key carries its own request LSN, so its own ``cont``. Reads are merged per (layer, floor,
+# clip) where ``clip = min(cont, layer end)``: every key whose request LSN is at or above a
+# layer's end sees the same values of it, so keys at different LSNs share one visit of it. A
+# layer's reads take one ``cont`` for all their keys, so only keys whose LSN falls *inside* a
+# persistent layer's LSN range cost a second visit of that layer. In-memory layers (where fresh
+# request LSNs land while WAL is ingested) are read once with a per-key ``cont``.
+
+
+def _layer_end(layer: Layer) -> int:
+    if isinstance(layer, InMemoryLayer):
+        return layer.lsn_end_or_max
+    return int(layer.desc.lsn_end)
+
+
+class _MixedFringe:
+    """Pending layer reads, highest ``clip`` first; each key carries its own ``cont``."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, int]] = []
+        self._reads: dict[tuple[int, int, int], tuple[Layer, dict[Key, int]]] = {}
+
+    def push(self, layer: Layer, keys: Sequence[Key], floor: int, conts: dict[Key, int]) -> None:
+        end = _layer_end(layer)
+        for key in keys:
+            # an in-memory layer reads with per-key conts: one entry for all of them
+            clip = end if isinstance(layer, InMemoryLayer) else end
+            ident = (id(layer), floor, clip)
+            entry = self._reads.get(ident)
+            if entry is None:
+                entry = self._reads[ident] = (layer, {})
+                heapq.heappush(self._heap, (-clip, floor, id(layer)))
+            entry[1][key] = conts[key]
+
+    def pop(self) -> tuple[Layer, dict[Key, int], int, int] | None:
+        if not self._heap:
+            return None
+        neg_clip, floor, ident = heapq.heappop(self._heap)
+        layer, keys = self._reads.pop((ident, floor, -neg_clip))
+        return layer, keys, floor, -neg_clip
+
+
+async def _inmemory_mixed(
+    layer: InMemoryLayer,
+    conts: dict[Key, int],
+    floor: int,
+    states: dict[Key, KeyState],
+    ctx: ReadContext,
+) -> None:
+    """``InMemoryLayer.get_values_vectored`` with a ``cont`` per key, one visit for all."""
+    by_cont: dict[int, list[Key]] = {}
+    for key, cont in conts.items():
+        by_cont.setdefault(cont, []).append(key)
+    if len(by_cont) == 1:
+        ((cont, keys),) = by_cont.items()
+        await layer.get_values_vectored(sorted(keys), floor, cont, states, ctx)
+        return
+    ctx.layers_visited += 1
+    index = layer.index
+    for key in sorted(conts):
+        cont = conts[key]
+        st = states[key]
+        entries = index.get(key)
+        if entries is not None and not st.complete:
+            for i in range(len(entries) - 3, -1, -3):
+                lsn = entries[i]
+                if lsn >= cont:
+                    continue
+                if lsn < floor:
+                    break
+                pos, length = entries[i + 1], entries[i + 2]
+                blob = await layer.file.read_at(pos >> 1, length)
+                ctx.blobs_read += 1
+                if st.add(Lsn(lsn), decode_value(blob)):
+                    break
+        st.floor_reached(floor)
+
+
+def _pending_mixed(conts: dict[Key, int], states: dict[Key, KeyState], cached: bool) -> dict[Key, int]:
+    out: dict[Key, int] = {}
+    for key, cont in conts.items():
+        st = states[key]
+        if not st.complete and cached:
+            st.floor_reached(cont)
+        if not st.complete:
+            out[key] = cont
+    return out
+
+
+async def _walk_timeline_mixed(
+    tl: ReadableTimeline,
+    conts: dict[Key, int],
+    states: dict[Key, KeyState],
+    ctx: ReadContext,
+) -> None:
+    unmapped = conts
+    fringe = _MixedFringe()
+    while True:
+        unmapped = _pending_mixed(unmapped, states, ctx.any_cached)
+        by_cont: dict[int, list[Key]] = {}
+        for key, cont in unmapped.items():
+            by_cont.setdefault(cont, []).append(key)
+        for cont, keys in by_cont.items():
+            keys.sort()
+            mem = _first_in_memory(tl, cont)
+            if mem is not None:
+                fringe.push(mem, keys, mem.start_lsn, unmapped)
+                continue
+            start, end = keys[0], key_next(keys[-1])
+            found, _missing = tl.layer_map.range_search(KeyRange(start, end), cont)
+            for hist, hist_floor, sub in found:
+                lo = bisect.bisect_left(keys, sub.start)
+                hi = bisect.bisect_left(keys, sub.end, lo)
+                if lo < hi:
+                    fringe.push(hist, keys[lo:hi], hist_floor, unmapped)
+        item = fringe.pop()
+        if item is None:
+            return
+        layer, routed, floor, clip = item
+        if ctx.any_cached:
+            # a key sits in one fringe entry at a time: only its cached page can have finished
+            # it since it was routed here
+            routed = _pending_mixed(routed, states, True)
+        if routed:
+            if isinstance(layer, InMemoryLayer):
+                await _inmemory_mixed(layer, routed, floor, states, ctx)
+            else:
+                await layer.get_values_vectored(sorted(routed), floor, clip, states, ctx)
+        unmapped = dict.fromkeys(routed, floor)
+
+
+async def get_vectored_mixed(
+    tl: ReadableTimeline,
+    requests: dict[Key, Lsn],
+    states: dict[Key, KeyState],
+    ctx: ReadContext,
+) -> None:
+    """``get_vectored`` for keys at different LSNs (``requests``: key -> its LSN; one LSN per
+    key) in one walk; each key only takes values at or below its own LSN."""
+    timeline: ReadableTimeline | None = tl
+    conts = {key: lsn + 1 for key, lsn in requests.items()}
+    ctx.any_cached = any(states[k].cached_lsn >= 0 for k in requests)
+    for key in requests:
+        states[key].pending = []
+    pending = {k: c for k, c in conts.items() if not states[k].complete}
+    while pending and timeline is not None:
+        await _walk_timeline_mixed(timeline, pending, states, ctx)
+        if timeline.ancestor_timeline is None:
+            break
+        cap = timeline.ancestor_lsn + 1
+        pending = {
+            k: min(c, cap) for k, c in pending.items() if not states[k].complete and is_inherited_key(k)
+        }
+        timeline = timeline.ancestor_timeline
+    await read_and_resolve(ctx, (states[k] for k in requests))

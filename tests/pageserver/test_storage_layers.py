@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import tempfile
+import tracemalloc
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import crc32c
 import pytest
 import trio
 from hypothesis import given, settings
@@ -22,7 +25,21 @@ from pageserver.storage.delta_layer import (
 from pageserver.storage.image_layer import ImageLayer, write_image_layer
 from pageserver.storage.io_engine import BlockingIoEngine
 from pageserver.storage.key import Key, KeyRange, key_next, rel_block_key
-from pageserver.storage.layer_file import ENTRIES_PER_BLOCK, IndexBlockCache, LayerCorruptionError
+from pageserver.storage.layer_file import (
+    DATA_START,
+    DELTA_MAGIC,
+    ENTRIES_PER_BLOCK,
+    ENTRY,
+    IMAGE_MAGIC,
+    INDEX_BLOCK_SIZE,
+    IndexBlockCache,
+    LayerCorruptionError,
+    LayerDesc,
+    LayerFileWriter,
+    Summary,
+    WriteOptions,
+    prefix_of,
+)
 from pageserver.storage.layer_map import LayerMap
 from pageserver.storage.page_cache import PageCache
 from pageserver.storage.reconstruct import KeyState
@@ -309,3 +326,135 @@ def test_any_flipped_byte_gives_right_values_or_a_corruption_error(where: float,
         assert str(path) in str(exc)
     finally:
         shutil.rmtree(directory)
+
+
+# -- the writer spills its index: bounded memory, unchanged bytes --------------------------
+
+
+def _reference_layer_bytes(desc: LayerDesc, entries: Sequence[tuple[Key, int, bytes, bool]]) -> bytes:
+    """The whole file as the writer that kept its index in memory produced it (the format of
+    docs/storage-format.md, built independently of LayerFileWriter)."""
+    blobs = bytearray()
+    blocks: list[bytearray] = []
+    fences: list[bytes] = []
+    for key, lsn, blob, will_init in entries:
+        prefix = prefix_of(key, lsn)
+        if not blocks or len(blocks[-1]) == 8 + ENTRIES_PER_BLOCK * ENTRY.size:
+            blocks.append(bytearray(8))
+            fences.append(prefix)
+        pos = (DATA_START + len(blobs)) << 1 | will_init
+        blocks[-1] += ENTRY.pack(prefix, pos, len(blob), crc32c.crc32c(blob))
+        blobs += blob
+    index = bytearray()
+    for block in blocks:
+        n = (len(block) - 8) // ENTRY.size
+        block += bytes(INDEX_BLOCK_SIZE - len(block))
+        struct.pack_into(">HH", block, 4, n, 0)
+        struct.pack_into(">I", block, 0, crc32c.crc32c(bytes(block[4:])))
+        index += block
+    data_end = DATA_START + len(blobs)
+    fence_bytes = b"".join(fences)
+    summary = Summary(
+        magic=DELTA_MAGIC if desc.is_delta else IMAGE_MAGIC,
+        key_range=desc.key_range,
+        lsn_start=desc.lsn_start,
+        lsn_end=desc.lsn_end,
+        data_end=data_end,
+        index_start=data_end,
+        n_index_blocks=len(blocks),
+        n_entries=len(entries),
+        fence_start=data_end + len(index),
+        file_size=data_end + len(index) + len(fence_bytes),
+        fences_crc=crc32c.crc32c(fence_bytes),
+    ).encode()
+    return summary + bytes(DATA_START - len(summary)) + bytes(blobs) + bytes(index) + fence_bytes
+
+
+async def _write_all(
+    directory: Path, desc: LayerDesc, entries: Sequence[tuple[Key, int, bytes, bool]], opts: WriteOptions
+) -> Path:
+    writer = await LayerFileWriter.create(BlockingIoEngine(), directory, desc, opts)
+    for key, lsn, blob, will_init in entries:
+        await writer.put(key, lsn, blob, will_init)
+    return await writer.finish()
+
+
+@pytest.mark.parametrize(
+    "n", [1, ENTRIES_PER_BLOCK - 1, ENTRIES_PER_BLOCK, ENTRIES_PER_BLOCK + 1, 5 * ENTRIES_PER_BLOCK, 7000]
+)
+@pytest.mark.parametrize("buffer_size", [4096, 64 * 1024])
+async def test_writer_output_is_byte_identical_to_the_in_memory_index_writer(
+    tmp_path: Path, n: int, buffer_size: int
+) -> None:
+    entries = [
+        (k(i // 3), 100 + i % 3, encode_value(Image(b"x" * (i % 37))), i % 3 == 0) for i in range(n)
+    ]
+    desc = LayerDesc(KeyRange(k(0), k(n)), Lsn(100), Lsn(103), True)
+    path = await _write_all(tmp_path, desc, entries, WriteOptions(buffer_size=buffer_size))
+    assert path.read_bytes() == _reference_layer_bytes(desc, entries)
+    # the scratch index file is gone; only the layer is left
+    assert [p.name for p in tmp_path.iterdir()] == [desc.file_name()]
+    layer = await PersistentLayer.open(BlockingIoEngine(), path, IndexBlockCache(4))
+    try:
+        assert layer.file_size == len(path.read_bytes())
+    finally:
+        await layer.aclose()
+
+
+async def test_image_writer_output_is_byte_identical(tmp_path: Path) -> None:
+    pages = [(k(i), bytes([i % 251]) * 8192) for i in range(300)]
+
+    async def images() -> AsyncIterator[tuple[Key, bytes]]:
+        for key, page in pages:
+            yield key, page
+
+    path = await write_image_layer(BlockingIoEngine(), tmp_path, KeyRange(k(0), k(300)), Lsn(200), images())
+    assert path is not None
+    desc = LayerDesc(KeyRange(k(0), k(300)), Lsn(200), Lsn(201), False)
+    want = _reference_layer_bytes(desc, [(key, 200, encode_value(Image(p)), True) for key, p in pages])
+    assert path.read_bytes() == want
+
+
+async def test_failed_write_removes_the_layer_and_index_scratch_files(tmp_path: Path) -> None:
+    desc = LayerDesc(KeyRange(k(0), k(10_000)), Lsn(100), Lsn(101), True)
+
+    async def entries() -> AsyncIterator[tuple[Key, Lsn, bytes, bool]]:
+        for i in range(3 * ENTRIES_PER_BLOCK):
+            yield k(i), Lsn(100), b"v%d" % i, True
+        raise OSError("source failed")
+
+    with pytest.raises(OSError, match="source failed"):
+        await write_delta_layer(BlockingIoEngine(), tmp_path, desc.key_range, Lsn(100), Lsn(101), entries())
+    assert list(tmp_path.iterdir()) == []
+    # a scratch file left by a crash is no layer (Tenant.load deletes every unlisted file)
+    assert LayerDesc.parse_file_name(desc.file_name() + ".___temp.index") is None
+
+
+async def test_writer_index_memory_is_bounded(tmp_path: Path) -> None:
+    """The old writer held 42 bytes per entry until finish (12.6 MB here); the spilling one
+    holds one block, the fences and its buffers."""
+    n = 300_000
+    desc = LayerDesc(KeyRange.full(), Lsn(100), Lsn(200), True)
+    blob = encode_value(TestRecord.wal_append("x"))
+    writer = await LayerFileWriter.create(BlockingIoEngine(), tmp_path, desc, WriteOptions())
+    tracemalloc.start()
+    try:
+        for i in range(n):
+            await writer.put(k(i), 150, blob, False)
+        path = await writer.finish()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < n * 6, f"writer peak {peak} bytes for {n} entries"
+    size = path.stat().st_size
+    assert size == DATA_START + n * len(blob) + -(-n // ENTRIES_PER_BLOCK) * (INDEX_BLOCK_SIZE + 26)
+    layer = await PersistentLayer.open(BlockingIoEngine(), path, IndexBlockCache(4))
+    try:
+        states = _deferring({k(i): KeyState() for i in (0, n // 2, n - 1)})
+        ctx = ReadContext()
+        await layer.get_values_vectored(sorted(states), 0, 200, states, ctx)
+        await read_and_resolve(ctx, states.values())
+        for state in states.values():
+            assert state.records == [(150, TestRecord.wal_append("x"))]
+    finally:
+        await layer.aclose()

@@ -49,7 +49,7 @@ class Tenant:
         self.path = path
         self.tenant_id = tenant_id
         self.config = config
-        self.engine = engine if engine is not None else make_io_engine(config.io_engine)
+        self.engine = engine if engine is not None else make_io_engine(config.io_engine, write_sync_mode=config.io_sync_mode)
         self.redo: RedoManager = redo if redo is not None else TestRedoManager()
         self.nursery = nursery
         self.page_cache = PageCache(config.page_cache_size)

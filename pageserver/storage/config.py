@@ -62,4 +62,9 @@ class StorageConfig:
     )
     write_buffer_size: int = attrs.field(default=64 * 1024, validator=_positive)
     double_buffering: bool = True
+    # "none": page cache; "dsync": O_DSYNC writes; "direct": O_DIRECT (refused with a clear
+    # error where the filesystem does not support it). For experiments: see docs/io.md.
+    io_sync_mode: Literal["none", "dsync", "direct"] = attrs.field(
+        default="none", validator=attrs.validators.in_(("none", "dsync", "direct"))
+    )
     wait_lsn_timeout_s: float = attrs.field(default=60.0, validator=_non_negative)

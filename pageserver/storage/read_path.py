@@ -18,6 +18,10 @@ says where a key completes); all their blob reads run together after the walk
 (``execute_reads``: one engine call per batch), then values are decoded in walk order. A key leaves the walk at an image, a will_init record, or when the walk's floor
 reaches its cached page (``KeyState.floor_reached``, the #7477 fix). Keys no layer of this
 timeline holds go on to the ancestor, at ``min(lsn, ancestor_lsn) + 1``.
+
+Mixed LSNs (``get_vectored_mixed``, the page service's scattered-lsn batches, neon#10765): the
+same walk with a ``cont`` per key, so a batch whose keys have different request LSNs is one walk;
+see the notes above ``_MixedFringe`` for when a layer is still visited twice.
 """
 
 from __future__ import annotations
@@ -246,7 +250,7 @@ class _MixedFringe:
         end = _layer_end(layer)
         for key in keys:
             # an in-memory layer reads with per-key conts: one entry for all of them
-            clip = end if isinstance(layer, InMemoryLayer) else end
+            clip = end if isinstance(layer, InMemoryLayer) else min(conts[key], end)
             ident = (id(layer), floor, clip)
             entry = self._reads.get(ident)
             if entry is None:

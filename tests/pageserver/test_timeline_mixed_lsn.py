@@ -14,14 +14,19 @@ import tempfile
 from pathlib import Path
 
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pageserver.storage import read_path
 from pageserver.storage.config import StorageConfig
 from pageserver.storage.delta_layer import ReadContext
 from pageserver.storage.key import Key, rel_block_key
-from pageserver.storage.reconstruct import KeyState, MissingKeyError, PageReconstructError, reconstruct_value
+from pageserver.storage.reconstruct import (
+    KeyState,
+    MissingKeyError,
+    PageReconstructError,
+    reconstruct_value,
+)
 from pageserver.storage.value import Image, TestRecord, Value
 from pageserver.tenant import Tenant
 from pageserver.timeline import Timeline
@@ -114,8 +119,8 @@ OPS = st.lists(
         st.tuples(st.just("put"), WRITES, st.integers(1, 30)),
         st.tuples(st.sampled_from(["freeze", "flush", "compact", "images"]), st.just([]), st.just(0)),
     ),
-    min_size=1,
-    max_size=40,
+    min_size=8,
+    max_size=50,
 )
 
 
@@ -139,7 +144,7 @@ async def _build(tenant: Tenant, ops_spec: list[tuple[str, list[tuple[int, str, 
     return tl, ops
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops_spec=OPS, data=st.data())
 def test_mixed_lsn_batches_equal_legacy_and_per_lsn(
     ops_spec: list[tuple[str, list[tuple[int, str, str]], int]], data: st.DataObject
@@ -187,6 +192,7 @@ def test_mixed_lsn_batches_equal_legacy_and_per_lsn(
                     await tl.get_vectored_results(keys, lsn, one)
                     per_lsn_visits += one.layers_visited
                 assert ctx.layers_visited <= per_lsn_visits, (ctx.layers_visited, per_lsn_visits)
+                event(f"layers={min(_layer_count(tl), 6)} lsns={min(len(by_lsn), 4)}")
                 if all(lsn + 1 >= persistent_end for _, lsn in batch):
                     assert ctx.layers_visited <= _layer_count(tl), (ctx.layers_visited, _layer_count(tl))
 

@@ -3,7 +3,8 @@
 
 The one thing this adds over calling ``Datadir`` per request is the batch shape: a GetPage batch
 becomes one vectored read of every (directory, size) key the batch needs per distinct LSN, then
-one ``Timeline.get_pages`` for all in-range blocks (one walk per distinct LSN). Blocks at or past
+one ``Timeline.get_pages`` for all in-range blocks (one walk for the whole batch, whatever
+the mix of LSNs). Blocks at or past
 the fork's size are zero pages without touching the engine; a missing relation is a per-request
 ``NotFound``; a page that cannot be reconstructed is a per-request ``ReadError``.
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import attrs
+
+from common.ports import free_port as free_port  # re-exported: callers predate common.ports
 
 PG_BIN = Path(os.environ.get("PAGESTORE_PG_BIN", "/usr/lib/postgresql/15/bin"))
 PG_USER = "postgres"
@@ -93,10 +94,6 @@ def make_postgres_dir(path: Path) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def initdb(datadir: Path, *, extra_args: Sequence[str] = ()) -> None:

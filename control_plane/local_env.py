@@ -27,6 +27,7 @@ import attrs
 import tomli_w
 
 from common.config import ConfigError, dump_config, load_config
+from common.ports import free_port
 from pageserver.config import PageserverConfig, load_pageserver_config
 from safekeeper.config import SafekeeperConfig
 from safekeeper.config import load_config as load_safekeeper_config
@@ -90,17 +91,8 @@ def _port_free(port: int) -> bool:
 
 
 def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports the OS considers free now (all sockets held open while picking)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct ports free now (see ``common.ports``: never handed out twice)."""
+    return [free_port() for _ in range(n)]
 
 
 def plan_ports(safekeepers: int, *, port_offset: int = 0, free_ports: bool = False) -> LocalEnvConfig:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import tomli_w
 
 from common.pgclient import PgClientConnection, connect
 from common.pgcopy import CopyBothStream
+from common.ports import free_port
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn
@@ -190,12 +190,6 @@ class TestProposer:
                 return reply
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class SafekeeperProcess:
     """The real node as a subprocess (``python -m control_plane.cli safekeeper -c FILE``)."""
 
@@ -226,7 +220,7 @@ class SafekeeperProcess:
     def timeline_dir(self, tenant_id: TenantId, timeline_id: TimelineId) -> Path:
         return self.data_dir / tenant_id.hex / timeline_id.hex
 
-    def start(self, timeout: float = 20) -> None:
+    def start(self, timeout: float = 60) -> None:
         root = Path(__file__).resolve().parent.parent
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "control_plane.cli", "safekeeper", "-c", str(self.config_path)],
@@ -249,7 +243,7 @@ class SafekeeperProcess:
         raise RuntimeError("safekeeper did not start")
 
     def http_get(self, path: str) -> Any:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=30) as r:
             body = r.read()
         return json.loads(body) if path != "/metrics" else body.decode()
 

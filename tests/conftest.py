@@ -21,7 +21,11 @@ settings.register_profile(
     max_examples=100,
     suppress_health_check=[HealthCheck.too_slow],
 )
-settings.register_profile("dev", deadline=None, max_examples=50)
+# too_slow is a health check on data generation speed, which depends on machine load, not on
+# the code under test: suppressed in both profiles (CI may run without CI set).
+settings.register_profile(
+    "dev", deadline=None, max_examples=50, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 @pytest.fixture

@@ -282,7 +282,7 @@ async def test_ssl_gssenc_refused_then_startup_and_extended_protocol_rejected(
 
 
 async def test_garbage_on_one_connection_closes_only_it(handler: Handler) -> None:
-    with trio.fail_after(10):
+    with trio.fail_after(30):
         async with tcp_server(handler) as server:
             assert server.port is not None
             good = await connect("127.0.0.1", server.port, user="good")
@@ -304,15 +304,23 @@ async def test_garbage_on_one_connection_closes_only_it(handler: Handler) -> Non
             await worse.aclose()
 
 
+async def _until_handler_saw(handler: Handler, query: str) -> None:
+    """Wait until the server runs ``query`` (a fixed sleep races with a loaded machine)."""
+    while not any(seen_query == query for _, _, seen_query in handler.seen):
+        await trio.sleep(0.01)
+
+
 async def test_shutdown_sends_57p01_and_enforces_deadline(handler: Handler) -> None:
-    server = PgServer(handler, PgServerConfig(shutdown_timeout_s=2))
-    with trio.fail_after(10):
+    # The deadline is generous so that a loaded machine cannot reach it; ending well before it
+    # still proves handlers were cancelled at shutdown rather than left to the deadline.
+    server = PgServer(handler, PgServerConfig(shutdown_timeout_s=30))
+    with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             port = await nursery.start(server.serve)
             idle = await connect("127.0.0.1", port, user="idle")
             busy = await connect("127.0.0.1", port, user="busy")
             await busy.send_bytes(m.encode(m.Query("sleep 1000")))
-            await trio.sleep(0.1)
+            await _until_handler_saw(handler, "sleep 1000")
             start = trio.current_time()
             server.shutdown()
             for conn in (idle, busy):
@@ -322,7 +330,7 @@ async def test_shutdown_sends_57p01_and_enforces_deadline(handler: Handler) -> N
                 assert (err.severity, err.sqlstate) == ("FATAL", "57P01")
                 assert msgs[1:] == [CLOSED]
         # serve() returned: every connection ended well before the deadline.
-        assert trio.current_time() - start < 2
+        assert trio.current_time() - start < 30
         assert server.connection_count == 0
         with pytest.raises(OSError):
             await trio.open_tcp_stream("127.0.0.1", port)
@@ -396,7 +404,7 @@ async def test_log_context_bound_per_connection(handler: Handler) -> None:
 
 def _psycopg_session(port: int) -> Iterator[object]:
     with psycopg.connect(
-        host="127.0.0.1", port=port, user="pg", dbname="x", autocommit=True, connect_timeout=5
+        host="127.0.0.1", port=port, user="pg", dbname="x", autocommit=True, connect_timeout=30
     ) as conn:
         yield conn.execute("select 1").fetchall()
         try:
@@ -412,7 +420,7 @@ def _psycopg_session(port: int) -> Iterator[object]:
 
 
 async def test_psycopg_client(handler: Handler) -> None:
-    with trio.fail_after(20):
+    with trio.fail_after(60):
         async with tcp_server(handler) as server:
             assert server.port is not None
             port = server.port
@@ -427,7 +435,7 @@ async def test_psycopg_client(handler: Handler) -> None:
 
 @pytest.mark.postgres
 async def test_psql_client(handler: Handler) -> None:
-    with trio.fail_after(20):
+    with trio.fail_after(60):
         async with tcp_server(handler) as server:
             args = [PSQL, "-X", "-h", "127.0.0.1", "-p", str(server.port), "-U", "someone", "-A"]
             ok = await trio.run_process(
@@ -444,12 +452,13 @@ async def test_psql_client(handler: Handler) -> None:
 
 
 async def test_cancel_request_cancels_running_query(handler: Handler) -> None:
-    with trio.fail_after(10):
+    with trio.fail_after(30):
         async with tcp_server(handler) as server:
             assert server.port is not None
             conn = await connect("127.0.0.1", server.port)
             await conn.send_bytes(m.encode(m.Query("sleep 1000")))
-            await trio.sleep(0.1)
+            # A cancel that arrives before the query runs is (as in PostgreSQL) a no-op.
+            await _until_handler_saw(handler, "sleep 1000")
             key = conn.backend_key
             assert key is not None
             canceller = await trio.open_tcp_stream("127.0.0.1", server.port)

@@ -30,7 +30,7 @@ import pytest
 from compute.postgres import PG_USER, PostgresInstance, pg_binary
 from control_plane import cli
 from control_plane.local_env import LocalEnv
-from control_plane.process import is_alive, read_pid
+from control_plane.process import is_alive, read_pid, wait_until
 from protocol.lsn import parse_lsn
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -104,11 +104,15 @@ def test_branch_past_lsn_and_import(cluster_dir: Path, pg_tmp_path: Path,
     bench = subprocess.Popen(
         ([] if os.geteuid() != 0 else ["runuser", "-u", PG_USER, "--"])
         + [pg_binary("pgbench"), "-h", "127.0.0.1", "-p", str(main.port), "-U", PG_USER, "-n",
-           "-c", "2", "-T", "5", "postgres"],
+           "-c", "2", "-T", "8", "postgres"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     try:
-        time.sleep(2.5)
+        # Branch mid-run: once pgbench has committed (a fixed sleep may end before a slow
+        # machine has even connected), with seconds of its run still to go after the branch.
+        wait_until("pgbench commits", lambda: bench.poll() is not None or counts(main)[1] > past_count,
+                   timeout=60)
+        time.sleep(1.0)
         half_sum, half_count, half_lsn = locked_snapshot(main)
         branch = pagestore_json(capsys, "timeline", "branch", *wd, "--branch-name", "half",
                                 "--ancestor-lsn", half_lsn)

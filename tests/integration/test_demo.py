@@ -30,7 +30,7 @@ def run_demo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[st
 def test_demo_runs_and_checks(pg_tmp_path: Path) -> None:
     workdir = pg_tmp_path / "demo"
     result_path = pg_tmp_path / "result.json"
-    proc = run_demo("--workdir", str(workdir), "--free-ports", "--scale", "1", "--duration", "4",
+    proc = run_demo("--workdir", str(workdir), "--free-ports", "--scale", "1", "--duration", "8",
                     "--clients", "2", "--stop", "--json-result", str(result_path))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "every check passed" in proc.stdout

@@ -35,6 +35,8 @@ class NodeProcess:
     def configure(cls, workdir: Path, extra: str = "") -> NodeProcess:
         workdir.mkdir(parents=True, exist_ok=True)
         pg_port, http_port = free_port(), free_port()
+        while http_port == pg_port:  # two bind(0) probes may hand out the same port
+            http_port = free_port()
         config = workdir / "pageserver.toml"
         config.write_text(
             f'workdir = "{workdir}"\n'
@@ -54,7 +56,7 @@ class NodeProcess:
         path = self.workdir / "pageserver.log"
         return path.read_text() if path.exists() else ""
 
-    def start(self, timeout: float = 30.0) -> NodeProcess:
+    def start(self, timeout: float = 90.0) -> NodeProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "control_plane.cli", "pageserver", "-c", str(self.config_path)],
             cwd=REPO,
@@ -77,7 +79,7 @@ class NodeProcess:
         self.kill()
         raise RuntimeError("pageserver did not start")
 
-    def stop(self, timeout: float = 20.0) -> int:
+    def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, then wait; returns the exit code (kills after ``timeout``)."""
         assert self.proc is not None
         if self.proc.poll() is None:

@@ -285,10 +285,15 @@ async def test_inline_flush_error_raises_from_write_and_poisons(tmp_path: Path) 
 async def test_cancelled_background_flush_is_recorded(tmp_path: Path) -> None:
     engine = GatedEngine()
     f = await _open(engine, tmp_path / "x")
-    with trio.move_on_after(0.05):
+    with trio.CancelScope() as scope:
         async with trio.open_nursery() as nursery:
             writer = BufferedWriter(f, buffer_size=8, double_buffering=True, nursery=nursery)
             await writer.write(b"12345678")  # handed over, blocked on the gate
+            # Cancel once the flush is parked on the gate, not after a wall-clock interval
+            # that a loaded machine might exceed before the handover.
+            await trio.testing.wait_all_tasks_blocked()
+            assert engine.started_writes == 1
+            scope.cancel()
             await trio.sleep_forever()
     with pytest.raises(FlushFailedError, match="cancelled"):
         await writer.write(b"more")

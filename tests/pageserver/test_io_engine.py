@@ -240,6 +240,14 @@ async def test_threadpool_runs_off_the_trio_thread_within_its_limit() -> None:
             running += 1
             peak = max(peak, running)
             seen.add(threading.get_ident())
+        # Stay until a second worker has overlapped (a loaded machine may start it late), so
+        # the peak measures the limit, not the scheduler; bounded in case the limit is 1.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with lock:
+                if peak >= 2:
+                    break
+            time.sleep(0.001)
         time.sleep(0.02)
         with lock:
             running -= 1

@@ -64,7 +64,7 @@ def base() -> Iterator[Path]:
 
 def test_compute_wal_flows_back_into_the_timeline(base: Path) -> None:
     sk = SafekeeperProcess(base / "sk", node_id=1)
-    sk.start()
+    sk.start(timeout=90)
     node = NodeProcess.configure(base / "ps", f'safekeepers = ["127.0.0.1:{sk.pg_port}"]\n')
     procs: list[subprocess.Popen[bytes]] = []
     computes: list[PostgresInstance] = []
@@ -92,14 +92,15 @@ def test_compute_wal_flows_back_into_the_timeline(base: Path) -> None:
         )
         procs.append(bridge)
         # A synchronous commit returns only once the safekeeper has the WAL.
-        pg.psql("CREATE TABLE t AS SELECT generate_series(1, 1000) AS x", timeout=60)
+        # (the bridge, a Python subprocess, must start and win an election first: slow when loaded)
+        pg.psql("CREATE TABLE t AS SELECT generate_series(1, 1000) AS x", timeout=120)
         flush = parse_lsn(pg.psql("SELECT pg_current_wal_flush_lsn()"))
 
         def ingested() -> bool:
             _, tl = node.request("GET", f"/v1/tenant/{tenant}/timeline/{timeline}")
             return parse_lsn(tl["last_record_lsn"]) >= flush
 
-        wait_until("the pageserver to ingest the compute's WAL", ingested, timeout=60)
+        wait_until("the pageserver to ingest the compute's WAL", ingested, timeout=120)
         _, tl = node.request("GET", f"/v1/tenant/{tenant}/timeline/{timeline}")
         assert tl["wal_receiver_safekeeper"] == f"127.0.0.1:{sk.pg_port}"
 

@@ -199,7 +199,8 @@ async def test_reports_progress_and_uses_tenant_options(autojump_clock: trio.tes
     assert (last.write_lsn, last.flush_lsn, last.apply_lsn) == (spans[-1][1], START + 8, START)
 
 
-async def test_cancellation_is_prompt_and_closes() -> None:
+async def test_cancellation_is_prompt_and_closes(autojump_clock: trio.testing.MockClock) -> None:
+    # Virtual time: "prompt" measures what the receiver waits for, not how loaded the machine is.
     wal, _ = make_wal(3, 3)
     sk = FakeSafekeeper(wal, random.Random(2))
     conns: list[FakeConn] = []

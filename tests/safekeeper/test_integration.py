@@ -27,7 +27,7 @@ SEG = WAL_SEGMENT_SIZE
 @pytest.fixture
 def sk(pg_tmp_path: Path) -> Iterator[SafekeeperProcess]:
     proc = SafekeeperProcess(pg_tmp_path / "sk")
-    proc.start()
+    proc.start(timeout=90)  # a loaded machine imports slowly
     try:
         yield proc
     finally:
@@ -122,7 +122,7 @@ async def test_real_wal_readable_by_pg_waldump_and_pg_receivewal(
 
 async def test_kill9_keeps_acknowledged_wal(pg_tmp_path: Path) -> None:
     sk = SafekeeperProcess(pg_tmp_path / "sk", no_sync=False)
-    sk.start()
+    sk.start(timeout=90)
     try:
         start = Lsn(SEG + 0x28)
         wal = synthetic_wal(start, 6 * 1024 * 1024, record_size=500)
@@ -140,7 +140,7 @@ async def test_kill9_keeps_acknowledged_wal(pg_tmp_path: Path) -> None:
                 acked = max(acked, (await p.wait_flush(Lsn(mid + 1))).flush_lsn)
                 sk.kill()
         assert acked > mid
-        sk.start()
+        sk.start(timeout=90)
         status = sk.timeline_status(TENANT, TIMELINE)
         flush = parse_lsn(status["flush_lsn"])
         assert flush >= acked
@@ -154,7 +154,7 @@ async def test_kill9_keeps_acknowledged_wal(pg_tmp_path: Path) -> None:
                 vote = await p.vote(p.term + 1)
                 assert vote.flush_lsn == flush
                 assert vote.term_history[0].lsn == start
-        assert sk.stop() == 0
+        assert sk.stop(timeout=60) == 0
     finally:
         sk.kill()
 

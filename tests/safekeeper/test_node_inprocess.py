@@ -134,7 +134,7 @@ async def test_hostile_bytes_end_only_that_connection(node: SafekeeperNode) -> N
 async def http_get(port: int, path: str) -> tuple[int, bytes]:
     def get() -> tuple[int, bytes]:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
                 return r.status, r.read()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read()

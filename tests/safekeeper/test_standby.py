@@ -79,7 +79,7 @@ async def test_vanilla_standby_streams_from_safekeeper(pg_tmp_path: Path) -> Non
         primary.stop()
         wal, end = read_wal(primary.wal_dir())
 
-        sk.start()
+        sk.start(timeout=90)
         chunk = 128 * 1024
         with trio.fail_after(60):
             async with await TestProposer.connect("127.0.0.1", sk.pg_port, TENANT, TIMELINE) as p:
@@ -120,7 +120,8 @@ async def test_vanilla_standby_streams_from_safekeeper(pg_tmp_path: Path) -> Non
         assert got == expected
         assert standby.psql("select pg_is_in_recovery()") == "t"
         # The standby reports its position back: the safekeeper records it.
-        deadline = time.monotonic() + 30
+        # (the standby reports every wal_receiver_status_interval = 10 s: leave room for load)
+        deadline = time.monotonic() + 60
         replicas: list[dict[str, str]] = []
         while time.monotonic() < deadline:
             replicas = sk.timeline_status(TENANT, TIMELINE)["replicas"]

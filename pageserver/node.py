@@ -14,7 +14,6 @@ a restart resumes at ``last_record_lsn``.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from common.http import HttpServer, HttpServerConfig
 from common.logging import setup_logging
 from common.metrics import new_registry
 from common.pgserver import PgServer, PgServerConfig
+from common.signals import stop_on_signal
 from pageserver.basebackup import BackupCommandHandler
 from pageserver.config import PageserverConfig, load_pageserver_config
 from pageserver.http_api import build_router
@@ -96,7 +96,7 @@ class PageserverNode:
         )
         async with trio.open_nursery() as background:
             if self.handle_signals:
-                background.start_soon(self._watch_signals)
+                background.start_soon(stop_on_signal, self.stop)
             await self.manager.start(background)
             async with trio.open_nursery() as servers:
                 self.pg_port = await servers.start(pg.serve)
@@ -115,13 +115,6 @@ class PageserverNode:
             await self.manager.shutdown()
             background.cancel_scope.cancel()
         log.info("pageserver stopped")
-
-    async def _watch_signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("signal received", signal=signal.Signals(signum).name)
-                self.stop()
-                return
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,6 @@ Commands on the libpq port (tenant and timeline come from the startup ``options`
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -26,6 +25,7 @@ import trio
 
 from common.logging import setup_logging
 from common.pgserver import PgConnection, PgServer, PgServerConfig
+from common.signals import stop_on_signal
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import format_lsn
@@ -144,7 +144,7 @@ class SafekeeperNode:
             log.info("safekeeper started", pg_port=self.pg_port, http_port=self.http_port, id=self.cfg.id)
             task_status.started((self.pg_port, self.http_port))
             if threading.current_thread() is threading.main_thread():
-                nursery.start_soon(self._watch_signals)
+                nursery.start_soon(stop_on_signal, self.stop)
             await self._stop.wait()
             self.pg_server.shutdown()
             with trio.move_on_after(self.pg_server.config.shutdown_timeout_s + 1):
@@ -154,13 +154,6 @@ class SafekeeperNode:
                 await tl.persist()
             http.shutdown()
             nursery.cancel_scope.cancel()
-
-    async def _watch_signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("shutting down", signal=signal.Signals(signum).name)
-                self.stop()
-                return
 
 
 def _conn_ids(conn: PgConnection) -> tuple[TenantId, TimelineId]:

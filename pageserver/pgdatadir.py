@@ -63,15 +63,15 @@ from pageserver.storage.key import (
 from pageserver.storage.reconstruct import MissingKeyError, PageReconstructError
 from pageserver.storage.value import Image, Value
 from pageserver.timeline import Timeline
+from pageserver.walredo.clog import SLRU_PAGES_PER_SEGMENT
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn, format_lsn
+from protocol.pgwire.sqlstate import DATA_CORRUPTED
+from protocol.wal.record import BLCKSZ
 
-BLCKSZ = 8192
 ZERO_PAGE = bytes(BLCKSZ)
-SLRU_PAGES_PER_SEGMENT = 32
 GLOBALTABLESPACE_OID = 1664
 DEFAULTTABLESPACE_OID = 1663
-DATA_CORRUPTED = "XX001"
 
 _U32 = struct.Struct("<I")
 _DB_ENTRY = struct.Struct("<IIB")

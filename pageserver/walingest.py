@@ -78,11 +78,13 @@ from pageserver.wal_receiver import (
     WalReceiverConfig,
     pgclient_connect,
 )
+from pageserver.walredo.clog import CLOG_XACTS_PER_PAGE as CLOG_XACTS_PER_PAGE
 from pageserver.walredo.heap import vm_clears
 from pageserver.walredo.multixact import next_multi_offset
 from pageserver.walredo.visibilitymap import HEAPBLOCKS_PER_PAGE
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ, Lsn, format_lsn, segment_file_name
+from protocol.pgwire.sqlstate import DATA_CORRUPTED
 from protocol.wal.reader import EndOfWal, WalStreamDecoder
 from protocol.wal.record import (
     BKPBLOCK_HAS_IMAGE,
@@ -94,6 +96,15 @@ from protocol.wal.record import (
 from protocol.wal.rmgr import (
     CLOG_TRUNCATE,
     CLOG_ZEROPAGE,
+    SMGR_TRUNCATE_FSM,
+    SMGR_TRUNCATE_HEAP,
+    SMGR_TRUNCATE_VM,
+    XACT_XINFO_HAS_DBINFO,
+    XACT_XINFO_HAS_DROPPED_STATS,
+    XACT_XINFO_HAS_INVALS,
+    XACT_XINFO_HAS_RELFILENODES,
+    XACT_XINFO_HAS_SUBXACTS,
+    XACT_XINFO_HAS_TWOPHASE,
     XLOG_CHECKPOINT_ONLINE,
     XLOG_CHECKPOINT_SHUTDOWN,
     XLOG_DBASE_CREATE_FILE_COPY,
@@ -121,10 +132,7 @@ from protocol.wal.rmgr import (
 
 log = structlog.get_logger(__name__)
 
-DATA_CORRUPTED = "XX001"
-
-# CLOG and MultiXact SLRU geometry (clog.c, multixact.c)
-CLOG_XACTS_PER_PAGE = XLOG_BLCKSZ * 4
+# MultiXact SLRU geometry (multixact.c); CLOG_XACTS_PER_PAGE comes from walredo.clog
 MULTIXACT_OFFSETS_PER_PAGE = XLOG_BLCKSZ // 4
 MULTIXACT_MEMBERS_PER_PAGE = (XLOG_BLCKSZ // 20) * 4
 MAX_MULTIXACT_OFFSET = 0xFFFF_FFFF
@@ -134,19 +142,6 @@ XID_CHECKPOINT_INTERVAL = 1024
 # FSM geometry (freespace.c, fsm_internals.h) for 8 KiB pages
 SLOTS_PER_FSM_PAGE = (XLOG_BLCKSZ - 24 - 4) - (XLOG_BLCKSZ // 2 - 1)
 FSM_TREE_DEPTH = 3
-
-SMGR_TRUNCATE_HEAP = 0x01
-SMGR_TRUNCATE_VM = 0x02
-SMGR_TRUNCATE_FSM = 0x04
-
-XACT_XINFO_HAS_DBINFO = 1 << 0
-XACT_XINFO_HAS_SUBXACTS = 1 << 1
-XACT_XINFO_HAS_RELFILENODES = 1 << 2
-XACT_XINFO_HAS_INVALS = 1 << 3
-XACT_XINFO_HAS_TWOPHASE = 1 << 4
-XACT_XINFO_HAS_ORIGIN = 1 << 5
-XACT_XINFO_HAS_GID = 1 << 7
-XACT_XINFO_HAS_DROPPED_STATS = 1 << 8
 
 _RM_XLOG = int(RmgrId.XLOG)
 _RM_XACT = int(RmgrId.XACT)

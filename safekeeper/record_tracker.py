@@ -18,18 +18,19 @@ import crc32c
 
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ, Lsn
+from protocol.wal.page import (
+    XLOG_PAGE_MAGIC,
+    XLP_ALL_FLAGS,
+    XLP_FIRST_IS_CONTRECORD,
+    XLP_LONG_HEADER,
+)
+from protocol.wal.rmgr import XLOG_SWITCH, RmgrId
 
-XLOG_PAGE_MAGIC = 0xD110
-XLP_FIRST_IS_CONTRECORD = 0x0001
-XLP_LONG_HEADER = 0x0002
-XLP_BKP_REMOVABLE = 0x0004
-XLP_ALL_FLAGS = 0x000F
 SHORT_PHD = 24
 LONG_PHD = 40
 RECORD_HEADER = 24
 MAX_RECORD_LEN = 0x3FFFFFFF
-RM_XLOG_ID = 0
-XLOG_SWITCH = 0x40
+RM_XLOG_ID = int(RmgrId.XLOG)  # a plain int for the per-record comparison
 
 _PAGE_HEADER = struct.Struct("<HHIQI")
 _LONG_TAIL = struct.Struct("<QII")

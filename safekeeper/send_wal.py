@@ -36,6 +36,7 @@ from protocol.replication import (
     XLogData,
     decode_client_copy_data,
     encode_copy_message,
+    pg_now,
 )
 from safekeeper.timeline import ReplicaState, Timeline
 
@@ -43,13 +44,7 @@ log = structlog.get_logger("safekeeper.send_wal")
 
 MAX_SEND_SIZE = 16 * XLOG_BLCKSZ
 KEEPALIVE_INTERVAL_S = 1.0
-PG_EPOCH_OFFSET_S = 946_684_800  # 2000-01-01 in Unix time
 _ids = itertools.count(1)
-
-
-def pg_now() -> int:
-    """Microseconds since 2000-01-01, PostgreSQL's TimestampTz."""
-    return int((time.time() - PG_EPOCH_OFFSET_S) * 1_000_000)
 
 
 async def serve_replication(

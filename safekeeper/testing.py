@@ -43,9 +43,9 @@ from protocol.safekeeper import (
     encode_message,
 )
 from protocol.wal.encoder import WalEncoder
+from protocol.wal.rmgr import XLOG_NOOP as XLOG_NOOP  # re-exported for bench/wal_acceptor.py
 from protocol.wal.rmgr import RmgrId
 
-XLOG_NOOP = 0x20
 PG_VERSION = 150000
 
 

@@ -18,6 +18,12 @@ from typing import NewType
 
 import attrs
 
+# Fork numbers live with the WAL record format; re-exported here for key users.
+from protocol.wal.record import FSM_FORKNUM as FSM_FORKNUM
+from protocol.wal.record import INIT_FORKNUM as INIT_FORKNUM
+from protocol.wal.record import MAIN_FORKNUM as MAIN_FORKNUM
+from protocol.wal.record import VISIBILITYMAP_FORKNUM as VISIBILITYMAP_FORKNUM
+
 Key = NewType("Key", bytes)
 
 KEY_SIZE = 18
@@ -39,11 +45,6 @@ SECTION_MISC = 0x03
 SLRU_CLOG = 0
 SLRU_MULTIXACT_MEMBERS = 1
 SLRU_MULTIXACT_OFFSETS = 2
-
-MAIN_FORKNUM = 0
-FSM_FORKNUM = 1
-VISIBILITYMAP_FORKNUM = 2
-INIT_FORKNUM = 3
 
 _SIZE_BLKNUM = 0xFFFF_FFFF
 

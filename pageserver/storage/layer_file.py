@@ -40,8 +40,7 @@ from pageserver.storage.io_engine import IoEngine, IoFile, durable_rename
 from pageserver.storage.key import KEY_SIZE, Key, KeyRange, key_hex, key_parse_hex
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn
-
-DATA_CORRUPTED = "XX001"
+from protocol.pgwire.sqlstate import DATA_CORRUPTED
 
 DELTA_MAGIC: Final = b"PSDL"
 IMAGE_MAGIC: Final = b"PSIM"

@@ -18,8 +18,7 @@ from typing import Final
 import attrs
 
 from protocol.errors import RemoteProtocolError
-
-DATA_CORRUPTED = "XX001"
+from protocol.pgwire.sqlstate import DATA_CORRUPTED
 
 TAG_IMAGE: Final = 0
 TAG_POSTGRES: Final = 1

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
+from itertools import repeat
 from pathlib import Path
 
 from pageserver.storage.delta_layer import ReadContext, write_delta_layer
@@ -122,9 +123,20 @@ class InMemoryLayer:
         states: dict[Key, KeyState],
         ctx: ReadContext,
     ) -> None:
+        await self.get_values_bounded(zip(keys, repeat(cont)), floor, states, ctx)
+
+    async def get_values_bounded(
+        self,
+        bounds: Iterable[tuple[Key, int]],
+        floor: int,
+        states: dict[Key, KeyState],
+        ctx: ReadContext,
+    ) -> None:
+        """Read each ``(key, cont)`` of ``bounds`` in ``[floor, cont)``: a per-key upper LSN
+        bound (exclusive), one layer visit for all of them."""
         ctx.layers_visited += 1
         index = self.index
-        for key in keys:
+        for key, cont in bounds:
             st = states[key]
             entries = index.get(key)
             if entries is not None and not st.complete:

@@ -36,7 +36,6 @@ from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.key import Key, KeyRange, is_inherited_key, key_hex, key_next
 from pageserver.storage.layer_map import LayerMap
 from pageserver.storage.reconstruct import KeyState
-from pageserver.storage.value import decode_value
 from protocol.lsn import Lsn
 
 Layer = InMemoryLayer | PersistentLayer
@@ -266,42 +265,6 @@ class _MixedFringe:
         return layer, keys, floor, -neg_clip
 
 
-async def _inmemory_mixed(
-    layer: InMemoryLayer,
-    conts: dict[Key, int],
-    floor: int,
-    states: dict[Key, KeyState],
-    ctx: ReadContext,
-) -> None:
-    """``InMemoryLayer.get_values_vectored`` with a ``cont`` per key, one visit for all."""
-    by_cont: dict[int, list[Key]] = {}
-    for key, cont in conts.items():
-        by_cont.setdefault(cont, []).append(key)
-    if len(by_cont) == 1:
-        ((cont, keys),) = by_cont.items()
-        await layer.get_values_vectored(sorted(keys), floor, cont, states, ctx)
-        return
-    ctx.layers_visited += 1
-    index = layer.index
-    for key in sorted(conts):
-        cont = conts[key]
-        st = states[key]
-        entries = index.get(key)
-        if entries is not None and not st.complete:
-            for i in range(len(entries) - 3, -1, -3):
-                lsn = entries[i]
-                if lsn >= cont:
-                    continue
-                if lsn < floor:
-                    break
-                pos, length = entries[i + 1], entries[i + 2]
-                blob = await layer.file.read_at(pos >> 1, length)
-                ctx.blobs_read += 1
-                if st.add(Lsn(lsn), decode_value(blob)):
-                    break
-        st.floor_reached(floor)
-
-
 def _pending_mixed(conts: dict[Key, int], states: dict[Key, KeyState], cached: bool) -> dict[Key, int]:
     out: dict[Key, int] = {}
     for key, cont in conts.items():
@@ -349,7 +312,7 @@ async def _walk_timeline_mixed(
             routed = _pending_mixed(routed, states, True)
         if routed:
             if isinstance(layer, InMemoryLayer):
-                await _inmemory_mixed(layer, routed, floor, states, ctx)
+                await layer.get_values_bounded(sorted(routed.items()), floor, states, ctx)
             else:
                 await layer.get_values_vectored(sorted(routed), floor, clip, states, ctx)
         unmapped = dict.fromkeys(routed, floor)

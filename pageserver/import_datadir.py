@@ -22,6 +22,7 @@ a copy of it).
 
 from __future__ import annotations
 
+import abc
 import functools
 import os
 import re
@@ -78,22 +79,22 @@ class ImportResult:
 # --- sources ----------------------------------------------------------------------------------
 
 
-class _Source:
+class _Source(abc.ABC):
     """Files of a data directory by relative path (``/``-separated)."""
 
-    def files(self) -> Iterator[tuple[str, Callable[[], IO[bytes]]]]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def files(self) -> Iterator[tuple[str, Callable[[], IO[bytes]]]]: ...
 
-    def read(self, path: str) -> bytes | None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def read(self, path: str) -> bytes | None: ...
 
-    def dirs(self) -> Iterator[str]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def dirs(self) -> Iterator[str]: ...
 
     def wal_segment(self, segno: int) -> bytes | None:
         return self.read("pg_wal/" + segment_file_name(segno))
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: a directory holds nothing open
         pass
 
 

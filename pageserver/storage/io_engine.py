@@ -34,6 +34,7 @@ e.g. the number of ``preadv`` calls per batch.
 
 from __future__ import annotations
 
+import abc
 import ctypes
 import errno
 import mmap
@@ -258,7 +259,7 @@ def _open(path: str, flags: int, sync_mode: SyncMode) -> int:
         raise
 
 
-class IoEngine:
+class IoEngine(abc.ABC):
     """Runs file syscalls either inline (``blocking``) or in worker threads (``threadpool``).
 
     All methods take raw fds; ``open_file`` wraps one in an ``IoFile`` that remembers its path
@@ -274,8 +275,9 @@ class IoEngine:
         #: ``io_sync_mode`` knob; read-only opens always use the page cache).
         self.write_sync_mode: SyncMode = write_sync_mode
 
+    @abc.abstractmethod
     async def _call(self, fn: Callable[..., _T], *args: object) -> _T:
-        raise NotImplementedError
+        """Run ``fn(*args)`` this engine's way: the one hook a concrete engine implements."""
 
     async def run_sync(self, fn: Callable[..., _T], *args: object) -> _T:
         """Run any blocking callable the engine's way (e.g. a whole batch of reads at once)."""

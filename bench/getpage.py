@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import shutil
@@ -431,58 +430,61 @@ def _run_config(
 
 
 def _postgres_baseline(args: argparse.Namespace, clients: int) -> dict[str, Any]:
-    from compute.postgres import PostgresInstance, chown_to_postgres, make_postgres_dir
-
-    base = Path(tempfile.mkdtemp(prefix="pagestore-bench-pg-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    pg = PostgresInstance.create(
-        make_postgres_dir(base / "data"),
-        {
-            "shared_buffers": "256MB",
-            "fsync": "off",
-            "synchronous_commit": "off",
-            "autovacuum": "off",
-        },
+    from compute.postgres import (
+        PostgresInstance,
+        chown_to_postgres,
+        make_postgres_dir,
+        postgres_tmpdir,
     )
-    try:
-        pg.start()
-        pg.psql("CREATE EXTENSION pageinspect")
-        pg.psql("CREATE TABLE t (data char(1000)) WITH (fillfactor = 10)")
-        pg.psql(f"INSERT INTO t SELECT 'x' FROM generate_series(1, {args.pages})")
-        pages = int(pg.psql("SELECT pg_relation_size('t') / 8192"))
-        script = base / "getpage.sql"
-        script.write_text(f"\\set blk random(0, {pages - 1})\nSELECT get_raw_page('t', :blk);\n")
-        chown_to_postgres(script)
-        pg.pgbench(
-            "-n",
-            "-M",
-            "prepared",
-            "-c",
-            str(clients),
-            "-j",
-            str(clients),
-            "-T",
-            "2",
-            "-f",
-            str(script),
+
+    with postgres_tmpdir("pagestore-bench-pg-") as base:
+        pg = PostgresInstance.create(
+            make_postgres_dir(base / "data"),
+            {
+                "shared_buffers": "256MB",
+                "fsync": "off",
+                "synchronous_commit": "off",
+                "autovacuum": "off",
+            },
         )
-        out = pg.pgbench(
-            "-n",
-            "-M",
-            "prepared",
-            "-c",
-            str(clients),
-            "-j",
-            str(clients),
-            "-T",
-            str(int(args.duration)),
-            "-f",
-            str(script),
-            "-r",
-        )
-    finally:
-        pg.destroy()
-        shutil.rmtree(base, ignore_errors=True)
+        try:
+            pg.start()
+            pg.psql("CREATE EXTENSION pageinspect")
+            pg.psql("CREATE TABLE t (data char(1000)) WITH (fillfactor = 10)")
+            pg.psql(f"INSERT INTO t SELECT 'x' FROM generate_series(1, {args.pages})")
+            pages = int(pg.psql("SELECT pg_relation_size('t') / 8192"))
+            script = base / "getpage.sql"
+            script.write_text(f"\\set blk random(0, {pages - 1})\nSELECT get_raw_page('t', :blk);\n")
+            chown_to_postgres(script)
+            pg.pgbench(
+                "-n",
+                "-M",
+                "prepared",
+                "-c",
+                str(clients),
+                "-j",
+                str(clients),
+                "-T",
+                "2",
+                "-f",
+                str(script),
+            )
+            out = pg.pgbench(
+                "-n",
+                "-M",
+                "prepared",
+                "-c",
+                str(clients),
+                "-j",
+                str(clients),
+                "-T",
+                str(int(args.duration)),
+                "-f",
+                str(script),
+                "-r",
+            )
+        finally:
+            pg.destroy()
     tps = re.search(r"tps = ([0-9.]+)", out)
     lat = re.search(r"latency average = ([0-9.]+) ms", out)
     txns = re.search(r"number of transactions actually processed: (\d+)", out)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import struct
@@ -715,16 +714,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    base = Path(tempfile.mkdtemp(prefix="pagestore-oracle-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    workdir = args.workdir or base / "cluster"
-    opts = OracleOptions(workdir=workdir, scale=args.scale, duration_s=args.duration, clients=args.clients,
-                         consistency_checking=not args.no_consistency_checking, workload_rows=args.rows)
-    started = time.monotonic()
-    try:
+    with postgres.postgres_tmpdir("pagestore-oracle-") as base:
+        workdir = args.workdir or base / "cluster"
+        opts = OracleOptions(workdir=workdir, scale=args.scale, duration_s=args.duration, clients=args.clients,
+                             consistency_checking=not args.no_consistency_checking, workload_rows=args.rows)
+        started = time.monotonic()
         oracle = run_oracle(opts)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
     results, validation = oracle.results, oracle.validation
     bad = sum(len(r.mismatches) for r in results)
     pages = sum(sum(r.pages.values()) for r in results)

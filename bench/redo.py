@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from compute.postgres import PostgresInstance
+from compute.postgres import PostgresInstance, postgres_tmpdir
 from pageserver.storage.key import Key, rel_block_key
 from pageserver.storage.value import PostgresRecord, WalRecordValue
 from pageserver.walredo import bufpage as bp
@@ -51,9 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timing repetitions (best is kept)")
 
 
-def _generate(transactions: int) -> tuple[Path, PostgresInstance, int, int]:
-    base = Path(tempfile.mkdtemp(prefix="pagestore-bench-redo-", dir="/tmp"))
-    os.chmod(base, 0o755)
+def _generate(base: Path, transactions: int) -> tuple[PostgresInstance, int, int]:
     pg = PostgresInstance.create(base / "data", settings=VERIFY_SETTINGS)
     pg.start()
     pg.psql("CHECKPOINT")
@@ -63,7 +58,7 @@ def _generate(transactions: int) -> tuple[Path, PostgresInstance, int, int]:
     for sql in WORKLOAD:
         pg.psql(sql)
     end = parse_lsn(pg.psql("SELECT pg_current_wal_insert_lsn()"))
-    return base, pg, start, end
+    return pg, start, end
 
 
 def _cases(records: list[DecodedRecord]) -> tuple[dict[str, list[tuple[RelBlock, bytes, DecodedRecord]]], dict[RelBlock, list[tuple[bytes, DecodedRecord]]]]:
@@ -93,12 +88,12 @@ def _cases(records: list[DecodedRecord]) -> tuple[dict[str, list[tuple[RelBlock,
 
 
 def run(args: argparse.Namespace) -> int:
-    base, pg, start, end = _generate(args.transactions)
-    try:
-        records = list(read_wal(pg.wal_dir(), start, end))
-    finally:
-        pg.destroy()
-        shutil.rmtree(base, ignore_errors=True)
+    with postgres_tmpdir("pagestore-bench-redo-") as base:
+        pg, start, end = _generate(base, args.transactions)
+        try:
+            records = list(read_wal(pg.wal_dir(), start, end))
+        finally:
+            pg.destroy()
     by_type, chains = _cases(records)
     mgr = PostgresRedoManager()
     for name, cases in sorted(by_type.items()):

@@ -17,14 +17,12 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from compute.postgres import PostgresInstance
+from compute.postgres import PostgresInstance, postgres_tmpdir
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import parse_lsn
 from safekeeper.testing import SafekeeperProcess
@@ -45,67 +43,65 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def run_mode(mode: str, rows: int, seconds: int, clients: int) -> dict[str, object]:
-    root = Path(tempfile.mkdtemp(prefix="bench-walproposer-", dir="/tmp"))
-    os.chmod(root, 0o755)
-    settings = {"wal_level": "replica", "fsync": "off", "max_wal_size": "4GB"}
-    if mode != "plain":
-        settings.update({"synchronous_standby_names": "walproposer", "synchronous_commit": "on"})
-    pg = PostgresInstance.create(root / "pg", settings)
-    sks: list[SafekeeperProcess] = []
-    bridge: subprocess.Popen[bytes] | None = None
-    try:
-        pg.start()
+    with postgres_tmpdir("bench-walproposer-") as root:
+        settings = {"wal_level": "replica", "fsync": "off", "max_wal_size": "4GB"}
         if mode != "plain":
-            sks = [
-                SafekeeperProcess(root / f"sk{i}", node_id=i + 1, no_sync=mode == "bridge-nosync")
-                for i in range(3)
-            ]
-            for sk in sks:
-                sk.start()
-            bridge = subprocess.Popen(
-                [sys.executable, "-m", "control_plane.cli", "walproposer",
-                 "--pg-port", str(pg.port),
-                 "--safekeepers", ",".join(f"127.0.0.1:{s.pg_port}" for s in sks),
-                 "--tenant-id", TenantId.generate().hex,
-                 "--timeline-id", TimelineId.generate().hex,
-                 "--log-file", str(root / "bridge.log")],
-                cwd=Path(__file__).resolve().parents[1],
+            settings.update({"synchronous_standby_names": "walproposer", "synchronous_commit": "on"})
+        pg = PostgresInstance.create(root / "pg", settings)
+        sks: list[SafekeeperProcess] = []
+        bridge: subprocess.Popen[bytes] | None = None
+        try:
+            pg.start()
+            if mode != "plain":
+                sks = [
+                    SafekeeperProcess(root / f"sk{i}", node_id=i + 1, no_sync=mode == "bridge-nosync")
+                    for i in range(3)
+                ]
+                for sk in sks:
+                    sk.start()
+                bridge = subprocess.Popen(
+                    [sys.executable, "-m", "control_plane.cli", "walproposer",
+                     "--pg-port", str(pg.port),
+                     "--safekeepers", ",".join(f"127.0.0.1:{s.pg_port}" for s in sks),
+                     "--tenant-id", TenantId.generate().hex,
+                     "--timeline-id", TimelineId.generate().hex,
+                     "--log-file", str(root / "bridge.log")],
+                    cwd=Path(__file__).resolve().parents[1],
+                )
+                # The first commit waits for the election: do it before timing anything.
+                pg.psql("create table warmup(x int)", timeout=60)
+            start = parse_lsn(pg.psql("select pg_current_wal_flush_lsn()"))
+            t0 = time.perf_counter()
+            pg.psql(
+                f"create table big as select g, repeat('x', 100) as pad from generate_series(1, {rows}) g",
+                timeout=3600,
             )
-            # The first commit waits for the election: do it before timing anything.
-            pg.psql("create table warmup(x int)", timeout=60)
-        start = parse_lsn(pg.psql("select pg_current_wal_flush_lsn()"))
-        t0 = time.perf_counter()
-        pg.psql(
-            f"create table big as select g, repeat('x', 100) as pad from generate_series(1, {rows}) g",
-            timeout=3600,
-        )
-        bulk_s = time.perf_counter() - t0
-        end = parse_lsn(pg.psql("select pg_current_wal_flush_lsn()"))
-        pg.pgbench("-i", "-s", "1", "-q")
-        out = pg.pgbench("-T", str(seconds), "-c", str(clients), "-j", "2")
-        m = re.search(r"tps = ([\d.]+)", out)
-        mb = (end - start) / 2**20
-        result: dict[str, object] = {
-            "bench": "walproposer",
-            "mode": mode,
-            "bulk_wal_mb": round(mb, 1),
-            "bulk_s": round(bulk_s, 2),
-            "bulk_mb_s": round(mb / bulk_s, 1),
-            "pgbench_clients": clients,
-            "pgbench_tps": float(m.group(1)) if m else None,
-        }
-        if bridge is not None:
-            result["bridge_cpu_s"] = _cpu_seconds(bridge.pid)
-            result["safekeeper_cpu_s"] = [_cpu_seconds(s.proc.pid) for s in sks if s.proc]
-        return result
-    finally:
-        if bridge is not None:
-            bridge.kill()
-            bridge.wait()
-        for sk in sks:
-            sk.kill()
-        pg.stop("immediate")
-        shutil.rmtree(root, ignore_errors=True)
+            bulk_s = time.perf_counter() - t0
+            end = parse_lsn(pg.psql("select pg_current_wal_flush_lsn()"))
+            pg.pgbench("-i", "-s", "1", "-q")
+            out = pg.pgbench("-T", str(seconds), "-c", str(clients), "-j", "2")
+            m = re.search(r"tps = ([\d.]+)", out)
+            mb = (end - start) / 2**20
+            result: dict[str, object] = {
+                "bench": "walproposer",
+                "mode": mode,
+                "bulk_wal_mb": round(mb, 1),
+                "bulk_s": round(bulk_s, 2),
+                "bulk_mb_s": round(mb / bulk_s, 1),
+                "pgbench_clients": clients,
+                "pgbench_tps": float(m.group(1)) if m else None,
+            }
+            if bridge is not None:
+                result["bridge_cpu_s"] = _cpu_seconds(bridge.pid)
+                result["safekeeper_cpu_s"] = [_cpu_seconds(s.proc.pid) for s in sks if s.proc]
+            return result
+        finally:
+            if bridge is not None:
+                bridge.kill()
+                bridge.wait()
+            for sk in sks:
+                sk.kill()
+            pg.stop("immediate")
 
 
 def run(args: argparse.Namespace) -> int:

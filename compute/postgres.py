@@ -12,8 +12,10 @@ import os
 import pwd
 import shutil
 import subprocess
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import attrs
@@ -94,6 +96,16 @@ def make_postgres_dir(path: Path) -> Path:
     return path
 
 
+@contextmanager
+def postgres_tmpdir(prefix: str) -> Iterator[Path]:
+    """A fresh directory under /tmp that the postgres user can traverse (mode 0755), removed
+    (with everything in it) on exit."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def initdb(datadir: Path, *, extra_args: Sequence[str] = ()) -> None:

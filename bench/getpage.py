@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import shutil
@@ -391,6 +392,7 @@ def _run_config(
     try:
         assert proc.stdout is not None
         port = _read_json(proc.stdout, "port")["port"]
+        cpu_before = _process_cpu_s(proc.pid)
         if args.client == "trio":
             count, hist, elapsed = trio.run(
                 _drive, port, targets, args.clients, args.pages, qd, args.duration
@@ -399,6 +401,7 @@ def _run_config(
             count, hist, elapsed = _drive_processes(
                 port, targets, args.clients, args.pages, qd, args.duration
             )
+        server_cpu_s = _process_cpu_s(proc.pid) - cpu_before
         proc.send_signal(signal.SIGTERM)
         server = _read_json(proc.stdout, "batching_factor")
     finally:
@@ -422,7 +425,19 @@ def _run_config(
         "latency_mean_us": round(hist.get_mean_value(), 1),
         **{f"latency_p{p}_us": hist.get_value_at_percentile(p) for p in (50, 95, 99, 99.9, 99.99)},
         "batching_factor": round(server["batching_factor"], 2),
+        # The server is idle while the clients start, so this is (almost) all serving.
+        "server_cpu_us_per_request": round(server_cpu_s / count * 1e6, 1) if count else None,
     }
+
+
+def _process_cpu_s(pid: int) -> float:
+    """utime + stime of process ``pid`` in seconds (``/proc/<pid>/stat``, Linux)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+_CLOCK_TICKS: float = float(os.sysconf("SC_CLK_TCK"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,6 +569,7 @@ _MEDIAN_FIELDS = (
     "latency_p99_us",
     "latency_p99.9_us",
     "batching_factor",
+    "server_cpu_us_per_request",
 )
 
 

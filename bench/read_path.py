@@ -102,6 +102,7 @@ async def _measure(
     paths: tuple[Literal["vectored", "legacy"], ...] = ("vectored", "legacy")
     configs = {p: attrs.evolve(cfg, get_impl=p) for p in paths}
     busy = dict.fromkeys(paths, 0.0)
+    cpu = dict.fromkeys(paths, 0.0)
     preadvs = dict.fromkeys(paths, 0)
     preads = dict.fromkeys(paths, 0)
     batches = 0
@@ -116,12 +117,14 @@ async def _measure(
                 tl.index_cache.clear()
             engine.stats.reset()
             t0 = time.perf_counter()
+            c0 = time.process_time()
             if path == "vectored":
                 got = await tl.get_vectored(want, lsn)
                 assert len(got) == batch
             else:
                 for key in want:
                     await tl.get(key, lsn)
+            cpu[path] += time.process_time() - c0
             busy[path] += time.perf_counter() - t0
             preadvs[path] += engine.stats.preadvs
             preads[path] += engine.stats.preads
@@ -131,6 +134,7 @@ async def _measure(
     for path in paths:
         out[f"{path}_keys_per_s"] = round(batches * batch / busy[path], 1)
         out[f"{path}_batch_latency_us"] = round(busy[path] / batches * 1e6, 1)
+        out[f"{path}_cpu_us_per_batch"] = round(cpu[path] / batches * 1e6, 1)
         out[f"{path}_preadv_per_batch"] = round(preadvs[path] / batches, 2)
         out[f"{path}_pread_per_batch"] = round(preads[path] / batches, 2)
     return out
@@ -226,6 +230,11 @@ async def _main(args: argparse.Namespace) -> int:
                     }
                     row.update(await _measure(tl, cfg, keys, lsn, batch, cache == "cold", args.seconds))
                     row["speedup"] = round(row["vectored_keys_per_s"] / row["legacy_keys_per_s"], 2)
+                    # CPU time of the process (all threads) per batch: steadier than wall
+                    # time on a loaded machine; equal to it when nothing else runs
+                    row["cpu_speedup"] = round(
+                        row["legacy_cpu_us_per_batch"] / max(row["vectored_cpu_us_per_batch"], 1e-9), 2
+                    )
                     row["peak_rss_mib"] = round(_peak_rss_mib(), 1)
                     print(json.dumps(row), flush=True)
             tl.config = cfg

@@ -233,6 +233,10 @@ class HttpServer:
                     await self._send_response(conn, stream, Response.error(exc.status, exc.msg))
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
             pass
+        except Exception:
+            # Our bug, in this connection only: it must not take the listener (and the node
+            # that runs it) down with it.
+            log.error("http connection failed", exc_info=True)
         finally:
             await trio.aclose_forcefully(stream)
 
@@ -262,7 +266,10 @@ class HttpServer:
                 break
             else:
                 raise h11.RemoteProtocolError(f"unexpected {type(part).__name__} in a request")
-        target = urlsplit(event.target.decode("ascii", "replace"))
+        try:
+            target = urlsplit(event.target.decode("ascii", "replace"))
+        except ValueError as exc:  # "//[x": an unbalanced IPv6 bracket in the authority
+            raise h11.RemoteProtocolError(f"bad request target: {exc}", 400) from None
         return Request(
             method=event.method.decode("ascii", "replace").upper(),
             path=target.path or "/",

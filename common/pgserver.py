@@ -63,7 +63,9 @@ Tests can run one connection over a memory stream: ``await server.serve_connecti
 
 from __future__ import annotations
 
+import errno
 import itertools
+import math
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -84,6 +86,8 @@ from protocol.pgwire.errors import PgError
 log = structlog.get_logger("pgserver")
 
 RECEIVE_SIZE = 256 * 1024
+# recv_into gets at least this much room (usually the rest of a 2 MiB receive array).
+RECEIVE_MIN = 256 * 1024
 
 
 @attrs.frozen
@@ -243,6 +247,36 @@ class PgConnection:
             return bytes(await self._stream.receive_some(RECEIVE_SIZE))
         raise IdleTimeout(f"no message from the client for {timeout} s")
 
+    async def _receive_more(self) -> None:
+        """Feed the decoder what the client sends next (EOF included).
+
+        On a socket the kernel copies straight into the decoder's buffer (``recv_into``):
+        no ``bytes`` object per receive and no copy into the buffer afterwards. Other
+        streams (memory streams in tests) go through ``receive_some``."""
+        stream = self._stream
+        if type(stream) is not trio.SocketStream:
+            self._decoder.receive_data(await self._receive_some())
+            return
+        timeout = self.server.config.idle_timeout_s
+        window = self._decoder.receive_window(RECEIVE_MIN)
+        n = 0
+        try:
+            with trio.move_on_after(math.inf if timeout is None else timeout) as idle:
+                try:
+                    n = await stream.socket.recv_into(window)
+                except OSError as exc:
+                    # What trio.SocketStream.receive_some raises for the same failures.
+                    if exc.errno in (errno.EBADF, errno.ENOTSOCK):
+                        raise trio.ClosedResourceError("this socket was already closed") from None
+                    raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+        finally:
+            del window
+            self._decoder.receive_commit(n)
+        if idle.cancelled_caught:
+            raise IdleTimeout(f"no message from the client for {timeout} s")
+        if n == 0:
+            self._decoder.receive_data(b"")
+
     def take_receive_buffer(self) -> bytes:
         """Remove and return the bytes received but not yet decoded.
 
@@ -279,7 +313,7 @@ class PgConnection:
             if ev is not NEED_DATA:
                 await trio.lowlevel.checkpoint()
                 return ev
-            self._decoder.receive_data(await self._receive_some())
+            await self._receive_more()
 
     # -- handler API -------------------------------------------------------------------------
 
@@ -358,6 +392,38 @@ class PgConnection:
             msg = await self.receive_message()
             if not isinstance(msg, m.Sync | m.Flush):  # PostgreSQL ignores these during COPY
                 return self._copy_message(stream, msg)
+
+    async def copy_receive_views(self, stream: CopyBothStream) -> list[memoryview] | None:
+        """The zero-copy batch form of ``copy_receive``: every complete CopyData payload
+        already received (waiting for at least one), as ``memoryview`` s of the receive
+        buffer, or ``None`` once the client ended the COPY (CopyDone, Terminate, EOF).
+
+        A view stays valid and unchanged for as long as it is held: the buffer never reuses
+        memory under a live view, so views may be queued (e.g. for a ``pwritev``) while
+        receiving goes on. Holding views pins receive memory (``ReceiveBuffer.ARENA_SIZE``
+        arrays), so queue them only as far as the consumer's bound allows."""
+        if not stream.can_receive:
+            raise LocalProtocolError("this copy stream is send-only")
+        received = False
+        while not stream.finished_receiving:
+            views = self._decoder.copy_data_views()
+            if views:
+                if not received:
+                    # A checkpoint per batch, as receive_message has per message.
+                    await trio.lowlevel.checkpoint()
+                return views
+            ev = self._decoder.next_event()
+            if ev is NEED_DATA:
+                await self._receive_more()
+                received = True
+                continue
+            if isinstance(ev, m.Sync | m.Flush):  # PostgreSQL ignores these during COPY
+                continue
+            payload = self._copy_message(stream, None if ev is CLOSED else ev)
+            if payload is None:
+                return None
+            return [memoryview(payload)]
+        return None
 
     def copy_receive_nowait(self, stream: CopyBothStream) -> bytes | None:
         while True:

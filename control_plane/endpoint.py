@@ -201,20 +201,38 @@ def _untar(tar_path: Path, pgdata: Path) -> None:
 
 
 def _safekeeper_flush(env: LocalEnv, tenant_id: str, timeline_id: str) -> Lsn | None:
-    """The highest flush_lsn any reachable safekeeper reports for the timeline."""
+    """The highest flush_lsn any reachable safekeeper reports for the timeline.
+
+    A quorum must answer: every commit is on a quorum, so any quorum holds every committed
+    record and the highest flush among it is at or above the commit position. With fewer
+    answers a primary started now could begin below committed WAL (its clients would miss
+    committed data and the safekeepers would receive a forked history): a clear error instead.
+    """
+    ids = env.safekeeper_ids
     best: Lsn | None = None
-    for sk_id in env.safekeeper_ids:
+    answered = 0
+    unreachable: list[str] = []
+    for sk_id in ids:
         try:
             st = get_json(f"{env.safekeeper_http(sk_id)}/v1/tenant/{tenant_id}/timeline/{timeline_id}",
                           timeout=5.0)
         except ApiError as exc:
             if exc.status == 404:
+                answered += 1  # reachable, and holds nothing of this timeline
                 continue
             raise EndpointError(f"safekeeper_{sk_id}: {exc}") from None
-        except OSError:
-            continue  # a safekeeper that is down has nothing the quorum needs beyond the others
+        except OSError as exc:
+            unreachable.append(f"safekeeper_{sk_id} ({exc})")
+            continue
+        answered += 1
         lsn = parse_lsn(st["flush_lsn"])
         best = lsn if best is None or lsn > best else best
+    if ids and answered < len(ids) // 2 + 1:
+        raise EndpointError(
+            f"only {answered} of {len(ids)} safekeepers answered (a quorum is {len(ids) // 2 + 1}): "
+            f"cannot tell where committed WAL ends, so a primary cannot start; unreachable: "
+            + ", ".join(unreachable)
+        )
     return best
 
 

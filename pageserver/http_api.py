@@ -267,7 +267,11 @@ def build_router(manager: TenantManager, registry: CollectorRegistry) -> Router:
     @route("GET", "/v1/tenant/{tenant_id}/timeline")
     async def list_timelines(req: Request) -> list[TimelineInfo]:
         tenant = manager.get_tenant(_tenant_id(req.params["tenant_id"]))
-        return [timeline_info(tl, manager) for _, tl in sorted(tenant.timelines.items())]
+        return [
+            timeline_info(tl, manager)
+            for _, tl in sorted(tenant.timelines.items())
+            if not manager.is_unfinished(tl)
+        ]
 
     @route("GET", "/v1/tenant/{tenant_id}/timeline/{timeline_id}")
     async def get_timeline(req: Request) -> TimelineInfo:

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import abc
 import functools
+import gzip
 import os
 import re
 import shutil
 import tarfile
 import tempfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
@@ -51,13 +53,22 @@ from pageserver.pgdatadir import (
 from pageserver.storage.value import Image
 from pageserver.tenant import Tenant
 from pageserver.timeline import Timeline
-from pageserver.walingest import WalIngest, ingest_wal, read_wal_segments
+from pageserver.walingest import WalIngest, read_wal_segments
+from protocol.errors import RemoteProtocolError
 from protocol.ids import TimelineId
-from protocol.lsn import Lsn, format_lsn, parse_lsn, segment_file_name
+from protocol.lsn import WAL_SEGMENT_SIZE, Lsn, format_lsn, parse_lsn, segment_file_name
+from protocol.wal.reader import EndOfWal
+from protocol.wal.record import DecodedRecord
+from protocol.wal.rmgr import XLOG_BACKUP_END, XLR_RMGR_INFO_MASK, RmgrId
 
 log = structlog.get_logger(__name__)
 
-_REL_FILE = re.compile(r"^(\d+)(?:_(fsm|vm|init))?(?:\.(\d+))?$")
+# ASCII digits only: str.isdigit() and a Unicode \d also take "²" or "٣", which int() then
+# refuses or reads as another number.
+_REL_FILE = re.compile(r"^([0-9]+)(?:_(fsm|vm|init))?(?:\.([0-9]+))?$")
+_OID = re.compile(r"[0-9]+")
+_MAX_OID = 0xFFFF_FFFF
+_MAX_BLOCK_NUMBER = 0xFFFF_FFFE  # PostgreSQL's MaxBlockNumber
 _FORKS = {None: 0, "fsm": 1, "vm": 2, "init": 3}
 _SLRU_DIRS = {path: kind for kind, path in SLRU_DIRS.items()}
 _READ_CHUNK = 64 * BLCKSZ
@@ -65,6 +76,12 @@ _READ_CHUNK = 64 * BLCKSZ
 
 class DatadirImportError(Exception):
     """The source is not an importable PostgreSQL 15 data directory."""
+
+
+# What a damaged source raises while it is read: a truncated or corrupt tar (or compressed
+# tar). These can only come from the source, so they become DatadirImportError (a 400, not an
+# internal error). OSError in general is left alone: it may be our own disk failing.
+_DAMAGED_SOURCE = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile)
 
 
 @attrs.frozen
@@ -205,13 +222,29 @@ def _state_name(state: int) -> str:
         return f"unknown {state}"
 
 
-def _start_lsn(src: _Source, cf: ControlFileData) -> Lsn:
+@attrs.frozen
+class _BackupLabel:
+    start: Lsn
+    from_standby: bool
+
+
+def _backup_label(src: _Source) -> _BackupLabel | None:
     label = src.read("backup_label")
+    if label is None:
+        return None
+    m = re.search(rb"^START WAL LOCATION: ([0-9A-Fa-f]+/[0-9A-Fa-f]+)", label, re.M)
+    if m is None:
+        raise DatadirImportError("backup_label has no START WAL LOCATION")
+    try:
+        start = parse_lsn(m.group(1).decode())
+    except RemoteProtocolError as exc:
+        raise DatadirImportError(f"backup_label: {exc.msg}") from None
+    return _BackupLabel(start, re.search(rb"^BACKUP FROM: standby$", label, re.M) is not None)
+
+
+def _start_lsn(label: _BackupLabel | None, cf: ControlFileData) -> Lsn:
     if label is not None:
-        m = re.search(rb"^START WAL LOCATION: ([0-9A-Fa-f]+/[0-9A-Fa-f]+)", label, re.M)
-        if m is None:
-            raise DatadirImportError("backup_label has no START WAL LOCATION")
-        return parse_lsn(m.group(1).decode())
+        return label.start
     if cf.state not in (DBState.SHUTDOWNED, DBState.SHUTDOWNED_IN_RECOVERY):
         raise DatadirImportError(
             f"the cluster was not shut down cleanly (state {_state_name(cf.state)}); "
@@ -228,10 +261,19 @@ async def _read_all(opener: Callable[[], IO[bytes]]) -> bytes:
     return await trio.to_thread.run_sync(read)
 
 
+def _oid(text: str, path: str) -> int:
+    value = int(text)
+    if value > _MAX_OID:
+        raise DatadirImportError(f"{path}: {text} is not an OID (above {_MAX_OID})")
+    return value
+
+
 async def _import_rel_file(
     mod: DatadirModification, rel: RelKey, segno: int, opener: Callable[[], IO[bytes]], path: str
 ) -> int:
     base = segno * RELSEG_SIZE
+    if base > _MAX_BLOCK_NUMBER:
+        raise DatadirImportError(f"{path}: segment {segno} is beyond PostgreSQL's MaxBlockNumber")
     blk = base
     # File reads leave the trio thread: an import must not stall the page service.
     with await trio.to_thread.run_sync(opener) as f:
@@ -241,6 +283,8 @@ async def _import_rel_file(
                 break
             if len(chunk) % BLCKSZ:
                 raise DatadirImportError(f"{path}: size is not a multiple of {BLCKSZ}")
+            if blk + len(chunk) // BLCKSZ > _MAX_BLOCK_NUMBER:
+                raise DatadirImportError(f"{path}: blocks beyond PostgreSQL's MaxBlockNumber")
             for off in range(0, len(chunk), BLCKSZ):
                 await mod.put_rel_page(rel, blk, Image(chunk[off : off + BLCKSZ]))
                 blk += 1
@@ -272,20 +316,93 @@ async def import_datadir(
     wal_tar: Path | None = None,
     ingest: WalIngest | None = None,
 ) -> ImportResult:
-    """Import ``source`` (directory or tar) into an empty ``timeline``; see the module doc."""
-    src = await trio.to_thread.run_sync(_open_source, source, wal_tar)
+    """Import ``source`` (directory or tar) into an empty ``timeline``; see the module doc.
+
+    Anything wrong with the source (damaged tar, corrupt pg_control, WAL that stops short of
+    consistency, out-of-range file names) raises ``DatadirImportError``.
+    """
     try:
-        return await _import(timeline, src, ingest)
-    finally:
-        src.close()
+        src = await trio.to_thread.run_sync(_open_source, source, wal_tar)
+        try:
+            return await _import(timeline, src, ingest)
+        finally:
+            src.close()
+    except _DAMAGED_SOURCE as exc:
+        raise DatadirImportError(f"{source}: damaged archive: {type(exc).__name__}: {exc}") from None
+
+
+class _SegmentPrefetch:
+    """WAL segments of the source, each read in a worker thread before the decoder asks for
+    it: ``read_wal_segments`` wants them synchronously, and a 16 MiB read (from a tar member,
+    perhaps) must not stall the trio thread. The next segment is read as soon as a record ends
+    in the current one, so at most two are held."""
+
+    def __init__(self, src: _Source, first: int) -> None:
+        self._src = src
+        self._ready: dict[int, bytes | None] = {}
+        self._next = first  # lowest segment not read yet
+
+    async def read_through(self, segno: int) -> None:
+        while self._next <= segno:
+            self._ready[self._next] = await trio.to_thread.run_sync(self._src.wal_segment, self._next)
+            self._next += 1
+
+    def get(self, segno: int) -> bytes | None:
+        if segno in self._ready:
+            return self._ready.pop(segno)
+        # Only a single record spanning more than a whole segment gets here: correct, slower.
+        log.warning("WAL segment read on the trio thread", segno=segno)
+        self._next = max(self._next, segno + 1)
+        return self._src.wal_segment(segno)
+
+
+async def _ingest_source_wal(
+    wal: WalIngest, src: _Source, start: Lsn, watch: _BackupEndWatch
+) -> EndOfWal | None:
+    """Ingest the source's WAL from ``start`` to its end (the ``EndOfWal``, returned)."""
+    segments = _SegmentPrefetch(src, start // WAL_SEGMENT_SIZE)
+    await segments.read_through(start // WAL_SEGMENT_SIZE + 1)
+    for item in watch.observe(read_wal_segments(segments.get, start)):
+        if isinstance(item, EndOfWal):
+            return item
+        await wal.ingest_record(item)
+        await segments.read_through(item.end_lsn // WAL_SEGMENT_SIZE + 1)
+        await trio.lowlevel.checkpoint_if_cancelled()
+    return None
+
+
+class _BackupEndWatch:
+    """Passes records through, noting PostgreSQL's end-of-backup record for ``start``: a base
+    backup's files are consistent only once WAL up to it has been replayed (PostgreSQL refuses
+    to start otherwise: "WAL ends before end of online backup")."""
+
+    def __init__(self, start: Lsn) -> None:
+        self._start = start.to_bytes(8, "little")
+        self.end_of_backup: Lsn | None = None
+
+    def observe(self, records: Iterator[DecodedRecord | EndOfWal]) -> Iterator[DecodedRecord | EndOfWal]:
+        for item in records:
+            if (
+                self.end_of_backup is None
+                and isinstance(item, DecodedRecord)
+                and item.xl_rmid == RmgrId.XLOG
+                and item.xl_info & XLR_RMGR_INFO_MASK == XLOG_BACKUP_END
+                and item.main_data[:8] == self._start
+            ):
+                self.end_of_backup = item.end_lsn
+            yield item
 
 
 async def _import(timeline: Timeline, src: _Source, ingest: WalIngest | None) -> ImportResult:
     raw_control = await trio.to_thread.run_sync(src.read, "global/pg_control")
     if raw_control is None:
         raise DatadirImportError("no global/pg_control: not a PostgreSQL data directory")
-    cf = parse_control_file(raw_control)
-    lsn = _start_lsn(src, cf)
+    try:
+        cf = parse_control_file(raw_control)
+    except RemoteProtocolError as exc:
+        raise DatadirImportError(f"global/pg_control: {exc.msg}") from None
+    label = await trio.to_thread.run_sync(_backup_label, src)
+    lsn = _start_lsn(label, cf)
     if timeline.last_record_lsn >= lsn:
         raise DatadirImportError(
             f"timeline is at {format_lsn(timeline.last_record_lsn)}, cannot import at {format_lsn(lsn)}"
@@ -297,16 +414,16 @@ async def _import(timeline: Timeline, src: _Source, ingest: WalIngest | None) ->
         parts = d.split("/")
         if parts[0] == "pg_tblspc" and len(parts) == 2:
             raise DatadirImportError(f"tablespace {parts[1]} is not supported")
-        if len(parts) == 2 and parts[0] == "base" and parts[1].isdigit():
-            await mod.put_dbdir_creation(DEFAULTTABLESPACE_OID, int(parts[1]))
+        if len(parts) == 2 and parts[0] == "base" and _OID.fullmatch(parts[1]):
+            await mod.put_dbdir_creation(DEFAULTTABLESPACE_OID, _oid(parts[1], d))
     for path, opener in await trio.to_thread.run_sync(lambda: list(src.files())):
         parts = path.split("/")
         name = parts[-1]
         where: tuple[int, int] | None = None
         if len(parts) == 2 and parts[0] == "global":
             where = (GLOBALTABLESPACE_OID, 0)
-        elif len(parts) == 3 and parts[0] == "base" and parts[1].isdigit():
-            where = (DEFAULTTABLESPACE_OID, int(parts[1]))
+        elif len(parts) == 3 and parts[0] == "base" and _OID.fullmatch(parts[1]):
+            where = (DEFAULTTABLESPACE_OID, _oid(parts[1], path))
         elif parts[0] == "pg_tblspc":
             raise DatadirImportError(f"tablespaces are not supported ({path})")
         if where is not None:
@@ -316,7 +433,7 @@ async def _import(timeline: Timeline, src: _Source, ingest: WalIngest | None) ->
             m = _REL_FILE.match(name)
             if m is None:
                 continue  # PG_VERSION, pg_internal.init, pg_control (below), ...
-            rel: RelKey = (where[0], where[1], int(m.group(1)), _FORKS[m.group(2)])
+            rel: RelKey = (where[0], where[1], _oid(m.group(1), path), _FORKS[m.group(2)])
             segno = int(m.group(3) or 0)
             nblocks += await _import_rel_file(mod, rel, segno, opener, path)
             nrels += segno == 0
@@ -338,12 +455,27 @@ async def _import(timeline: Timeline, src: _Source, ingest: WalIngest | None) ->
         timeline_id=timeline.timeline_id.hex,
     )
     wal = ingest if ingest is not None else WalIngest(timeline, writer)
-    end = await ingest_wal(wal, read_wal_segments(src.wal_segment, lsn))
-    if timeline.last_record_lsn < cf.checkpoint:
+    watch = _BackupEndWatch(lsn)
+    end = await _ingest_source_wal(wal, src, lsn, watch)
+    why = f" ({end.reason})" if end is not None else ""
+    ends_at = format_lsn(timeline.last_record_lsn)
+    # The checkpoint record itself must be in: the timeline then ends where the source's next
+    # record begins, and that is where streaming resumes.
+    if timeline.last_record_lsn <= cf.checkpoint:
         raise DatadirImportError(
-            f"the WAL in the source ends at {format_lsn(timeline.last_record_lsn)}, before the "
-            f"checkpoint at {format_lsn(cf.checkpoint)}"
-            + (f" ({end.reason})" if end is not None else "")
+            f"the WAL in the source ends at {ends_at}, before the end of the checkpoint record "
+            f"at {format_lsn(cf.checkpoint)}{why}"
+        )
+    if label is not None and label.from_standby:
+        if timeline.last_record_lsn < cf.min_recovery_point:
+            raise DatadirImportError(
+                f"the WAL in the backup ends at {ends_at}, before its minimum recovery point "
+                f"{format_lsn(cf.min_recovery_point)}{why}"
+            )
+    elif label is not None and watch.end_of_backup is None:
+        raise DatadirImportError(
+            f"the WAL in the backup ends at {ends_at} without the end-of-backup record for "
+            f"{format_lsn(lsn)}: its files are not consistent{why}"
         )
     return ImportResult(lsn, timeline.last_record_lsn, nrels, nblocks, cf)
 

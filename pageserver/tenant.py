@@ -3,7 +3,11 @@
 Layout: ``<tenant dir>/timelines/<timeline id>/`` holds ``index_part.json``, the layer files it
 lists and, while running, ephemeral files. A timeline exists once its first ``index_part.json``
 is durable; a directory without one is the leftover of an interrupted creation and is removed at
-load. Loading opens exactly the layers index_part lists (checking each file's size and summary)
+load (if it holds anything but temp files, loading stops with an error instead: deleting layer
+files nothing lists is not a guess to make). A timeline whose contents are filled after it is
+created (bootstrap, import) is marked ``<timeline id>.___uninit`` next to its directory until
+it is complete and durable; at load a marked timeline is removed with its marker, as Neon
+does, so a crash in the middle of an import leaves no half-imported timeline behind. Loading opens exactly the layers index_part lists (checking each file's size and summary)
 and deletes every other file in the directory (temp files, ephemeral files, layers that a
 compaction or GC had already unlisted). Timelines load ancestors first.
 
@@ -17,6 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
+import structlog
 import trio
 
 from pageserver.storage.config import StorageConfig
@@ -29,6 +34,11 @@ from pageserver.storage.reconstruct import RedoManager, TestRedoManager
 from pageserver.timeline import LayerGraveyard, Timeline
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, Lsn, format_lsn
+
+log = structlog.get_logger("pageserver.tenant")
+
+UNINIT_SUFFIX = ".___uninit"
+_TEMP_SUFFIXES = (".___temp",)
 
 
 class TimelineExistsError(Exception):
@@ -56,10 +66,26 @@ class Tenant:
         self.index_cache = IndexBlockCache(config.index_cache_blocks)
         self.graveyard = LayerGraveyard()
         self.timelines: dict[TimelineId, Timeline] = {}
+        self.background_failures = 0  # failed compaction / GC rounds (each one logged)
 
     @property
     def timelines_dir(self) -> Path:
         return self.path / "timelines"
+
+    def uninit_marker(self, timeline_id: TimelineId) -> Path:
+        """While this file exists the timeline is not complete (see the module docstring)."""
+        return self.timelines_dir / (timeline_id.hex + UNINIT_SUFFIX)
+
+    async def mark_uninit(self, timeline_id: TimelineId) -> None:
+        """Durably mark ``timeline_id`` as being filled; call before creating it."""
+        marker = self.uninit_marker(timeline_id)
+        await self.engine.run_sync(_create_marker, marker)
+        await fsync_dir(self.engine, self.timelines_dir)
+
+    async def clear_uninit(self, timeline_id: TimelineId) -> None:
+        """Durably declare ``timeline_id`` complete; call once it is flushed."""
+        await self.engine.run_sync(lambda: self.uninit_marker(timeline_id).unlink(missing_ok=True))
+        await fsync_dir(self.engine, self.timelines_dir)
 
     def _new_timeline(
         self, timeline_id: TimelineId, ancestor: Timeline | None, ancestor_lsn: Lsn, start_lsn: Lsn
@@ -141,11 +167,32 @@ class Tenant:
         tdir = tenant.timelines_dir
         tdir.mkdir(parents=True, exist_ok=True)
         parts = {}
-        for entry in sorted(tdir.iterdir()):
+        entries = sorted(tdir.iterdir())
+        unfinished = {e.name.removesuffix(UNINIT_SUFFIX) for e in entries if e.name.endswith(UNINIT_SUFFIX)}
+        for entry in entries:
+            if entry.name.endswith(UNINIT_SUFFIX):
+                continue
+            if entry.name in unfinished:
+                log.warning("removing a timeline whose creation did not finish",
+                            tenant_id=tenant_id.hex, timeline_id=entry.name)
+                shutil.rmtree(entry)
+                continue
             if not (entry / INDEX_PART).exists():
+                others = sorted(p.name for p in entry.iterdir() if not p.name.endswith(_TEMP_SUFFIXES))
+                if others:
+                    raise LayerCorruptionError(
+                        entry, f"no {INDEX_PART}, but {len(others)} other files ({others[0]}, ...): "
+                        "not deleting what nothing lists"
+                    )
                 shutil.rmtree(entry)  # an interrupted create_timeline
                 continue
             parts[TimelineId.parse(entry.name)] = await read_index_part(tenant.engine, entry)
+        # Markers go only after their directories: a crash in between leaves a marker alone,
+        # which the next load removes.
+        for name in unfinished:
+            (tdir / (name + UNINIT_SUFFIX)).unlink()
+        if unfinished:
+            await fsync_dir(tenant.engine, tdir)
         remaining = dict(parts)
         while remaining:
             progressed = False
@@ -173,20 +220,35 @@ class Tenant:
     ) -> None:
         """Run until cancelled: every ``compaction_period_s`` flush layers older than
         ``checkpoint_timeout_s`` and compact every timeline; every ``gc_period_s`` GC the tenant.
-        A period of 0 disables that job (Neon's convention)."""
+        A period of 0 disables that job (Neon's convention).
+
+        A failed round (a page that cannot be reconstructed for an image layer, a full disk) is
+        logged with its traceback, counted, and tried again next period, as Neon does: one
+        timeline's trouble must not end the jobs of the others, nor take the node down with
+        it. Nothing is lost by a failed round: its outputs are discarded and the layers it
+        would have replaced stay listed."""
         cfg = self.config
 
         async def compaction_loop() -> None:
             while True:
                 await trio.sleep(cfg.compaction_period_s)
                 for tl in list(self.timelines.values()):
-                    await tl.flush_if_old()
-                    await tl.compact()
+                    try:
+                        await tl.flush_if_old()
+                        await tl.compact()
+                    except Exception:
+                        self.background_failures += 1
+                        log.error("compaction failed; retrying next period", tenant_id=self.tenant_id.hex,
+                                  timeline_id=tl.timeline_id.hex, exc_info=True)
 
         async def gc_loop() -> None:
             while True:
                 await trio.sleep(cfg.gc_period_s)
-                await self.gc()
+                try:
+                    await self.gc()
+                except Exception:
+                    self.background_failures += 1
+                    log.error("gc failed; retrying next period", tenant_id=self.tenant_id.hex, exc_info=True)
 
         async with trio.open_nursery() as nursery:
             if cfg.compaction_period_s > 0:
@@ -219,3 +281,8 @@ async def _load_layers(tl: Timeline, listed: dict[str, int]) -> None:
         opened.append(layer)
     tl.layer_map.replace([], opened)
     await fsync_dir(tl.engine, tl.path)
+
+
+def _create_marker(path: Path) -> None:
+    with open(path, "xb") as f:
+        os.fsync(f.fileno())

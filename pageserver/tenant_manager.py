@@ -8,8 +8,10 @@ interrupted creation are removed at start.
 
 Timelines are created by bootstrap (``initdb`` imported by ``pageserver.import_datadir``), by
 importing a stopped data directory or a tar of one, or as a branch of an existing timeline at
-an LSN. A bootstrap or import that fails leaves no timeline behind. When the
-node has safekeepers configured, every timeline gets a ``TimelineWalIngest`` task that pulls
+an LSN. A bootstrap or import that fails leaves no timeline behind; one the process dies in
+the middle of is marked unfinished (``Tenant.mark_uninit``) and removed at the next start.
+Every tenant runs its background jobs (flush of old open layers, compaction, GC) in the node's
+nursery until shutdown. When the node has safekeepers configured, every timeline gets a ``TimelineWalIngest`` task that pulls
 its WAL from them, starting at ``last_record_lsn``.
 """
 
@@ -87,6 +89,10 @@ class TenantManager:
         self.tenants: dict[TenantId, Tenant] = {}
         self._locks: dict[TenantId, trio.Lock] = {}
         self._ingests: dict[tuple[TenantId, TimelineId], tuple[TimelineWalIngest, trio.CancelScope]] = {}
+        self._jobs: dict[TenantId, trio.CancelScope] = {}
+        # Timelines being bootstrapped or imported: in their tenant already (the import writes
+        # through it) but not served: a basebackup or GetPage there would see half the data.
+        self._unfinished: set[tuple[TenantId, TimelineId]] = set()
         self._nursery: trio.Nursery | None = None
         self.shutting_down = trio.Event()
 
@@ -121,23 +127,51 @@ class TenantManager:
             self.tenants[tenant_id] = tenant
             log.info("tenant loaded", tenant_id=tenant_id.hex, timelines=len(tenant.timelines))
         for tenant in self.tenants.values():
+            self._start_background_jobs(tenant)
             for tl in tenant.timelines.values():
                 self._start_ingest(tl)
 
     async def shutdown(self) -> None:
-        """Stop WAL receivers, flush every timeline (index_part persisted), close files."""
+        """Stop WAL receivers and background jobs, flush every timeline (index_part
+        persisted), close files."""
         self.shutting_down.set()
         for _, scope in self._ingests.values():
             scope.cancel()
         self._ingests.clear()
+        for scope in self._jobs.values():
+            scope.cancel()
+        self._jobs.clear()
         for tenant in self.tenants.values():
             for tl in tenant.timelines.values():
                 try:
-                    with trio.move_on_after(self.conf.shutdown_timeout_s * 4):
+                    with trio.move_on_after(self.conf.shutdown_timeout_s * 4) as scope:
                         await tl.flush()
                 except Exception:
                     log.error("flush at shutdown failed", timeline_id=tl.timeline_id.hex, exc_info=True)
+                # Nothing is lost (WAL above disk_consistent_lsn is streamed again after the
+                # restart), but the operator should know the restart will re-ingest it.
+                if scope.cancelled_caught:
+                    log.warning(
+                        "flush at shutdown timed out; WAL above disk_consistent_lsn will be re-ingested",
+                        timeline_id=tl.timeline_id.hex,
+                        disk_consistent_lsn=format_lsn(tl.disk_consistent_lsn),
+                        last_record_lsn=format_lsn(tl.last_record_lsn),
+                    )
             await tenant.shutdown()
+
+    def _start_background_jobs(self, tenant: Tenant) -> None:
+        """Compaction, flushing of old open layers and GC (``Tenant.run_background_jobs``),
+        until shutdown."""
+        if self._nursery is None:
+            return
+        scope = trio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                await tenant.run_background_jobs()
+
+        self._jobs[tenant.tenant_id] = scope
+        self._nursery.start_soon(run, name=f"tenant.jobs.{tenant.tenant_id.hex[:8]}")
 
     def _start_ingest(self, tl: Timeline) -> None:
         if not self.conf.safekeepers or self._nursery is None:
@@ -185,7 +219,13 @@ class TenantManager:
         tl = self.get_tenant(tenant_id).timelines.get(timeline_id)
         if tl is None:
             raise TimelineNotFoundError(f"timeline {tenant_id}/{timeline_id} not found")
+        if (tenant_id, timeline_id) in self._unfinished:
+            raise TimelineNotFoundError(f"timeline {tenant_id}/{timeline_id} is still being created")
         return tl
+
+    def is_unfinished(self, tl: Timeline) -> bool:
+        """Being bootstrapped or imported: not served, not listed."""
+        return (tl.tenant_id, tl.timeline_id) in self._unfinished
 
     def iter_timelines(self) -> Iterator[Timeline]:
         for tenant in self.tenants.values():
@@ -211,6 +251,7 @@ class TenantManager:
             await fsync_dir(tenant.engine, self.tenants_dir)
             tenant.path = final
             self.tenants[tenant_id] = tenant
+            self._start_background_jobs(tenant)
             log.info("tenant created", tenant_id=tenant_id.hex)
             return tenant
 
@@ -264,11 +305,17 @@ class TenantManager:
         return tl
 
     async def _bootstrap(self, tenant: Tenant, timeline_id: TimelineId) -> Timeline:
+        self._unfinished.add((tenant.tenant_id, timeline_id))
         try:
-            tl, _ = await bootstrap_timeline(tenant, timeline_id)
-        except BaseException:
-            await self._discard(tenant, timeline_id)
-            raise
+            await tenant.mark_uninit(timeline_id)
+            try:
+                tl, _ = await bootstrap_timeline(tenant, timeline_id)
+                await tenant.clear_uninit(timeline_id)
+            except BaseException:
+                await self._discard(tenant, timeline_id)
+                raise
+        finally:
+            self._unfinished.discard((tenant.tenant_id, timeline_id))
         return tl
 
     async def import_timeline(
@@ -292,18 +339,34 @@ class TenantManager:
         async with self._lock(tenant_id):
             if timeline_id in tenant.timelines:
                 raise AlreadyExistsError(f"timeline {tenant_id}/{timeline_id} already exists")
-            tl = await tenant.create_timeline(timeline_id)
+            self._unfinished.add((tenant_id, timeline_id))
             try:
-                await import_datadir(tl, source, wal_tar=wal_tar)
-                await tl.flush()
-            except BaseException as exc:
-                await self._discard(tenant, timeline_id)
-                if isinstance(exc, DatadirImportError):
-                    raise BadTimelineRequestError(f"cannot import {source}: {exc}") from None
-                raise
+                tl = await self._import(tenant, timeline_id, source, wal_tar)
+            finally:
+                self._unfinished.discard((tenant_id, timeline_id))
             log.info("timeline imported", tenant_id=tenant_id.hex, timeline_id=timeline_id.hex,
                      source=str(source), last_record_lsn=format_lsn(tl.last_record_lsn))
         self._start_ingest(tl)
+        return tl
+
+    async def _import(
+        self, tenant: Tenant, timeline_id: TimelineId, source: Path, wal_tar: Path | None
+    ) -> Timeline:
+        await tenant.mark_uninit(timeline_id)
+        try:
+            tl = await tenant.create_timeline(timeline_id)
+        except BaseException:
+            await tenant.clear_uninit(timeline_id)
+            raise
+        try:
+            await import_datadir(tl, source, wal_tar=wal_tar)
+            await tl.flush()
+            await tenant.clear_uninit(timeline_id)
+        except BaseException as exc:
+            await self._discard(tenant, timeline_id)
+            if isinstance(exc, DatadirImportError):
+                raise BadTimelineRequestError(f"cannot import {source}: {exc}") from None
+            raise
         return tl
 
     async def _discard(self, tenant: Tenant, timeline_id: TimelineId) -> None:
@@ -316,3 +379,5 @@ class TenantManager:
             await trio.to_thread.run_sync(
                 lambda: shutil.rmtree(tenant.timelines_dir / timeline_id.hex, ignore_errors=True)
             )
+            # Only now: had we crashed before, the marker makes the next load remove the rest.
+            await tenant.clear_uninit(timeline_id)

@@ -253,8 +253,16 @@ class Timeline:
                 f"put at {format_lsn(lsn)} is not above last_record_lsn "
                 f"{format_lsn(self._last_record_lsn)} / earlier puts"
             )
-        blob = encode_value(value)
-        if self.put_nowait(key, lsn, blob, value.will_init):
+        await self.put_encoded(key, lsn, encode_value(value), value.will_init)
+
+    async def put_encoded(self, key: Key, lsn: Lsn, blob: bytes, will_init: bool) -> None:
+        """``put`` of a value already encoded (``encode_value``)."""
+        if lsn <= self._last_record_lsn or lsn < self._max_put_lsn or lsn < self._next_layer_start:
+            raise ValueError(
+                f"put at {format_lsn(lsn)} is not above last_record_lsn "
+                f"{format_lsn(self._last_record_lsn)} / earlier puts"
+            )
+        if self.put_nowait(key, lsn, blob, will_init):
             return
         layer = self.open_layer
         if layer is not None and lsn > self._max_put_lsn and self._should_roll(layer, lsn, len(blob)):
@@ -271,7 +279,7 @@ class Timeline:
             if layer is None:
                 layer = await self._open_new_layer()
             self._max_put_lsn = lsn
-            await layer.put(key, lsn, blob, value.will_init)
+            await layer.put(key, lsn, blob, will_init)
         finally:
             lock.release()
 
@@ -302,6 +310,40 @@ class Timeline:
             return False
         self._max_put_lsn = lsn
         return True
+
+    def put_many_nowait(self, items: Sequence[tuple[Key, Lsn, bytes, bool]], start: int = 0) -> int:
+        """``put_nowait`` of ``items[start:]`` (``(key, lsn, encoded value, will_init)``, LSNs
+        not decreasing, a record's values together) while they fit in the write buffer;
+        returns the index of the first item not stored. The caller stores that one with
+        ``put_encoded`` (which rolls the layer or waits for the buffer, and raises the errors)
+        and then continues here. The WAL ingest's batch path: one buffer append and no call
+        per value."""
+        n = len(items)
+        if start >= n:
+            return start
+        lsn = items[start][1]
+        if lsn <= self._last_record_lsn or lsn < self._max_put_lsn or lsn < self._next_layer_start:
+            return start
+        layer = self.open_layer
+        lock = self._put_lock_obj
+        if layer is None or (lock is not None and lock.locked()):
+            return start
+        cfg = self.config
+        last = items[-1][1]
+        max_size = 1 << 62
+        if last > self._max_put_lsn:
+            # put_nowait's roll test, for the highest LSN: when a roll is due somewhere in
+            # ``items``, put_encoded finds where, value by value (once per layer).
+            if (
+                last - layer.start_lsn >= cfg.checkpoint_distance
+                or time.monotonic() - layer.opened_at >= cfg.checkpoint_timeout_s
+            ):
+                return start
+            max_size = cfg.checkpoint_distance
+        done = layer.try_put_many(items, start, max_size)
+        if done > start:
+            self._max_put_lsn = items[done - 1][1]
+        return done
 
     def _should_roll(self, layer: InMemoryLayer, lsn: Lsn, size: int) -> bool:
         cfg = self.config

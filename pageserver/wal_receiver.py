@@ -2,9 +2,14 @@
 
 It connects to one safekeeper at a time (``START_REPLICATION PHYSICAL X/Y`` with the
 ``tenant_id``/``timeline_id`` options, protocols.md §3.6), feeds the XLogData bytes to the WAL
-stream decoder and hands every decoded record, in order, to the injected ``on_record``
-callable (the ingest). ``X/Y`` is the end of the last record handed over, so a reconnection
-neither skips nor repeats a record. Standby status updates tell the safekeeper how far the
+stream decoder and hands the decoded records, in order, to the ingest: all the records one
+XLogData message completes as one list to ``on_records`` (one await per ~900 records of a bulk
+load instead of one per record), or one by one to ``on_record``. ``X/Y`` is the end of the last
+record handed over, so a reconnection neither skips nor repeats a record handed over
+completely; when ``on_records`` fails part-way through a list, the next session starts at the
+beginning of that list again, so the callee must skip records it already has (the ingest does:
+records ending at or below ``last_record_lsn`` are skipped). ``wait_for_lsn`` waiters wake once
+per list, when its last record has been handed over. Standby status updates tell the safekeeper how far the
 pageserver got: write = last record received, flush = ``disk_consistent_lsn``, apply =
 ``remote_consistent_lsn`` (both from the injected ``progress`` callable).
 
@@ -62,6 +67,7 @@ class PgConnection(Protocol):
 # (host, port, startup parameters: user, options, replication, application_name)
 Connector = Callable[[str, int, dict[str, str]], Awaitable[PgConnection]]
 OnRecord = Callable[[DecodedRecord], Awaitable[None]]
+OnRecords = Callable[[list[DecodedRecord]], Awaitable[None]]
 
 
 # The production connector.
@@ -123,15 +129,19 @@ class WalReceiver:
         cfg: WalReceiverConfig,
         *,
         start_lsn: Lsn,
-        on_record: OnRecord,
+        on_record: OnRecord | None = None,
+        on_records: OnRecords | None = None,
         connect: Connector = pgclient_connect,
         progress: ProgressFn | None = None,
     ) -> None:
         if not cfg.safekeepers:
             raise ValueError("no safekeepers to receive WAL from")
+        if (on_record is None) == (on_records is None):
+            raise ValueError("give exactly one of on_record and on_records")
         self.cfg = cfg
         self._connect = connect
         self._on_record = on_record
+        self._on_records = on_records
         self._progress = progress
         # End of the last record handed to on_record: where the next session starts.
         self.last_record_lsn = start_lsn
@@ -222,20 +232,29 @@ class WalReceiver:
                     f"XLogData at {format_lsn(msg.wal_start)}, expected {format_lsn(decoder.fed_lsn)}"
                 )
             decoder.feed(msg.data)
-            while True:
-                item = decoder.next_record()
-                if isinstance(item, DecodedRecord):
-                    await self._on_record(item)
-                    self.last_record_lsn = item.end_lsn
-                    self.records_received += 1
-                    self._advanced.set()
-                    self._advanced = trio.Event()
-                elif isinstance(item, EndOfWal):
-                    raise WalDecodeError(
-                        f"WAL stopped decoding at {format_lsn(item.error_lsn)}: {item.reason}"
-                    )
-                else:
-                    break
+            batch: list[DecodedRecord] = []
+            stop = decoder.decode_into(batch)
+            if batch:
+                await self._hand_over(batch)
+            if isinstance(stop, EndOfWal):
+                raise WalDecodeError(
+                    f"WAL stopped decoding at {format_lsn(stop.error_lsn)}: {stop.reason}"
+                )
+
+    async def _hand_over(self, batch: list[DecodedRecord]) -> None:
+        if self._on_records is not None:
+            await self._on_records(batch)
+            self.last_record_lsn = batch[-1].end_lsn
+            self.records_received += len(batch)
+        else:
+            on_record = self._on_record
+            assert on_record is not None
+            for rec in batch:
+                await on_record(rec)
+                self.last_record_lsn = rec.end_lsn
+                self.records_received += 1
+        self._advanced.set()
+        self._advanced = trio.Event()
 
     async def _status_sender(self, copy: CopyStream, reply: _Wakeup) -> None:
         # The only writer on this stream: the receive loop only fires ``reply``.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import builtins
 import struct
+import sys
 from typing import Final
 
 from protocol.errors import PROTOCOL_VIOLATION, LocalProtocolError, RemoteProtocolError
@@ -32,6 +33,7 @@ I32: Final = struct.Struct("!i")
 I64: Final = struct.Struct("!q")
 # PostgreSQL message header: tag byte + length (the length counts itself, not the tag).
 TAG_LEN: Final = struct.Struct("!cI")
+_TAG_LEN_INT: Final = struct.Struct("!BI")  # the same with the tag as an int
 
 CHARACTER_NOT_IN_REPERTOIRE: Final = "22021"
 
@@ -182,32 +184,118 @@ class Reader:
 class ReceiveBuffer:
     """Bytes received but not yet consumed.
 
-    ``_data[_start:]`` is the live part. ``consume`` only moves ``_start``; the dead prefix is
-    deleted when it is both large and at least half the array, so compaction is amortised
-    O(1) per byte. No memoryview into ``_data`` is ever handed out (it would pin the array
-    and make resizing raise), callers get ``bytes`` copies of what they take.
+    ``_data[_start:_end]`` is the live part; ``_data[_end:]`` is free room that ``writable``
+    lends to ``recv_into``. ``consume`` only moves ``_start``; the dead prefix is deleted
+    when it is both large and at least half the array, so compaction is amortised O(1) per
+    byte.
+
+    Two ways out: ``take`` returns a ``bytes`` copy (the array stays private and may be
+    resized), ``take_view`` a zero-copy ``memoryview`` (the receive fast path). Once a view
+    was handed out the array is *lent*: it is never resized, compacted or written below
+    ``_end`` again, so no view ever sees its bytes change. When a lent array runs out of room
+    the live tail moves to another array and the lent one is retired; a retired array is
+    reused only when no view of it is left (every buffer export holds a reference to the
+    bytearray, so its reference count says so exactly).
     """
 
-    __slots__ = ("_data", "_start")
+    __slots__ = ("_arena_size", "_data", "_end", "_lent", "_retired", "_start", "_window")
 
     _COMPACT_MIN: Final = 64 * 1024
+    # Capacity of the arrays the zero-copy path receives into. Large, so that the partial
+    # message carried over to the next array at a switch is a small share of the traffic.
+    ARENA_SIZE: Final = 2 * 1024 * 1024
+    # Retired arrays kept for reuse; views outliving more than this many are left to the GC.
+    _MAX_RETIRED: Final = 8
+    # An array that only ``take`` used is not kept beyond this size once drained.
+    _KEEP_MAX: Final = 4 * 1024 * 1024
 
-    def __init__(self) -> None:
+    def __init__(self, arena_size: int = ARENA_SIZE) -> None:
+        self._arena_size = arena_size
         self._data = bytearray()
         self._start = 0
+        self._end = 0
+        self._lent = False
+        self._retired: list[bytearray] = []
+        self._window: memoryview | None = None
 
     def __len__(self) -> int:
-        return len(self._data) - self._start
+        return self._end - self._start
 
     def __bool__(self) -> bool:
-        return len(self._data) > self._start
+        return self._end > self._start
 
     def append(self, data: Buffer) -> None:
-        self._data += data
+        n = len(data) if not isinstance(data, memoryview) else data.nbytes
+        end = self._end
+        if end + n <= len(self._data):
+            self._data[end : end + n] = data
+            self._end = end + n
+        elif not self._lent:
+            # Private array: grow it (bytearray over-allocates, amortised O(1) per byte).
+            del self._data[end:]
+            self._data += data
+            self._end = len(self._data)
+        else:
+            self._move_to_fresh(n)
+            end = self._end
+            self._data[end : end + n] = data
+            self._end = end + n
+
+    def writable(self, min_size: int) -> memoryview:
+        """Free room of at least ``min_size`` bytes after the live part, to receive into;
+        ``commit(n)`` then adds its first ``n`` bytes. Nothing else may touch the buffer in
+        between; ``commit`` releases the view."""
+        if self._window is not None:
+            raise LocalProtocolError("writable() twice without commit()")
+        if len(self._data) - self._end < min_size:
+            self._move_to_fresh(min_size)
+        window = self._window = memoryview(self._data)[self._end :]
+        return window
+
+    def commit(self, n: int) -> None:
+        """Add the first ``n`` bytes of the last ``writable`` view to the live part."""
+        window = self._window
+        if window is None:
+            raise LocalProtocolError("commit() without writable()")
+        if not 0 <= n <= len(window):
+            raise LocalProtocolError(f"commit({n}) with a {len(window)}-byte window")
+        window.release()
+        self._window = None
+        self._end += n
+
+    def _move_to_fresh(self, need: int) -> None:
+        """Make room for ``need`` more bytes: the live tail moves to an array that nobody
+        else can see (a retired one without views left, or a new one)."""
+        live = self._end - self._start
+        # Geometric growth for a message larger than an array: O(1) copies per byte.
+        size = max(self._arena_size, 2 * live + need)
+        old = self._data
+        fresh = self._unused_retired(size)
+        if fresh is None:
+            fresh = bytearray(size)
+        if live:
+            fresh[:live] = memoryview(old)[self._start : self._end]
+        if self._lent or len(old) >= self._arena_size:
+            self._retired.append(old)
+            if len(self._retired) > self._MAX_RETIRED:
+                del self._retired[0]
+        self._data = fresh
+        self._start = 0
+        self._end = live
+        self._lent = False
+
+    def _unused_retired(self, size: int) -> bytearray | None:
+        retired = self._retired
+        for k in range(len(retired)):
+            # References: the list's and getrefcount's argument; a live view adds one.
+            if sys.getrefcount(retired[k]) == 2 and len(retired[k]) >= size:
+                return retired.pop(k)
+        return None
 
     def peek(self, n: int) -> bytes:
         """Up to ``n`` bytes from the front, not consumed."""
-        return bytes(self._data[self._start : self._start + n])
+        start = self._start
+        return bytes(memoryview(self._data)[start : min(start + n, self._end)])
 
     def byte_at(self, i: int) -> int:
         """The byte ``i`` positions from the front (caller checks ``len``)."""
@@ -224,27 +312,80 @@ class ReceiveBuffer:
         if n > len(self):
             raise LocalProtocolError(f"take({n}) with only {len(self)} bytes buffered")
         start = self._start
-        out = bytes(self._data[start : start + n])
+        out = bytes(memoryview(self._data)[start : start + n])
         self.consume(n)
+        return out
+
+    def take_view(self, n: int) -> memoryview:
+        """Remove the first ``n`` bytes and return them without copying. The view stays
+        valid and unchanged for as long as the caller holds it (see the class docstring)."""
+        if n > len(self):
+            raise LocalProtocolError(f"take_view({n}) with only {len(self)} bytes buffered")
+        start = self._start
+        # A fresh export per view: each one holds its own reference to the array.
+        out = memoryview(self._data)[start : start + n]
+        self._lent = True
+        self.consume(n)
+        return out
+
+    def take_frames(self, tag: int, max_length: int, limit: int) -> list[memoryview]:
+        """Zero-copy framing of consecutive complete messages with ``tag`` at the front
+        (PostgreSQL framing: tag byte, then a length word that counts itself): their bodies
+        as views, at most ``limit`` of them. Stops before the first message with another
+        tag, a length outside ``4..max_length`` or one not fully buffered, and leaves it
+        for the general decoder (which reports bad lengths)."""
+        data = self._data
+        start = first = self._start
+        end = self._end
+        unpack = _TAG_LEN_INT.unpack_from
+        out: list[memoryview] = []
+        base: memoryview | None = None
+        while end - start >= 5 and len(out) < limit:
+            msg_tag, length = unpack(data, start)
+            stop = start + 1 + length
+            if msg_tag != tag or length < 4 or length > max_length or stop > end:
+                break
+            if base is None:
+                # One export for the batch: its slices share it, so the array's reference
+                # count stays raised while any of them lives.
+                base = memoryview(data)
+            out.append(base[start + 5 : stop])
+            start = stop
+        if out:
+            self._lent = True
+            self.consume(start - first)
         return out
 
     def consume(self, n: int) -> None:
         self._start += n
-        if self._start == len(self._data):
-            self._data.clear()
-            self._start = 0
-        elif self._start >= self._COMPACT_MIN and self._start * 2 >= len(self._data):
+        if self._start == self._end:
+            if self._lent:
+                if sys.getrefcount(self._data) == 2:  # the attribute's and the argument's
+                    self._lent = False  # no view is left: the array is private again
+                else:
+                    return
+            self._start = self._end = 0
+            if len(self._data) > self._KEEP_MAX:
+                self._data = bytearray()
+        elif (
+            not self._lent
+            and self._start >= self._COMPACT_MIN
+            and self._start * 2 >= self._end
+        ):
             del self._data[: self._start]
+            self._end -= self._start
             self._start = 0
 
     def find(self, sub: int | bytes, offset: int = 0) -> int:
         """Index of ``sub`` relative to the front, at or after ``offset``; -1 if absent."""
-        idx = self._data.find(sub, self._start + offset)
+        idx = self._data.find(sub, self._start + offset, self._end)
         return idx - self._start if idx >= 0 else -1
 
     def clear(self) -> None:
-        self._data.clear()
-        self._start = 0
+        self._start = self._end = 0
+        if self._lent:
+            self._data = bytearray()
+            self._lent = False
 
 
 class WriteBuffer:

@@ -8,6 +8,7 @@ unless told otherwise, and timeline (TLI) 1.
 
 from __future__ import annotations
 
+import re
 from typing import NewType
 
 from protocol.errors import RemoteProtocolError
@@ -21,15 +22,18 @@ XLOG_BLCKSZ = 8192
 MAXALIGN = 8
 
 
+# Only hex digits, as pg_lsn_in: ``int(x, 16)`` alone would also take a sign ("-1/0" gave a
+# negative LSN), a "0x" prefix, underscores and inner whitespace.
+_LSN_TEXT = re.compile(r"([0-9A-Fa-f]{1,8})/([0-9A-Fa-f]{1,8})")
+_SEGMENT_NAME = re.compile(r"([0-9A-F]{8})([0-9A-F]{8})([0-9A-F]{8})(?:\.partial)?")
+
+
 def parse_lsn(text: str) -> Lsn:
     """Parse ``X/Y``; a malformed value is the peer's fault."""
-    hi, sep, lo = text.strip().partition("/")
-    if not sep or not hi or not lo or len(hi) > 8 or len(lo) > 8:
+    m = _LSN_TEXT.fullmatch(text.strip())
+    if m is None:
         raise RemoteProtocolError(f"invalid LSN {text!r}: expected X/Y in hex")
-    try:
-        return Lsn((int(hi, 16) << 32) | int(lo, 16))
-    except ValueError:
-        raise RemoteProtocolError(f"invalid LSN {text!r}: expected X/Y in hex") from None
+    return Lsn((int(m[1], 16) << 32) | int(m[2], 16))
 
 
 def format_lsn(lsn: int) -> str:
@@ -70,16 +74,16 @@ def segment_file_name(segno: int, timeline: int = 1, segment_size: int = WAL_SEG
 
 
 def parse_segment_file_name(name: str, segment_size: int = WAL_SEGMENT_SIZE) -> tuple[int, int]:
-    """Inverse of ``segment_file_name`` (``.partial`` allowed): returns (timeline, segno)."""
-    base = name.removesuffix(".partial")
-    if len(base) != 24:
-        raise ValueError(f"not a WAL segment file name: {name!r}")
-    try:
-        tli, log_id, seg = int(base[:8], 16), int(base[8:16], 16), int(base[16:], 16)
-    except ValueError:
-        raise ValueError(f"not a WAL segment file name: {name!r}") from None
+    """Inverse of ``segment_file_name`` (``.partial`` allowed): returns (timeline, segno).
+
+    As PostgreSQL's ``IsXLogFileName``: upper-case hex only; the low part must also be a
+    segment that exists at this segment size, or two names would map to one segment number.
+    """
+    m = _SEGMENT_NAME.fullmatch(name)
     per_id = 0x1_0000_0000 // segment_size
-    return tli, log_id * per_id + seg
+    if m is None or int(m[3], 16) >= per_id:
+        raise ValueError(f"not a WAL segment file name: {name!r}")
+    return int(m[1], 16), int(m[2], 16) * per_id + int(m[3], 16)
 
 
 def page_offset(lsn: int, page_size: int = XLOG_BLCKSZ) -> int:

@@ -9,6 +9,7 @@ Unknown keys and bad values stop start-up with a message naming the key.
     no_sync = false
     ingest_queue = 4096          # AppendRequests buffered between the reader and the writer
     max_write_bytes = 1048576    # coalesce up to this much WAL per write+fsync; 0 = off
+    ingest_queue_bytes = 8388608 # WAL received but not yet written, at most (about)
     wal_removal_period_s = 10.0  # how often old WAL segments are removed; 0 = never
 """
 
@@ -58,6 +59,7 @@ class SafekeeperConfig:
     no_sync: bool = False
     ingest_queue: int = attrs.field(default=4096, validator=_positive)
     max_write_bytes: int = attrs.field(default=1 << 20, validator=_non_negative)
+    ingest_queue_bytes: int = attrs.field(default=8 << 20, validator=_positive)
     wal_removal_period_s: float = attrs.field(default=10.0, validator=_non_negative_float)
     log_level: str = attrs.field(default="info", validator=attrs.validators.in_(LEVELS))
     log_file: str | None = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 
 import structlog
@@ -64,7 +65,7 @@ class SafekeeperNode:
             SafekeeperHandler(self),
             PgServerConfig(host=cfg.pg_addr[0], port=cfg.pg_addr[1], idle_timeout_s=None),
         )
-        self.ingest = IngestConfig(cfg.ingest_queue, cfg.max_write_bytes)
+        self.ingest = IngestConfig(cfg.ingest_queue, cfg.max_write_bytes, cfg.ingest_queue_bytes)
         self._stop = trio.Event()
         # Where the per-timeline background tasks (WAL removal) run; set by run().
         self._tasks: trio.Nursery | None = None
@@ -198,6 +199,7 @@ class SafekeeperHandler:
                         self.node.get_timeline,
                         cmd.allow_timeline_creation,
                         self.node.ingest,
+                        partial(conn.copy_receive_views, copy),
                     )
                 except RemoteProtocolError as exc:
                     # Neon closes the stream on any proposer error: FATAL ends the connection.

@@ -45,12 +45,44 @@ log = structlog.get_logger("safekeeper.receive_wal")
 
 Item = ProposerMessage | RemoteProtocolError
 GetTimeline = Callable[[TenantId, TimelineId, bool], Awaitable[Timeline | None]]
+# A batch of CopyData payloads already received, as views of the receive buffer; None at
+# the end of the stream (``PgConnection.copy_receive_views``).
+ReceiveViews = Callable[[], Awaitable[list[memoryview] | None]]
 
 
 @attrs.frozen
 class IngestConfig:
     ingest_queue: int = 4096
     max_write_bytes: int = 1 << 20
+    # WAL bytes received but not yet written (queued or in the write in progress). Beyond
+    # it the reader stops receiving and TCP pushes back on the proposer. With zero-copy
+    # receive every queued AppendRequest pins its part of the receive buffer, so this bounds
+    # the memory (4096 queued 128 KiB messages would be 512 MiB) and lets receive arrays be
+    # reused instead of allocated.
+    ingest_queue_bytes: int = 8 << 20
+
+
+class _ByteBudget:
+    """WAL bytes between the reader and the end of their write (see ``ingest_queue_bytes``).
+    The reader adds, the writer releases once a batch is written; the reader waits while
+    the total is above the limit (so one message beyond it is always let through)."""
+
+    __slots__ = ("_below", "limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._below = trio.Event()
+
+    async def wait_below(self) -> None:
+        while self.used > self.limit:
+            self._below = trio.Event()
+            await self._below.wait()
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        if self.used <= self.limit:
+            self._below.set()
 
 
 def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -75,11 +107,14 @@ async def serve_wal_push(
     get_timeline: GetTimeline,
     allow_timeline_creation: bool,
     cfg: IngestConfig,
+    receive_views: ReceiveViews | None = None,
 ) -> None:
     """Run the proposer protocol on ``copy`` until the proposer stops or an error ends it.
 
     ``ids`` are the tenant and timeline of the connection's startup options; the greeting
-    must name the same."""
+    must name the same. ``receive_views``, when given, is the zero-copy receive of the same
+    stream: AppendRequests then carry views of the receive buffer all the way to ``pwritev``
+    (the buffer never reuses memory under a live view)."""
     payload = await copy.receive()
     if payload is None:
         return
@@ -106,11 +141,20 @@ async def serve_wal_push(
         if error is not None:
             raise error
         send, receive = trio.open_memory_channel[Item](max(cfg.ingest_queue, 1))
+        budget = _ByteBudget(cfg.ingest_queue_bytes)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_read_stage, copy, send, version, name="wal_push.read")
+                if receive_views is None:
+                    nursery.start_soon(
+                        _read_stage, copy, send, version, budget, name="wal_push.read"
+                    )
+                else:
+                    nursery.start_soon(
+                        _read_views_stage, receive_views, send, version, budget,
+                        name="wal_push.read",
+                    )
                 nursery.start_soon(
-                    _write_stage, copy, receive, timeline, version, cfg.max_write_bytes,
+                    _write_stage, copy, receive, timeline, version, cfg.max_write_bytes, budget,
                     name="wal_push.write",
                 )
         except BaseExceptionGroup as group:
@@ -120,10 +164,15 @@ async def serve_wal_push(
 
 
 async def _read_stage(
-    copy: CopyBothStream, out: trio.MemorySendChannel[Item], version: ProtocolVersion
+    copy: CopyBothStream,
+    out: trio.MemorySendChannel[Item],
+    version: ProtocolVersion,
+    budget: _ByteBudget,
 ) -> None:
     async with out:
         while True:
+            if budget.used > budget.limit:
+                await budget.wait_below()
             payload = await copy.receive()
             # Then everything already buffered, without a checkpoint per message: a trio
             # scheduling round per 1 KiB message would cost more than the message.
@@ -132,12 +181,16 @@ async def _read_stage(
                     item: Item = decode_proposer_message(payload, version)
                 except RemoteProtocolError as exc:
                     item = exc
+                if isinstance(item, AppendRequest):
+                    budget.used += len(item.wal)
                 try:
                     out.send_nowait(item)
                 except trio.WouldBlock:
                     await out.send(item)
                 if isinstance(item, RemoteProtocolError):
                     return
+                if budget.used > budget.limit:
+                    break
                 try:
                     payload = copy.receive_nowait()
                 except trio.WouldBlock:
@@ -146,12 +199,43 @@ async def _read_stage(
                 return
 
 
+async def _read_views_stage(
+    receive_views: ReceiveViews,
+    out: trio.MemorySendChannel[Item],
+    version: ProtocolVersion,
+    budget: _ByteBudget,
+) -> None:
+    """``_read_stage`` on zero-copy batches: one await per batch of received messages."""
+    decode = decode_proposer_message
+    async with out:
+        while True:
+            if budget.used > budget.limit:
+                await budget.wait_below()
+            payloads = await receive_views()
+            if payloads is None:
+                return
+            for payload in payloads:
+                try:
+                    item: Item = decode(payload, version)
+                except RemoteProtocolError as exc:
+                    item = exc
+                if type(item) is AppendRequest:
+                    budget.used += len(item.wal)
+                try:
+                    out.send_nowait(item)
+                except trio.WouldBlock:
+                    await out.send(item)
+                if isinstance(item, RemoteProtocolError):
+                    return
+
+
 async def _write_stage(
     copy: CopyBothStream,
     messages: trio.MemoryReceiveChannel[Item],
     timeline: Timeline,
     version: ProtocolVersion,
     max_write_bytes: int,
+    budget: _ByteBudget,
 ) -> None:
     # With coalescing and fsync on, group N's fdatasync runs while group N+1 is checked and
     # written (Timeline.write_appends/sync/finish); N's AppendResponse still leaves only
@@ -185,10 +269,12 @@ async def _write_stage(
             except trio.EndOfChannel:
                 await finish_pending()
                 return
-            batch, stop = _collect(first, messages, max_write_bytes)
-            if pipelined and batch and all(isinstance(m, AppendRequest) for m in batch):
-                appends = [m for m in batch if isinstance(m, AppendRequest)]
+            batch, stop, appends, wal_bytes = _collect(first, messages, max_write_bytes)
+            if pipelined and batch and len(appends) == len(batch):
                 replies, new_pending, error = await timeline.write_appends(appends)
+                # Written (pwritev done): the receive memory of these messages is free.
+                del batch, appends
+                budget.release(wal_bytes)
                 await finish_pending()
                 await send(replies)
                 if new_pending is not None:
@@ -200,6 +286,8 @@ async def _write_stage(
             elif batch:
                 await finish_pending()
                 replies, error = await timeline.process_batch(batch)
+                del batch, appends
+                budget.release(wal_bytes)
                 await send(replies)
                 if error is not None:
                     raise error
@@ -210,23 +298,30 @@ async def _write_stage(
 
 def _collect(
     first: Item, messages: trio.MemoryReceiveChannel[Item], max_write_bytes: int
-) -> tuple[list[ProposerMessage], RemoteProtocolError | None]:
+) -> tuple[list[ProposerMessage], RemoteProtocolError | None, list[AppendRequest], int]:
     """The write group that starts with ``first``: AppendRequests already queued, up to
-    ``max_write_bytes`` of WAL; a non-append message ends it (it is the group's last)."""
+    ``max_write_bytes`` of WAL; a non-append message ends it (it is the group's last).
+    Also returns the group's AppendRequests and their WAL size (for the byte budget)."""
     if isinstance(first, RemoteProtocolError):
-        return [], first
+        return [], first, [], 0
     batch: list[ProposerMessage] = [first]
-    if max_write_bytes > 0 and isinstance(first, AppendRequest):
-        size = len(first.wal)
+    if type(first) is not AppendRequest:
+        return batch, None, [], 0
+    appends: list[AppendRequest] = [first]
+    size = len(first.wal)
+    if max_write_bytes > 0:
         while size < max_write_bytes:
             try:
                 item = messages.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
+            if type(item) is AppendRequest:
+                batch.append(item)
+                appends.append(item)
+                size += len(item.wal)
+                continue
             if isinstance(item, RemoteProtocolError):
-                return batch, item
+                return batch, item, appends, size
             batch.append(item)
-            if not isinstance(item, AppendRequest):
-                break
-            size += len(item.wal)
-    return batch, None
+            break
+    return batch, None, appends, size

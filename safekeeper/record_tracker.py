@@ -42,6 +42,14 @@ _REC_HEAD = struct.Struct("<I12xBB")
 # against it is exactly the "computed == stored" check, one unpack cheaper.
 _CRC_RESIDUE = 0x48674BC7
 
+# A continuation page's header may not have unknown bits nor the long-header flag (the
+# fast path leaves segment starts, where the long header belongs, to the state machine).
+_BAD_CONT_INFO = (~XLP_ALL_FLAGS | XLP_LONG_HEADER) & 0xFFFF
+# Record bytes a page holds after a short header.
+_PAGE_ROOM = XLOG_BLCKSZ - SHORT_PHD
+# Records shorter than this make the fast path slice a bytes copy of the chunk.
+_COPY_BELOW = 2048
+
 # What the next byte is: part of a page header, of a record header, of a record body, or
 # alignment / XLOG_SWITCH padding to skip.
 _PAGE_HDR, _REC_HDR, _REC_BODY, _SKIP = range(4)
@@ -101,10 +109,10 @@ class RecordTracker:
     def feed(self, data: bytes | bytearray | memoryview) -> Lsn:
         """Consume ``data`` (the bytes at ``self.pos``); return the new ``record_end``."""
         view = memoryview(data).cast("B")
-        # The fast path slices every record twice for the CRC calls: slicing bytes is ~25%
-        # cheaper than slicing a memoryview (even with the copy), so one copy of the chunk
-        # here pays for itself many times over at 200-byte records.
-        flat = data if type(data) is bytes else view.tobytes()
+        # What the fast path slices (two slices per record and one per page piece): a bytes
+        # copy of the chunk when records are small (slicing bytes is cheaper than slicing a
+        # memoryview, so the copy pays for itself), the view itself when they are large.
+        flat: bytes | memoryview | None = data if type(data) is bytes else None
         i = 0
         n = len(view)
         while i < n:
@@ -145,7 +153,10 @@ class RecordTracker:
                     # Fast path: whole records on this page and in this buffer, in a tight
                     # loop (this is the safekeeper's hottest code).
                     if n - i >= RECORD_HEADER:
-                        i, pos = self._fast_records(flat, i, n, pos, page_left)
+                        if flat is None:
+                            (first_len,) = _U32.unpack_from(view, i)
+                            flat = view.tobytes() if first_len < _COPY_BELOW else view
+                        i, pos = self._fast_records(flat, i, n, pos)
                         if pos != self.pos:
                             self.pos = pos
                             if pos % XLOG_BLCKSZ == 0:
@@ -183,36 +194,87 @@ class RecordTracker:
         return self.record_end
 
     def _fast_records(
-        self, buf: bytes, i: int, n: int, pos: int, page_left: int
+        self, buf: bytes | memoryview, i: int, n: int, pos: int
     ) -> tuple[int, Lsn]:
-        """Consume complete records that lie entirely in ``buf[i:n]`` and on this page,
-        each followed by its MAXALIGN padding; stop before anything else. Returns the new
-        (index, position); the caller handles a page end."""
-        # Per record: one unpack, two CRC calls, a handful of int ops. The stored CRC is
-        # checked through the CRC-32C residue (see _CRC_RESIDUE) so it is never unpacked,
-        # and positions are derived from the index once at the end.
+        """Consume complete records that lie entirely in ``buf[i:n]``, each followed by its
+        MAXALIGN padding, including records that continue over short page headers (each
+        such header checked exactly as ``_check_page_header`` would: magic, address, flags,
+        continuation length); stop before anything else (a page start, a segment's long
+        header, XLOG_SWITCH, an incomplete record, anything suspicious) and leave it to the
+        general state machine, which also produces the error for what is wrong. Returns the
+        new (index, position); the caller handles a page start. ``pos`` is not on one."""
+        # Per record: one unpack and two CRC calls, plus one unpack and one CRC call per page
+        # it continues on. The stored CRC is checked through the CRC-32C residue (see
+        # _CRC_RESIDUE) so it is never unpacked; positions are derived from the index.
         crc32 = crc32c.crc32c
         unpack = _REC_HEAD.unpack_from
+        unpack_page = _PAGE_HEADER.unpack_from
+        seg_size = self.seg_size
         base = pos - i
-        page_end = min(i + page_left, n)
         last_end = -1
-        while page_end - i >= RECORD_HEADER:
+        while True:
+            in_page = (base + i) % XLOG_BLCKSZ
+            if not in_page:
+                break  # a page header: the caller's
+            page_end = i + XLOG_BLCKSZ - in_page
+            stop = page_end if page_end < n else n
+            # Records wholly on this page: the hottest loop of the safekeeper.
+            while stop - i >= RECORD_HEADER:
+                tot_len, info, rmid = unpack(buf, i)
+                end = i + tot_len
+                if tot_len < RECORD_HEADER or end > stop:
+                    break
+                if rmid == RM_XLOG_ID and info & 0xF0 == XLOG_SWITCH:
+                    break
+                body = i + RECORD_HEADER
+                if crc32(buf[i:body], crc32(buf[body:end])) != _CRC_RESIDUE:
+                    raise InvalidWal(f"record CRC mismatch for the record at {base + i:#x}")
+                # MAXALIGN: a record starts aligned, so its padding follows from its length.
+                last_end = i + ((tot_len + 7) & ~7)
+                if last_end > n:
+                    # The padding is not in this buffer: let the slow path skip it.
+                    self.record_end = Lsn(base + last_end)
+                    return end, Lsn(base + end)
+                i = last_end
+            # A record that continues on the next pages, if it is all in the buffer.
+            if page_end - i < RECORD_HEADER or n - i < RECORD_HEADER:
+                break
             tot_len, info, rmid = unpack(buf, i)
             end = i + tot_len
-            if tot_len < RECORD_HEADER or end > page_end:
-                break
-            if rmid == RM_XLOG_ID and info & 0xF0 == XLOG_SWITCH:
+            if end <= page_end or end > n or (rmid == RM_XLOG_ID and info & 0xF0 == XLOG_SWITCH):
                 break
             body = i + RECORD_HEADER
-            if crc32(buf[i:body], crc32(buf[body:end])) != _CRC_RESIDUE:
-                raise InvalidWal(f"record CRC mismatch for the record at {base + i:#x}")
-            padded_end = i + ((tot_len + 7) & ~7)
-            last_end = padded_end
-            if padded_end > n:
-                # The padding is not in this buffer: let the slow path skip it.
-                i = end
+            crc = crc32(buf[body:page_end])
+            left = end - page_end
+            p = page_end
+            while left:
+                piece = p + SHORT_PHD
+                if piece > n or (base + p) % seg_size == 0:
+                    break
+                magic, pinfo, _tli, pageaddr, rem_len = unpack_page(buf, p)
+                if (
+                    magic != XLOG_PAGE_MAGIC
+                    or pageaddr != base + p
+                    or pinfo & _BAD_CONT_INFO
+                    or not pinfo & XLP_FIRST_IS_CONTRECORD
+                    or rem_len != left
+                ):
+                    break
+                take = left if left < _PAGE_ROOM else _PAGE_ROOM
+                p = piece + take
+                if p > n:
+                    break
+                crc = crc32(buf[piece:p], crc)
+                left -= take
+            if left:
                 break
-            i = padded_end
+            if crc32(buf[i:body], crc) != _CRC_RESIDUE:
+                raise InvalidWal(f"record CRC mismatch for the record at {base + i:#x}")
+            last_end = ((base + p + 7) & ~7) - base
+            if last_end > n:
+                self.record_end = Lsn(base + last_end)
+                return p, Lsn(base + p)
+            i = last_end
         if last_end >= 0:
             self.record_end = Lsn(base + last_end)
         return i, Lsn(base + i)

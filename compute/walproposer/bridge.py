@@ -467,8 +467,11 @@ class Bridge:
         p = self.proposer
         end = Lsn(begin + len(wal))
         req = AppendRequest(p.term, begin, end, p.commit_lsn, p.truncate_lsn, wal)
-        await copy.send(encode_append_request_header(req, PROTO_VERSION) + wal)
+        # Recorded before the send: the answer may be read while send() still yields after its
+        # last write, and the proposer refuses acknowledgements beyond what was sent. A failed
+        # send ends the session, which forgets the position.
         p.sent(i, end)
+        await copy.send(encode_append_request_header(req, PROTO_VERSION) + wal)
 
     async def _catch_up(self, i: int, copy: CopyStream) -> None:
         """Feed safekeeper ``i`` from its own PostgreSQL stream until it reaches the window."""

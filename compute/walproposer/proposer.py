@@ -39,8 +39,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from protocol.errors import LocalProtocolError
-from protocol.lsn import INVALID_LSN, Lsn
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.lsn import INVALID_LSN, Lsn, format_lsn
 from protocol.safekeeper import (
     MAX_SEND_SIZE,
     AcceptorGreeting,
@@ -308,8 +308,17 @@ class Proposer:
                 f"safekeeper {i} moved to term {msg.term} while we stream in {self.term}",
                 seen_term=msg.term,
             )
+        # Both are the peer's fault (RemoteProtocolError: the caller drops that one connection).
+        # A flush beyond what it was sent would count WAL it does not hold towards commit_lsn,
+        # releasing commits that are not on a quorum of disks.
         if msg.term < self.term:
-            raise LocalProtocolError(f"safekeeper {i} acknowledged in old term {msg.term}")
+            raise RemoteProtocolError(f"safekeeper {i} acknowledged in old term {msg.term}")
+        assert slot.streaming_at is not None
+        if msg.flush_lsn > slot.streaming_at:
+            raise RemoteProtocolError(
+                f"safekeeper {i} acknowledged flush up to {format_lsn(msg.flush_lsn)}, beyond the "
+                f"WAL sent to it (up to {format_lsn(slot.streaming_at)})"
+            )
         if msg.flush_lsn > slot.acked_flush_lsn:
             slot.acked_flush_lsn = msg.flush_lsn
         lowest = Lsn(min(s.acked_flush_lsn for s in self.slots))

@@ -1,22 +1,33 @@
-"""FoldChannel: a one-slot channel whose slot is a growing batch (neon's ``spsc_fold``).
+"""The pipeline's two hand-offs: ``HandoffQueue`` (Reading -> Batching) and ``FoldChannel``
+(Batching -> Execution, neon's ``spsc_fold``).
 
-The sender folds items into the pending batch for as long as ``can_fold(batch, item)`` allows;
-when it refuses, the sender parks until the receiver takes the batch, then the item starts the
-next one. That park is the pipeline's backpressure: it stops the batcher, which stops the
-reader, which leaves bytes in the socket. There is no timer anywhere: the receiver takes
-whatever has accumulated the moment it is idle.
+FoldChannel is a one-slot channel whose slot is a growing batch. The sender folds items into
+the pending batch for as long as ``can_fold(batch, item)`` allows; when it refuses, the sender
+parks until the receiver takes the batch, then the item starts the next one. That park is the
+pipeline's backpressure: it stops the batcher, which stops the reader, which leaves bytes in the
+socket. There is no timer anywhere: the receiver takes whatever has accumulated the moment it
+is idle.
 
 Why not a second memory channel: a batch handed over through a channel is sealed before the
 receiver is free to act on it, so requests arriving meanwhile would wait one extra round.
 
-Both ``send`` and ``receive`` follow trio's channel checkpoint discipline: a cancellation
-check first, then either parking or (when no parking was needed) a cancel-shielded checkpoint
-after the state change, so an operation either happened completely or raised ``Cancelled``
-having changed nothing, and every call is a schedule point.
+Both are single-producer single-consumer, so each side has at most one parked task and a
+``_Waiter`` (one task reference, woken with ``reschedule``) replaces trio's ``ParkingLot``
+(an ordered dict of parked tasks and a list per wake-up): at queue depth 1 every request parks
+and wakes each of these once, so their cost is the pipeline's cost over serial mode.
+
+Checkpoint discipline (trio's, as its memory channels): every blocking call checks for
+cancellation first, then either parks (its schedule point) or, when it did not need to park,
+does a cancel-shielded checkpoint after the state change, so an operation either happened
+completely or raised ``Cancelled`` having changed nothing. ``*_nowait`` calls never yield.
+``HandoffQueue.receiver_idle`` tells the producer that the consumer is parked on an empty
+queue, i.e. has nothing in hand: the producer may then do the consumer's next step itself
+without reordering anything (the pipeline's Reading task folds directly when Batching is idle).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -25,17 +36,111 @@ import trio
 T = TypeVar("T")
 
 
+class _Waiter:
+    """At most one parked task, woken by ``wake`` (or by cancellation)."""
+
+    __slots__ = ("task",)
+
+    def __init__(self) -> None:
+        self.task: trio.lowlevel.Task | None = None
+
+    async def park(self) -> None:
+        self.task = trio.lowlevel.current_task()
+
+        def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+            self.task = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def wake(self) -> None:
+        task = self.task
+        if task is not None:
+            self.task = None
+            trio.lowlevel.reschedule(task)
+
+
+class HandoffQueue(Generic[T]):
+    """Bounded FIFO, single producer, single consumer; ``close()`` (by the producer) ends it.
+
+    ``capacity`` 0 still holds one item: the producer hands it over without waiting for the
+    consumer to be parked (what matters here is bounding memory, not rendezvous).
+    """
+
+    __slots__ = ("_capacity", "_closed", "_items", "_receiver", "_receiver_gone", "_sender")
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = max(1, capacity)
+        self._items: deque[T] = deque()
+        self._closed = False
+        self._receiver_gone = False
+        self._receiver = _Waiter()
+        self._sender = _Waiter()
+
+    @property
+    def receiver_idle(self) -> bool:
+        """The consumer is parked on an empty queue (it holds nothing not yet passed on)."""
+        return self._receiver.task is not None
+
+    def put_nowait(self, item: T) -> bool:
+        """Queue ``item`` if there is room (``False``, nothing done, if not)."""
+        if self._closed:
+            raise trio.ClosedResourceError("put on a closed HandoffQueue")
+        if self._receiver_gone:
+            raise trio.BrokenResourceError("HandoffQueue receiver is gone")
+        if len(self._items) >= self._capacity:
+            return False
+        self._items.append(item)
+        self._receiver.wake()
+        return True
+
+    async def put(self, item: T) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        parked = False
+        while not self.put_nowait(item):
+            await self._sender.park()
+            parked = True
+        if not parked:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def close(self) -> None:
+        """No more items; the consumer gets what is queued, then ``EndOfChannel``."""
+        self._closed = True
+        self._receiver.wake()
+
+    def close_receiver(self) -> None:
+        """The consumer stops; a parked producer raises ``BrokenResourceError``."""
+        self._receiver_gone = True
+        self._sender.wake()
+
+    async def get(self) -> T:
+        """The oldest item, parking while the queue is empty; ``EndOfChannel`` once closed."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        parked = False
+        while not self._items:
+            if self._closed:
+                raise trio.EndOfChannel
+            await self._receiver.park()
+            parked = True
+        item = self._items.popleft()
+        self._sender.wake()
+        if not parked:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return item
+
+
 class FoldChannel(Generic[T]):
     """Single producer, single consumer; ``close()`` (by the producer) ends the stream."""
 
-    __slots__ = ("_batch", "_can_fold", "_closed", "_lot", "_receiver_gone")
+    __slots__ = ("_batch", "_can_fold", "_closed", "_receiver", "_receiver_gone", "_sender")
 
     def __init__(self, can_fold: Callable[[list[T], T], bool]) -> None:
         self._can_fold = can_fold
         self._batch: list[T] = []
         self._closed = False
         self._receiver_gone = False
-        self._lot = trio.lowlevel.ParkingLot()
+        self._receiver = _Waiter()
+        self._sender = _Waiter()
 
     async def send(self, item: T) -> None:
         """Fold ``item`` into the pending batch, parking while the batch refuses it."""
@@ -46,10 +151,10 @@ class FoldChannel(Generic[T]):
         while self._batch and not self._can_fold(self._batch, item):
             if self._receiver_gone:
                 raise trio.BrokenResourceError("FoldChannel receiver is gone")
-            await self._lot.park()
+            await self._sender.park()
             parked = True
         self._batch.append(item)
-        self._lot.unpark_all()
+        self._receiver.wake()
         if not parked:
             await trio.lowlevel.cancel_shielded_checkpoint()
 
@@ -62,18 +167,18 @@ class FoldChannel(Generic[T]):
         if self._batch and not self._can_fold(self._batch, item):
             return False
         self._batch.append(item)
-        self._lot.unpark_all()
+        self._receiver.wake()
         return True
 
     def close(self) -> None:
         """No more items; the receiver gets the last batch, then ``EndOfChannel``."""
         self._closed = True
-        self._lot.unpark_all()
+        self._receiver.wake()
 
     def close_receiver(self) -> None:
         """The receiver stops; a parked sender raises ``BrokenResourceError``."""
         self._receiver_gone = True
-        self._lot.unpark_all()
+        self._sender.wake()
 
     async def receive(self) -> list[T]:
         """Take the whole pending batch, parking while it is empty."""
@@ -82,10 +187,10 @@ class FoldChannel(Generic[T]):
         while not self._batch:
             if self._closed:
                 raise trio.EndOfChannel
-            await self._lot.park()
+            await self._receiver.park()
             parked = True
         batch, self._batch = self._batch, []
-        self._lot.unpark_all()
+        self._sender.wake()
         if not parked:
             # Parking already was this call's schedule point (as in trio's channels); a second
             # one would cost an event-loop round per batch, which an idle pipeline at queue

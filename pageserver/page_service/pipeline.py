@@ -56,7 +56,7 @@ from pageserver.page_service.config import (
     PipelinedPipelining,
     SerialPipelining,
 )
-from pageserver.page_service.fold import FoldChannel
+from pageserver.page_service.fold import FoldChannel, HandoffQueue
 from pageserver.page_service.metrics import PageServiceMetrics
 from pageserver.page_service.reader import (
     BadRequest,
@@ -141,8 +141,9 @@ class Fatal:
 Item: TypeAlias = Pending | Fatal
 # What Reading hands to Batching: every request already buffered when it looked, so a burst
 # from a pipelining client crosses the channel (and gets folded) in one go instead of one
-# task switch per request. A decode error can only be the last element.
-ReadItem: TypeAlias = list[tuple[Request, float] | RemoteProtocolError]
+# task switch per request. A decode error can only be the last element; the first element
+# may already be prepared (Reading folded the ones before it itself, see ``_read_stage``).
+ReadItem: TypeAlias = list[tuple[Request, float] | RemoteProtocolError | Pending | Fatal]
 MAX_READ_BURST: Final = 128
 
 
@@ -154,8 +155,12 @@ class RequestSource(Protocol):
 
     async def receive(self) -> Request | StreamEnd: ...
 
-    def receive_nowait(self) -> Request | StreamEnd:
-        """Like ``receive`` but only from what is already buffered; else ``trio.WouldBlock``."""
+    def receive_nowait(self) -> Request | StreamEnd | None:
+        """Like ``receive`` but only from what is already buffered; ``None`` if nothing is.
+
+        (``None`` rather than ``trio.WouldBlock``: every burst of requests ends with this call,
+        and raising costs more than the rest of the call.)
+        """
         ...
 
 
@@ -176,11 +181,9 @@ class StreamRequestSource:
                 return event
             decoder.receive_data(await self.stream.receive_some(MAX_RECV))
 
-    def receive_nowait(self) -> Request | StreamEnd:
+    def receive_nowait(self) -> Request | StreamEnd | None:
         event = self.decoder.next_event()
-        if event is NEED_DATA:
-            raise trio.WouldBlock
-        return event
+        return None if event is NEED_DATA else event
 
 
 # Requests answered from already-received bytes before ``DirectStreamIO.receive`` yields to
@@ -214,6 +217,7 @@ class DirectStreamIO:
         "_sock",
         "_unyielded",
         "_v3",
+        "_waiting_since",
         "stream",
     )
 
@@ -238,6 +242,13 @@ class DirectStreamIO:
         self._sock = sock
         self._fd = sock.fileno() if sock is not None else -1
         self._unyielded = 0
+        # trio.current_time() when the reader parked waiting for the client, else None; only
+        # kept when there is an idle timeout (``enforce_idle_timeout`` reads it).
+        self._waiting_since: float | None = None
+
+    @property
+    def idle_timeout_s(self) -> float:
+        return self._idle_timeout_s
 
     async def receive(self) -> Request | StreamEnd:
         if self._unyielded >= YIELD_EVERY:
@@ -248,20 +259,27 @@ class DirectStreamIO:
             if event is not NEED_DATA:
                 self._unyielded += 1
                 return event
+            # No cancel scope per wait for the idle timeout (entering and leaving one costs
+            # more than decoding a request): ``enforce_idle_timeout`` watches ``_waiting_since``.
+            timed = self._idle_timeout_s != math.inf
             if self._sock is None:
-                with trio.move_on_after(self._idle_timeout_s) as idle:
+                if timed:
+                    self._waiting_since = trio.current_time()
+                try:
                     data = await self.stream.receive_some(MAX_RECV)
-                if idle.cancelled_caught:
-                    raise self._idle()
+                finally:
+                    self._waiting_since = None
                 self._unyielded = 0
             else:
                 try:
                     data = os.read(self._fd, MAX_RECV)
                 except BlockingIOError:
-                    with trio.move_on_after(self._idle_timeout_s) as idle:
+                    if timed:
+                        self._waiting_since = trio.current_time()
+                    try:
                         await trio.lowlevel.wait_readable(self._sock)
-                    if idle.cancelled_caught:
-                        raise self._idle() from None
+                    finally:
+                        self._waiting_since = None
                     self._unyielded = 0
                     continue
                 except OSError as exc:
@@ -271,14 +289,22 @@ class DirectStreamIO:
             else:
                 self._eof = True
 
-    def _idle(self) -> IdleTimeout:
-        return IdleTimeout(f"no message from the client for {self._idle_timeout_s} s")
+    async def enforce_idle_timeout(self) -> None:
+        """Raise ``IdleTimeout`` once a wait for the client has lasted ``idle_timeout_s``.
 
-    def receive_nowait(self) -> Request | StreamEnd:
+        Runs beside whoever calls ``receive`` (``serve_pagestream`` starts it); wakes about
+        once per timeout period, so the per-request path pays only a clock read per wait.
+        """
+        idle = self._idle_timeout_s
+        while True:
+            since, now = self._waiting_since, trio.current_time()
+            if since is not None and now - since >= idle:
+                raise IdleTimeout(f"no message from the client for {idle} s")
+            await trio.sleep_until((now if since is None else since) + idle)
+
+    def receive_nowait(self) -> Request | StreamEnd | None:
         event = self._next_event()
-        if event is NEED_DATA:
-            raise trio.WouldBlock
-        return event
+        return None if event is NEED_DATA else event
 
     def _next_event(self) -> Request | StreamEnd | _NeedData:
         buf, fast = self._buf, self._fast
@@ -399,8 +425,12 @@ class CopyRequestSource:
     async def receive(self) -> Request | StreamEnd:
         return self._event(await self.copy.receive())
 
-    def receive_nowait(self) -> Request | StreamEnd:
-        return self._event(self.copy.receive_nowait())
+    def receive_nowait(self) -> Request | StreamEnd | None:
+        try:
+            payload = self.copy.receive_nowait()
+        except trio.WouldBlock:
+            return None
+        return self._event(payload)
 
     def _event(self, payload: bytes | None) -> Request | StreamEnd:
         if payload is None:
@@ -667,58 +697,94 @@ class _ReadState:
     end: StreamEnd | None = None
 
 
+def _fold_directly(burst: ReadItem, batches: FoldChannel[Item], resolver: TimelineResolver) -> int:
+    """Batching's step for the head of ``burst``, run by Reading while Batching is idle.
+
+    Returns how many entries were folded; the first refused one is left in ``burst`` already
+    prepared (so it is not prepared twice) and the rest, as they were, for Batching.
+    """
+    for i, entry in enumerate(burst):
+        prepared = (
+            Fatal(entry)
+            if isinstance(entry, RemoteProtocolError)
+            else prepare(entry[0], entry[1], resolver)
+            if isinstance(entry, tuple)
+            else entry
+        )
+        if not batches.send_nowait(prepared):
+            burst[i] = prepared
+            return i
+    return len(burst)
+
+
 async def _read_stage(
-    source: RequestSource, out: trio.MemorySendChannel[ReadItem], state: _ReadState
+    source: RequestSource,
+    out: HandoffQueue[ReadItem],
+    batches: FoldChannel[Item],
+    resolver: TimelineResolver,
+    state: _ReadState,
 ) -> None:
-    async with out:  # closing tells Batching there is nothing more
+    try:
         while True:
             burst: ReadItem = []
+            event: Request | StreamEnd | None = None
+            failed = False
             try:
                 event = await source.receive()
                 now = time.perf_counter()
-                while not isinstance(event, StreamEnd):
+                while event is not None and not isinstance(event, StreamEnd):
                     burst.append((event, now))
                     if len(burst) >= MAX_READ_BURST:
                         break
-                    try:
-                        event = source.receive_nowait()
-                    except trio.WouldBlock:
-                        break
+                    event = source.receive_nowait()
             except RemoteProtocolError as exc:
                 burst.append(exc)  # answered after everything decoded before it
-                await out.send(burst)
-                return
+                failed = True
             if burst:
-                # Without a schedule point when the queue has room: this task's next park
-                # (waiting for the socket) is one, and an extra event-loop round per request
-                # is what unbatchable traffic would pay over serial mode.
-                try:
-                    out.send_nowait(burst)
-                except trio.WouldBlock:
-                    await out.send(burst)
+                # Batching parked on an empty queue holds nothing, so doing its step here
+                # reorders nothing and saves the event-loop round (and the park and wake)
+                # of passing each request through it: an idle pipeline at queue depth 1
+                # then costs one hand-off (to Execution) per request instead of two.
+                folded = _fold_directly(burst, batches, resolver) if out.receiver_idle else 0
+                if folded < len(burst):
+                    rest = burst[folded:] if folded else burst
+                    # No schedule point when the queue has room: this task's next park
+                    # (waiting for the socket) is one.
+                    if not out.put_nowait(rest):
+                        await out.put(rest)
+            if failed:
+                return
             if isinstance(event, StreamEnd):
                 state.end = event
                 return
+    finally:
+        out.close()  # tells Batching there is nothing more
 
 
 async def _batch_stage(
-    requests: trio.MemoryReceiveChannel[ReadItem],
+    requests: HandoffQueue[ReadItem],
     batches: FoldChannel[Item],
     resolver: TimelineResolver,
 ) -> None:
     try:
-        async with requests:
-            async for burst in requests:
-                for item in burst:
-                    prepared = (
-                        Fatal(item)
-                        if isinstance(item, RemoteProtocolError)
-                        else prepare(item[0], item[1], resolver)
-                    )
-                    # Fold without a task switch while the batch accepts; park only when not.
-                    if not batches.send_nowait(prepared):
-                        await batches.send(prepared)
+        while True:
+            try:
+                burst = await requests.get()
+            except trio.EndOfChannel:
+                return
+            for entry in burst:
+                prepared = (
+                    prepare(entry[0], entry[1], resolver)
+                    if isinstance(entry, tuple)
+                    else Fatal(entry)
+                    if isinstance(entry, RemoteProtocolError)
+                    else entry
+                )
+                # Fold without a task switch while the batch accepts; park only when not.
+                if not batches.send_nowait(prepared):
+                    await batches.send(prepared)
     finally:
+        requests.close_receiver()
         batches.close()
 
 
@@ -751,12 +817,14 @@ async def _serve_pipelined(
     cfg: PipelinedPipelining,
 ) -> StreamEnd:
     state = _ReadState()
-    requests_tx, requests_rx = trio.open_memory_channel[ReadItem](ctx.config.read_queue)
+    requests = HandoffQueue[ReadItem](ctx.config.read_queue)
     batches = FoldChannel[Item](make_can_fold(cfg))
     async with _unwrapped(), trio.open_nursery() as nursery:
-        nursery.start_soon(_read_stage, source, requests_tx, state, name="pagestream.read")
         nursery.start_soon(
-            _batch_stage, requests_rx, batches, ctx.resolver, name="pagestream.batch"
+            _read_stage, source, requests, batches, ctx.resolver, state, name="pagestream.read"
+        )
+        nursery.start_soon(
+            _batch_stage, requests, batches, ctx.resolver, name="pagestream.batch"
         )
         nursery.start_soon(_execute_stage, sink, batches, ctx, name="pagestream.execute")
     if state.end is None:
@@ -784,18 +852,27 @@ async def serve_pagestream(
     ``sink`` receives framed CopyData responses; this function is its only writer meanwhile.
     """
     mode = ctx.config.page_service_pipelining
-    if ctx.shutdown is None:
-        return await _serve_mode(source, sink, ctx, mode)
     shutdown = ctx.shutdown
+    watch_idle = (
+        source.enforce_idle_timeout
+        if isinstance(source, DirectStreamIO) and source.idle_timeout_s != math.inf
+        else None
+    )
+    if shutdown is None and watch_idle is None:
+        return await _serve_mode(source, sink, ctx, mode)
     pipeline = trio.CancelScope()
     result: StreamEnd | None = None
 
-    async def watch_shutdown() -> None:
+    async def watch_shutdown(shutdown: Callable[[], Awaitable[object]]) -> None:
         await shutdown()
         pipeline.cancel()
 
     async with _unwrapped(), trio.open_nursery() as nursery:
-        nursery.start_soon(watch_shutdown, name="pagestream.shutdown")
+        if shutdown is not None:
+            nursery.start_soon(watch_shutdown, shutdown, name="pagestream.shutdown")
+        if watch_idle is not None:
+            # Raises IdleTimeout, which cancels the pipeline (as the reader raising it would).
+            nursery.start_soon(watch_idle, name="pagestream.idle")
         try:
             with pipeline:
                 result = await _serve_mode(source, sink, ctx, mode)

@@ -196,6 +196,14 @@ class BufferedWriter:
         self._fill = pos + n
         return offset
 
+    def room(self, limit: int = 1 << 62) -> int:
+        """How many bytes ``try_write`` takes now (in one call or several) without declining,
+        the data to end at or before file offset ``limit``; 0 when it declines everything."""
+        if self._error is not None or self._closed or self._busy:
+            return 0
+        pos = self._fill
+        return max(0, min(self.buffer_size - 1 - pos, limit - self._buf_start - pos))
+
     async def _write_slow(self, view: memoryview) -> None:
         if self._busy:
             raise trio.BusyResourceError(f"another task is writing to {self.file.path}")

@@ -86,7 +86,7 @@ async def compact_level0(tl: Timeline) -> list[PersistentLayer]:
             await writer.abort()
         for done in outputs:
             await done.aclose()
-            os.unlink(done.path)
+            await tl.engine.run_sync(os.unlink, done.path)  # the engine's way, like every file op
         raise
     tl.layer_map.replace(l0s, outputs)
     await tl.write_index_part()

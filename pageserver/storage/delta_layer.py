@@ -16,12 +16,15 @@ answers:
 
 from __future__ import annotations
 
+import bisect
+import errno
 import itertools
 import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 
 import attrs
+from crc32c import crc32c
 
 from pageserver.storage.io_engine import IoEngine
 from pageserver.storage.key import KEY_SIZE, Key, KeyRange, key_next
@@ -36,7 +39,14 @@ from pageserver.storage.layer_file import (
     prefix_of,
 )
 from pageserver.storage.reconstruct import KeyState
-from pageserver.storage.value import Value, decode_value
+from pageserver.storage.value import (
+    TAG_IMAGE,
+    VALUE_DECODERS,
+    Image,
+    Value,
+    WalRecordValue,
+    decode_value,
+)
 from protocol.lsn import MAX_LSN, Lsn
 
 _layer_ids = itertools.count(1)
@@ -65,40 +75,86 @@ class ReadContext:
     blobs: list[tuple[int, int, int]] = attrs.field(factory=list)
 
 
-def _do_reads(jobs: list[tuple[int, int, int]]) -> list[tuple[bytearray, int]]:
-    """Blocking part of ``execute_reads``: one preadv per planned read, into one buffer each."""
+# preadv2's RWF_NOWAIT (Linux >= 4.14): read only what the page cache holds. Switched off for
+# good the first time a file system refuses it.
+_nowait = [hasattr(os, "RWF_NOWAIT")]
+
+
+def _do_reads(jobs: list[tuple[int, int, int]]) -> tuple[list[tuple[bytearray, int]], int]:
+    """Blocking part of ``execute_reads``: one preadv per planned read, into one buffer each;
+    returns the buffers with their byte counts, and the number of preadv calls.
+
+    Cold reads are not done one disk round trip after another: the first read is tried with
+    ``RWF_NOWAIT``; if the page cache does not hold all of it, ``POSIX_FADV_WILLNEED`` asks the
+    kernel for it and every later read at once (the disk serves them concurrently), and the
+    reads then wait for their data in turn. A hot batch pays nothing for this (its first
+    preadv simply carries the flag)."""
     out: list[tuple[bytearray, int]] = []
-    for fd, offset, total in jobs:
+    calls = 0
+    probe = _nowait[0]
+    for n, (fd, offset, total) in enumerate(jobs):
         buf = bytearray(total)
-        got = os.preadv(fd, [buf], offset)
-        while 0 < got < total:
-            more = os.preadv(fd, [memoryview(buf)[got:]], offset + got)
+        got = 0
+        if probe:
+            probe = False
+            calls += 1
+            try:
+                got = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
+            except BlockingIOError:
+                got = 0
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                _nowait[0] = False
+            if got < total:
+                for fd2, offset2, total2 in jobs[n:]:
+                    os.posix_fadvise(fd2, offset2, total2, os.POSIX_FADV_WILLNEED)
+        while got < total:
+            calls += 1
+            more = os.preadv(fd, [memoryview(buf)[got:]] if got else [buf], offset + got)
             if more == 0:
                 break
             got += more
         out.append((buf, got))
-    return out
+    return out, calls
 
 
-async def execute_reads(ctx: ReadContext) -> list[Value]:
-    """Perform every planned read; returns the decoded value of every blob slot."""
+async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:
+    """Perform every planned read; returns the decoded value of every blob slot (an image as
+    its bare page bytes: its encoding is the tag and the page, so no ``Image`` is built only
+    to be taken apart again by ``KeyState.resolve``)."""
     if not ctx.reads:
         return []
     engine = ctx.reads[0][0].engine
     jobs = [(r.file.fd, offset, total) for r, offset, total, _, _ in ctx.reads]
-    results = await engine.run_sync(_do_reads, jobs)
-    engine.stats.preadvs += len(jobs)
-    values: list[Value] = []
+    results, calls = await engine.run_sync(_do_reads, jobs)
+    engine.stats.preadvs += calls
+    values: list[Value | bytes] = []
+    append = values.append
+    blobs = ctx.blobs
+    decoders = VALUE_DECODERS
+    n_tags = len(decoders)
     for (reader, offset, total, first, count), (buf, got) in zip(ctx.reads, results, strict=True):
         if got != total:
             raise LayerCorruptionError(reader.path, f"short read at {offset}: {got} of {total} bytes")
         engine.stats.bytes_read += got
         view = memoryview(buf)
         for slot in range(first, first + count):
-            off, length, crc = ctx.blobs[slot]
-            data = view[off - offset : off - offset + length]
-            reader.check_blob(off, length, crc, data)
-            values.append(decode_value(data))
+            off, length, crc = blobs[slot]
+            start = off - offset
+            data = view[start : start + length]
+            # reader.check_blob inlined (a call per blob is measurable here); the length
+            # always matches: the read covers its blobs and came back whole
+            if crc32c(data) != crc:
+                reader.check_blob(off, length, crc, data)
+            # decode_value's dispatch inlined; what it would reject goes to it for the error
+            tag = data[0] if length else n_tags
+            if tag == TAG_IMAGE:
+                append(bytes(data[1:]))
+            elif tag < n_tags:
+                append(decoders[tag](data[1:]))
+            else:
+                append(decode_value(data))
     ctx.vectored_reads += len(jobs)
     ctx.blobs_read += len(values)
     ctx.reads.clear()
@@ -191,71 +247,165 @@ class PersistentLayer:
     ) -> None:
         """Plan the reads of ``[floor, cont)`` for the sorted, distinct ``keys`` (their states
         must be deferring: ``pending`` set); ``execute_reads`` performs them."""
+        await self.plan_reads(keys, floor, cont, states, ctx)
+
+    async def plan_reads(
+        self,
+        keys: Sequence[Key],
+        floor: int,
+        cont: int,
+        states: dict[Key, KeyState],
+        ctx: ReadContext,
+        bounds: Sequence[tuple[bytes, bytes]] | None = None,
+    ) -> Sequence[Key]:
+        """``get_values_vectored`` that returns the keys still incomplete after this layer
+        (``keys`` itself when none completed), so the walk needs no pass over all its keys.
+        ``bounds`` are ``scan_bounds(keys)`` if the caller has them (a walk reuses them for
+        every layer its key list goes through unchanged).
+
+        One pass over the index entries of the keys' runs, *backwards*: per key that is newest
+        first, the order its values are taken in, so a key is done in this layer at its first
+        will_init entry, or at the first entry below ``floor`` or at/below its cached LSN (all
+        older ones are too). Each taken blob joins the read being grown when it ends where
+        that read starts (index order is (key, lsn) order is file order), up to
+        ``max_vectored_read_bytes``; a read's blobs get consecutive slots, highest offset first.
+        """
         r = self.reader
         ctx.layers_visited += 1
-        # key -> [(lsn, offset, length, crc)], oldest first, from the newest will_init up.
-        # Index order is (key, lsn) order is file order, so the plan comes out sorted by offset.
-        planned: dict[Key, list[tuple[int, int, int, int, bool]]] = {}
-        for first, last in key_runs(keys):
-            for block, lo, hi in await r.scan(first + _ZERO_LSN, last + _ALL_LSNS_END):
+        blobs = ctx.blobs
+        reads = ctx.reads
+        max_bytes = ctx.max_vectored_read_bytes
+        slot = len(blobs)
+        # the read being grown: [rd_start, rd_end) of the file, its blobs from slot rd_slot
+        rd_start = rd_end = -1
+        rd_slot = slot
+        completed = 0
+        pending: list[tuple[Lsn, Image | WalRecordValue | int]] = []
+        for start, end in reversed(scan_bounds(keys) if bounds is None else bounds):
+            runs = r.scan_cached(start, end)
+            if runs is None:
+                runs = await r.scan(start, end)
+            cur = b""
+            done = True
+            cached = -1
+            st: KeyState | None = None
+            for block, lo, hi in reversed(runs):
                 bkeys, lsns, positions = block.keys, block.lsns, block.positions
-                lengths, crcs = block.lengths, block.crcs
-                for i in range(lo, hi):
-                    lsn = lsns[i]
-                    if lsn < floor or lsn >= cont:
-                        continue
+                for i in range(hi - 1, lo - 1, -1):
                     key = bkeys[i]
-                    st = states.get(key)
-                    if st is None or st.complete or lsn <= st.cached_lsn:
+                    if key != cur:
+                        cur = key
+                        st = states[key]
+                        done = st.complete
+                        cached = st.cached_lsn
+                        if st.pending is None:
+                            raise AssertionError("blob planned for a non-deferring key")
+                        pending = st.pending
+                    if done:
+                        continue
+                    lsn = lsns[i]
+                    if lsn >= cont:
+                        continue
+                    if lsn < floor or lsn <= cached:
+                        done = True  # and so are the key's older entries
                         continue
                     pos = positions[i]
-                    blob = (lsn, pos >> 1, lengths[i], crcs[i], bool(pos & 1))
-                    lst = planned.get(key)
-                    if lst is None or pos & 1:
-                        planned[key] = [blob]
-                    else:
-                        lst.append(blob)
-        if not planned:
-            self._finish_keys(keys, floor, states, ctx)
-            return
-        # Plan the reads: a read grows while the next blob starts where it ends (invariant 7).
-        flat = [(key, blob) for key, lst in planned.items() for blob in lst]
-        slot0 = len(ctx.blobs)
-        ctx.blobs.extend((blob[1], blob[2], blob[3]) for _, blob in flat)
-        max_bytes = ctx.max_vectored_read_bytes
-        n = len(flat)
-        i = 0
-        while i < n:
-            start_off = flat[i][1][1]
-            end_off = start_off + flat[i][1][2]
-            j = i + 1
-            while j < n:
-                off, length = flat[j][1][1], flat[j][1][2]
-                if off != end_off or end_off + length - start_off > max_bytes:
-                    break
-                end_off += length
-                j += 1
-            r.check_entry(start_off, end_off - start_off)
-            ctx.reads.append((r, start_off, end_off - start_off, slot0 + i, j - i))
-            i = j
-        # Hand the slots to the keys, newest first; will_init (from the index) completes.
-        pos_in_flat = 0
-        for key, lst in planned.items():
-            st = states[key]
-            base = pos_in_flat
-            pos_in_flat += len(lst)
-            for x in range(pos_in_flat - 1, base - 1, -1):
-                if st.add_blob(Lsn(lst[x - base][0]), slot0 + x, flat[x][1][4]):
-                    break
-        self._finish_keys(keys, floor, states, ctx)
+                    off = pos >> 1
+                    length = block.lengths[i]
+                    if off + length != rd_start or rd_end - off > max_bytes:
+                        if rd_start >= 0:
+                            r.check_entry(rd_start, rd_end - rd_start)
+                            reads.append((r, rd_start, rd_end - rd_start, rd_slot, slot - rd_slot))
+                        rd_end = off + length
+                        rd_slot = slot
+                    rd_start = off
+                    blobs.append((off, length, block.crcs[i]))
+                    pending.append((lsn, slot))
+                    slot += 1
+                    if pos & 1:
+                        assert st is not None
+                        st.complete = done = True
+                        completed += 1
+        if rd_start >= 0:
+            r.check_entry(rd_start, rd_end - rd_start)
+            reads.append((r, rd_start, rd_end - rd_start, rd_slot, slot - rd_slot))
+        return self._remaining(keys, floor, states, ctx, completed)
 
-    def _finish_keys(
-        self, keys: Sequence[Key], floor: int, states: dict[Key, KeyState], ctx: ReadContext
+    async def plan_key(
+        self, key: Key, start: bytes, floor: int, cont: int, st: KeyState, ctx: ReadContext
     ) -> None:
+        """``plan_reads`` for one key (``start`` is ``key`` + LSN 0, its scan bound): one
+        index block lookup, then the same backward pass over the key's entries, with no key
+        lists or scan runs. A key whose entries cross an index block boundary takes
+        ``plan_reads``."""
+        if st.complete:
+            return
+        pending = st.pending
+        if pending is None:
+            raise AssertionError("blob planned for a non-deferring key")
+        r = self.reader
+        fences = r.fences
+        blkno = bisect.bisect_right(fences, start) - 1
+        if blkno < 0:
+            blkno = 0
+        block = r.cache.get(r.file_id, blkno)
+        if block is None:
+            block = await r.block(blkno)
+        bkeys = block.keys
+        n = len(bkeys)
+        first = bisect.bisect_left(block.prefixes, start)
+        end = first
+        while end < n and bkeys[end] == key:
+            end += 1
+        if end == n and blkno + 1 < len(fences) and fences[blkno + 1].startswith(key):
+            await self.plan_reads([key], floor, cont, {key: st}, ctx)
+            return
+        ctx.layers_visited += 1
+        if end > first:
+            lsns, positions = block.lsns, block.positions
+            blobs = ctx.blobs
+            max_bytes = ctx.max_vectored_read_bytes
+            cached = st.cached_lsn
+            slot = len(blobs)
+            rd_start = rd_end = -1
+            rd_slot = slot
+            for i in range(end - 1, first - 1, -1):
+                lsn = lsns[i]
+                if lsn >= cont:
+                    continue
+                if lsn < floor or lsn <= cached:
+                    break
+                pos = positions[i]
+                off = pos >> 1
+                length = block.lengths[i]
+                if off + length != rd_start or rd_end - off > max_bytes:
+                    if rd_start >= 0:
+                        r.check_entry(rd_start, rd_end - rd_start)
+                        ctx.reads.append((r, rd_start, rd_end - rd_start, rd_slot, slot - rd_slot))
+                    rd_end = off + length
+                    rd_slot = slot
+                rd_start = off
+                blobs.append((off, length, block.crcs[i]))
+                pending.append((lsn, slot))
+                slot += 1
+                if pos & 1:
+                    st.complete = True
+                    break
+            if rd_start >= 0:
+                r.check_entry(rd_start, rd_end - rd_start)
+                ctx.reads.append((r, rd_start, rd_end - rd_start, rd_slot, slot - rd_slot))
+        if not st.complete:
+            self._absent(st, floor)
+
+    def _remaining(
+        self, keys: Sequence[Key], floor: int, states: dict[Key, KeyState], ctx: ReadContext, completed: int
+    ) -> Sequence[Key]:
         # Keys whose cached page is at or above this layer's floor are done (PR #7477).
         if ctx.any_cached:
             for key in keys:
                 states[key].floor_reached(floor)
+            return [key for key in keys if not states[key].complete]
+        return [key for key in keys if not states[key].complete] if completed else keys
 
     # -- whole-layer access (compaction, key collection) -----------------------------------
 
@@ -313,9 +463,15 @@ def key_runs(keys: Sequence[Key]) -> list[tuple[Key, Key]]:
     return runs
 
 
+def scan_bounds(keys: Sequence[Key]) -> list[tuple[bytes, bytes]]:
+    """Index scan bounds ``[first + lsn 0, last + above every lsn)`` of each run of keys."""
+    return [(first + ZERO_LSN, last + _ALL_LSNS_END) for first, last in key_runs(keys)]
+
+
 # Above every (key, lsn) prefix of the same key: scanning [key + 0*8, key + this) covers all LSNs.
 _ALL_LSNS_END = b"\xff" * 9
-_ZERO_LSN = bytes(8)
+ZERO_LSN = bytes(8)
+_ABOVE_ALL_LSNS = 1 << 64
 
 
 async def write_delta_layer(

@@ -115,6 +115,10 @@ class EphemeralFile:
         before offset ``limit``; -1 otherwise (nothing appended)."""
         return self._writer.try_write(data, limit)
 
+    def room(self, limit: int = 1 << 62) -> int:
+        """Bytes ``try_append`` accepts now (ending at or before ``limit``)."""
+        return self._writer.room(limit)
+
     async def read_at(self, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` (must be within ``length``), buffered or not."""
         return await self._writer.read_at(offset, size)

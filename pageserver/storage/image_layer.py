@@ -29,13 +29,15 @@ class ImageLayer(PersistentLayer):
             state.missing = True
             state.complete = True
 
-    def _finish_keys(
-        self, keys: Sequence[Key], floor: int, states: dict[Key, KeyState], ctx: ReadContext
-    ) -> None:
+    def _remaining(
+        self, keys: Sequence[Key], floor: int, states: dict[Key, KeyState], ctx: ReadContext, completed: int
+    ) -> Sequence[Key]:
+        # complete for its key range: every key routed here ends here
         for key in keys:
             st = states[key]
             if not st.complete:
                 self._absent(st, floor)
+        return []
 
 
 async def write_image_layer(

@@ -77,6 +77,60 @@ class InMemoryLayer:
         self._index_put(key, lsn, offset, len(blob), will_init)
         return True
 
+    def try_put_many(
+        self, items: Sequence[tuple[Key, int, bytes, bool]], start: int, max_size: int = 1 << 62
+    ) -> int:
+        """``try_put`` of ``items[start:]`` (``(key, lsn, blob, will_init)`` in LSN order) as
+        long as they fit in the write buffer: one append of the joined blobs, index entries
+        without a call per value. Returns the index of the first item not put (``start`` when
+        none was); the caller puts that one the slow way (``put``), which also reports any
+        error (an item the fast loop does not handle is simply left to it)."""
+        n = len(items)
+        if self.end_lsn is not None or start >= n or items[start][1] < self.start_lsn:
+            return start
+        file = self.file
+        room = file.room(max_size)
+        offset = base = file.length
+        index = self.index
+        blobs: list[bytes] = []
+        add_blob = blobs.append
+        last_key: Key | None = None
+        entries: array[int] | None = None
+        i = start
+        lsn = 0
+        while i < n:
+            key, lsn, blob, will_init = items[i]
+            size = len(blob)
+            if offset - base + size > room:
+                break
+            if key != last_key:
+                entries = index.get(key)
+                last_key = key
+            if entries is None:
+                entries = index[key] = array("Q", (lsn, (offset << 1) | will_init, size))
+            else:
+                prev = entries[-3]
+                if prev < lsn:
+                    entries.extend((lsn, (offset << 1) | will_init, size))
+                elif prev == lsn:
+                    entries[-2] = (offset << 1) | will_init
+                    entries[-1] = size
+                else:
+                    break  # below an earlier put: put() raises
+            add_blob(blob)
+            offset += size
+            i += 1
+        if i == start:
+            return start
+        # No await since the room was measured: the append cannot decline.
+        at = file.try_append(b"".join(blobs), max_size)
+        if at != base:
+            raise AssertionError(f"in-memory layer append at {at}, expected {base}")
+        lsn = items[i - 1][1]
+        if self.max_lsn is None or lsn > self.max_lsn:
+            self.max_lsn = Lsn(lsn)
+        return i
+
     def _index_put(self, key: Key, lsn: Lsn, offset: int, size: int, will_init: bool) -> None:
         entries = self.index.get(key)
         if entries is None:
@@ -171,41 +225,34 @@ class InMemoryLayer:
         # A big one: _READ_BATCH values per read_many (one engine call; a read_at per value
         # cost a coroutine stack and an engine call each, several seconds per GiB of WAL), and
         # values that sit back to back in the file (a key's successive records usually do)
-        # read as one range: a pread per run instead of per value.
-        batch: list[tuple[Key, int, int, int]] = []  # key, lsn, pos, length
+        # read as one range: a pread per run instead of per value. Each value remembers its
+        # run and where in it it starts; the values are cut out right here (a nested async
+        # generator per batch cost a second async-generator step per value).
+        batch: list[tuple[Key, int, int, int, int, int]] = []  # key, lsn, pos, length, run, at
         ranges: list[tuple[int, int]] = []
-        for key in sorted(self.index):
+        run_start = run_end = -1
+        keys = sorted(self.index)
+        last = len(keys) - 1
+        for k, key in enumerate(keys):
             entries = self.index[key]
             for i in range(0, len(entries), 3):
-                pos, length = entries[i + 1], entries[i + 2]
+                pos = entries[i + 1]
                 off = pos >> 1
-                batch.append((key, entries[i], pos, length))
-                if ranges and sum(ranges[-1]) == off and length:
-                    ranges[-1] = (ranges[-1][0], ranges[-1][1] + length)
-                else:
-                    ranges.append((off, length))
-            if len(batch) >= _READ_BATCH:
-                async for item in self._read_batch(batch, ranges):
-                    yield item
+                if off != run_end:
+                    if run_end >= 0:
+                        ranges.append((run_start, run_end - run_start))
+                    run_start = off
+                length = entries[i + 2]
+                run_end = off + length
+                batch.append((key, entries[i], pos, length, len(ranges), off - run_start))
+            if batch and (len(batch) >= _READ_BATCH or k == last):
+                ranges.append((run_start, run_end - run_start))
+                runs = [memoryview(run) for run in await self.file.read_many(ranges)]
+                for bkey, lsn, pos, length, run, at in batch:
+                    yield bkey, Lsn(lsn), runs[run][at : at + length], bool(pos & 1)
                 batch = []
                 ranges = []
-        if batch:
-            async for item in self._read_batch(batch, ranges):
-                yield item
-
-    async def _read_batch(
-        self, batch: list[tuple[Key, int, int, int]], ranges: list[tuple[int, int]]
-    ) -> AsyncIterator[tuple[Key, Lsn, bytes | bytearray | memoryview, bool]]:
-        """The values of ``batch``, in order, cut out of the coalesced ``ranges``."""
-        runs = iter(await self.file.read_many(ranges))
-        view = memoryview(b"")
-        at = 0
-        for key, lsn, pos, length in batch:
-            if at == len(view):
-                view = memoryview(next(runs))
-                at = 0
-            yield key, Lsn(lsn), view[at : at + length], bool(pos & 1)
-            at += length
+                run_start = run_end = -1
 
     async def write_l0(self, engine: IoEngine, directory: Path, opts: WriteOptions) -> Path | None:
         if self.end_lsn is None:

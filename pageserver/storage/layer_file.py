@@ -209,7 +209,7 @@ class IndexBlock:
         self.prefixes: list[bytes] = [r[0] for r in rows]
         # split once per (cached) block, so the read paths' inner loops do no slicing
         self.keys: list[Key] = [Key(p[:KEY_SIZE]) for p in self.prefixes]
-        self.lsns: list[int] = [int.from_bytes(p[KEY_SIZE:], "big") for p in self.prefixes]
+        self.lsns: list[Lsn] = [Lsn(int.from_bytes(p[KEY_SIZE:], "big")) for p in self.prefixes]
         self.positions: list[int] = [r[1] for r in rows]
         self.lengths: list[int] = [r[2] for r in rows]
         self.crcs: list[int] = [r[3] for r in rows]
@@ -347,25 +347,52 @@ class LayerFileReader:
 
     async def scan(self, start: bytes, end: bytes) -> list[tuple[IndexBlock, int, int]]:
         """Runs ``(block, lo, hi)`` of the entries with ``start <= prefix < end``, in order."""
-        blkno = self.first_block_for(start)
+        fences = self.fences
+        blkno = bisect.bisect_right(fences, start) - 1  # first_block_for, inlined (hot)
+        if blkno < 0:
+            blkno = 0
         n_blocks = self.summary.n_index_blocks
         out: list[tuple[IndexBlock, int, int]] = []
-        first = True
+        cache_get = self.cache.get
+        file_id = self.file_id
+        lo = -1
         while blkno < n_blocks:
-            if not first and self.fences[blkno] >= end:
+            if lo == 0 and fences[blkno] >= end:
                 break
-            cached = self.cache.get(self.file_id, blkno)
+            cached = cache_get(file_id, blkno)
             block = cached if cached is not None else await self.block(blkno)
             prefixes = block.prefixes
-            lo = bisect.bisect_left(prefixes, start) if first else 0
+            lo = bisect.bisect_left(prefixes, start) if lo < 0 else 0
             hi = bisect.bisect_left(prefixes, end, lo)
             if hi > lo:
                 out.append((block, lo, hi))
             if hi < len(prefixes):
                 break
-            first = False
+            lo = 0
             blkno += 1
         return out
+
+    def scan_cached(self, start: bytes, end: bytes) -> list[tuple[IndexBlock, int, int]] | None:
+        """``scan`` without a coroutine when the range lies in one cached index block (the
+        usual case of a batch of adjacent keys); None means: use ``scan``."""
+        fences = self.fences
+        blkno = bisect.bisect_right(fences, start) - 1
+        if blkno < 0:
+            blkno = 0
+        # IndexBlockCache.get inlined (once per layer of every walk)
+        cache = self.cache
+        ident = (self.file_id, blkno)
+        block = cache._blocks.get(ident)
+        if block is None:
+            return None  # (``scan`` counts the miss)
+        cache.hits += 1
+        cache._blocks.move_to_end(ident)
+        prefixes = block.prefixes
+        lo = bisect.bisect_left(prefixes, start)
+        hi = bisect.bisect_left(prefixes, end, lo)
+        if hi == len(prefixes) and blkno + 1 < self.summary.n_index_blocks and fences[blkno + 1] < end:
+            return None  # goes on in the next block
+        return [(block, lo, hi)] if hi > lo else []
 
     def check_blob(self, offset: int, length: int, crc: int, data: bytes | bytearray | memoryview) -> None:
         if len(data) != length:

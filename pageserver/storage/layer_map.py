@@ -43,6 +43,10 @@ class LayerMap:
         self._delta_neg_starts: list[int] = []
         self._image_neg_starts: list[int] = []
         self._bisectable = True
+        # (lsn_start, key start, key end, layer) of each delta / image, in list order: what
+        # ``search_span`` tests, without attribute chains
+        self._delta_spans: list[tuple[int, bytes, bytes, PersistentLayer]] = []
+        self._image_spans: list[tuple[int, bytes, bytes, PersistentLayer]] = []
 
     def _sort(self) -> None:
         self._layers.sort(
@@ -58,6 +62,12 @@ class LayerMap:
         self._bisectable = all(
             a <= b for a, b in itertools.pairwise(self._delta_neg_starts)
         ) and all(a <= b for a, b in itertools.pairwise(self._image_neg_starts))
+        self._delta_spans = [
+            (x.desc.lsn_start, x.desc.key_range.start, x.desc.key_range.end, x) for x in self._deltas
+        ]
+        self._image_spans = [
+            (x.desc.lsn_start, x.desc.key_range.start, x.desc.key_range.end, x) for x in self._images
+        ]
 
     def insert(self, layer: PersistentLayer) -> None:
         self._layers.append(layer)
@@ -104,6 +114,35 @@ class LayerMap:
         di, ii = self._below(end_lsn)
         delta = self._first_covering(self._deltas, key, end_lsn, di)
         image = self._first_covering(self._images, key, end_lsn, ii) if self._images else None
+        return select_layer(delta, image, end_lsn)
+
+    def search_span(self, first: Key, last: Key, end_lsn: int) -> tuple[PersistentLayer, int] | None:
+        """``search``'s answer for every key of ``[first, last]`` when it is the same for all of
+        them, else None (then ``range_search`` splits the range).
+
+        The answer is shared when the first delta and the first image (in scan order) that
+        overlap the span cover all of it: an earlier layer covering any key of the span would
+        overlap it. For one key (``first == last``) it always is, and this is ``search``.
+        """
+        di, ii = self._below(end_lsn)
+        delta: PersistentLayer | None = None
+        spans = self._delta_spans
+        for i in range(di, len(spans)):
+            lsn_start, start, end, layer = spans[i]
+            if lsn_start < end_lsn and start <= last and first < end:
+                if not (start <= first and last < end):
+                    return None
+                delta = layer
+                break
+        image: PersistentLayer | None = None
+        spans = self._image_spans
+        for i in range(ii, len(spans)):
+            lsn_start, start, end, layer = spans[i]
+            if lsn_start < end_lsn and start <= last and first < end:
+                if not (start <= first and last < end):
+                    return None
+                image = layer
+                break
         return select_layer(delta, image, end_lsn)
 
     def range_search(

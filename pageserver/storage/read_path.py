@@ -31,7 +31,13 @@ import heapq
 from collections.abc import Sequence
 from typing import Protocol
 
-from pageserver.storage.delta_layer import PersistentLayer, ReadContext, read_and_resolve
+from pageserver.storage.delta_layer import (
+    ZERO_LSN,
+    PersistentLayer,
+    ReadContext,
+    read_and_resolve,
+    scan_bounds,
+)
 from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.key import Key, KeyRange, is_inherited_key, key_hex, key_next
 from pageserver.storage.layer_map import LayerMap
@@ -124,7 +130,7 @@ class _Fringe:
     def empty(self) -> bool:
         return not self._heap
 
-    def pop(self) -> tuple[Layer, list[Key], int, int] | None:
+    def pop(self) -> tuple[Layer, Sequence[Key], int, int] | None:
         if not self._heap:
             return None
         neg_cont, floor, ident = heapq.heappop(self._heap)
@@ -132,7 +138,7 @@ class _Fringe:
         return layer, keys, floor, -neg_cont
 
 
-def _pending(keys: list[Key], states: dict[Key, KeyState], cont_lsn: int, cached: bool) -> list[Key]:
+def _pending(keys: Sequence[Key], states: dict[Key, KeyState], cont_lsn: int, cached: bool) -> list[Key]:
     """The keys still to be searched below ``cont_lsn`` (a cached page may finish some)."""
     if not cached:
         return [k for k in keys if not states[k].complete]
@@ -153,46 +159,103 @@ async def _walk_timeline(
     states: dict[Key, KeyState],
     ctx: ReadContext,
 ) -> None:
-    unmapped = keys  # sorted, distinct
+    unmapped: Sequence[Key] = keys  # sorted, distinct, incomplete
     fringe = _Fringe()
+    layer_map = tl.layer_map
+    # The walk's LSN only goes down and in-memory layers only appear above the newest one
+    # (a flush moves one into the layer map at the same LSNs): once none is below the walk's
+    # LSN, none will be.
+    in_memory = True
+    cached = ctx.any_cached
+    # scan bounds of the key list they were made for: on an L0 stack of records the list
+    # goes through layer after layer unchanged (no key completes), so they are made once
+    bounds: list[tuple[bytes, bytes]] = []
+    bounds_of: Sequence[Key] | None = None
     while True:
-        unmapped = _pending(unmapped, states, cont_lsn, ctx.any_cached)
-        item: tuple[Layer, list[Key], int, int] | None = None
+        if cached:
+            unmapped = _pending(unmapped, states, cont_lsn, True)
+        item: tuple[Layer, Sequence[Key], int, int] | None = None
         if unmapped:
-            mem = _first_in_memory(tl, cont_lsn)
+            mem = _first_in_memory(tl, cont_lsn) if in_memory else None
             if mem is not None:
                 item = (mem, unmapped, mem.start_lsn, cont_lsn)
             else:
-                # One layer-map search for the span of all the keys: its answer is per key (the
-                # sub-ranges split at every layer boundary), so keys in the gaps cost nothing,
-                # and a batch of scattered blocks is one search instead of one per run.
-                start, end = unmapped[0], key_next(unmapped[-1])
-                found, _missing = tl.layer_map.range_search(KeyRange(start, end), cont_lsn)
-                if len(found) == 1 and found[0][2].start == start and found[0][2].end == end:
-                    item = (found[0][0], unmapped, found[0][1], cont_lsn)
+                in_memory = False
+                # The usual step (an L0 stack, or one key): one layer answers for every key.
+                hit = layer_map.search_span(unmapped[0], unmapped[-1], cont_lsn)
+                if hit is not None:
+                    item = (hit[0], unmapped, hit[1], cont_lsn)
                 else:
+                    # One layer-map search for the span of all the keys: its answer is per key
+                    # (the sub-ranges split at every layer boundary), so keys in the gaps cost
+                    # nothing, and a batch of scattered blocks is one search, not one per run.
+                    span = KeyRange(unmapped[0], key_next(unmapped[-1]))
+                    found, _missing = layer_map.range_search(span, cont_lsn)
                     for hist, hist_floor, sub in found:
                         lo = bisect.bisect_left(unmapped, sub.start)
                         hi = bisect.bisect_left(unmapped, sub.end, lo)
                         if lo < hi:
-                            fringe.push(hist, unmapped[lo:hi], hist_floor, cont_lsn)
+                            fringe.push(hist, list(unmapped[lo:hi]), hist_floor, cont_lsn)
             if item is not None and not fringe.empty():
                 # other reads are pending: order them all by LSN range
-                fringe.push(*item)
+                fringe.push(item[0], list(item[1]), item[2], item[3])
                 item = None
         if item is None:
-            # (the usual L0-stack step, one layer for every key, skips the fringe entirely)
+            # (the usual step, one layer for every key, skips the fringe entirely)
             item = fringe.pop()
             if item is None:
                 return
         layer, routed, floor, cont = item
-        if ctx.any_cached:
+        if cached:
             # a key sits in one fringe entry at a time, so only a cached page can have
             # finished it since it was routed here
             routed = _pending(routed, states, cont, True)
         if routed:
-            await layer.get_values_vectored(routed, floor, cont, states, ctx)
+            if isinstance(layer, InMemoryLayer):
+                await layer.get_values_vectored(routed, floor, cont, states, ctx)
+                routed = [k for k in routed if not states[k].complete]
+            elif len(routed) == 1:
+                key = routed[0]
+                st = states[key]
+                await layer.plan_key(key, key + ZERO_LSN, floor, cont, st, ctx)
+                if ctx.any_cached:
+                    st.floor_reached(floor)
+                if st.complete:
+                    routed = ()
+            else:
+                if routed is not bounds_of:
+                    bounds, bounds_of = scan_bounds(routed), routed
+                routed = await layer.plan_reads(routed, floor, cont, states, ctx, bounds)
         unmapped = routed
+        cont_lsn = floor
+
+
+async def _walk_one(tl: ReadableTimeline, key: Key, cont_lsn: int, st: KeyState, ctx: ReadContext) -> None:
+    """``_walk_timeline`` for a single key (the page service's serial requests): layer by
+    layer with ``LayerMap.search`` and ``PersistentLayer.plan_key``, no fringe, key lists or
+    layer-map ranges; reads are still only planned, and done after the walk."""
+    layer_map = tl.layer_map
+    in_memory = True
+    start = key + ZERO_LSN
+    while True:
+        if ctx.any_cached:
+            st.floor_reached(cont_lsn)
+        if st.complete:
+            return
+        mem = _first_in_memory(tl, cont_lsn) if in_memory else None
+        floor: int
+        if mem is not None:
+            floor = mem.start_lsn
+            await mem.get_values_vectored((key,), floor, cont_lsn, {key: st}, ctx)
+        else:
+            in_memory = False
+            hit = layer_map.search(key, cont_lsn)
+            if hit is None:
+                return
+            layer, floor = hit
+            await layer.plan_key(key, start, floor, cont_lsn, st, ctx)
+        if floor >= cont_lsn:
+            raise LayerStuckError(f"read of {key_hex(key)} stuck at {cont_lsn:X}")
         cont_lsn = floor
 
 
@@ -207,12 +270,22 @@ async def get_vectored(
     ``lsn``; keys that do not exist stay incomplete."""
     timeline: ReadableTimeline | None = tl
     cont_lsn = lsn + 1
-    ctx.any_cached = any(states[k].cached_lsn >= 0 for k in keys)
+    any_cached = False
+    todo: set[Key] = set()
     for key in keys:
-        states[key].pending = []
-    pending = sorted({k for k in keys if not states[k].complete})
+        st = states[key]
+        st.pending = []
+        if st.cached_lsn >= 0:
+            any_cached = True
+        if not st.complete:
+            todo.add(key)
+    ctx.any_cached = any_cached
+    pending = sorted(todo)
     while pending and timeline is not None:
-        await _walk_timeline(timeline, pending, cont_lsn, states, ctx)
+        if len(pending) == 1:
+            await _walk_one(timeline, pending[0], cont_lsn, states[pending[0]], ctx)
+        else:
+            await _walk_timeline(timeline, pending, cont_lsn, states, ctx)
         pending = [k for k in pending if not states[k].complete and is_inherited_key(k)]
         if timeline.ancestor_timeline is None:
             break

@@ -125,13 +125,17 @@ class KeyState:
         self.complete = will_init
         return will_init
 
-    def resolve(self, values: Sequence[Image | WalRecordValue]) -> None:
-        """Replace blob slots by the decoded values (``values[slot]``), fill records/img."""
+    def resolve(self, values: Sequence[Image | WalRecordValue | bytes]) -> None:
+        """Replace blob slots by the decoded values (``values[slot]``; an image may be its
+        bare page bytes), fill records/img."""
         pending, self.pending = self.pending, None
         if not pending:
             return
         for lsn, item in pending:
             value = values[item] if isinstance(item, int) else item
+            if isinstance(value, bytes):
+                self.img = (lsn, value)
+                break
             if isinstance(value, Image):
                 self.img = (lsn, value.data)
                 break

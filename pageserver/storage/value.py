@@ -200,71 +200,107 @@ def _exact(buf: memoryview, st: struct.Struct, what: str) -> tuple[int, ...]:
     return st.unpack(buf)
 
 
+def _decode_image(body: memoryview) -> Value:
+    return Image(bytes(body))
+
+
+def _decode_postgres(body: memoryview) -> Value:
+    if not body or body[0] > 1:
+        raise _corrupt("bad will_init flag of a PostgreSQL record")
+    return PostgresRecord(bool(body[0]), bytes(body[1:]))
+
+
+def _decode_clear_vm(body: memoryview) -> Value:
+    new, old, flags = _exact(body, _CLEAR_VM, "ClearVisibilityMapFlags")
+    return ClearVisibilityMapFlags(None if new == _NO_BLKNO else new, None if old == _NO_BLKNO else old, flags)
+
+
+def _decode_clog_committed(body: memoryview) -> Value:
+    if len(body) < 12:
+        raise _corrupt("truncated ClogSetCommitted")
+    (ts,) = _CLOG_TS.unpack_from(body)
+    (n,) = _U32.unpack_from(body, 8)
+    if len(body) != 12 + 4 * n:
+        raise _corrupt(f"ClogSetCommitted with {n} xids has {len(body)} bytes")
+    return ClogSetCommitted(struct.unpack_from(f">{n}I", body, 12), ts)
+
+
+def _decode_clog_aborted(body: memoryview) -> Value:
+    if len(body) < 4:
+        raise _corrupt("truncated ClogSetAborted")
+    (n,) = _U32.unpack_from(body)
+    if len(body) != 4 + 4 * n:
+        raise _corrupt(f"ClogSetAborted with {n} xids has {len(body)} bytes")
+    return ClogSetAborted(struct.unpack_from(f">{n}I", body, 4))
+
+
+def _decode_mx_offset(body: memoryview) -> Value:
+    mid, moff = _exact(body, _MX_OFFSET, "MultixactOffsetCreate")
+    return MultixactOffsetCreate(mid, moff)
+
+
+def _decode_mx_members(body: memoryview) -> Value:
+    if len(body) < 8:
+        raise _corrupt("truncated MultixactMembersCreate")
+    moff, n = _MX_OFFSET.unpack_from(body)
+    if len(body) != 8 + 5 * n:
+        raise _corrupt(f"MultixactMembersCreate with {n} members has {len(body)} bytes")
+    members = tuple((xid, status) for xid, status in struct.iter_unpack(">IB", body[8:]))
+    return MultixactMembersCreate(moff, members)
+
+
+def _decode_truncate_vm(body: memoryview) -> Value:
+    trunc_byte, trunc_offs = _exact(body, _TRUNC_VM, "TruncateVisibilityMap")
+    return TruncateVisibilityMap(trunc_byte, trunc_offs)
+
+
+_TEST_TEXT = _TEST_HDR.size
+
+
+def _decode_test(body: memoryview) -> Value:
+    n = len(body)
+    if n < _TEST_TEXT:
+        raise _corrupt("truncated Test record")
+    flags, n_app, n_only = _TEST_HDR.unpack_from(body)
+    if flags & ~7 or n != _TEST_TEXT + n_app + n_only:
+        raise _corrupt("malformed Test record")
+    if not flags & 4 and n_only:
+        raise _corrupt("Test record has only_if bytes without the flag")
+    end = _TEST_TEXT + n_app
+    try:
+        # str() of a memoryview slice decodes in place: no intermediate bytes copy
+        app = str(body[_TEST_TEXT:end], "utf-8")
+        only = str(body[end:], "utf-8") if flags & 4 else None
+    except UnicodeDecodeError:
+        raise _corrupt("Test record text is not UTF-8") from None
+    return TestRecord(app, bool(flags & 1), bool(flags & 2), only)
+
+
+# indexed by tag: one lookup instead of a chain of comparisons per value (the vectored read
+# path indexes it directly: see ``execute_reads``)
+VALUE_DECODERS: Final = (
+    _decode_image,
+    _decode_postgres,
+    _decode_clear_vm,
+    _decode_clog_committed,
+    _decode_clog_aborted,
+    _decode_mx_offset,
+    _decode_mx_members,
+    _decode_truncate_vm,
+    _decode_test,
+)
+assert len(VALUE_DECODERS) == TAG_TEST + 1
+
+
 def decode_value(blob: bytes | bytearray | memoryview) -> Value:
     """Parse a value encoded by ``encode_value``."""
-    buf = memoryview(blob)
+    buf = blob if type(blob) is memoryview else memoryview(blob)
     if not buf:
         raise _corrupt("empty blob")
     tag = buf[0]
-    body = buf[1:]
-    if tag == TAG_IMAGE:
-        return Image(bytes(body))
-    if tag == TAG_POSTGRES:
-        if not body or body[0] > 1:
-            raise _corrupt("bad will_init flag of a PostgreSQL record")
-        return PostgresRecord(bool(body[0]), bytes(body[1:]))
-    if tag == TAG_CLEAR_VM_FLAGS:
-        new, old, flags = _exact(body, _CLEAR_VM, "ClearVisibilityMapFlags")
-        return ClearVisibilityMapFlags(
-            None if new == _NO_BLKNO else new, None if old == _NO_BLKNO else old, flags
-        )
-    if tag == TAG_CLOG_COMMITTED:
-        if len(body) < 12:
-            raise _corrupt("truncated ClogSetCommitted")
-        (ts,) = _CLOG_TS.unpack_from(body)
-        (n,) = _U32.unpack_from(body, 8)
-        if len(body) != 12 + 4 * n:
-            raise _corrupt(f"ClogSetCommitted with {n} xids has {len(body)} bytes")
-        return ClogSetCommitted(struct.unpack_from(f">{n}I", body, 12), ts)
-    if tag == TAG_CLOG_ABORTED:
-        if len(body) < 4:
-            raise _corrupt("truncated ClogSetAborted")
-        (n,) = _U32.unpack_from(body)
-        if len(body) != 4 + 4 * n:
-            raise _corrupt(f"ClogSetAborted with {n} xids has {len(body)} bytes")
-        return ClogSetAborted(struct.unpack_from(f">{n}I", body, 4))
-    if tag == TAG_MULTIXACT_OFFSET:
-        mid, moff = _exact(body, _MX_OFFSET, "MultixactOffsetCreate")
-        return MultixactOffsetCreate(mid, moff)
-    if tag == TAG_MULTIXACT_MEMBERS:
-        if len(body) < 8:
-            raise _corrupt("truncated MultixactMembersCreate")
-        moff, n = _MX_OFFSET.unpack_from(body)
-        if len(body) != 8 + 5 * n:
-            raise _corrupt(f"MultixactMembersCreate with {n} members has {len(body)} bytes")
-        members = tuple(
-            (xid, status) for xid, status in struct.iter_unpack(">IB", body[8:])
-        )
-        return MultixactMembersCreate(moff, members)
-    if tag == TAG_TRUNCATE_VM:
-        trunc_byte, trunc_offs = _exact(body, _TRUNC_VM, "TruncateVisibilityMap")
-        return TruncateVisibilityMap(trunc_byte, trunc_offs)
-    if tag == TAG_TEST:
-        if len(body) < _TEST_HDR.size:
-            raise _corrupt("truncated Test record")
-        flags, n_app, n_only = _TEST_HDR.unpack_from(body)
-        if flags & ~7 or len(body) != _TEST_HDR.size + n_app + n_only:
-            raise _corrupt("malformed Test record")
-        if not flags & 4 and n_only:
-            raise _corrupt("Test record has only_if bytes without the flag")
-        start = _TEST_HDR.size
-        try:
-            app = bytes(body[start : start + n_app]).decode()
-            only = bytes(body[start + n_app :]).decode() if flags & 4 else None
-        except UnicodeDecodeError:
-            raise _corrupt("Test record text is not UTF-8") from None
-        return TestRecord(app, clear=bool(flags & 1), will_init=bool(flags & 2), only_if=only)
-    raise _corrupt(f"unknown value tag {tag}")
+    if tag >= len(VALUE_DECODERS):
+        raise _corrupt(f"unknown value tag {tag}")
+    return VALUE_DECODERS[tag](buf[1:])
 
 
 def value_will_init(encoded: bytes | bytearray | memoryview) -> bool:

@@ -78,6 +78,7 @@ FRONTEND_NAMES: Final = {
     b"C": "Close",
 }
 _FRONTEND_SMALL: Final = frozenset(b"SHXcDCE")
+_COPY_DATA_TAG: Final = ord("d")
 
 BACKEND_DECODERS: Final[dict[bytes, Callable[[Reader], m.BackendMessage]]] = {
     b"R": m._decode_authentication,
@@ -171,6 +172,28 @@ class _Decoder:
         else:
             self._eof = True
 
+    def receive_window(self, min_size: int) -> memoryview:
+        """Room for at least ``min_size`` bytes to receive into (``socket.recv_into``) without
+        an intermediate copy; ``receive_commit(n)`` then adds the first ``n`` of them. EOF is
+        still reported with ``receive_data(b"")``."""
+        if self._eof:
+            raise LocalProtocolError("receive_window() after EOF")
+        return self._buf.writable(min_size)
+
+    def receive_commit(self, n: int) -> None:
+        """The first ``n`` bytes of the last ``receive_window`` arrived (0: none)."""
+        self._buf.commit(n)
+
+    def copy_data_views(self, limit: int = 1 << 30) -> list[memoryview]:
+        """The fast path for COPY streams: the payloads of the complete CopyData messages at
+        the front of the buffer (at most ``limit``), as zero-copy views that stay valid and
+        unchanged for as long as they are held. Returns ``[]`` when the next message is
+        anything else, incomplete or malformed; ``next_event`` then decodes (or rejects) it
+        exactly as before."""
+        if self._error is not None:
+            return []
+        return self._buf.take_frames(_COPY_DATA_TAG, self.max_message_len, limit)
+
     def _fail(self, msg: str, code: str = sqlstate.PROTOCOL_VIOLATION) -> RemoteProtocolError:
         self._error = RemoteProtocolError(msg, sqlstate=code)
         return self._error
@@ -253,6 +276,11 @@ class FrontendDecoder(_Decoder):
             return self._next_startup()
         msg = self._next_tagged(FRONTEND_DECODERS, FRONTEND_NAMES, _FRONTEND_SMALL)  # type: ignore[arg-type]
         return msg  # type: ignore[return-value]
+
+    def copy_data_views(self, limit: int = 1 << 30) -> list[memoryview]:
+        if self._in_startup:
+            return []
+        return super().copy_data_views(limit)
 
     def _next_startup(self) -> m.StartupPacket | Sentinel:
         buf = self._buf

@@ -30,6 +30,7 @@ the previous record's start exactly.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Iterator
 from typing import Final
 
@@ -50,10 +51,20 @@ from protocol.wal.page import (
     page_header_error,
 )
 from protocol.wal.record import (
+    _RNODE_CACHE,
+    _SIMPLE_HEADERS,
+    _SIMPLE_NOT,
+    _SIMPLE_PAYLOAD_AT,
+    BKPBLOCK_FORK_MASK,
+    BKPBLOCK_HAS_DATA,
     MAX_RECORD_LENGTH,
     SIZE_OF_XLOG_RECORD,
     XLOG_RECORD_HEADER,
+    XLR_BLOCK_ID_DATA_SHORT,
+    BlockRef,
     DecodedRecord,
+    RelFileNode,
+    _rnode,
     decode_body,
     record_crc,
 )
@@ -66,6 +77,10 @@ _RM_XLOG = int(RmgrId.XLOG)  # an enum member lookup per record costs more than 
 # Records are built from trusted ints: going around the ``Lsn`` NewType's call (a Python-level
 # function call per field) saves about 0.2 us per record.
 _new_record: Callable[..., DecodedRecord] = DecodedRecord
+_new_block: Callable[..., BlockRef] = BlockRef
+# The XLogRecord header and the fragment headers of the commonest layout (see decode_body),
+# unpacked together.
+_SIMPLE_RECORD = struct.Struct(XLOG_RECORD_HEADER.format + _SIMPLE_HEADERS.format[1:])
 
 
 class NeedData:
@@ -208,6 +223,109 @@ class WalStreamDecoder:
             if not isinstance(item, DecodedRecord):
                 return
             yield item
+
+    def decode_into(self, out: list[DecodedRecord]) -> NeedData | EndOfWal:
+        """Append every record decodable from the bytes fed so far to ``out``; return what
+        stopped it (``NEED_DATA`` or the ``EndOfWal``). The same records as calling
+        ``next_record`` until it stops, for less CPU: records that start and end inside one
+        page run through one loop over local variables, and the commonest layout (one block
+        reference without image, then a short main data: heap and btree inserts) is parsed
+        with its header in one ``struct`` unpack. Anything else, or anything that fails a
+        check, goes to ``next_record``, which checks it again and reports."""
+        if self._ended is not None:
+            return self._ended
+        if self._pending:
+            self._merge()
+        append = out.append
+        crc32c = _crcmod.crc32c
+        unpack_header = XLOG_RECORD_HEADER.unpack_from
+        unpack_simple = _SIMPLE_RECORD.unpack_from
+        new_record = _new_record
+        new_block = _new_block
+        rnode: RelFileNode | None = None  # the last simple block's relation (a bulk load: one)
+        rnode_key = (-1, -1, -1)
+        while True:
+            if self._partial is None and self._check_page_at is None and self._ended is None:
+                buf = self._buf
+                base = self._buf_lsn
+                nbuf = len(buf)
+                pos = self._pos
+                prev = self._prev
+                start = pos
+                while True:
+                    page_rem = XLOG_BLCKSZ - (pos & _PAGE_MASK)
+                    o = pos - base
+                    avail = nbuf - o
+                    # A page header next, a record header split by the page end, too few
+                    # bytes: the general path decides.
+                    if page_rem == XLOG_BLCKSZ or page_rem < SIZE_OF_XLOG_RECORD:
+                        break
+                    if avail >= _SIMPLE_PAYLOAD_AT:
+                        (
+                            tot_len, xid, xprev, info, rmid, crc,
+                            block_id, fork_flags, data_len, spc, db, rel, blkno, main_id, main_len,
+                        ) = unpack_simple(buf, o)
+                    elif avail >= SIZE_OF_XLOG_RECORD:
+                        tot_len, xid, xprev, info, rmid, crc = unpack_header(buf, o)
+                        block_id = -1
+                    else:
+                        break
+                    # Only the plainest record: every failed test (a wrong xl_prev, an XLOG
+                    # record, a record past this page or the input...) goes to next_record.
+                    if (
+                        xprev != prev
+                        or not SIZE_OF_XLOG_RECORD <= tot_len <= page_rem
+                        or rmid > RM_MAX_BUILTIN_ID
+                        or rmid == _RM_XLOG
+                        or avail < tot_len
+                    ):
+                        break
+                    raw = buf[o : o + tot_len]
+                    if crc32c(raw[:20], crc32c(raw[SIZE_OF_XLOG_RECORD:])) != crc:
+                        break
+                    # decode_body's single-block fast path (the same tests, the same values)
+                    if (
+                        block_id == 0
+                        and main_id == XLR_BLOCK_ID_DATA_SHORT
+                        and not fork_flags & _SIMPLE_NOT
+                        and _SIMPLE_PAYLOAD_AT + data_len + main_len == tot_len
+                        and (data_len != 0) == (fork_flags & BKPBLOCK_HAS_DATA != 0)
+                    ):
+                        if rnode_key != (spc, db, rel):
+                            rnode_key = (spc, db, rel)
+                            rnode = _RNODE_CACHE.get(rnode_key)
+                            if rnode is None:
+                                rnode = _rnode(rnode_key)
+                        split = _SIMPLE_PAYLOAD_AT + data_len
+                        blocks: tuple[BlockRef, ...] = (
+                            new_block(
+                                0, rnode, fork_flags & BKPBLOCK_FORK_MASK, blkno, fork_flags,
+                                0, 0, 0, 0, None, raw[_SIMPLE_PAYLOAD_AT:split],
+                            ),
+                        )
+                        main_data = raw[split:]
+                        origin = top_xid = None
+                    else:
+                        try:
+                            blocks, main_data, origin, top_xid = decode_body(raw, pos)
+                        except RemoteProtocolError:
+                            break
+                    end = (pos + tot_len + 7) & ~7
+                    append(
+                        new_record(
+                            pos, end, tot_len, xid, xprev, info, rmid, crc, blocks, main_data,
+                            origin, top_xid, raw,
+                        )
+                    )
+                    prev = pos
+                    pos = end
+                if pos != start:
+                    self._pos = self._last_end = pos
+                    self._prev = self._last_lsn = prev
+            item = self.next_record()
+            if not isinstance(item, DecodedRecord):
+                return item
+            append(item)
 
     def finish(self) -> EndOfWal:
         """No more input will come: where does valid WAL end?"""

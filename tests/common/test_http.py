@@ -12,6 +12,7 @@ import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from common.http import HttpError, HttpServer, HttpServerConfig, Request, Response, Router
 from common.metrics import add_metrics_route, metrics_text, new_registry
@@ -155,6 +156,49 @@ async def test_garbage_request_gets_400() -> None:
     assert b'"msg"' in data
 
 
+@pytest.mark.parametrize("target", [b"//[x", b"http://[::1/v1/status", b"//a]b[/"])
+async def test_unparsable_target_is_400_and_the_server_lives_on(http_port: int, target: bytes) -> None:
+    """urlsplit refuses an unbalanced IPv6 bracket with ValueError: that is the client's bad
+    request, not a reason to take the listener (and the node) down."""
+    stream = await trio.open_tcp_stream("127.0.0.1", http_port)
+    with trio.fail_after(10):
+        await stream.send_all(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    await stream.aclose()
+    assert data.startswith(b"HTTP/1.1 400"), data
+    assert b"bad request target" in data
+    status, _, _ = await request(http_port, "GET", "/v1/status")
+    assert status == 200
+
+
+async def test_a_bug_in_one_connection_closes_only_that_one(
+    http_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = HttpServer._read_request
+    calls = 0
+
+    async def flaky(self: HttpServer, conn: object, stream: trio.abc.Stream) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("bug while reading a request")
+        return await real(self, conn, stream)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(HttpServer, "_read_request", flaky)
+    with capture_logs() as logs:
+        stream = await trio.open_tcp_stream("127.0.0.1", http_port)
+        with trio.fail_after(10):
+            await stream.send_all(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert await stream.receive_some(65536) == b""  # closed, no answer
+        await stream.aclose()
+        status, _, _ = await request(http_port, "GET", "/v1/status")
+    assert status == 200
+    failed = [e for e in logs if e["event"] == "http connection failed"]
+    assert len(failed) == 1 and failed[0]["log_level"] == "error" and failed[0]["exc_info"]
+
+
 def test_metrics_text_is_per_registry() -> None:
     a, b = new_registry(), new_registry()
     prometheus_client.Gauge("safekeeper_x", "x", registry=a).set(2)
@@ -164,6 +208,7 @@ def test_metrics_text_is_per_registry() -> None:
 
 _REQUEST_PIECES = [
     b"GET ", b"POST ", b"HEAD ", b"/v1/tenant/ab/timeline", b"/v1/crash", b"/%ff%00", b"\xff",
+    b"//[x", b"//[::1]:x/", b"http://[", b"?a=%zz&&=",
     b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", b"Host: x\r\n", b"Content-Length: 7\r\n",
     b"Content-Length: -1\r\n", b"Content-Length: 99999999999999999999\r\n",
     b"Transfer-Encoding: chunked\r\n", b"Connection: close\r\n", b"Expect: 100-continue\r\n",

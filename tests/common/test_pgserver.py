@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import random
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
@@ -33,6 +35,7 @@ class Handler:
     def __init__(self) -> None:
         self.seen: list[tuple[dict[str, str], dict[str, str], str]] = []
         self.copy_ended: list[str] = []
+        self.view_batches: list[int] = []
 
     async def handle_query(self, conn: PgConnection, query: str) -> None:
         self.seen.append((conn.startup_params, conn.options, query))
@@ -77,6 +80,22 @@ class Handler:
             await copy.send_done()
             while await copy.receive() is not None:
                 pass
+        elif words[:1] == ["views"]:
+            # The zero-copy receive: hold every view until the end, then report what they
+            # show, so that a receive buffer reused under a live view would be caught.
+            copy = await conn.enter_copy_both("VIEWS")
+            held: list[memoryview] = []
+            batches = 0
+            while (batch := await conn.copy_receive_views(copy)) is not None:
+                assert batch and all(isinstance(v, memoryview) for v in batch)
+                held += batch
+                batches += 1
+            digest = hashlib.sha256()
+            for v in held:
+                digest.update(len(v).to_bytes(4, "big"))
+                digest.update(v)
+            self.view_batches.append(batches)
+            await copy.send(digest.digest())
         elif words[:1] == ["basebackup"]:
             out = await conn.enter_copy_out("BASEBACKUP")
             for i in range(3):
@@ -302,6 +321,57 @@ async def test_garbage_on_one_connection_closes_only_it(handler: Handler) -> Non
             await good.aclose()
             await bad.aclose()
             await worse.aclose()
+
+
+async def test_copy_receive_views_over_tcp_keeps_every_view_intact(handler: Handler) -> None:
+    """The socket path: recv_into the decoder's buffer, CopyData framed as views; messages
+    split across receives and larger than a receive, Sync/Flush in between, several
+    receive arrays used while all earlier views are still held."""
+    rng = random.Random(5)
+    sizes = [rng.choice([0, 1, 100, 8192, 128 * 1024, 300_000, 3_000_000]) for _ in range(60)]
+    payloads = [rng.randbytes(n) for n in sizes]
+    expected = hashlib.sha256()
+    for p in payloads:
+        expected.update(len(p).to_bytes(4, "big"))
+        expected.update(p)
+    assert sum(sizes) > 3 * 2 * 1024 * 1024  # more than a few receive arrays
+    with trio.fail_after(30):
+        async with tcp_server(handler) as server:
+            assert server.port is not None
+            conn = await connect("127.0.0.1", server.port, user="views")
+            copy = await conn.copy_both("views")
+            wire = bytearray()
+            for i, p in enumerate(payloads):
+                wire += m.encode(m.CopyData(p))
+                if i % 7 == 3:
+                    wire += m.encode(m.Flush()) + m.encode(m.Sync())
+            # Odd-sized writes with pauses: frames split anywhere between receives.
+            pos = 0
+            while pos < len(wire):
+                step = rng.randint(1, 400_000)
+                await conn.transport.send_all(wire[pos : pos + step])
+                pos += step
+                if rng.random() < 0.2:
+                    await trio.sleep(0.005)
+            await copy.send_done()
+            assert await copy.receive() == expected.digest()
+            assert (await conn.finish_copy())[-1].command_tag == "VIEWS"
+            assert len(await conn.query("select")) == 2
+            await conn.aclose()
+    assert handler.view_batches and handler.view_batches[0] > 1
+
+
+async def test_idle_timeout_on_a_socket(handler: Handler) -> None:
+    """The recv_into path honours the idle timeout as receive_some did."""
+    with trio.fail_after(10):
+        async with tcp_server(handler, PgServerConfig(idle_timeout_s=0.3)) as server:
+            assert server.port is not None
+            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await _raw_exchange(stream, m.encode(m.StartupMessage({"user": "idle"})), m.ReadyForQuery)
+            msgs = await _raw_exchange(stream, b"", m.ErrorResponse)
+            err = msgs[0]
+            assert isinstance(err, m.ErrorResponse) and err.sqlstate == "57P05"
+            await stream.aclose()
 
 
 async def _until_handler_saw(handler: Handler, query: str) -> None:

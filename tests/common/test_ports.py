@@ -1,3 +1,5 @@
+"""free_port(): distinct, bindable ports below the ephemeral range, never handed out twice."""
+
 from __future__ import annotations
 
 import socket

@@ -25,7 +25,7 @@ from compute.walproposer.proposer import (
     quorum_size,
     start_streaming_point,
 )
-from protocol.errors import LocalProtocolError
+from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import WAL_SEGMENT_SIZE, Lsn
 from protocol.safekeeper import (
@@ -192,6 +192,8 @@ def test_commit_is_quorum_of_acks_in_our_term_and_survives_disconnect() -> None:
     p = _elected_proposer()
     assert p.next_append(0, Lsn(BOOT + 1_000_000)) == (BOOT, BOOT + 131072)
     assert p.next_append(1, BOOT) == (BOOT, BOOT)
+    p.sent(0, Lsn(BOOT + 131072))
+    p.sent(1, Lsn(BOOT + 400))
     assert p.on_append_response(0, AppendResponse(1, Lsn(BOOT + 300), Lsn(0))) is False
     assert p.commit_lsn == 0
     assert p.on_append_response(1, AppendResponse(1, Lsn(BOOT + 200), Lsn(0))) is True
@@ -206,6 +208,23 @@ def test_commit_is_quorum_of_acks_in_our_term_and_survives_disconnect() -> None:
     assert p.commit_lsn == BOOT + 300
     with pytest.raises(ProposerRejected):
         p.on_append_response(2, AppendResponse(2, Lsn(0), Lsn(0)))
+
+
+def test_acknowledgement_the_peer_cannot_have_made_is_its_protocol_error() -> None:
+    """A flush beyond the WAL sent, or in an older term, is RemoteProtocolError (that one
+    connection is dropped) and counts for nothing: commit_lsn must only cover WAL a quorum
+    really holds."""
+    p = _elected_proposer()
+    p.sent(0, Lsn(BOOT + 100))
+    p.sent(1, Lsn(BOOT + 100))
+    with pytest.raises(RemoteProtocolError, match="beyond the WAL sent"):
+        p.on_append_response(0, AppendResponse(1, Lsn(BOOT + 101), Lsn(0)))
+    with pytest.raises(RemoteProtocolError, match="old term"):
+        p.on_append_response(1, AppendResponse(0, Lsn(BOOT + 100), Lsn(0)))
+    assert p.commit_lsn == 0
+    assert p.on_append_response(0, AppendResponse(1, Lsn(BOOT + 100), Lsn(0))) is False
+    assert p.on_append_response(1, AppendResponse(1, Lsn(BOOT + 100), Lsn(0))) is True
+    assert p.commit_lsn == BOOT + 100
 
 
 def test_reconnected_voter_of_our_term_rejoins() -> None:

@@ -13,6 +13,7 @@ import shutil
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -242,6 +243,124 @@ async def test_import_refuses_running_cluster(initdb_dir: Path, tmp_path: Path) 
         await import_datadir(tl, copy)
     with pytest.raises(DatadirImportError, match="neither"):
         await import_datadir(tl, tmp_path / "missing")
+    await tenant.shutdown()
+
+
+def _hostile_copy(initdb_dir: Path, dest: Path, damage: str) -> Path:
+    """A copy of the initdb directory (or a tar of it) damaged in one way."""
+    if damage.startswith("tar-truncated"):
+        full = dest.with_suffix(".full.tar")
+        with tarfile.open(full, "w") as tar:
+            tar.add(initdb_dir, arcname=".")
+        raw = full.read_bytes()
+        dest = dest.with_suffix(".tar")
+        dest.write_bytes(raw[: len(raw) * int(damage.rsplit("-", 1)[1]) // 100])
+        return dest
+    shutil.copytree(initdb_dir, dest)
+    control = dest / "global/pg_control"
+    cf = parse_control_file(control.read_bytes())
+    match damage:
+        case "pg_control-checksum":
+            flipped = bytearray(control.read_bytes())
+            flipped[40] ^= 1
+            control.write_bytes(flipped)
+        case "pg_control-short":
+            control.write_bytes(b"x")
+        case "no-wal":
+            shutil.rmtree(dest / "pg_wal")
+            (dest / "pg_wal").mkdir()
+        case "oid-too-big":
+            (dest / "base/1/4294967296").write_bytes(bytes(8192))
+        case "db-oid-too-big":
+            (dest / "base/99999999999").mkdir()
+        case "segment-too-far":
+            (dest / "base/1/16000.40000").write_bytes(b"")
+        case "label-bad-lsn":
+            (dest / "backup_label").write_bytes(b"START WAL LOCATION: 123456789/0 (file x)\n")
+        case "label-without-backup-end":
+            # A shut-down cluster's WAL has no end-of-backup record: as a base backup it is
+            # not known to be consistent.
+            redo = cf.checkpoint_copy.redo
+            (dest / "backup_label").write_text(
+                f"START WAL LOCATION: {redo >> 32:X}/{redo & 0xFFFF_FFFF:X} (file x)\n"
+            )
+        case "standby-label-short-wal":
+            redo = cf.checkpoint_copy.redo
+            (dest / "backup_label").write_text(
+                f"START WAL LOCATION: {redo >> 32:X}/{redo & 0xFFFF_FFFF:X} (file x)\n"
+                "BACKUP FROM: standby\n"
+            )
+            control.write_bytes(
+                encode_control_file(attrs.evolve(cf, min_recovery_point=cf.checkpoint + (1 << 24)))
+            )
+        case _:
+            raise AssertionError(damage)
+    return dest
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("tar-truncated-30", "damaged archive"),
+        ("tar-truncated-95", "damaged archive"),
+        ("pg_control-checksum", "pg_control: incorrect checksum"),
+        ("pg_control-short", "pg_control: pg_control has 1 bytes"),
+        ("no-wal", "before the end of the checkpoint record"),
+        ("oid-too-big", "is not an OID"),
+        ("db-oid-too-big", "is not an OID"),
+        ("segment-too-far", "MaxBlockNumber"),
+        ("label-bad-lsn", "backup_label: invalid LSN"),
+        ("label-without-backup-end", "without the end-of-backup record"),
+        ("standby-label-short-wal", "before its minimum recovery point"),
+    ],
+)
+async def test_import_hostile_source_is_a_clear_error(
+    initdb_dir: Path, tmp_path: Path, damage: str, message: str
+) -> None:
+    """Whatever is wrong with the source is a DatadirImportError (an HTTP 400), never a
+    tarfile/struct error (a 500) and never a silently incomplete timeline."""
+    source = _hostile_copy(initdb_dir, tmp_path / "src", damage)
+    tenant = Tenant(tmp_path / "t", TenantId.generate(), CONFIG)
+    tl = await tenant.create_timeline(TimelineId.generate())
+    with pytest.raises(DatadirImportError, match=message):
+        await import_datadir(tl, source)
+    await tenant.shutdown()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("as_tar", [False, True])
+async def test_import_reads_wal_off_the_trio_thread(
+    initdb_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_tar: bool
+) -> None:
+    """An import must not stall the page service: its 16 MiB WAL segment reads happen in
+    worker threads, like its relation file reads."""
+    import threading
+
+    from pageserver import import_datadir as mod
+
+    trio_thread = threading.current_thread()
+    reads: list[int] = []
+    for cls in (mod._DirSource, mod._TarSource):
+        real = cls.wal_segment
+
+        def checked(self: mod._Source, segno: int, real: Any = real) -> bytes | None:
+            assert threading.current_thread() is not trio_thread, f"segment {segno} read on the trio thread"
+            reads.append(segno)
+            data: bytes | None = real(self, segno)
+            return data
+
+        monkeypatch.setattr(cls, "wal_segment", checked)
+    source = initdb_dir
+    if as_tar:
+        source = tmp_path / "base.tar"
+        with tarfile.open(source, "w") as tar:
+            tar.add(initdb_dir, arcname=".")
+    tenant = Tenant(tmp_path / "t", TenantId.generate(), CONFIG)
+    tl = await tenant.create_timeline(TimelineId.generate())
+    result = await import_datadir(tl, source)
+    assert result.end_lsn > result.control.checkpoint
+    assert reads and reads == sorted(set(reads))  # each segment read once, in order
     await tenant.shutdown()
 
 

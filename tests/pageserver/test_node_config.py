@@ -20,7 +20,7 @@ from pageserver.config import (
     parse_pageserver_config,
 )
 from pageserver.page_service.config import PipelinedPipelining, SerialPipelining
-from protocol.lsn import parse_lsn
+from protocol.lsn import format_lsn, parse_lsn
 from protocol.pgwire.errors import PgError
 
 T = "0123456789abcdef0123456789abcdef"
@@ -100,12 +100,28 @@ def test_backup_command_forms() -> None:
     assert cmd.full and cmd.lsn == 1 << 32 and cmd.prev_lsn == 0xFF0
 
 
-@given(name=st.sampled_from(["basebackup", "fullbackup"]), args=st.lists(st.text(max_size=40), max_size=6))
-def test_backup_command_parser_refuses_with_pgerror_only(name: str, args: list[str]) -> None:
+_lsn_words = st.from_regex(r"[-+ 0-9A-Fa-fx_]{0,9}/[-+ 0-9A-Fa-fx_]{0,9}", fullmatch=True)
+_backup_words = st.one_of(
+    st.text(max_size=40), _lsn_words, st.sampled_from(["latest", "--gzip", "--replica", "--x"])
+)
+
+
+@given(
+    name=st.sampled_from(["basebackup", "fullbackup"]),
+    ids=st.sampled_from([(), (T,), (T, TL), (T, TL.upper()), ("x" * 32, TL)]),
+    rest=st.lists(_backup_words, max_size=4),
+)
+def test_backup_command_parser_refuses_with_pgerror_only(
+    name: str, ids: tuple[str, ...], rest: list[str]
+) -> None:
+    """Any arguments either parse to LSNs PostgreSQL could print, or raise PgError."""
     try:
-        parse_backup_command(name, tuple(args))
+        cmd = parse_backup_command(name, (*ids, *rest))
     except PgError:
-        pass
+        return
+    for lsn in (cmd.lsn, cmd.prev_lsn):
+        assert lsn is None or 0 <= lsn < 2**64
+        assert lsn is None or parse_lsn(format_lsn(lsn)) == lsn
 
 
 @given(

@@ -334,3 +334,81 @@ def test_parse_options(options: str, expected: dict[str, str]) -> None:
 def test_parse_options_rejects(options: str) -> None:
     with pytest.raises(RemoteProtocolError):
         m.parse_options(options)
+
+
+# -- the CopyData fast path (copy_data_views) -----------------------------------------------
+
+
+def _drain_with_views(decoder: FrontendDecoder, limit: int) -> list[object]:
+    """Like ``drain`` but CopyData through ``copy_data_views`` (as m.CopyData for comparing)."""
+    out: list[object] = []
+    while True:
+        views = decoder.copy_data_views(limit)
+        if views:
+            assert all(isinstance(v, memoryview) for v in views)
+            out += [m.CopyData(bytes(v)) for v in views]
+            continue
+        ev = decoder.next_event()
+        if ev is NEED_DATA or ev is CLOSED:
+            return out
+        out.append(ev)
+
+
+@given(
+    st.lists(TAGGED_FRONTEND, max_size=10),
+    st.data(),
+    st.integers(min_value=1, max_value=4),
+)
+def test_copy_data_views_agree_with_next_event(
+    msgs: list[m.FrontendMessage], data: st.DataObject, limit: int
+) -> None:
+    """Same messages, in the same order, for any segmentation; CopyData payloads as views."""
+    stream = m.encode(m.StartupMessage({}), *msgs)
+    decoder = FrontendDecoder()
+    # Before the StartupMessage the fast path never frames anything.
+    decoder.receive_data(stream)
+    assert decoder.copy_data_views() == []
+    decoder = FrontendDecoder()
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=6)))
+    got: list[object] = []
+    prev = 0
+    for cut in [*cuts, len(stream)]:
+        if cut > prev:
+            decoder.receive_data(stream[prev:cut])
+        got += _drain_with_views(decoder, limit)
+        prev = cut
+    assert got == [m.StartupMessage({}), *msgs]
+
+
+# Frame-shaped garbage: mostly CopyData tags, lengths that may or may not match the bodies.
+_FRAMEISH = st.lists(
+    st.tuples(st.sampled_from(b"ddddcSHQX"), st.integers(0, 160), st.binary(max_size=150)),
+    max_size=6,
+).map(lambda frames: b"".join(bytes([t]) + n.to_bytes(4, "big") + body for t, n, body in frames))
+
+
+@given(st.one_of(st.binary(max_size=200), _FRAMEISH), st.integers(min_value=5, max_value=120))
+def test_copy_data_views_on_hostile_bytes_fail_like_next_event(data: bytes, max_len: int) -> None:
+    """Whatever the bytes, the fast path plus next_event yields the same messages and the
+    same error (type and text) as next_event alone."""
+
+    def run(use_views: bool) -> tuple[list[object], str | None]:
+        d = FrontendDecoder(max_message_len=max_len)
+        d.receive_data(m.encode(m.StartupMessage({"user": "x"})))
+        d.next_event()
+        d.receive_data(data)
+        d.receive_data(b"")
+        out: list[object] = []
+        try:
+            while True:
+                if use_views:
+                    out += [m.CopyData(bytes(v)) for v in d.copy_data_views()]
+                ev = d.next_event()
+                if ev is CLOSED:
+                    return out, None
+                assert ev is not NEED_DATA
+                out.append(ev)
+        except RemoteProtocolError as exc:
+            return out, f"{exc.sqlstate} {exc.msg}"
+
+    assert run(True) == run(False)

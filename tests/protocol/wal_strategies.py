@@ -89,3 +89,33 @@ def encode(start: int, specs: list[dict[str, object]]) -> tuple[bytes, list[tupl
     enc = WalEncoder(start)
     spans: list[tuple[int, int]] = [enc.append(**spec) for spec in specs]  # type: ignore[arg-type]
     return enc.take(), spans
+
+
+@st.composite
+def simple_record_specs(draw: st.DrawFn) -> dict[str, object]:
+    """Mostly the layout ``WalStreamDecoder.decode_into`` parses in one unpack (block 0 without
+    image, short main data), sometimes one step off it (a second block, an image, no data, a
+    long main data, an origin, an XLOG record)."""
+    rnode = draw(rnodes)
+    blocks = [
+        BlockSpec(
+            rnode=rnode,
+            blkno=draw(st.integers(0, 2**32 - 1)),
+            forknum=draw(st.integers(0, 3)),
+            data=_payload(draw(st.integers(0, 1000)), draw(st.sampled_from([0, 1, 60, 140, 300]))),
+            will_init=draw(st.booleans()),
+            image=draw(st.none() | st.just(make_page(1, 40, 4000))) if draw(st.integers(0, 9)) == 0 else None,
+        )
+    ]
+    if draw(st.integers(0, 9)) == 0:
+        blocks.append(BlockSpec(rnode=draw(st.sampled_from([rnode, RelFileNode(1663, 5, 7)])), blkno=3))
+    odd = draw(st.integers(0, 19))
+    return {
+        "rmid": 0 if odd == 0 else draw(st.sampled_from([10, 9, 11])),  # 0: XLOG
+        "info": draw(st.sampled_from([0x00, 0x20, 0x80])),
+        "xid": draw(st.integers(0, 2**32 - 1)),
+        "blocks": blocks,
+        "main_data": _payload(7, draw(st.sampled_from([0, 3, 14, 255, 256, 2000]))),
+        "origin": 5 if odd == 1 else None,
+        "toplevel_xid": 9 if odd == 2 else None,
+    }

@@ -81,3 +81,45 @@ def test_clean_wal_gives_the_decoders_record_ends(record_size: int) -> None:
         tracker, raised = _feed(data, seed, max_chunk)
         assert not raised
         assert tracker.record_end == spans[-1][1]
+
+
+# Bits of a short page header the tracker checks: magic, the info flags that must be exactly
+# "continuation, short header" plus unknown bits, the page address and xlp_rem_len. (The
+# timeline id, XLP_BKP_REMOVABLE, XLP_FIRST_IS_OVERWRITE_CONTRECORD and the padding are not
+# checked, by PostgreSQL's reader neither.)
+_CHECKED_HEADER_BITS = (
+    [(0, b) for b in range(8)]
+    + [(1, b) for b in range(8)]
+    + [(2, b) for b in (0, 1, 4, 5, 6, 7)]
+    + [(3, b) for b in range(8)]
+    + [(o, b) for o in range(8, 20) for b in range(8)]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    record_size=st.sampled_from([3000, 8000, 9000, 20000]),
+    which=st.integers(min_value=0),
+    where=st.sampled_from(_CHECKED_HEADER_BITS),
+    seed=st.integers(min_value=0, max_value=1 << 30),
+    max_chunk=st.sampled_from([1, 7, 300, 5000, 200_000]),
+)
+def test_a_damaged_page_header_inside_a_record_is_caught(
+    record_size: int, which: int, where: tuple[int, int], seed: int, max_chunk: int
+) -> None:
+    """The header of a page a record continues on (the fast path checks these inline):
+    any damage to a checked field stops the tracker before that record is counted."""
+    data, spans = _wal(record_size)
+    spanning = [
+        (s, e)
+        for s, e in spans
+        if s // 8192 != (e - 1) // 8192 and (s // 8192 + 1) * 8192 % 0x1000000
+    ]
+    start, _end = spanning[which % len(spanning)]
+    page = (start // 8192 + 1) * 8192
+    offset, bit = where
+    damaged = bytearray(data)
+    damaged[page + offset - 0x2000000] ^= 1 << bit
+    tracker, raised = _feed(bytes(damaged), seed, max_chunk)
+    assert raised
+    assert tracker.record_end <= start

@@ -33,10 +33,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import trio
+import trio.testing
 
 PAGES_DEFAULT = 10_000
 REL = (1663, 5, 16384, 0)
@@ -112,11 +114,6 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
     from prometheus_client import CollectorRegistry
 
     from common.pgserver import PgServer, PgServerConfig
-    from pageserver.page_service.config import (
-        PageServiceConfig,
-        PipelinedPipelining,
-        SerialPipelining,
-    )
     from pageserver.page_service.handler import PageServiceHandler
     from pageserver.page_service.metrics import PageServiceMetrics
     from pageserver.page_service.reader import NotFound, PageReader
@@ -146,19 +143,9 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
             except KeyError:
                 raise NotFound(f"no timeline {tenant_id}/{timeline_id}") from None
 
-    if mode == "serial":
-        pipelining: Any = SerialPipelining()
-    else:
-        size, _, batching = mode.removeprefix("pipelined-").partition("-")
-        lsn_rule: Literal["uniform-lsn", "scattered-lsn"] = (
-            "uniform-lsn" if batching == "uniform" else "scattered-lsn"
-        )
-        pipelining = PipelinedPipelining(int(size), lsn_rule)
     registry = CollectorRegistry()
     metrics = PageServiceMetrics.register(registry)
-    handler = PageServiceHandler(
-        Lookup(), PageServiceConfig(page_service_pipelining=pipelining), metrics
-    )
+    handler = PageServiceHandler(Lookup(), _page_service_config(mode), metrics)
     server = PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None))
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.serve)
@@ -172,6 +159,23 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
         print(json.dumps({"batching_factor": metrics.batching_factor()}), flush=True)
         server.shutdown()
         nursery.cancel_scope.cancel()
+
+
+def _page_service_config(mode: str) -> Any:
+    """``serial``, ``pipelined-N`` (scattered-lsn) or ``pipelined-N-uniform``."""
+    from pageserver.page_service.config import (
+        PageServiceConfig,
+        PipelinedPipelining,
+        SerialPipelining,
+    )
+
+    if mode == "serial":
+        return PageServiceConfig(page_service_pipelining=SerialPipelining())
+    size, _, batching = mode.removeprefix("pipelined-").partition("-")
+    lsn_rule: Literal["uniform-lsn", "scattered-lsn"] = (
+        "uniform-lsn" if batching == "uniform" else "scattered-lsn"
+    )
+    return PageServiceConfig(page_service_pipelining=PipelinedPipelining(int(size), lsn_rule))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,6 +523,135 @@ def _postgres_baseline(args: argparse.Namespace, clients: int) -> dict[str, Any]
 # CLI
 
 
+# ---------------------------------------------------------------------------------------------
+# In-process: the page service's own cost and trio's floor (``--in-process``)
+
+
+def _cpu_s() -> float:
+    return time.process_time()
+
+
+async def _trio_floor(n: int) -> dict[str, Any]:
+    """CPU µs of one trio run-loop iteration and of one park + wake between two tasks."""
+    c0 = _cpu_s()
+    for _ in range(n):
+        await trio.lowlevel.checkpoint()
+    iteration = (_cpu_s() - c0) / n * 1e6
+    ping, pong = trio.lowlevel.ParkingLot(), trio.lowlevel.ParkingLot()
+
+    async def echo() -> None:
+        for _ in range(n):
+            await pong.park()
+            ping.unpark()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(echo)
+        await trio.testing.wait_all_tasks_blocked()
+        c0 = _cpu_s()
+        for _ in range(n):
+            pong.unpark()
+            await ping.park()
+        hop = (_cpu_s() - c0) / (2 * n) * 1e6
+    return {
+        "bench": "getpage",
+        "target": "trio-floor",
+        "run_loop_iteration_cpu_us": round(iteration, 2),
+        "park_and_wake_cpu_us": round(hop, 2),
+    }
+
+
+async def _in_process(mode: str, queue_depth: int, requests: int, reps: int) -> dict[str, Any]:
+    """``serve_pagestream`` on one end of a socketpair, a client task on the other, one process.
+
+    The timeline answers every read with the same page from memory, so this is the page
+    service (decode, pipeline, execution, framing, metrics, socket calls) plus trio, with no
+    storage engine and no second process to compete with. The client task's own cost (a few
+    µs per request, the same for every mode) is included. The minimum over ``reps`` repeats
+    is the least disturbed by the rest of the machine.
+    """
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    from pageserver.page_service.metrics import PageServiceMetrics
+    from pageserver.page_service.pipeline import PagestreamContext, serve_pagestream_bytes
+    from pageserver.page_service.reader import PageRead, PageRequestError, SingleTimeline
+    from protocol.lsn import MAX_LSN, Lsn
+    from protocol.pagestream import GetPageRequest, RelTag, encode_request_into
+
+    page = _page(7, 1)
+
+    class StaticReader:
+        last_record_lsn = Lsn(BASE_LSN)
+        gc_cutoff_lsn = Lsn(0)
+
+        async def wait_lsn(self, lsn: Lsn, timeout_s: float) -> None:
+            return None
+
+        async def get_pages(self, reads: Sequence[PageRead]) -> list[bytes | PageRequestError]:
+            return [page] * len(reads)
+
+        async def wait_shutdown(self) -> None:
+            await trio.sleep_forever()
+
+    reader = StaticReader()
+    ctx = PagestreamContext(
+        3,
+        SingleTimeline(reader),  # type: ignore[arg-type]
+        _page_service_config(mode),
+        PageServiceMetrics.register(CollectorRegistry()),
+        shutdown=reader.wait_shutdown,
+    )
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    server = trio.SocketStream(trio.socket.from_stdlib_socket(theirs))
+    burst = bytearray()
+    for i in range(queue_depth):
+        request = GetPageRequest(i, MAX_LSN, Lsn(0), RelTag(*REL), i)
+        encode_request_into(burst, request, 3, framed=True)
+    fd = ours.fileno()
+    response_bytes = 5 + 8234  # CopyData header + v3 GetPage response
+    cpu: list[float] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_pagestream_bytes, server, ctx)
+        rounds = max(1, requests // queue_depth)
+        for _ in range(reps):
+            c0 = _cpu_s()
+            for _ in range(rounds):
+                os.write(fd, burst)
+                want = response_bytes * queue_depth
+                while want:
+                    try:
+                        want -= len(os.read(fd, want))
+                    except BlockingIOError:
+                        await trio.lowlevel.wait_readable(ours)
+            cpu.append((_cpu_s() - c0) / (rounds * queue_depth) * 1e6)
+        nursery.cancel_scope.cancel()
+    ours.close()
+    cpu.sort()
+    return {
+        "bench": "getpage",
+        "target": "in-process",
+        "mode": mode,
+        "queue_depth": queue_depth,
+        "requests": max(1, requests // queue_depth) * queue_depth,
+        "repeats": reps,
+        "cpu_us_per_request_min": round(cpu[0], 1),
+        "cpu_us_per_request_median": round(cpu[len(cpu) // 2], 1),
+    }
+
+
+def _run_in_process(args: argparse.Namespace) -> int:
+    """``--in-process``: the trio floor, then every mode x queue depth, rounds outermost."""
+    print(json.dumps(trio.run(_trio_floor, 100_000)), flush=True)
+    for _ in range(args.rounds):
+        for mode in args.modes.split(","):
+            for qd in (int(q) for q in args.queue_depth.split(",")):
+                row = trio.run(_in_process, mode, qd, 2048, 7)
+                print(json.dumps(row), flush=True)
+    return 0
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per configuration")
     parser.add_argument("--tenants", type=int, default=1)
@@ -552,6 +685,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="process",
         help="process: one process per client with a BlockingPageClient (default); "
         "trio: every client a trio task of the driver process with the async PageClient",
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="instead of the above: trio's run-loop iteration and park/wake cost, then the "
+        "page service's CPU per request per --modes x --queue-depth with an in-memory page "
+        "and an in-process client over a socketpair (no storage, no second process)",
     )
     parser.add_argument(
         "--writes-per-s",
@@ -633,6 +773,8 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.in_process:
+        return _run_in_process(args)
     base = Path(tempfile.mkdtemp(prefix="pagestore-bench-getpage-"))
     workdir = base / "tenants"
     workdir.mkdir()

@@ -3,8 +3,9 @@
 What one row measures: a fresh tenant and timeline in a fresh directory, then the whole write
 path, timed from WAL bytes to a durable L0 layer:
 
-    WAL bytes (fed in 1 MiB chunks, like XLogData) -> ``WalStreamDecoder`` (engineer B)
-    -> ``WalIngest.ingest_record`` -> ``Timeline.put`` -> in-memory layer -> ``EphemeralFile``
+    WAL bytes (fed in 1 MiB chunks, like XLogData) -> ``WalStreamDecoder.decode_into``
+    -> ``WalIngest.ingest_records`` (the WAL receiver's batch path) -> ``Timeline.put_many_nowait``
+    -> in-memory layer -> ``EphemeralFile``
     -> ``Timeline.flush()`` (freeze, L0 delta layer written through ``BufferedWriter``, fsync,
     rename, index_part.json)
 
@@ -54,7 +55,7 @@ from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn
 from protocol.wal.encoder import BlockSpec, WalEncoder
 from protocol.wal.reader import WalStreamDecoder
-from protocol.wal.record import RelFileNode
+from protocol.wal.record import DecodedRecord, RelFileNode
 from protocol.wal.rmgr import XLOG_FPI_FOR_HINT, XLOG_HEAP_INIT_PAGE, XLOG_HEAP_INSERT, RmgrId
 
 MiB = 1 << 20
@@ -212,8 +213,9 @@ async def run_row(
         t0 = time.perf_counter()
         for chunk in chunks:
             decoder.feed(chunk)
-            for rec in decoder.records():
-                await ingest.ingest_record(rec)
+            batch: list[DecodedRecord] = []
+            decoder.decode_into(batch)
+            await ingest.ingest_records(batch)
         t_ingested = time.perf_counter()
         await tl.flush()
         t1 = time.perf_counter()

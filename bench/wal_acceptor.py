@@ -7,7 +7,11 @@ process, the proposer, pushes pre-framed AppendRequests as fast as the socket ta
 prints the best (the machine is shared; the other runs are listed in ``runs_mib_s``). The rate is the acknowledged
 flush_lsn progress divided by the time of the last acknowledgement. The same run measures
 the disk's raw rate for 1 MiB ``pwrite`` s into a preallocated file, with and without
-``fdatasync`` after each, as the ceiling. One JSON line per configuration.
+``fdatasync`` after each, as the ceiling; because the fsynced rate of a virtual disk swings
+between minutes, every fsynced run is also preceded by a short raw fsynced measurement, and
+the line reports the median of run / adjacent raw (``median_pct_of_raw_fsync``), plus the
+median rate and MiB per CPU-second of the safekeeper over the runs. One JSON line per
+configuration.
 
 WAL content: valid PostgreSQL WAL of XLOG NOOP records (``--record-size`` bytes each), made
 once as a 16 MiB segment template whose page addresses are patched per segment, so the
@@ -23,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import struct
 import tempfile
 import time
@@ -249,17 +254,46 @@ def run(args: argparse.Namespace) -> int:
                 for fsync in _flags(args.fsync):
                     for coalescing in _flags(args.coalescing):
                         n += 1
-                        runs = [
-                            trio.run(
-                                partial(
-                                    run_config, base / f"sk{n}-{i}", stream, start, end, msg_size,
-                                    fsync=fsync, coalescing=coalescing, seconds=args.seconds,
+                        runs = []
+                        raw_near: list[float] = []
+                        for i in range(max(args.repeat, 1)):
+                            if fsync:
+                                # This virtual disk's fsynced rate swings several-fold between
+                                # minutes: measure it right next to every fsynced run.
+                                near = raw_disk_rate(
+                                    base, fsync=True, seconds=min(args.seconds, 1.0),
+                                    max_mib=args.max_mib,
+                                )
+                                raw_near.append(float(near["mib_s"]))  # type: ignore[arg-type]
+                            runs.append(
+                                trio.run(
+                                    partial(
+                                        run_config, base / f"sk{n}-{i}", stream, start, end,
+                                        msg_size, fsync=fsync, coalescing=coalescing,
+                                        seconds=args.seconds,
+                                    )
                                 )
                             )
-                            for i in range(max(args.repeat, 1))
-                        ]
                         result = max(runs, key=lambda r: float(r["mib_s"]))  # type: ignore[arg-type]
                         result["runs_mib_s"] = [r["mib_s"] for r in runs]
+                        result["runs_mib_per_cpu_s"] = [r["mib_per_cpu_s"] for r in runs]
+                        result["median_mib_s"] = statistics.median(
+                            float(r["mib_s"]) for r in runs  # type: ignore[arg-type]
+                        )
+                        result["median_mib_per_cpu_s"] = statistics.median(
+                            float(r["mib_per_cpu_s"]) for r in runs  # type: ignore[arg-type]
+                        )
+                        if raw_near:
+                            # Each run against the raw fsynced rate measured just before it.
+                            ratios = [
+                                float(r["mib_s"]) / raw  # type: ignore[arg-type]
+                                for r, raw in zip(runs, raw_near, strict=True)
+                                if raw > 0
+                            ]
+                            result["raw_fsync_near_mib_s"] = raw_near
+                            result["median_pct_of_raw_fsync"] = round(
+                                100 * statistics.median(ratios), 1
+                            )
                         result["commit_advancing"] = commit
                         result["record_size"] = args.record_size
                         print(json.dumps(result), flush=True)

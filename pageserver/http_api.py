@@ -166,7 +166,9 @@ def timeline_info(tl: Timeline, manager: TenantManager) -> TimelineInfo:
         pg_version=PG_VERSION,
         state="Active",
         wal_receiver_safekeeper=f"{current[0]}:{current[1]}" if current is not None else None,
-        wal_receiver_error=receiver.last_error if receiver is not None else None,
+        wal_receiver_error=manager.ingest_failures.get(
+            (tl.tenant_id, tl.timeline_id), receiver.last_error if receiver is not None else None
+        ),
     )
 
 

@@ -38,7 +38,7 @@ from protocol.lsn import INVALID_LSN, Lsn, format_lsn
 log = structlog.get_logger("pageserver.tenant")
 
 UNINIT_SUFFIX = ".___uninit"
-_TEMP_SUFFIXES = (".___temp",)
+_TEMP_MARK = ".___temp"  # index_part.json.___temp, <layer>.___temp, <layer>.___temp.index
 
 
 class TimelineExistsError(Exception):
@@ -178,7 +178,7 @@ class Tenant:
                 shutil.rmtree(entry)
                 continue
             if not (entry / INDEX_PART).exists():
-                others = sorted(p.name for p in entry.iterdir() if not p.name.endswith(_TEMP_SUFFIXES))
+                others = sorted(p.name for p in entry.iterdir() if _TEMP_MARK not in p.name)
                 if others:
                     raise LayerCorruptionError(
                         entry, f"no {INDEX_PART}, but {len(others)} other files ({others[0]}, ...): "

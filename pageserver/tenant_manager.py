@@ -93,6 +93,10 @@ class TenantManager:
         # Timelines being bootstrapped or imported: in their tenant already (the import writes
         # through it) but not served: a basebackup or GetPage there would see half the data.
         self._unfinished: set[tuple[TenantId, TimelineId]] = set()
+        # Timelines whose WAL ingest stopped on an error that is not the connection's (a bug,
+        # or WAL it cannot apply): why, for the HTTP API. The others, and reads of what this
+        # one has ingested, go on; a restart retries.
+        self.ingest_failures: dict[tuple[TenantId, TimelineId], str] = {}
         self._nursery: trio.Nursery | None = None
         self.shutting_down = trio.Event()
 
@@ -185,11 +189,21 @@ class TenantManager:
         ingest = TimelineWalIngest(tl, cfg, ingest=_PrevTrackingIngest(tl))
         scope = trio.CancelScope()
 
+        key = (tl.tenant_id, tl.timeline_id)
+
         async def run() -> None:
             with scope:
-                await ingest.run()
+                try:
+                    await ingest.run()
+                except Exception as exc:
+                    # Not a lost connection (the receiver retries those): retrying would fail
+                    # the same way. It must not end the node (every tenant's service) either.
+                    self.ingest_failures[key] = f"ingest stopped at {format_lsn(tl.last_record_lsn)}: {exc!r}"
+                    log.error("WAL ingest failed; the timeline stays at its last_record_lsn until restart",
+                              tenant_id=tl.tenant_id.hex, timeline_id=tl.timeline_id.hex,
+                              last_record_lsn=format_lsn(tl.last_record_lsn), exc_info=True)
 
-        self._ingests[(tl.tenant_id, tl.timeline_id)] = (ingest, scope)
+        self._ingests[key] = (ingest, scope)
         self._nursery.start_soon(run)
 
     def ingest_of(self, tenant_id: TenantId, timeline_id: TimelineId) -> TimelineWalIngest | None:

@@ -373,6 +373,7 @@ class WalIngest:
         slow_ingest = self.ingest_record
         heads = _PG_RECORD_HEADS
         last = tl.last_record_lsn  # end of the last record taken (stored or to be stored)
+        last_start = Lsn(0)  # and its start
         items: list[tuple[Key, Lsn, bytes, bool]] = []
         add = items.append
         nxt = -1  # nextXid while the checkpoint cannot change (-1: look it up)
@@ -446,12 +447,14 @@ class WalIngest:
                     items.clear()
                 if last > tl.last_record_lsn:
                     tl.finish_write(last)
+                    self.last_record = (last_start, last)
                 await slow_ingest(rec)
                 last = tl.last_record_lsn
                 nxt = -1
                 last_rnode = None  # sizes may have changed
                 continue
             last = end
+            last_start = rec.lsn
             n_fast += 1
             n_values += len(blocks)
         stats.records += n_fast

@@ -198,7 +198,16 @@ class ReceiveBuffer:
     bytearray, so its reference count says so exactly).
     """
 
-    __slots__ = ("_arena_size", "_data", "_end", "_lent", "_retired", "_start", "_window")
+    __slots__ = (
+        "_arena_size",
+        "_data",
+        "_end",
+        "_lent",
+        "_retired",
+        "_start",
+        "_window",
+        "_zero_copy",
+    )
 
     _COMPACT_MIN: Final = 64 * 1024
     # Capacity of the arrays the zero-copy path receives into. Large, so that the partial
@@ -215,6 +224,8 @@ class ReceiveBuffer:
         self._start = 0
         self._end = 0
         self._lent = False
+        # Set by the first view handed out: from then on arrays are ARENA_SIZE and recycled.
+        self._zero_copy = False
         self._retired: list[bytearray] = []
         self._window: memoryview | None = None
 
@@ -264,18 +275,27 @@ class ReceiveBuffer:
         self._end += n
 
     def _move_to_fresh(self, need: int) -> None:
-        """Make room for ``need`` more bytes: the live tail moves to an array that nobody
-        else can see (a retired one without views left, or a new one)."""
+        """Make room for ``need`` more bytes: compact a private array in place if it is big
+        enough, else move the live tail to an array that nobody else can see (a retired one
+        without views left, or a new one)."""
         live = self._end - self._start
-        # Geometric growth for a message larger than an array: O(1) copies per byte.
-        size = max(self._arena_size, 2 * live + need)
         old = self._data
+        if not self._lent and live + need <= len(old):
+            if live:
+                with memoryview(old) as mv:
+                    mv[:live] = mv[self._start : self._end]
+            self._start = 0
+            self._end = live
+            return
+        # Geometric growth for a message larger than an array: O(1) copies per byte. Only a
+        # buffer that hands out views gets the large arrays (the others: what is needed).
+        size = max(self._arena_size if self._zero_copy else 0, 2 * live + need)
         fresh = self._unused_retired(size)
         if fresh is None:
             fresh = bytearray(size)
         if live:
             fresh[:live] = memoryview(old)[self._start : self._end]
-        if self._lent or len(old) >= self._arena_size:
+        if self._zero_copy and len(old) >= self._arena_size:
             self._retired.append(old)
             if len(self._retired) > self._MAX_RETIRED:
                 del self._retired[0]
@@ -324,7 +344,7 @@ class ReceiveBuffer:
         start = self._start
         # A fresh export per view: each one holds its own reference to the array.
         out = memoryview(self._data)[start : start + n]
-        self._lent = True
+        self._lent = self._zero_copy = True
         self.consume(n)
         return out
 
@@ -352,7 +372,7 @@ class ReceiveBuffer:
             out.append(base[start + 5 : stop])
             start = stop
         if out:
-            self._lent = True
+            self._lent = self._zero_copy = True
             self.consume(start - first)
         return out
 

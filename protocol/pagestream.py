@@ -349,6 +349,10 @@ def encode_request(req: Request, version: PagestreamVersion) -> bytes:
 # Responses: writer (server side)
 
 
+# The enum member as a plain int: ``struct.pack`` of an IntEnum goes through ``__index__``.
+_GET_PAGE_TAG: Final = int(ResponseTag.GET_PAGE)
+
+
 class ResponseWriter:
     """Appends pagestream responses to ``buf``; ``framed`` wraps each one in CopyData.
 
@@ -398,7 +402,7 @@ class ResponseWriter:
         if self.version == 3:
             r = req.rel
             values = (
-                ResponseTag.GET_PAGE,
+                _GET_PAGE_TAG,
                 req.reqid,
                 req.request_lsn,
                 req.not_modified_since,
@@ -413,9 +417,9 @@ class ResponseWriter:
             else:
                 buf += _V3_GET_PAGE.pack(*values)
         elif self.framed:
-            buf += _F_V2_TAG.pack(_COPY, 1 + BLCKSZ + 4, ResponseTag.GET_PAGE)
+            buf += _F_V2_TAG.pack(_COPY, 1 + BLCKSZ + 4, _GET_PAGE_TAG)
         else:
-            buf += _V2_TAG.pack(ResponseTag.GET_PAGE)
+            buf += _V2_TAG.pack(_GET_PAGE_TAG)
         buf += page
 
     def error(self, req: Request | ErrorResponse, message: str) -> None:

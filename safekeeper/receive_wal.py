@@ -21,6 +21,7 @@ Shape (the design card's "drain memory channels into coalesced writes"):
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 
 import attrs
@@ -42,6 +43,10 @@ from protocol.safekeeper import (
 from safekeeper.timeline import PendingFlush, Timeline
 
 log = structlog.get_logger("safekeeper.receive_wal")
+
+# fdatasyncs of consecutive write groups that may run at once (each group still answered
+# only after its own, in order).
+SYNCS_IN_FLIGHT = 2
 
 Item = ProposerMessage | RemoteProtocolError
 GetTimeline = Callable[[TenantId, TimelineId, bool], Awaitable[Timeline | None]]
@@ -238,36 +243,38 @@ async def _write_stage(
     budget: _ByteBudget,
 ) -> None:
     # With coalescing and fsync on, group N's fdatasync runs while group N+1 is checked and
-    # written (Timeline.write_appends/sync/finish); N's AppendResponse still leaves only
-    # after N's fdatasync, and before anything about N+1.
+    # written (Timeline.write_appends/sync/finish), and N+1's fdatasync starts as soon as
+    # N+1 is written, even before N's has returned (at most SYNCS_IN_FLIGHT of them). Every
+    # AppendResponse still leaves only after its own group's fdatasync, in group order.
     pipelined = max_write_bytes > 0 and not timeline.no_sync
-    pending: PendingFlush | None = None
+    pendings: deque[PendingFlush] = deque()
 
     async def send(replies: Iterable[AcceptorMessage]) -> None:
         payloads = [encode_message(r, version) for r in replies]
         if payloads:
             await copy.send_many(payloads)
 
-    async def finish_pending() -> None:
-        nonlocal pending
-        if pending is not None:
-            done, pending = pending, None
-            await send([await timeline.finish(done)])
+    async def finish_oldest() -> None:
+        await send([await timeline.finish(pendings.popleft())])
+
+    async def finish_all() -> None:
+        while pendings:
+            await finish_oldest()
 
     async with messages, trio.open_nursery() as syncs:
         while True:
             try:
-                if pending is not None:
+                if pendings:
                     try:
                         first = messages.receive_nowait()
                     except trio.WouldBlock:
-                        # Nothing to overlap with: acknowledge the pending group first.
-                        await finish_pending()
+                        # Nothing to overlap with: acknowledge the oldest pending group.
+                        await finish_oldest()
                         continue
                 else:
                     first = await messages.receive()
             except trio.EndOfChannel:
-                await finish_pending()
+                await finish_all()
                 return
             batch, stop, appends, wal_bytes = _collect(first, messages, max_write_bytes)
             if pipelined and batch and len(appends) == len(batch):
@@ -275,16 +282,20 @@ async def _write_stage(
                 # Written (pwritev done): the receive memory of these messages is free.
                 del batch, appends
                 budget.release(wal_bytes)
-                await finish_pending()
-                await send(replies)
+                if replies:
+                    # Refusals of this batch follow the acknowledgements of earlier groups.
+                    await finish_all()
+                    await send(replies)
                 if new_pending is not None:
-                    pending = new_pending
+                    pendings.append(new_pending)
                     syncs.start_soon(timeline.sync, new_pending, name="wal_push.sync")
+                while len(pendings) > SYNCS_IN_FLIGHT:
+                    await finish_oldest()
                 if error is not None:
-                    await finish_pending()
+                    await finish_all()
                     raise error
             elif batch:
-                await finish_pending()
+                await finish_all()
                 replies, error = await timeline.process_batch(batch)
                 del batch, appends
                 budget.release(wal_bytes)
@@ -292,7 +303,7 @@ async def _write_stage(
                 if error is not None:
                     raise error
             if stop is not None:
-                await finish_pending()
+                await finish_all()
                 raise stop
 
 

@@ -39,19 +39,19 @@ T = TypeVar("T")
 class _Waiter:
     """At most one parked task, woken by ``wake`` (or by cancellation)."""
 
-    __slots__ = ("task",)
+    __slots__ = ("_abort_fn", "task")
 
     def __init__(self) -> None:
         self.task: trio.lowlevel.Task | None = None
+        self._abort_fn = self._abort  # bound once, not per park
 
     async def park(self) -> None:
         self.task = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort_fn)
 
-        def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
-            self.task = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
+    def _abort(self, _: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+        self.task = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
     def wake(self) -> None:
         task = self.task

@@ -14,11 +14,11 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Final
+from typing import Final
 
 import attrs
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 _go_float: Callable[[float], str] = floatToGoString  # prometheus_client's helper is untyped
@@ -100,23 +100,57 @@ class FastHistogram:
         yield HistogramMetricFamily(self.name, self.documentation)
 
 
+class FastCounter:
+    """A labelled Prometheus counter for one writer thread (same single-writer reasoning as
+    ``FastHistogram``): ``prometheus_client.Counter`` takes a lock per ``inc`` and a lock and a
+    tuple per ``labels()``. Exposes ``<name>_total{labels}`` like a ``Counter``."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry | None,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.values: dict[tuple[str, ...], int] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def inc(self, labels: tuple[str, ...], n: int = 1) -> None:
+        values = self.values
+        values[labels] = values.get(labels, 0) + n
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in list(self.values.items()):
+            family.add_metric(labels, value)
+        yield family
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+
+_OUTCOME_KEYS: Final = {
+    (request_type, ok): (request_type, "ok" if ok else "error")
+    for request_type in ("exists", "nblocks", "get_page", "db_size", "get_slru_segment")
+    for ok in (True, False)
+}
+
+
 @attrs.frozen
 class PageServiceMetrics:
     batch_size: FastHistogram
     getpage_execution_seconds: FastHistogram
     time_in_batcher_seconds: FastHistogram
-    requests: Counter
-    # (type, outcome) -> the labelled child: ``labels()`` takes a lock and builds a tuple per
-    # call, a measurable share of serving one cached page.
-    _children: dict[tuple[str, str], Any] = attrs.field(factory=dict, init=False)
+    requests: FastCounter
 
     def count(self, request_type: str, ok: bool, n: int = 1) -> None:
         """Add ``n`` requests of ``request_type`` with outcome ok/error."""
-        key = (request_type, "ok" if ok else "error")
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.requests.labels(*key)
-        child.inc(n)
+        key = _OUTCOME_KEYS.get((request_type, ok)) or (request_type, "ok" if ok else "error")
+        self.requests.inc(key, n)
 
     @classmethod
     def register(cls, registry: CollectorRegistry) -> PageServiceMetrics:
@@ -139,11 +173,11 @@ class PageServiceMetrics:
                 LATENCY_BUCKETS,
                 registry,
             ),
-            requests=Counter(
+            requests=FastCounter(
                 "pageserver_page_service_requests",
                 "Pagestream requests by type and outcome",
                 ["type", "outcome"],
-                registry=registry,
+                registry,
             ),
         )
 

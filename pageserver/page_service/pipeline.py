@@ -44,7 +44,7 @@ import math
 import os
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final, Protocol, TypeAlias, cast
 
 import attrs
@@ -214,6 +214,7 @@ class DirectStreamIO:
         "_fd",
         "_idle_timeout_s",
         "_pos",
+        "_rels",
         "_sock",
         "_unyielded",
         "_v3",
@@ -242,6 +243,7 @@ class DirectStreamIO:
         self._sock = sock
         self._fd = sock.fileno() if sock is not None else -1
         self._unyielded = 0
+        self._rels: dict[tuple[int, ...], RelTag] = {}
         # trio.current_time() when the reader parked waiting for the client, else None; only
         # kept when there is an idle timeout (``enforce_idle_timeout`` reads it).
         self._waiting_since: float | None = None
@@ -315,7 +317,14 @@ class DirectStreamIO:
                 v = fast.unpack_from(buf, pos)
                 if v[1] == fast.size - 1:  # exactly a GetPage, no trailing bytes
                     self._consume(fast.size)
-                    rel = RelTag(v[-5], v[-4], v[-3], v[-2])
+                    # A compute reads few relations at a time: reuse their (immutable) tags
+                    # rather than building one per request.
+                    key = v[-5:-1]
+                    rel = self._rels.get(key)
+                    if rel is None:
+                        if len(self._rels) >= MAX_CACHED_RELS:
+                            self._rels.clear()
+                        rel = self._rels[key] = RelTag(*key)
                     if self._v3:
                         return GetPageRequest(v[3], v[4], v[5], rel, v[-1])
                     return GetPageRequest(0, v[3], v[4], rel, v[-1])
@@ -394,6 +403,7 @@ _FRAMED_GETPAGE_V3: Final = struct.Struct(">BIBQQQIIIBI")
 _FRAMED_GETPAGE_V2: Final = struct.Struct(">BIBQQIIIBI")
 _U32: Final = struct.Struct(">I")
 COMPACT_AT: Final = 256 * 1024
+MAX_CACHED_RELS: Final = 1024
 
 
 class ByteSink(Protocol):
@@ -493,6 +503,7 @@ def prepare(request: Request, received_at: float, resolver: TimelineResolver) ->
 def make_can_fold(cfg: PipelinedPipelining) -> Callable[[list[Item], Item], bool]:
     max_batch_size = cfg.max_batch_size
     scattered = cfg.batching == "scattered-lsn"
+    index = _LsnIndex()
 
     def can_fold(batch: list[Item], item: Item) -> bool:
         if len(batch) >= max_batch_size:
@@ -507,14 +518,55 @@ def make_can_fold(cfg: PipelinedPipelining) -> Callable[[list[Item], Item], bool
             return False
         if not scattered:
             return item.lsn == last.lsn
-        req = cast(GetPageRequest, item.request)
-        for other in cast(list[Pending], batch):
-            o = cast(GetPageRequest, other.request)
-            if o.blkno == req.blkno and other.lsn != item.lsn and o.rel == req.rel:
-                return False
-        return True
+        return index.allows(cast(list[Pending], batch), item)
 
     return can_fold
+
+
+class _LsnIndex:
+    """The scattered-lsn rule (no page at two LSNs in one batch) without rescanning the batch.
+
+    ``can_fold`` sees the same pending batch grow one item at a time until Execution takes it
+    (then a new list). This remembers, for that list, whether all its LSNs are equal so far (the
+    usual case: then any request at that LSN folds, nothing to look up) and, once they are
+    not, its requests by block number. Work per fold is O(1) instead of O(batch). A batch is
+    only ever appended to while pending; a different or shorter list starts over.
+    """
+
+    __slots__ = ("batch", "by_blkno", "indexed", "lsn", "seen", "uniform")
+
+    def __init__(self) -> None:
+        self.batch: list[Pending] | None = None
+        self.lsn = Lsn(0)
+        self.seen = 0  # batch[:seen] checked for uniformity
+        self.uniform = True
+        self.by_blkno: dict[int, list[Pending]] = {}
+        self.indexed = 0  # batch[:indexed] are in by_blkno
+
+    def allows(self, batch: list[Pending], item: Pending) -> bool:
+        n = len(batch)
+        if batch is not self.batch or n < self.seen:
+            self.batch, self.lsn, self.seen, self.uniform = batch, batch[0].lsn, 1, True
+            self.by_blkno, self.indexed = {}, 0
+        if self.uniform:
+            lsn = self.lsn
+            for i in range(self.seen, n):
+                if batch[i].lsn != lsn:
+                    self.uniform = False
+                    break
+            self.seen = n
+            if self.uniform and item.lsn == lsn:
+                return True
+        by_blkno = self.by_blkno
+        for i in range(self.indexed, n):
+            p = batch[i]
+            by_blkno.setdefault(cast(GetPageRequest, p.request).blkno, []).append(p)
+        self.indexed = n
+        req = cast(GetPageRequest, item.request)
+        for other in by_blkno.get(req.blkno, ()):
+            if other.lsn != item.lsn and cast(GetPageRequest, other.request).rel == req.rel:
+                return False
+        return True
 
 
 def _is_getpage(item: Item) -> bool:
@@ -592,49 +644,75 @@ async def _execute_getpages(
 ) -> None:
     timeline = batch[0].timeline
     assert timeline is not None
-    requests = cast(list[GetPageRequest], [p.request for p in batch])
-    wait_error: PageRequestError | None = None
+    timeout_s = ctx.config.wait_lsn_timeout_s
+    top = batch[0].lsn if len(batch) == 1 else max(p.lsn for p in batch)
+    results: Sequence[bytes | PageRequestError | None]
     try:
-        await _wait_for(timeline, max(p.lsn for p in batch), ctx.config.wait_lsn_timeout_s)
+        await _wait_for(timeline, top, timeout_s)
     except PageRequestError as exc:
-        wait_error = exc
-    # A failed wait fails only the requests whose LSN was not reached: a request that was
-    # ready when it folded must not inherit a later request's timeout (serial would serve it).
-    last = timeline.last_record_lsn
-    serve = [i for i, p in enumerate(batch) if wait_error is None or p.lsn <= last]
-    results: list[bytes | PageRequestError | None] = [None] * len(batch)
-    if wait_error is not None:
-        for i, p in enumerate(batch):
-            if p.lsn > last:
-                results[i] = (
-                    _lsn_timeout(p.lsn, last, ctx.config.wait_lsn_timeout_s)
-                    if isinstance(wait_error, LsnTimeout)
-                    else wait_error
-                )
-    if serve:
-        reads = [PageRead(requests[i].rel, requests[i].blkno, batch[i].lsn) for i in serve]
-        try:
-            got = await timeline.get_pages(reads)
-            if len(got) != len(reads):
-                raise AssertionError(f"get_pages returned {len(got)} results for {len(reads)}")
-        except PageRequestError as exc:
-            got = [exc] * len(reads)  # the walk itself failed: every read of it fails
-        for i, got_one in zip(serve, got, strict=True):
-            results[i] = got_one
+        results = await _read_after_failed_wait(batch, timeline, exc, timeout_s)
+    else:
+        results = await _read_pages(
+            timeline, [PageRead(p.request.rel, p.request.blkno, p.lsn) for p in batch]  # type: ignore[union-attr]
+        )
     failed = 0
-    for request, outcome in zip(requests, results, strict=True):
-        if outcome is None:
-            raise AssertionError(f"no result for {request!r}")
+    for p, outcome in zip(batch, results, strict=True):
+        request = cast(GetPageRequest, p.request)
         if isinstance(outcome, PageRequestError):
             writer.error(request, str(outcome))
             failed += 1
+        elif outcome is None:
+            raise AssertionError(f"no result for {request!r}")
         else:
             writer.get_page(request, outcome)
     if ctx.metrics is not None:
         if failed:
             ctx.metrics.count("get_page", False, failed)
-        if failed < len(requests):
-            ctx.metrics.count("get_page", True, len(requests) - failed)
+        if failed < len(batch):
+            ctx.metrics.count("get_page", True, len(batch) - failed)
+
+
+async def _read_pages(
+    timeline: PageReader, reads: list[PageRead]
+) -> Sequence[bytes | PageRequestError]:
+    try:
+        got = await timeline.get_pages(reads)
+    except PageRequestError as exc:
+        return [exc] * len(reads)  # the walk itself failed: every read of it fails
+    if len(got) != len(reads):
+        raise AssertionError(f"get_pages returned {len(got)} results for {len(reads)}")
+    return got
+
+
+async def _read_after_failed_wait(
+    batch: list[Pending], timeline: PageReader, wait_error: PageRequestError, timeout_s: float
+) -> list[bytes | PageRequestError | None]:
+    # A failed wait fails only the requests whose LSN was not reached: a request that was
+    # ready when it folded must not inherit a later request's timeout (serial would serve it).
+    last = timeline.last_record_lsn
+    results: list[bytes | PageRequestError | None] = [None] * len(batch)
+    serve: list[int] = []
+    for i, p in enumerate(batch):
+        if p.lsn <= last:
+            serve.append(i)
+        else:
+            results[i] = (
+                _lsn_timeout(p.lsn, last, timeout_s)
+                if isinstance(wait_error, LsnTimeout)
+                else wait_error
+            )
+    if serve:
+        reads = [
+            PageRead(
+                cast(GetPageRequest, batch[i].request).rel,
+                cast(GetPageRequest, batch[i].request).blkno,
+                batch[i].lsn,
+            )
+            for i in serve
+        ]
+        for i, got_one in zip(serve, await _read_pages(timeline, reads), strict=True):
+            results[i] = got_one
+    return results
 
 
 async def _send(stream: ByteSink, data: bytearray, timeout_s: float) -> None:

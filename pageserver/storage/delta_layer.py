@@ -20,7 +20,7 @@ import bisect
 import errno
 import itertools
 import os
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
@@ -29,6 +29,7 @@ from crc32c import crc32c
 from pageserver.storage.io_engine import IoEngine
 from pageserver.storage.key import KEY_SIZE, Key, KeyRange, key_next
 from pageserver.storage.layer_file import (
+    IndexBlock,
     IndexBlockCache,
     IndexEntry,
     LayerCorruptionError,
@@ -73,6 +74,9 @@ class ReadContext:
     reads: list[tuple[LayerFileReader, int, int, int, int]] = attrs.field(factory=list)
     # slot -> (offset, length, crc) of one blob
     blobs: list[tuple[int, int, int]] = attrs.field(factory=list)
+    # Called (once, then cleared) when a layer needs an index block the cache lacks: the walk
+    # sets it to prefetch the index blocks of every layer it may still visit.
+    on_index_miss: Callable[[], None] | None = None
 
 
 # preadv2's RWF_NOWAIT (Linux >= 4.14): read only what the page cache holds. Switched off for
@@ -84,11 +88,11 @@ def _do_reads(jobs: list[tuple[int, int, int]]) -> tuple[list[tuple[bytearray, i
     """Blocking part of ``execute_reads``: one preadv per planned read, into one buffer each;
     returns the buffers with their byte counts, and the number of preadv calls.
 
-    Cold reads are not done one disk round trip after another: the first read is tried with
-    ``RWF_NOWAIT``; if the page cache does not hold all of it, ``POSIX_FADV_WILLNEED`` asks the
-    kernel for it and every later read at once (the disk serves them concurrently), and the
-    reads then wait for their data in turn. A hot batch pays nothing for this (its first
-    preadv simply carries the flag)."""
+    Cold reads are not done one disk round trip after another: reads are tried with
+    ``RWF_NOWAIT`` until one finds its data missing from the page cache; then
+    ``POSIX_FADV_WILLNEED`` asks the kernel for it and every later read at once (the disk
+    serves them concurrently), and the reads wait for their data in turn. A hot batch pays
+    nothing for this (its preadvs simply carry the flag)."""
     out: list[tuple[bytearray, int]] = []
     calls = 0
     probe = _nowait[0]
@@ -96,7 +100,6 @@ def _do_reads(jobs: list[tuple[int, int, int]]) -> tuple[list[tuple[bytearray, i
         buf = bytearray(total)
         got = 0
         if probe:
-            probe = False
             calls += 1
             try:
                 got = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
@@ -105,10 +108,12 @@ def _do_reads(jobs: list[tuple[int, int, int]]) -> tuple[list[tuple[bytearray, i
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-                _nowait[0] = False
-            if got < total:
-                for fd2, offset2, total2 in jobs[n:]:
-                    os.posix_fadvise(fd2, offset2, total2, os.POSIX_FADV_WILLNEED)
+                _nowait[0] = probe = False
+            if got < total and probe:
+                probe = False
+                if n + 1 < len(jobs):  # (one read alone gains nothing from it)
+                    for fd2, offset2, total2 in jobs[n:]:
+                        os.posix_fadvise(fd2, offset2, total2, os.POSIX_FADV_WILLNEED)
         while got < total:
             calls += 1
             more = os.preadv(fd, [memoryview(buf)[got:]] if got else [buf], offset + got)
@@ -167,6 +172,13 @@ async def read_and_resolve(ctx: ReadContext, states: Iterable[KeyState]) -> None
     for st in states:
         if st.pending is not None:
             st.resolve(values)
+
+
+def _index_miss(ctx: ReadContext) -> None:
+    hook = ctx.on_index_miss
+    if hook is not None:
+        ctx.on_index_miss = None
+        hook()
 
 
 def _lsn_of(prefix: bytes) -> int:
@@ -261,14 +273,61 @@ class PersistentLayer:
         """``get_values_vectored`` that returns the keys still incomplete after this layer
         (``keys`` itself when none completed), so the walk needs no pass over all its keys.
         ``bounds`` are ``scan_bounds(keys)`` if the caller has them (a walk reuses them for
-        every layer its key list goes through unchanged).
+        every layer its key list goes through unchanged). ``try_plan`` is the same without a
+        coroutine when the index blocks are cached."""
+        r = self.reader
+        scanned: list[list[tuple[IndexBlock, int, int]]] = []
+        for start, end in scan_bounds(keys) if bounds is None else bounds:
+            runs = r.scan_cached(start, end)
+            if runs is None:
+                _index_miss(ctx)
+                runs = await r.scan(start, end)
+            scanned.append(runs)
+        return self._plan(scanned, keys, floor, cont, states, ctx)
 
-        One pass over the index entries of the keys' runs, *backwards*: per key that is newest
-        first, the order its values are taken in, so a key is done in this layer at its first
-        will_init entry, or at the first entry below ``floor`` or at/below its cached LSN (all
-        older ones are too). Each taken blob joins the read being grown when it ends where
-        that read starts (index order is (key, lsn) order is file order), up to
-        ``max_vectored_read_bytes``; a read's blobs get consecutive slots, highest offset first.
+    def try_plan(
+        self,
+        keys: Sequence[Key],
+        floor: int,
+        cont: int,
+        states: dict[Key, KeyState],
+        ctx: ReadContext,
+        bounds: Sequence[tuple[bytes, bytes]],
+    ) -> Sequence[Key] | None:
+        """``plan_reads`` if every index block it needs is cached, else None (and nothing
+        planned): the hot walk makes no coroutine per layer."""
+        r = self.reader
+        if len(bounds) == 1:
+            start, end = bounds[0]
+            runs = r.scan_cached(start, end)
+            if runs is None:
+                return None
+            return self._plan((runs,), keys, floor, cont, states, ctx)
+        scanned: list[list[tuple[IndexBlock, int, int]]] = []
+        for start, end in bounds:
+            runs = r.scan_cached(start, end)
+            if runs is None:
+                return None
+            scanned.append(runs)
+        return self._plan(scanned, keys, floor, cont, states, ctx)
+
+    def _plan(
+        self,
+        scanned: Sequence[list[tuple[IndexBlock, int, int]]],
+        keys: Sequence[Key],
+        floor: int,
+        cont: int,
+        states: dict[Key, KeyState],
+        ctx: ReadContext,
+    ) -> Sequence[Key]:
+        """Plan from the scanned index runs (one list per run of consecutive keys).
+
+        One pass over the entries, *backwards*: per key that is newest first, the order its
+        values are taken in, so a key is done in this layer at its first will_init entry, or
+        at the first entry below ``floor`` or at/below its cached LSN (all older ones are
+        too). Each taken blob joins the read being grown when it ends where that read starts
+        (index order is (key, lsn) order is file order), up to ``max_vectored_read_bytes``; a
+        read's blobs get consecutive slots, highest offset first.
         """
         r = self.reader
         ctx.layers_visited += 1
@@ -281,10 +340,7 @@ class PersistentLayer:
         rd_slot = slot
         completed = 0
         pending: list[tuple[Lsn, Image | WalRecordValue | int]] = []
-        for start, end in reversed(scan_bounds(keys) if bounds is None else bounds):
-            runs = r.scan_cached(start, end)
-            if runs is None:
-                runs = await r.scan(start, end)
+        for runs in reversed(scanned):
             cur = b""
             done = True
             cached = -1
@@ -329,7 +385,9 @@ class PersistentLayer:
         if rd_start >= 0:
             r.check_entry(rd_start, rd_end - rd_start)
             reads.append((r, rd_start, rd_end - rd_start, rd_slot, slot - rd_slot))
-        return self._remaining(keys, floor, states, ctx, completed)
+        if ctx.any_cached or completed or self.completes_keys:
+            return self._remaining(keys, floor, states, ctx)
+        return keys
 
     async def plan_key(
         self, key: Key, start: bytes, floor: int, cont: int, st: KeyState, ctx: ReadContext
@@ -350,6 +408,7 @@ class PersistentLayer:
             blkno = 0
         block = r.cache.get(r.file_id, blkno)
         if block is None:
+            _index_miss(ctx)
             block = await r.block(blkno)
         bkeys = block.keys
         n = len(bkeys)
@@ -397,15 +456,17 @@ class PersistentLayer:
         if not st.complete:
             self._absent(st, floor)
 
+    # Whether every key routed here ends here (image layers): ``_remaining`` must run.
+    completes_keys = False
+
     def _remaining(
-        self, keys: Sequence[Key], floor: int, states: dict[Key, KeyState], ctx: ReadContext, completed: int
+        self, keys: Sequence[Key], floor: int, states: dict[Key, KeyState], ctx: ReadContext
     ) -> Sequence[Key]:
         # Keys whose cached page is at or above this layer's floor are done (PR #7477).
         if ctx.any_cached:
             for key in keys:
                 states[key].floor_reached(floor)
-            return [key for key in keys if not states[key].complete]
-        return [key for key in keys if not states[key].complete] if completed else keys
+        return [key for key in keys if not states[key].complete]
 
     # -- whole-layer access (compaction, key collection) -----------------------------------
 
@@ -465,11 +526,11 @@ def key_runs(keys: Sequence[Key]) -> list[tuple[Key, Key]]:
 
 def scan_bounds(keys: Sequence[Key]) -> list[tuple[bytes, bytes]]:
     """Index scan bounds ``[first + lsn 0, last + above every lsn)`` of each run of keys."""
-    return [(first + ZERO_LSN, last + _ALL_LSNS_END) for first, last in key_runs(keys)]
+    return [(first + ZERO_LSN, last + ALL_LSNS_END) for first, last in key_runs(keys)]
 
 
 # Above every (key, lsn) prefix of the same key: scanning [key + 0*8, key + this) covers all LSNs.
-_ALL_LSNS_END = b"\xff" * 9
+ALL_LSNS_END = b"\xff" * 9
 ZERO_LSN = bytes(8)
 _ABOVE_ALL_LSNS = 1 << 64
 

@@ -29,8 +29,10 @@ class ImageLayer(PersistentLayer):
             state.missing = True
             state.complete = True
 
+    completes_keys = True
+
     def _remaining(
-        self, keys: Sequence[Key], floor: int, states: dict[Key, KeyState], ctx: ReadContext, completed: int
+        self, keys: Sequence[Key], floor: int, states: dict[Key, KeyState], ctx: ReadContext
     ) -> Sequence[Key]:
         # complete for its key range: every key routed here ends here
         for key in keys:

@@ -394,6 +394,25 @@ class LayerFileReader:
             return None  # goes on in the next block
         return [(block, lo, hi)] if hi > lo else []
 
+    def prefetch_index(self, start: bytes, end: bytes) -> None:
+        """Ask the kernel to start reading the index blocks that ``scan(start, end)`` would
+        read and the block cache lacks (``POSIX_FADV_WILLNEED``: returns at once; a cold
+        walk prefetches the blocks of all the layers it will visit, so the disk serves them
+        concurrently instead of one round trip per layer)."""
+        fences = self.fences
+        first = max(0, bisect.bisect_right(fences, start) - 1)
+        last = max(first, bisect.bisect_left(fences, end) - 1)
+        blocks = self.cache._blocks
+        missing = [b for b in range(first, last + 1) if (self.file_id, b) not in blocks]
+        if missing:
+            index_start = self.summary.index_start
+            os.posix_fadvise(
+                self.file.fd,
+                index_start + missing[0] * INDEX_BLOCK_SIZE,
+                (missing[-1] - missing[0] + 1) * INDEX_BLOCK_SIZE,
+                os.POSIX_FADV_WILLNEED,
+            )
+
     def check_blob(self, offset: int, length: int, crc: int, data: bytes | bytearray | memoryview) -> None:
         if len(data) != length:
             raise LayerCorruptionError(

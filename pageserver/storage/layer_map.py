@@ -118,7 +118,8 @@ class LayerMap:
 
     def search_span(self, first: Key, last: Key, end_lsn: int) -> tuple[PersistentLayer, int] | None:
         """``search``'s answer for every key of ``[first, last]`` when it is the same for all of
-        them, else None (then ``range_search`` splits the range).
+        them, else None (then ``range_search`` splits the range; None also when no layer holds
+        any of the keys).
 
         The answer is shared when the first delta and the first image (in scan order) that
         overlap the span cover all of it: an earlier layer covering any key of the span would
@@ -144,6 +145,21 @@ class LayerMap:
                 image = layer
                 break
         return select_layer(delta, image, end_lsn)
+
+    def read_candidates(self, first: Key, last: Key, end_lsn: int, limit: int) -> list[PersistentLayer]:
+        """Up to ``limit`` layers a walk over ``[first, last]`` below ``end_lsn`` may visit,
+        newest first: all that overlap the span, down to the first image layer covering all
+        of it (the walk ends there). For prefetching only: it may name a layer the walk
+        then skips."""
+        out: list[PersistentLayer] = []
+        for layer in self._layers:
+            d = layer.desc
+            kr = d.key_range
+            if d.lsn_start < end_lsn and kr.start <= last and first < kr.end:
+                out.append(layer)
+                if len(out) >= limit or (not d.is_delta and kr.start <= first and last < kr.end):
+                    break
+        return out
 
     def range_search(
         self, key_range: KeyRange, end_lsn: int

@@ -27,11 +27,13 @@ see the notes above ``_MixedFringe`` for when a layer is still visited twice.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 from collections.abc import Sequence
 from typing import Protocol
 
 from pageserver.storage.delta_layer import (
+    ALL_LSNS_END,
     ZERO_LSN,
     PersistentLayer,
     ReadContext,
@@ -152,6 +154,18 @@ def _pending(keys: Sequence[Key], states: dict[Key, KeyState], cont_lsn: int, ca
     return out
 
 
+# A cold walk prefetches the index blocks of at most this many layers.
+_PREFETCH_LAYERS = 64
+
+
+def _prefetch_index(layer_map: LayerMap, first: Key, last: Key, cont_lsn: int) -> None:
+    """The walk met an index block missing from the cache, so the index is cold: have the
+    kernel fetch the blocks every layer it may still visit needs for ``[first, last]``."""
+    start, end = first + ZERO_LSN, last + ALL_LSNS_END
+    for layer in layer_map.read_candidates(first, last, cont_lsn, _PREFETCH_LAYERS):
+        layer.reader.prefetch_index(start, end)
+
+
 async def _walk_timeline(
     tl: ReadableTimeline,
     keys: list[Key],
@@ -162,6 +176,7 @@ async def _walk_timeline(
     unmapped: Sequence[Key] = keys  # sorted, distinct, incomplete
     fringe = _Fringe()
     layer_map = tl.layer_map
+    ctx.on_index_miss = functools.partial(_prefetch_index, layer_map, keys[0], keys[-1], cont_lsn)
     # The walk's LSN only goes down and in-memory layers only appear above the newest one
     # (a flush moves one into the layer map at the same LSNs): once none is below the walk's
     # LSN, none will be.
@@ -225,7 +240,10 @@ async def _walk_timeline(
             else:
                 if routed is not bounds_of:
                     bounds, bounds_of = scan_bounds(routed), routed
-                routed = await layer.plan_reads(routed, floor, cont, states, ctx, bounds)
+                left = layer.try_plan(routed, floor, cont, states, ctx, bounds)
+                if left is None:
+                    left = await layer.plan_reads(routed, floor, cont, states, ctx, bounds)
+                routed = left
         unmapped = routed
         cont_lsn = floor
 
@@ -237,6 +255,7 @@ async def _walk_one(tl: ReadableTimeline, key: Key, cont_lsn: int, st: KeyState,
     layer_map = tl.layer_map
     in_memory = True
     start = key + ZERO_LSN
+    ctx.on_index_miss = functools.partial(_prefetch_index, layer_map, key, key, cont_lsn)
     while True:
         if ctx.any_cached:
             st.floor_reached(cont_lsn)

@@ -255,3 +255,49 @@ async def test_a_timeline_being_imported_is_not_served(
         go_on.set()
     assert manager.get_timeline(tenant.tenant_id, tid).last_record_lsn == 0x100
     await manager.shutdown()
+
+
+async def test_a_failed_wal_ingest_stops_that_timeline_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ingest error that is not a lost connection (which the receiver retries) is logged
+    and shown by the HTTP API; it does not end the node, nor the other timelines' ingest."""
+    running: list[TimelineId] = []
+    failing: list[TimelineId] = []
+
+    class FakeIngest:
+        def __init__(self, tl: Timeline, cfg: object, *, ingest: object) -> None:
+            self.tl = tl
+            self.receiver = None
+
+        async def run(self) -> None:
+            running.append(self.tl.timeline_id)
+            if self.tl.timeline_id in failing:
+                raise RuntimeError("a record the ingest cannot apply")
+            await trio.sleep_forever()
+
+    monkeypatch.setattr(tm, "TimelineWalIngest", FakeIngest)
+    conf = PageserverConfig(workdir=tmp_path, tenant_config=JOBS, safekeepers=("127.0.0.1:1",))
+    with capture_logs() as logs, trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            manager = TenantManager(conf)
+            await manager.start(nursery)
+            tenant = await manager.create_tenant()
+            first = await tenant.create_timeline(TimelineId.generate())
+            second = await tenant.create_timeline(TimelineId.generate())
+            failing.append(first.timeline_id)
+            manager._start_ingest(first)
+            manager._start_ingest(second)
+            while len(running) < 2:
+                await trio.sleep(0.01)
+            assert manager.ingest_failures == {
+                (tenant.tenant_id, first.timeline_id): "ingest stopped at 0/0: "
+                "RuntimeError('a record the ingest cannot apply')"
+            }
+            assert sorted(running) == sorted([first.timeline_id, second.timeline_id])
+            await trio.sleep(0.1)
+            assert manager.ingest_of(tenant.tenant_id, second.timeline_id) is not None
+            await manager.shutdown()
+            nursery.cancel_scope.cancel()
+    failed = [e for e in logs if e["event"].startswith("WAL ingest failed")]
+    assert [e["timeline_id"] for e in failed] == [first.timeline_id.hex] and failed[0]["exc_info"]

@@ -4,22 +4,29 @@ group that wrote it ended in a proposer error."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
+import trio
 
 import safekeeper.control_file
 import safekeeper.timeline
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn
+from protocol.errors import RemoteProtocolError
 from protocol.safekeeper import (
     AppendRequest,
+    AppendResponse,
     ProposerElected,
+    ProposerMessage,
     ProposerGreeting,
     TermSwitchEntry,
     VoteRequest,
+    decode_acceptor_message,
 )
 from safekeeper.acceptor import AcceptorError
+from safekeeper.receive_wal import SYNCS_IN_FLIGHT, _ByteBudget, _write_stage
 from safekeeper.testing import synthetic_wal
 from safekeeper.timeline import Timeline
 from safekeeper.wal_storage import WalStorageError
@@ -129,3 +136,74 @@ async def test_a_failed_fdatasync_is_never_retried_into_an_acknowledgement(
     with pytest.raises(WalStorageError):
         await tl.process_batch([second])
     assert tl.acceptor.flush_lsn == flushed_before
+
+
+async def test_syncs_in_flight_are_bounded_and_acks_follow_their_own_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer starts group N+1's fdatasync before N's returned (at most
+    SYNCS_IN_FLIGHT at once), yet every AppendResponse leaves after its own group's
+    fdatasync, in group order."""
+    tl = Timeline.create(tmp_path / "tl", 1, TENANT, TIMELINE, no_sync=False)
+    greeting = ProposerGreeting(
+        tenant_id=TENANT, timeline_id=TIMELINE, pg_version=150000, system_id=7,
+        wal_seg_size=WAL_SEGMENT_SIZE,
+    )
+    elected = ProposerElected(1, START, (TermSwitchEntry(1, START),))
+    _, error = await tl.process_batch([greeting, VoteRequest(1), elected])
+    assert error is None
+
+    gate = threading.Event()  # holds the first group's fdatasync until the test opens it
+    started: list[int] = []
+    finished: list[int] = []
+    real_fdatasync = tl.storage.fdatasync
+
+    def slow_first_fdatasync(fd: int) -> None:
+        me = len(started) + 1
+        started.append(me)
+        if me == 1:
+            assert gate.wait(10)
+        real_fdatasync(fd)
+        finished.append(me)
+
+    monkeypatch.setattr(tl.storage, "fdatasync", slow_first_fdatasync)
+
+    acks: list[tuple[Lsn, list[int]]] = []
+
+    class Copy:
+        async def send_many(self, payloads: list[bytes]) -> None:
+            for payload in payloads:
+                msg = decode_acceptor_message(payload, 3)
+                assert isinstance(msg, AppendResponse)
+                acks.append((msg.flush_lsn, list(finished)))
+
+    wal = synthetic_wal(START, 4 * 65536, system_id=7)
+    piece = 65536
+    groups = 4
+    send, receive = trio.open_memory_channel[ProposerMessage | RemoteProtocolError](100)
+    for k in range(groups):
+        begin = Lsn(START + k * piece)
+        chunk = wal[k * piece : (k + 1) * piece]
+        send.send_nowait(
+            AppendRequest(1, begin, Lsn(begin + len(chunk)), INVALID_LSN, INVALID_LSN, chunk)
+        )
+    budget = _ByteBudget(1 << 30)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            # max_write_bytes = one message: every message is its own group.
+            nursery.start_soon(
+                _write_stage, Copy(), receive, tl, 3, piece, budget  # type: ignore[arg-type]
+            )
+            while len(started) < SYNCS_IN_FLIGHT:
+                await trio.sleep(0.01)
+            await trio.sleep(0.2)
+            # The first sync blocks: exactly SYNCS_IN_FLIGHT started, nothing acknowledged.
+            assert len(started) == SYNCS_IN_FLIGHT
+            assert acks == []
+            gate.set()
+            await send.aclose()
+    assert [f for f, _ in acks] == sorted(f for f, _ in acks)
+    assert len(acks) == groups
+    for k, (_flush, done) in enumerate(acks, start=1):
+        assert k in done, f"group {k} acknowledged before its fdatasync returned"
+    assert acks[-1][0] == tl.acceptor.flush_lsn > START

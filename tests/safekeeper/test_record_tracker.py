@@ -59,19 +59,33 @@ def test_a_damaged_record_is_never_counted(
     record_size: int, which: int, offset: int, bit: int, seed: int, max_chunk: int
 ) -> None:
     data, spans = _wal(record_size)
-    start, end = spans[which % len(spans)]
-    # A byte of the record proper (page headers inside a long record are not its bytes).
-    pos = start + offset % (end - start)
-    page = pos - pos % 8192
-    if pos - page < (40 if page % 0x1000000 == 0 else 24):
-        pos = start
+    start, _end = spans[which % len(spans)]
+    # A byte of the record proper: not a page header inside a long record, and not the
+    # MAXALIGN padding after it (neither is covered by the record's CRC).
+    tot_len = int.from_bytes(data[start - 0x2000000 : start - 0x2000000 + 4], "little")
+    k = offset % tot_len
+    pos = _record_byte_pos(start, k)
     damaged = bytearray(data)
     damaged[pos - 0x2000000] ^= 1 << bit
     tracker, raised = _feed(bytes(damaged), seed, max_chunk)
     assert tracker.record_end <= start
-    if pos - start >= 4:
+    if k >= 4:
         # xl_tot_len intact: the record is complete in the stream, so its CRC must fail.
         assert raised
+
+
+def _record_byte_pos(start: int, k: int) -> int:
+    """Where the ``k``-th byte of the record starting at ``start`` is (page headers skipped)."""
+    pos = start
+    while True:
+        page = pos - pos % 8192
+        header = 40 if page % 0x1000000 == 0 else 24
+        pos = max(pos, page + header)
+        room = page + 8192 - pos
+        if k < room:
+            return pos + k
+        k -= room
+        pos = page + 8192
 
 
 @pytest.mark.parametrize("record_size", [26, 200, 8000, 9000])

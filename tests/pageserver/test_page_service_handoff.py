@@ -1,0 +1,268 @@
+"""The pipeline's hand-offs: ``HandoffQueue``, ``FoldChannel``, the scattered-lsn index, and
+Reading's direct fold (Batching's step run by Reading while Batching is idle).
+
+The direct fold and the LSN index are fast paths of a general path; these tests show they agree
+with it (hypothesis against a naive oracle; the serial-oracle tests in
+``test_page_service_pipeline.py`` cover the responses) and that they are really taken (a
+mutant that never takes them fails the task-step count below).
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pageserver.page_service.config import PageServiceConfig, PipelinedPipelining
+from pageserver.page_service.fold import FoldChannel, HandoffQueue
+from pageserver.page_service.pipeline import (
+    Item,
+    PagestreamContext,
+    Pending,
+    make_can_fold,
+    serve_pagestream_bytes,
+)
+from pageserver.page_service.reader import SingleTimeline
+from protocol.lsn import Lsn
+from protocol.pagestream import GetPageRequest, GetPageResponse, RelTag, StreamEnd
+from tests.pageserver.page_service_fakes import FakeTimeline, decode_all, frame_requests
+
+REL = RelTag(1663, 5, 16384, 0)
+REL2 = RelTag(1663, 5, 16385, 0)
+MAX = Lsn(0xFFFF_FFFF_FFFF_FFFF)
+
+# ---------------------------------------------------------------------------------------------
+# HandoffQueue
+
+
+async def test_handoff_queue_is_fifo_and_bounded() -> None:
+    q = HandoffQueue[int](2)
+    assert q.put_nowait(1) and q.put_nowait(2)
+    assert not q.put_nowait(3)  # full: nothing done
+    got: list[int] = []
+
+    async def consume() -> None:
+        while True:
+            try:
+                got.append(await q.get())
+            except trio.EndOfChannel:
+                return
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(consume)
+        await q.put(3)  # parks until the consumer makes room
+        await q.put(4)
+        q.close()
+    assert got == [1, 2, 3, 4]
+
+
+async def test_handoff_queue_receiver_idle_only_when_parked_on_empty() -> None:
+    q = HandoffQueue[int](4)
+    assert not q.receiver_idle  # nobody parked yet
+    async with trio.open_nursery() as nursery:
+        got: list[int] = []
+
+        async def one() -> None:
+            got.append(await q.get())
+
+        nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()
+        assert _idle(q)
+        assert q.put_nowait(7)
+        assert not _idle(q)  # woken: it holds (or is about to hold) the item
+    assert got == [7]
+
+
+def _idle(q: HandoffQueue[int]) -> bool:
+    return q.receiver_idle  # a call, so the type checker does not keep an earlier answer
+
+
+async def test_handoff_queue_cancelled_get_takes_nothing() -> None:
+    q = HandoffQueue[int](4)
+    with trio.move_on_after(0.01):
+        await q.get()
+    assert not _idle(q)
+    assert q.put_nowait(5)
+    assert await q.get() == 5
+
+
+async def test_handoff_queue_receiver_gone_breaks_a_parked_sender() -> None:
+    q = HandoffQueue[int](1)
+    assert q.put_nowait(1)
+    async with trio.open_nursery() as nursery:
+
+        async def drop() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            q.close_receiver()
+
+        nursery.start_soon(drop)
+        with pytest.raises(trio.BrokenResourceError):
+            await q.put(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# FoldChannel
+
+
+async def test_fold_channel_folds_until_taken_and_parks_on_refusal() -> None:
+    ch = FoldChannel[int](lambda batch, item: len(batch) < 3)
+    for i in range(3):
+        assert ch.send_nowait(i)
+    assert not ch.send_nowait(3)
+    batches: list[list[int]] = []
+    async with trio.open_nursery() as nursery:
+
+        async def take() -> None:
+            while True:
+                try:
+                    batches.append(await ch.receive())
+                except trio.EndOfChannel:
+                    return
+
+        nursery.start_soon(take)
+        await ch.send(3)  # parks until the first batch is taken
+        ch.close()
+    assert batches == [[0, 1, 2], [3]]
+
+
+async def test_fold_channel_cancelled_receive_leaves_the_batch() -> None:
+    ch = FoldChannel[int](lambda batch, item: True)
+    with trio.move_on_after(0.01):
+        await ch.receive()
+    assert ch.send_nowait(1)
+    assert await ch.receive() == [1]
+
+
+async def test_fold_channel_receiver_gone_breaks_a_parked_sender() -> None:
+    ch = FoldChannel[int](lambda batch, item: False)
+    assert ch.send_nowait(1)
+    async with trio.open_nursery() as nursery:
+
+        async def drop() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            ch.close_receiver()
+
+        nursery.start_soon(drop)
+        with pytest.raises(trio.BrokenResourceError):
+            await ch.send(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The scattered-lsn index against the rule it implements
+
+
+def _pending(rel: RelTag, blkno: int, lsn: int, timeline: object) -> Pending:
+    return Pending(
+        GetPageRequest(0, Lsn(lsn), Lsn(0), rel, blkno),
+        timeline,  # type: ignore[arg-type]
+        Lsn(lsn),
+        False,
+        None,
+        0.0,
+    )
+
+
+def _naive_allows(batch: list[Item], item: Pending, max_batch_size: int) -> bool:
+    """protocols.md's scattered-lsn rule, by rescanning the batch (the old implementation)."""
+    if len(batch) >= max_batch_size:
+        return False
+    req = item.request
+    assert isinstance(req, GetPageRequest)
+    for other in batch:
+        assert isinstance(other, Pending) and isinstance(other.request, GetPageRequest)
+        if (
+            other.request.blkno == req.blkno
+            and other.lsn != item.lsn
+            and other.request.rel == req.rel
+        ):
+            return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([REL, REL2]),
+            st.integers(0, 5),
+            st.sampled_from([0x100, 0x200, 0x300]),
+            st.booleans(),  # Execution takes the batch before this item arrives
+        ),
+        min_size=1,
+        max_size=80,
+    ),
+    st.integers(1, 40),
+)
+def test_lsn_index_agrees_with_rescanning_the_batch(
+    items: list[tuple[RelTag, int, int, bool]], max_batch_size: int
+) -> None:
+    can_fold = make_can_fold(PipelinedPipelining(max_batch_size, "scattered-lsn"))
+    timeline = object()
+    batch: list[Item] = []
+    for rel, blkno, lsn, taken in items:
+        if taken:
+            batch = []  # a new list, as FoldChannel.receive leaves behind
+        item = _pending(rel, blkno, lsn, timeline)
+        if batch:
+            expected = _naive_allows(batch, item, max_batch_size)
+            assert can_fold(batch, item) is expected
+            if not expected:
+                batch = []
+        batch.append(item)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading folds directly while Batching is idle
+
+
+class _StepCounter(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.steps: dict[str, int] = {}
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps[task.name] = self.steps.get(task.name, 0) + 1
+
+
+async def test_unbatchable_traffic_bypasses_the_batching_task() -> None:
+    """At queue depth 1 each request goes Reading -> Execution; Batching is never woken.
+
+    (The task still exists and takes over whenever the pending batch refuses a request:
+    the folding tests in ``test_page_service_pipeline.py`` exercise that.)
+    """
+    tl = FakeTimeline()
+    tl.fill(REL, 16, [0x100])
+    ctx = PagestreamContext(
+        3,
+        SingleTimeline(tl),
+        PageServiceConfig(page_service_pipelining=PipelinedPipelining(32, "scattered-lsn")),
+    )
+    counter = _StepCounter()
+    client, server = trio.testing.memory_stream_pair()
+    requests = [GetPageRequest(i, MAX, Lsn(0x100), REL, i % 16) for i in range(40)]
+    outcome: list[StreamEnd] = []
+
+    async def serve() -> None:
+        outcome.append(await serve_pagestream_bytes(server, ctx))
+        await server.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve)
+        trio.lowlevel.add_instrument(counter)
+        try:
+            for req in requests:
+                await client.send_all(frame_requests([req], 3))
+                raw = b""
+                while len(raw) < 5 + 8234:
+                    raw += await client.receive_some()
+                assert decode_all(raw, [req], 3) == [
+                    GetPageResponse(req, tl.versions[(REL, req.blkno)][0][1])
+                ]
+        finally:
+            trio.lowlevel.remove_instrument(counter)
+        await client.send_eof()
+    assert outcome == [StreamEnd.TERMINATE]
+    assert counter.steps.get("pagestream.execute", 0) >= len(requests)
+    # Started, parked once, woken at the end: a handful of steps, not one per request.
+    assert counter.steps.get("pagestream.batch", 0) <= 3

@@ -4,7 +4,9 @@ Public interface (stable; other rooms build on it):
 
 - writes (WAL ingest): ``await put(key, lsn, value)`` for every value of a record, then
   ``finish_write(lsn)`` once the record is complete. LSNs never go backwards; puts at one LSN
-  must all come before ``finish_write`` of it.
+  must all come before ``finish_write`` of it. The WAL ingest's cheaper forms of ``put``:
+  ``put_encoded`` (a value already encoded), ``put_nowait`` / ``put_many_nowait`` (no await:
+  store what fits in the write buffer now, say how much; the caller ``put_encoded``-s the rest).
 - LSNs: ``last_record_lsn`` (advanced by ``finish_write``), ``await wait_lsn(lsn, timeout_s)``,
   ``disk_consistent_lsn`` (everything at or below it is in layer files listed in
   ``index_part.json``), ``latest_gc_cutoff_lsn`` (reads below it are refused).
@@ -107,10 +109,15 @@ class LayerGraveyard:
         for layer in dead:
             await layer.aclose()
             if isinstance(layer, PersistentLayer):
-                try:
-                    os.unlink(layer.path)
-                except FileNotFoundError:
-                    pass
+                # Unlinking a large layer file can block: the engine's way, like its reads.
+                await layer.reader.file.engine.run_sync(_unlink_if_present, layer.path)
+
+
+def _unlink_if_present(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _describe(result: Result) -> str:

@@ -287,10 +287,10 @@ async def _write_stage(
                     await finish_all()
                     await send(replies)
                 if new_pending is not None:
+                    while len(pendings) >= SYNCS_IN_FLIGHT:
+                        await finish_oldest()
                     pendings.append(new_pending)
                     syncs.start_soon(timeline.sync, new_pending, name="wal_push.sync")
-                while len(pendings) > SYNCS_IN_FLIGHT:
-                    await finish_oldest()
                 if error is not None:
                     await finish_all()
                     raise error

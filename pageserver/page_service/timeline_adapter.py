@@ -143,29 +143,29 @@ class TimelinePageReader:
         return sizes
 
     async def get_pages(self, reads: Sequence[PageRead]) -> list[bytes | PageRequestError]:
-        sizes = await self._sizes(reads)
+        known = self._sizes_at
+        try:
+            # A hot timeline has every (fork, LSN) of the batch cached: no size read at all.
+            sizes: list[int | PageRequestError] = [known[(r.rel, r.lsn)] for r in reads]
+        except KeyError:
+            by_key = await self._sizes(reads)
+            sizes = [by_key[(r.rel, r.lsn)] for r in reads]
         out: list[bytes | PageRequestError] = [ZERO_PAGE] * len(reads)
         wanted: list[int] = []
-        for i, read in enumerate(reads):
-            size = sizes[(read.rel, read.lsn)]
+        keyed: list[tuple[Key, Lsn]] = []
+        for i, (read, size) in enumerate(zip(reads, sizes, strict=True)):
             if isinstance(size, PageRequestError):
                 out[i] = size
             elif read.blkno < size:
+                rel = read.rel
                 wanted.append(i)
-        if wanted:
-            keyed = [
-                (
-                    rel_block_key(
-                        reads[i].rel.spcnode,
-                        reads[i].rel.dbnode,
-                        reads[i].rel.relnode,
-                        reads[i].rel.forknum,
-                        reads[i].blkno,
-                    ),
-                    reads[i].lsn,
+                keyed.append(
+                    (
+                        rel_block_key(rel.spcnode, rel.dbnode, rel.relnode, rel.forknum, read.blkno),
+                        read.lsn,
+                    )
                 )
-                for i in wanted
-            ]
+        if keyed:
             results = await self.timeline.get_pages(keyed)
             for i, result in zip(wanted, results, strict=True):
                 out[i] = result if isinstance(result, bytes) else ReadError(str(result))

@@ -362,7 +362,7 @@ class PersistentLayer:
                     lsn = lsns[i]
                     if lsn >= cont:
                         continue
-                    if lsn < floor or lsn <= cached:
+                    if lsn <= floor or lsn <= cached:
                         done = True  # and so are the key's older entries
                         continue
                     pos = positions[i]
@@ -394,31 +394,58 @@ class PersistentLayer:
     ) -> None:
         """``plan_reads`` for one key (``start`` is ``key`` + LSN 0, its scan bound): one
         index block lookup, then the same backward pass over the key's entries, with no key
-        lists or scan runs. A key whose entries cross an index block boundary takes
-        ``plan_reads``."""
-        if st.complete:
+        lists or scan runs (``try_plan_key`` without a coroutine). A key whose entries cross
+        an index block boundary takes ``plan_reads``."""
+        if self.try_plan_key(key, start, floor, cont, st, ctx):
             return
+        r = self.reader
+        blkno = max(0, bisect.bisect_right(r.fences, start) - 1)
+        if r.cache.peek(r.file_id, blkno) is None:
+            _index_miss(ctx)
+        block = await r.block(blkno)
+        if not self._plan_key_in(block, blkno, key, start, floor, cont, st, ctx):
+            await self.plan_reads([key], floor, cont, {key: st}, ctx)
+
+    def try_plan_key(
+        self, key: Key, start: bytes, floor: int, cont: int, st: KeyState, ctx: ReadContext
+    ) -> bool:
+        """``plan_key`` if its index block is cached and holds all the key's entries; else
+        False, with nothing planned."""
+        if st.complete:
+            return True
+        r = self.reader
+        blkno = bisect.bisect_right(r.fences, start) - 1
+        if blkno < 0:
+            blkno = 0
+        block = r.cache.peek(r.file_id, blkno)
+        if block is None:
+            return False
+        return self._plan_key_in(block, blkno, key, start, floor, cont, st, ctx)
+
+    def _plan_key_in(
+        self,
+        block: IndexBlock,
+        blkno: int,
+        key: Key,
+        start: bytes,
+        floor: int,
+        cont: int,
+        st: KeyState,
+        ctx: ReadContext,
+    ) -> bool:
         pending = st.pending
         if pending is None:
             raise AssertionError("blob planned for a non-deferring key")
         r = self.reader
-        fences = r.fences
-        blkno = bisect.bisect_right(fences, start) - 1
-        if blkno < 0:
-            blkno = 0
-        block = r.cache.get(r.file_id, blkno)
-        if block is None:
-            _index_miss(ctx)
-            block = await r.block(blkno)
         bkeys = block.keys
         n = len(bkeys)
         first = bisect.bisect_left(block.prefixes, start)
         end = first
         while end < n and bkeys[end] == key:
             end += 1
+        fences = r.fences
         if end == n and blkno + 1 < len(fences) and fences[blkno + 1].startswith(key):
-            await self.plan_reads([key], floor, cont, {key: st}, ctx)
-            return
+            return False  # the key's entries go on in the next block
         ctx.layers_visited += 1
         if end > first:
             lsns, positions = block.lsns, block.positions
@@ -455,6 +482,7 @@ class PersistentLayer:
                 ctx.reads.append((r, rd_start, rd_end - rd_start, rd_slot, slot - rd_slot))
         if not st.complete:
             self._absent(st, floor)
+        return True
 
     # Whether every key routed here ends here (image layers): ``_remaining`` must run.
     completes_keys = False

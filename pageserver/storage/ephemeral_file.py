@@ -84,7 +84,7 @@ class EphemeralFile:
             )
         except BaseException:
             await file.aclose()
-            os.unlink(path)
+            await engine.run_sync(_unlink_if_present, path)
             raise
         return cls(file, writer)
 
@@ -145,10 +145,15 @@ class EphemeralFile:
         # A background flush may still be writing to this fd: let it finish first.
         await self._writer.abort()
         await self.file.aclose()
-        try:
-            os.unlink(self.file.path)
-        except FileNotFoundError:
-            pass
+        # Unlinking a large file can block for milliseconds: the engine's way, like its writes.
+        await self.file.engine.run_sync(_unlink_if_present, self.file.path)
+
+
+def _unlink_if_present(path: str | os.PathLike[str]) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def remove_stale_ephemeral_files(directory: str | os.PathLike[str]) -> list[Path]:

@@ -245,6 +245,15 @@ class IndexBlockCache:
         self._blocks.move_to_end((file_id, blkno))
         return block
 
+    def peek(self, file_id: int, blkno: int) -> IndexBlock | None:
+        """``get`` that counts no miss (the caller then reads the block with ``get``'s
+        accounting, or not at all)."""
+        block = self._blocks.get((file_id, blkno))
+        if block is not None:
+            self.hits += 1
+            self._blocks.move_to_end((file_id, blkno))
+        return block
+
     def put(self, file_id: int, blkno: int, block: IndexBlock) -> None:
         if self.capacity <= 0:
             return
@@ -373,26 +382,40 @@ class LayerFileReader:
         return out
 
     def scan_cached(self, start: bytes, end: bytes) -> list[tuple[IndexBlock, int, int]] | None:
-        """``scan`` without a coroutine when the range lies in one cached index block (the
-        usual case of a batch of adjacent keys); None means: use ``scan``."""
+        """``scan`` without a coroutine when every index block of the range is cached; None
+        means: use ``scan``."""
         fences = self.fences
         blkno = bisect.bisect_right(fences, start) - 1
         if blkno < 0:
             blkno = 0
         # IndexBlockCache.get inlined (once per layer of every walk)
         cache = self.cache
+        blocks = cache._blocks
         ident = (self.file_id, blkno)
-        block = cache._blocks.get(ident)
+        block = blocks.get(ident)
         if block is None:
             return None  # (``scan`` counts the miss)
-        cache.hits += 1
-        cache._blocks.move_to_end(ident)
+        blocks.move_to_end(ident)
         prefixes = block.prefixes
         lo = bisect.bisect_left(prefixes, start)
         hi = bisect.bisect_left(prefixes, end, lo)
-        if hi == len(prefixes) and blkno + 1 < self.summary.n_index_blocks and fences[blkno + 1] < end:
-            return None  # goes on in the next block
-        return [(block, lo, hi)] if hi > lo else []
+        out = [(block, lo, hi)] if hi > lo else []
+        n_blocks = self.summary.n_index_blocks
+        # rarely, the range goes on in the next blocks
+        while hi == len(prefixes) and blkno + 1 < n_blocks and fences[blkno + 1] < end:
+            blkno += 1
+            ident = (self.file_id, blkno)
+            block = blocks.get(ident)
+            if block is None:
+                return None
+            blocks.move_to_end(ident)
+            prefixes = block.prefixes
+            hi = bisect.bisect_left(prefixes, end)
+            if hi:
+                out.append((block, 0, hi))
+            cache.hits += 1
+        cache.hits += 1
+        return out
 
     def prefetch_index(self, start: bytes, end: bytes) -> None:
         """Ask the kernel to start reading the index blocks that ``scan(start, end)`` would

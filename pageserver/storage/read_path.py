@@ -232,7 +232,8 @@ async def _walk_timeline(
             elif len(routed) == 1:
                 key = routed[0]
                 st = states[key]
-                await layer.plan_key(key, key + ZERO_LSN, floor, cont, st, ctx)
+                if not layer.try_plan_key(key, key + ZERO_LSN, floor, cont, st, ctx):
+                    await layer.plan_key(key, key + ZERO_LSN, floor, cont, st, ctx)
                 if ctx.any_cached:
                     st.floor_reached(floor)
                 if st.complete:
@@ -272,7 +273,8 @@ async def _walk_one(tl: ReadableTimeline, key: Key, cont_lsn: int, st: KeyState,
             if hit is None:
                 return
             layer, floor = hit
-            await layer.plan_key(key, start, floor, cont_lsn, st, ctx)
+            if not layer.try_plan_key(key, start, floor, cont_lsn, st, ctx):
+                await layer.plan_key(key, start, floor, cont_lsn, st, ctx)
         if floor >= cont_lsn:
             raise LayerStuckError(f"read of {key_hex(key)} stuck at {cont_lsn:X}")
         cont_lsn = floor

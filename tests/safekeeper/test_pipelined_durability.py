@@ -12,15 +12,15 @@ import trio
 
 import safekeeper.control_file
 import safekeeper.timeline
+from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn
-from protocol.errors import RemoteProtocolError
 from protocol.safekeeper import (
     AppendRequest,
     AppendResponse,
     ProposerElected,
-    ProposerMessage,
     ProposerGreeting,
+    ProposerMessage,
     TermSwitchEntry,
     VoteRequest,
     decode_acceptor_message,

@@ -36,7 +36,6 @@ from pageserver.walredo.manager import PostgresRedoManager
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn
-from protocol.wal.record import DecodedRecord
 
 log = structlog.get_logger("pageserver.tenant_manager")
 
@@ -61,20 +60,6 @@ class BadTimelineRequestError(ValueError):
 
 class ShuttingDownError(Exception):
     pass
-
-
-class _PrevTrackingIngest(WalIngest):
-    """``WalIngest`` that remembers where the last record it saw starts and ends, so a
-    basebackup at ``last_record_lsn`` can give its checkpoint record the true ``xl_prev``."""
-
-    def __init__(self, timeline: Timeline) -> None:
-        super().__init__(timeline)
-        self.last_record: tuple[Lsn, Lsn] | None = None  # (start, end)
-
-    async def ingest_record(self, rec: DecodedRecord) -> bool:
-        applied = await super().ingest_record(rec)
-        self.last_record = (rec.lsn, rec.end_lsn)
-        return applied
 
 
 def _fresh_dir(path: Path) -> None:
@@ -186,7 +171,7 @@ class TenantManager:
             timeline_id=tl.timeline_id,
             application_name=f"pageserver-{self.conf.id}",
         )
-        ingest = TimelineWalIngest(tl, cfg, ingest=_PrevTrackingIngest(tl))
+        ingest = TimelineWalIngest(tl, cfg, ingest=WalIngest(tl))
         scope = trio.CancelScope()
 
         key = (tl.tenant_id, tl.timeline_id)
@@ -214,7 +199,7 @@ class TenantManager:
         """Start of the record ending at ``lsn``, when this node ingested it (else None: the
         timeline does not keep it, and after a restart or for a past LSN it is unknown)."""
         ingest = self.ingest_of(tl.tenant_id, tl.timeline_id)
-        if ingest is None or not isinstance(ingest.ingest, _PrevTrackingIngest):
+        if ingest is None:
             return None
         last = ingest.ingest.last_record
         if last is None or last[1] != lsn:

@@ -25,6 +25,13 @@ Three sibling tasks in one nursery:
   waits once for the batch's highest LSN, does one vectored read, and writes all responses in
   request order with one ``send_all``.
 
+HOPS: each hand-off between tasks costs a park, a wake and a run-loop iteration, which is what
+unbatchable traffic pays over serial mode. So while Batching is parked on an empty queue (it
+holds nothing), Reading runs Batching's step (prepare + fold) itself and wakes Execution
+directly; only a request the pending batch refuses, and what follows it, goes through
+Batching. Order is unchanged (nothing is queued or in Batching's hands), and Batching still
+does all the waiting (backpressure) whenever a batch is full or must not be joined.
+
 ERROR PROPAGATION: per-request failures become pagestream Error responses. A stream-ending
 failure travels as a ``Fatal`` item behind everything queued before it and is raised by
 Execution once those are answered; raising cancels the other two stages, and the nursery's
@@ -33,9 +40,10 @@ exception group is unwrapped here, so callers see one plain exception.
 CANCELLATION / CLEAN SHUTDOWN: only Reading ends the pipeline cleanly (EOF, Terminate or
 CopyDone closes its channel, Batching drains and closes the fold channel, Execution answers the
 last batch and returns). Shutdown of the server or timeline (``ctx.shutdown``) cancels the
-pipeline from outside and raises ``Shutdown`` (57P01). Sends are shielded from cancellation
-(bounded by ``send_timeout_s``), so a cancelled pipeline never leaves half a response on the
-wire and the caller can still write its ErrorResponse.
+pipeline from outside and raises ``Shutdown`` (57P01). The libpq idle timeout is a watcher
+task too (``DirectStreamIO.enforce_idle_timeout``: no cancel scope per socket wait). Sends
+are shielded from cancellation (bounded by ``send_timeout_s``), so a cancelled pipeline never
+leaves half a response on the wire and the caller can still write its ErrorResponse.
 """
 
 from __future__ import annotations

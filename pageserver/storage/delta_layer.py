@@ -6,10 +6,12 @@ answers:
 
 - the legacy, per-key read (``get_value_legacy``): index lookup for one key, then one ``pread``
   per blob, newest first, stopping at an image or a will_init record;
-- the vectored read (``get_values_vectored``): one index scan per run of consecutive keys, for
-  all keys routed here; a plan keeps, per key, the blobs from its newest will_init entry upward (and above its
-  cached LSN); physically adjacent planned blobs are read with one ``preadv`` up to
-  ``max_vectored_read_bytes``; then values are applied newest first.
+- the vectored read (``get_values_vectored`` / ``plan_reads``, ``plan_key`` for one key): one
+  backward pass over the index entries of each run of consecutive keys routed here plans, per
+  key, the blobs from its newest will_init entry upward (and above its cached LSN); physically
+  adjacent planned blobs are read with one ``preadv`` up to ``max_vectored_read_bytes`` by
+  ``execute_reads``, all layers' reads in one engine call after the walk; then values are
+  checked, decoded and handed to the keys newest first.
 
 ``write_delta_layer`` builds a delta layer file from (key, lsn, blob, will_init) entries.
 """
@@ -362,7 +364,7 @@ class PersistentLayer:
                     lsn = lsns[i]
                     if lsn >= cont:
                         continue
-                    if lsn <= floor or lsn <= cached:
+                    if lsn < floor or lsn <= cached:
                         done = True  # and so are the key's older entries
                         continue
                     pos = positions[i]

@@ -10,14 +10,19 @@ until the key is complete; below the branch point continue on the ancestor.
 
 Vectored (storage.md §3.4), for all keys at once: a walk newest-first with a *fringe* (a heap of
 pending layer reads keyed by LSN range, highest first). Each step maps the still-unmapped keys
-at ``cont_lsn`` to layers (one in-memory layer for all of them, or ``range_search``), merging
-the key spaces of reads of the same layer and range so each layer is read once for all keys
-routed to it; pops the highest read, runs it, and continues below its floor with the keys it
-did not complete. Persistent layers are only *planned* from their indexes (the will_init bit
-says where a key completes); all their blob reads run together after the walk
-(``execute_reads``: one engine call per batch), then values are decoded in walk order. A key leaves the walk at an image, a will_init record, or when the walk's floor
-reaches its cached page (``KeyState.floor_reached``, the #7477 fix). Keys no layer of this
-timeline holds go on to the ancestor, at ``min(lsn, ancestor_lsn) + 1``.
+at ``cont_lsn`` to layers (one in-memory layer for all of them; ``LayerMap.search_span`` when
+one persistent layer answers for all of them, the usual step, which skips the fringe; else
+``range_search``), merging the key spaces of reads of the same layer and range so each layer is
+read once for all keys routed to it; pops the highest read, runs it, and continues below its
+floor with the keys it did not complete. Persistent layers are only *planned* from their
+indexes (``PersistentLayer.plan_reads``: the will_init bit says where a key completes); all
+their blob reads run together after the walk (``execute_reads``: one engine call per batch),
+then values are decoded in walk order. A key leaves the walk at an image, a will_init record,
+or when the walk's floor reaches its cached page (``KeyState.floor_reached``, the #7477 fix).
+Keys no layer of this timeline holds go on to the ancestor, at ``min(lsn, ancestor_lsn) + 1``.
+One key walks without fringe or key lists (``_walk_one``, ``PersistentLayer.plan_key``). A walk
+that finds the index cold prefetches the index blocks of the layers it may still visit
+(``_prefetch_index``).
 
 Mixed LSNs (``get_vectored_mixed``, the page service's scattered-lsn batches, neon#10765): the
 same walk with a ``cont`` per key, so a batch whose keys have different request LSNs is one walk;

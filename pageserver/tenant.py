@@ -67,6 +67,9 @@ class Tenant:
         self.graveyard = LayerGraveyard()
         self.timelines: dict[TimelineId, Timeline] = {}
         self.background_failures = 0  # failed compaction / GC rounds (each one logged)
+        # Timelines between mark_uninit and clear_uninit: their creator's alone (a failed
+        # creation shuts one down and removes its directory), so background jobs skip them.
+        self.creating: set[TimelineId] = set()
 
     @property
     def timelines_dir(self) -> Path:
@@ -79,6 +82,7 @@ class Tenant:
     async def mark_uninit(self, timeline_id: TimelineId) -> None:
         """Durably mark ``timeline_id`` as being filled; call before creating it."""
         marker = self.uninit_marker(timeline_id)
+        self.creating.add(timeline_id)
         await self.engine.run_sync(_create_marker, marker)
         await fsync_dir(self.engine, self.timelines_dir)
 
@@ -86,6 +90,7 @@ class Tenant:
         """Durably declare ``timeline_id`` complete; call once it is flushed."""
         await self.engine.run_sync(lambda: self.uninit_marker(timeline_id).unlink(missing_ok=True))
         await fsync_dir(self.engine, self.timelines_dir)
+        self.creating.discard(timeline_id)
 
     def _new_timeline(
         self, timeline_id: TimelineId, ancestor: Timeline | None, ancestor_lsn: Lsn, start_lsn: Lsn
@@ -233,6 +238,8 @@ class Tenant:
             while True:
                 await trio.sleep(cfg.compaction_period_s)
                 for tl in list(self.timelines.values()):
+                    if tl.timeline_id in self.creating or tl.timeline_id not in self.timelines:
+                        continue  # being created, or removed since the round began
                     try:
                         await tl.flush_if_old()
                         await tl.compact()

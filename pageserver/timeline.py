@@ -273,7 +273,8 @@ class Timeline:
             return
         layer = self.open_layer
         if layer is not None and lsn > self._max_put_lsn and self._should_roll(layer, lsn, len(blob)):
-            await self.flush()
+            # The writer itself, between two records (``lsn`` is above every put): no wait.
+            await self._flush()
         # A put's append and index update must not interleave with a freeze (the background
         # flush): the put lock keeps them apart; uncontended, it costs no checkpoint.
         lock = self._put_lock
@@ -374,10 +375,16 @@ class Timeline:
 
     async def freeze(self) -> None:
         """Close the open layer at ``max(put LSNs, last_record_lsn) + 1``; no-op if empty."""
+        await self._freeze(whole_records=False)
+
+    async def _freeze(self, *, whole_records: bool) -> bool:
+        """``freeze``; with ``whole_records``, nothing (``False``) while a record is partly put."""
         async with self._put_lock:
+            if whole_records and self._max_put_lsn > self._last_record_lsn:
+                return False
             layer = self.open_layer
             if layer is None or not layer.index:
-                return
+                return True
             end = Lsn(max(self._max_put_lsn, self._last_record_lsn) + 1)
             # Move it to the frozen list before the first await: a read running meanwhile
             # must find the layer in one of the two places.
@@ -386,6 +393,7 @@ class Timeline:
             self.open_layer = None
             self._next_layer_start = end
             await layer.freeze(end)
+            return True
 
     async def flush_if_old(self) -> None:
         """Flush an open layer that has waited ``checkpoint_timeout_s`` (no put came to roll it)."""
@@ -398,22 +406,49 @@ class Timeline:
             await self.flush()
 
     async def flush(self) -> None:
-        """Freeze, then write every frozen layer to an L0 file and record it in index_part."""
+        """Freeze, then write every frozen layer to an L0 file and record it in index_part.
+
+        Called from outside the writer (background ``flush_if_old``, the HTTP checkpoint,
+        shutdown), it first waits for the record being put to be finished: freezing part of a
+        record would end the layer at that record's LSN, refuse the writer's next value of it
+        and, once durable, have a restart skip the record with values missing. A record the
+        writer abandoned (failed, cancelled) is never finished: then ``LsnTimeoutError`` after
+        ``wait_lsn_timeout_s``, and ``disk_consistent_lsn`` stays below it (re-ingested whole).
+        """
+        async with self._lock:
+            # The writer needs ``_lock`` only to roll, between two records: no deadlock.
+            while not await self._freeze(whole_records=True):
+                partial = self._max_put_lsn
+                try:
+                    await self.wait_lsn(partial)
+                except LsnTimeoutError:
+                    raise LsnTimeoutError(
+                        f"not flushing: the record at {format_lsn(partial)} is only partly put "
+                        f"(last_record_lsn {format_lsn(self._last_record_lsn)})"
+                    ) from None
+            await self._write_frozen()
+
+    async def _flush(self) -> None:
+        """The writer's roll (``put_encoded``): it is between two records."""
         async with self._lock:
             await self.freeze()
-            while self.frozen_layers:
-                layer = self.frozen_layers[0]
-                assert layer.end_lsn is not None
-                path = await layer.write_l0(self.engine, self.path, self.write_options())
-                added: list[PersistentLayer] = []
-                if path is not None:
-                    added.append(await PersistentLayer.open(self.engine, path, self.index_cache))
-                self._layer_map.replace([], added)
-                self.frozen_layers.pop(0)
-                self.disk_consistent_lsn = Lsn(layer.end_lsn - 1)
-                await self.write_index_part()
-                self.graveyard.bury([layer])
-            await self.graveyard.collect()
+            await self._write_frozen()
+
+    async def _write_frozen(self) -> None:
+        """Write every frozen layer to an L0 file and record it (caller holds ``_lock``)."""
+        while self.frozen_layers:
+            layer = self.frozen_layers[0]
+            assert layer.end_lsn is not None
+            path = await layer.write_l0(self.engine, self.path, self.write_options())
+            added: list[PersistentLayer] = []
+            if path is not None:
+                added.append(await PersistentLayer.open(self.engine, path, self.index_cache))
+            self._layer_map.replace([], added)
+            self.frozen_layers.pop(0)
+            self.disk_consistent_lsn = Lsn(layer.end_lsn - 1)
+            await self.write_index_part()
+            self.graveyard.bury([layer])
+        await self.graveyard.collect()
 
     def write_options(self) -> WriteOptions:
         return WriteOptions(

@@ -15,7 +15,9 @@ pageserver got: write = last record received, flush = ``disk_consistent_lsn``, a
 
 On any failure (refused connection, a stream that ends, a safekeeper silent for
 ``idle_timeout_s``, WAL that does not decode) it moves on to the next safekeeper in the list,
-with exponential backoff once every safekeeper has failed in a row. Cancellation stops it
+with exponential backoff once every safekeeper has failed in a row. A record the callee
+rejects as malformed (``RemoteProtocolError`` from it) is not such a failure: every safekeeper
+sends the same WAL, so the receiver stops with ``WalIngestError``. Cancellation stops it
 at once: the connection is closed under a short shielded deadline.
 
 A vanilla PostgreSQL speaks the same replication protocol, so ``WalReceiver`` can pull from it
@@ -89,6 +91,13 @@ CONNECTION_ERRORS = pgclient.CONNECTION_ERRORS
 
 class WalDecodeError(RemoteProtocolError):
     """The WAL from the safekeeper stopped decoding before the stream ended."""
+
+
+class WalIngestError(Exception):
+    """The callee rejected a record it received whole and intact (``RemoteProtocolError``
+    from ``on_record(s)``: a body it cannot parse). Every safekeeper sends the same WAL, so
+    reconnecting would fail the same way forever: the receiver stops (not a connection
+    error), and its owner records the failure."""
 
 
 @attrs.frozen
@@ -242,17 +251,23 @@ class WalReceiver:
                 )
 
     async def _hand_over(self, batch: list[DecodedRecord]) -> None:
-        if self._on_records is not None:
-            await self._on_records(batch)
-            self.last_record_lsn = batch[-1].end_lsn
-            self.records_received += len(batch)
-        else:
-            on_record = self._on_record
-            assert on_record is not None
-            for rec in batch:
-                await on_record(rec)
-                self.last_record_lsn = rec.end_lsn
-                self.records_received += 1
+        try:
+            if self._on_records is not None:
+                await self._on_records(batch)
+                self.last_record_lsn = batch[-1].end_lsn
+                self.records_received += len(batch)
+            else:
+                on_record = self._on_record
+                assert on_record is not None
+                for rec in batch:
+                    await on_record(rec)
+                    self.last_record_lsn = rec.end_lsn
+                    self.records_received += 1
+        except RemoteProtocolError as exc:
+            # (RemoteProtocolError is one of CONNECTION_ERRORS: it must not be retried here.)
+            raise WalIngestError(
+                f"ingest rejected WAL after {format_lsn(self.last_record_lsn)}: {exc}"
+            ) from exc
         self._advanced.set()
         self._advanced = trio.Event()
 

@@ -36,6 +36,11 @@ import trio
 T = TypeVar("T")
 
 
+class ReceiverGone(trio.BrokenResourceError):
+    """The consumer of a hand-off stopped. A consequence, never a cause: the consumer stopped
+    because it failed (or was cancelled), and that failure is the one to report."""
+
+
 class _Waiter:
     """At most one parked task, woken by ``wake`` (or by cancellation)."""
 
@@ -87,7 +92,7 @@ class HandoffQueue(Generic[T]):
         if self._closed:
             raise trio.ClosedResourceError("put on a closed HandoffQueue")
         if self._receiver_gone:
-            raise trio.BrokenResourceError("HandoffQueue receiver is gone")
+            raise ReceiverGone("HandoffQueue receiver is gone")
         if len(self._items) >= self._capacity:
             return False
         self._items.append(item)
@@ -109,7 +114,7 @@ class HandoffQueue(Generic[T]):
         self._receiver.wake()
 
     def close_receiver(self) -> None:
-        """The consumer stops; a parked producer raises ``BrokenResourceError``."""
+        """The consumer stops; a parked producer raises ``ReceiverGone``."""
         self._receiver_gone = True
         self._sender.wake()
 
@@ -150,7 +155,7 @@ class FoldChannel(Generic[T]):
         parked = False
         while self._batch and not self._can_fold(self._batch, item):
             if self._receiver_gone:
-                raise trio.BrokenResourceError("FoldChannel receiver is gone")
+                raise ReceiverGone("FoldChannel receiver is gone")
             await self._sender.park()
             parked = True
         self._batch.append(item)
@@ -163,7 +168,7 @@ class FoldChannel(Generic[T]):
         if self._closed:
             raise trio.ClosedResourceError("send on a closed FoldChannel")
         if self._receiver_gone:
-            raise trio.BrokenResourceError("FoldChannel receiver is gone")
+            raise ReceiverGone("FoldChannel receiver is gone")
         if self._batch and not self._can_fold(self._batch, item):
             return False
         self._batch.append(item)
@@ -176,7 +181,7 @@ class FoldChannel(Generic[T]):
         self._receiver.wake()
 
     def close_receiver(self) -> None:
-        """The receiver stops; a parked sender raises ``BrokenResourceError``."""
+        """The receiver stops; a parked sender raises ``ReceiverGone``."""
         self._receiver_gone = True
         self._sender.wake()
 

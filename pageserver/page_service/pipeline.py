@@ -64,7 +64,7 @@ from pageserver.page_service.config import (
     PipelinedPipelining,
     SerialPipelining,
 )
-from pageserver.page_service.fold import FoldChannel, HandoffQueue
+from pageserver.page_service.fold import FoldChannel, HandoffQueue, ReceiverGone
 from pageserver.page_service.metrics import PageServiceMetrics
 from pageserver.page_service.reader import (
     BadRequest,
@@ -200,6 +200,24 @@ class StreamRequestSource:
 YIELD_EVERY: Final = 32
 
 
+class InFlight:
+    """Requests read but not yet answered, for the idle timeout: a pipelined connection whose
+    reader is parked on the socket while Execution waits for WAL or reads is not idle.
+
+    Reading adds each burst to ``read``; Execution adds each answered batch to ``answered``
+    and, when ``timed``, notes when (``answered_at``, trio's clock): with nothing in flight
+    the connection has been idle since the later of that and the reader parking.
+    """
+
+    __slots__ = ("answered", "answered_at", "read", "timed")
+
+    def __init__(self, timed: bool = False) -> None:
+        self.read = 0
+        self.answered = 0
+        self.answered_at = -math.inf
+        self.timed = timed
+
+
 class DirectStreamIO:
     """Request source *and* response sink straight on the connection's byte stream.
 
@@ -227,6 +245,7 @@ class DirectStreamIO:
         "_unyielded",
         "_v3",
         "_waiting_since",
+        "in_flight",
         "stream",
     )
 
@@ -255,6 +274,7 @@ class DirectStreamIO:
         # trio.current_time() when the reader parked waiting for the client, else None; only
         # kept when there is an idle timeout (``enforce_idle_timeout`` reads it).
         self._waiting_since: float | None = None
+        self.in_flight = InFlight(timed=self._idle_timeout_s != math.inf)
 
     @property
     def idle_timeout_s(self) -> float:
@@ -300,17 +320,23 @@ class DirectStreamIO:
                 self._eof = True
 
     async def enforce_idle_timeout(self) -> None:
-        """Raise ``IdleTimeout`` once a wait for the client has lasted ``idle_timeout_s``.
+        """Raise ``IdleTimeout`` once the connection has been idle for ``idle_timeout_s``:
+        the reader waiting for the client *and* no request in flight (``in_flight``).
 
         Runs beside whoever calls ``receive`` (``serve_pagestream`` starts it); wakes about
-        once per timeout period, so the per-request path pays only a clock read per wait.
+        once per timeout period, so the per-request path pays only a clock read per wait
+        (and, pipelined, one per batch).
         """
-        idle = self._idle_timeout_s
+        idle, flight = self._idle_timeout_s, self.in_flight
         while True:
             since, now = self._waiting_since, trio.current_time()
-            if since is not None and now - since >= idle:
+            if since is None or flight.read != flight.answered:
+                await trio.sleep_until(now + idle)
+                continue
+            since = max(since, flight.answered_at)
+            if now - since >= idle:
                 raise IdleTimeout(f"no message from the client for {idle} s")
-            await trio.sleep_until((now if since is None else since) + idle)
+            await trio.sleep_until(since + idle)
 
     def receive_nowait(self) -> Request | StreamEnd | None:
         event = self._next_event()
@@ -809,6 +835,7 @@ async def _read_stage(
     batches: FoldChannel[Item],
     resolver: TimelineResolver,
     state: _ReadState,
+    flight: InFlight,
 ) -> None:
     try:
         while True:
@@ -827,6 +854,7 @@ async def _read_stage(
                 burst.append(exc)  # answered after everything decoded before it
                 failed = True
             if burst:
+                flight.read += len(burst)
                 # Batching parked on an empty queue holds nothing, so doing its step here
                 # reorders nothing and saves the event-loop round (and the park and wake)
                 # of passing each request through it: an idle pipeline at queue depth 1
@@ -875,7 +903,7 @@ async def _batch_stage(
 
 
 async def _execute_stage(
-    sink: ByteSink, batches: FoldChannel[Item], ctx: PagestreamContext
+    sink: ByteSink, batches: FoldChannel[Item], ctx: PagestreamContext, flight: InFlight
 ) -> None:
     writer = ResponseWriter(ctx.version)
     try:
@@ -891,6 +919,9 @@ async def _execute_stage(
             pending = cast(list[Pending], batch)
             await execute_batch(pending, writer, ctx)
             await _send(sink, writer.take(), ctx.config.send_timeout_s)
+            flight.answered += len(pending)
+            if flight.timed:
+                flight.answered_at = trio.current_time()
             _observe(ctx.metrics, pending, taken)
     finally:
         batches.close_receiver()
@@ -905,14 +936,24 @@ async def _serve_pipelined(
     state = _ReadState()
     requests = HandoffQueue[ReadItem](ctx.config.read_queue)
     batches = FoldChannel[Item](make_can_fold(cfg))
+    flight = source.in_flight if isinstance(source, DirectStreamIO) else InFlight()
     async with _unwrapped(), trio.open_nursery() as nursery:
         nursery.start_soon(
-            _read_stage, source, requests, batches, ctx.resolver, state, name="pagestream.read"
+            _read_stage,
+            source,
+            requests,
+            batches,
+            ctx.resolver,
+            state,
+            flight,
+            name="pagestream.read",
         )
         nursery.start_soon(
             _batch_stage, requests, batches, ctx.resolver, name="pagestream.batch"
         )
-        nursery.start_soon(_execute_stage, sink, batches, ctx, name="pagestream.execute")
+        nursery.start_soon(
+            _execute_stage, sink, batches, ctx, flight, name="pagestream.execute"
+        )
     if state.end is None:
         raise AssertionError("pipeline finished without the reader seeing the end of the stream")
     return state.end
@@ -984,9 +1025,10 @@ async def _serve_mode(
 class _unwrapped:
     """Turn a nursery's exception group with one real error into that error.
 
-    The pipeline is built so that one stage fails and the others are cancelled; callers (and
-    their ``except`` clauses) should see that one failure, not a group. Groups of only
-    ``Cancelled`` pass through untouched (trio's cancel scopes handle them).
+    The pipeline is built so that one stage fails and the others are cancelled (or find their
+    consumer gone: ``ReceiverGone``, which is never the cause); callers (and their ``except``
+    clauses) should see that one failure, not a group. Groups of only ``Cancelled`` pass
+    through untouched (trio's cancel scopes handle them).
     """
 
     async def __aenter__(self) -> None:
@@ -999,8 +1041,12 @@ class _unwrapped:
             return False
         leaves = list(_leaves(exc))
         real = [e for e in leaves if not isinstance(e, trio.Cancelled)]
-        if len(real) == 1:
-            raise real[0]
+        # A stage that found its consumer gone only reports that the consumer failed first
+        # (e.g. Batching folding behind a Fatal that Execution just raised): not an error of
+        # its own, and reporting it would turn the one real failure into a group.
+        causes = [e for e in real if not isinstance(e, ReceiverGone)] or real
+        if len(causes) == 1:
+            raise causes[0]
         return False
 
 

@@ -33,6 +33,10 @@ def select_layer(
     return delta, max(delta.desc.lsn_start, img_lsn + 1)
 
 
+_WHOLE = KeyRange.full()
+_MAX_WHOLE_ANSWERS = 4096
+
+
 class LayerMap:
     def __init__(self) -> None:
         # each sorted by (lsn_end desc, lsn_start desc): the first match of a scan is the
@@ -47,6 +51,10 @@ class LayerMap:
         # ``search_span`` tests, without attribute chains
         self._delta_spans: list[tuple[int, bytes, bytes, PersistentLayer]] = []
         self._image_spans: list[tuple[int, bytes, bytes, PersistentLayer]] = []
+        # search_span answers that hold for every key: end_lsn -> (delta, floor) when the first
+        # delta below end_lsn covers the whole key space and no image starts below end_lsn
+        # (an L0 stack: every walk asks the same questions). Emptied by every change.
+        self._whole_answers: dict[int, tuple[PersistentLayer, int]] = {}
 
     def _sort(self) -> None:
         self._layers.sort(
@@ -65,6 +73,7 @@ class LayerMap:
         self._delta_spans = [
             (x.desc.lsn_start, x.desc.key_range.start, x.desc.key_range.end, x) for x in self._deltas
         ]
+        self._whole_answers = {}
         self._image_spans = [
             (x.desc.lsn_start, x.desc.key_range.start, x.desc.key_range.end, x) for x in self._images
         ]
@@ -125,6 +134,9 @@ class LayerMap:
         overlap the span cover all of it: an earlier layer covering any key of the span would
         overlap it. For one key (``first == last``) it always is, and this is ``search``.
         """
+        answer = self._whole_answers.get(end_lsn)
+        if answer is not None:
+            return answer
         di, ii = self._below(end_lsn)
         delta: PersistentLayer | None = None
         spans = self._delta_spans
@@ -144,7 +156,19 @@ class LayerMap:
                     return None
                 image = layer
                 break
-        return select_layer(delta, image, end_lsn)
+        hit = select_layer(delta, image, end_lsn)
+        if (
+            hit is not None
+            and image is None
+            and ii == len(spans)
+            and self._bisectable
+            and self._deltas[di] is delta
+            and delta.desc.key_range == _WHOLE
+        ):
+            if len(self._whole_answers) >= _MAX_WHOLE_ANSWERS:
+                self._whole_answers.clear()  # request LSNs vary: keep it bounded
+            self._whole_answers[end_lsn] = hit
+        return hit
 
     def read_candidates(self, first: Key, last: Key, end_lsn: int, limit: int) -> list[PersistentLayer]:
         """Up to ``limit`` layers a walk over ``[first, last]`` below ``end_lsn`` may visit,

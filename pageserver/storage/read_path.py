@@ -256,7 +256,7 @@ async def _walk_timeline(
 
 async def _walk_one(tl: ReadableTimeline, key: Key, cont_lsn: int, st: KeyState, ctx: ReadContext) -> None:
     """``_walk_timeline`` for a single key (the page service's serial requests): layer by
-    layer with ``LayerMap.search`` and ``PersistentLayer.plan_key``, no fringe, key lists or
+    layer with ``LayerMap.search_span`` and ``PersistentLayer.plan_key``, no fringe, key lists or
     layer-map ranges; reads are still only planned, and done after the walk."""
     layer_map = tl.layer_map
     in_memory = True
@@ -274,7 +274,7 @@ async def _walk_one(tl: ReadableTimeline, key: Key, cont_lsn: int, st: KeyState,
             await mem.get_values_vectored((key,), floor, cont_lsn, {key: st}, ctx)
         else:
             in_memory = False
-            hit = layer_map.search(key, cont_lsn)
+            hit = layer_map.search_span(key, key, cont_lsn)  # (= search, for one key)
             if hit is None:
                 return
             layer, floor = hit

@@ -13,6 +13,7 @@ bytes raises ``RemoteProtocolError`` with SQLSTATE XX001 (data corrupted), nothi
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Final
 
 import attrs
@@ -255,6 +256,22 @@ def _decode_truncate_vm(body: memoryview) -> Value:
 
 
 _TEST_TEXT = _TEST_HDR.size
+# A decoded Test record is built through its slot descriptors: what the frozen attrs
+# ``__init__`` does (it has no validators or converters), at a third less cost per record.
+_new_object = object.__new__
+
+
+def _slot_setter(cls: type, name: str) -> Callable[[object, object], None]:
+    setter: Callable[[object, object], None] = cls.__dict__[name].__set__
+    return setter
+
+
+_set_append = _slot_setter(TestRecord, "append")
+_set_clear = _slot_setter(TestRecord, "clear")
+_set_will_init = _slot_setter(TestRecord, "will_init")
+_set_only_if = _slot_setter(TestRecord, "only_if")
+_BOOLS = (False, True)
+assert [a.name for a in attrs.fields(TestRecord)] == ["append", "clear", "will_init", "only_if"]
 
 
 def _decode_test(body: memoryview) -> Value:
@@ -273,7 +290,12 @@ def _decode_test(body: memoryview) -> Value:
         only = str(body[end:], "utf-8") if flags & 4 else None
     except UnicodeDecodeError:
         raise _corrupt("Test record text is not UTF-8") from None
-    return TestRecord(app, bool(flags & 1), bool(flags & 2), only)
+    record = _new_object(TestRecord)
+    _set_append(record, app)
+    _set_clear(record, _BOOLS[flags & 1])
+    _set_will_init(record, _BOOLS[(flags >> 1) & 1])
+    _set_only_if(record, only)
+    return record
 
 
 # indexed by tag: one lookup instead of a chain of comparisons per value (the vectored read

@@ -292,3 +292,40 @@ async def test_idle_pagestream_is_closed_with_57p05(autojump_clock: trio.testing
             await client.copy.receive()
         assert info.value.sqlstate == "57P05" and info.value.severity == "FATAL"
         assert 29 <= trio.current_time() - start <= 31
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("busy", ["waits-for-lsn", "executes"])
+async def test_idle_timeout_never_fires_while_a_request_is_in_flight(
+    autojump_clock: trio.testing.MockClock, config: PageServiceConfig, busy: str
+) -> None:
+    """Idle means nothing in flight: in pipelined mode the reader is parked on the socket while
+    Execution waits for WAL or reads, and that must not count as the client being idle."""
+    tl = _timeline()
+    if busy == "executes":
+        tl.read_delay_s = 45.0
+    handler = PageServiceHandler(Lookup({(TENANT, TIMELINE): tl}), config)
+    server = PgServer(handler, PgServerConfig(port=0, idle_timeout_s=30))
+    async with trio.open_nursery() as nursery:
+        client_stream, server_stream = trio.testing.memory_stream_pair()
+        nursery.start_soon(server.serve_connection, server_stream)
+        conn = await PgClientConnection.open(client_stream, user="test")
+        client = await PageClient.start(conn, TENANT, TIMELINE)
+        start = trio.current_time()
+        if busy == "waits-for-lsn":
+
+            async def advance() -> None:
+                await trio.sleep(45)
+                tl.advance(0x2000)
+
+            nursery.start_soon(advance)
+            assert await client.get_page(REL, 1, Lsn(0x2000)) == page_image(REL, 1, 0x800)
+        else:
+            assert await client.get_page(REL, 1) == page_image(REL, 1, 0x800)
+        answered = trio.current_time()
+        assert answered - start >= 45
+        # Idle from the answer on: 57P05 30 s later, not at once.
+        with trio.fail_after(100), pytest.raises(PgError) as info:
+            await client.copy.receive()
+        assert info.value.sqlstate == "57P05"
+        assert 29 <= trio.current_time() - answered <= 31

@@ -495,6 +495,41 @@ async def test_misrouted_getpage_is_reconnect(autojump_clock: trio.testing.MockC
     assert len(decode_all(out, requests, 3)) == 2  # the two before it were answered
 
 
+async def test_many_misrouted_getpages_end_with_one_reconnect(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Batching is still folding the misrouted requests behind the first one when Execution
+    # raises it: finding Execution gone must not turn the Reconnect into an exception group.
+    tl = make_timeline()
+    resolver = ExplodingResolver(tl, 2, NotFound("no such tenant shard"))
+    requests = [gp(i, reqid=i) for i in range(8)]
+    outcome, out = await run_stream(ctx_for(resolver=resolver), [frame_requests(requests, 3)], eof=False)
+    assert isinstance(outcome, Reconnect), repr(outcome)
+    assert len(decode_all(out, requests, 3)) == 2
+
+
+async def test_client_gone_mid_batch_is_one_error(autojump_clock: trio.testing.MockClock) -> None:
+    # Execution's send fails while Batching is parked on a full batch behind it.
+    tl = make_timeline(read_delay_s=1.0)
+    client, server = trio.testing.memory_stream_pair()
+    outcome: BaseException | None = None
+
+    async def serve() -> None:
+        nonlocal outcome
+        try:
+            await serve_pagestream_bytes(server, ctx_for(tl, pipelined(max_batch_size=2)))
+        except Exception as exc:  # an exception group included: the test checks exactly this
+            outcome = exc
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve)
+        await client.send_all(frame_requests([gp(i, reqid=i) for i in range(10)], 3))
+        await trio.sleep(0.5)
+        await client.aclose()
+    assert isinstance(outcome, trio.BrokenResourceError), repr(outcome)
+    assert pagestream_tasks() == []
+
+
 async def test_execution_error_cancels_parked_reader(autojump_clock: trio.testing.MockClock) -> None:
     tl = make_timeline()
     tl.fail_get_pages = OSError("disk on fire")

@@ -6,6 +6,7 @@
   hostile blobs;
 - ``LayerMap.search_span`` against ``search`` key by key, and ``read_candidates`` (the cold
   walk's prefetch list) naming every layer a walk visits;
+- ``apply_test_records``' append-only fast path against a plain model of Test records;
 - the cold-read machinery (``RWF_NOWAIT`` probe + ``POSIX_FADV_WILLNEED``, index prefetch) reads
   the same bytes as a plain read, and the single-key walk (``_walk_one``) serves ``get``.
 """
@@ -39,12 +40,13 @@ from pageserver.storage.io_engine import BlockingIoEngine
 from pageserver.storage.key import Key, KeyRange, rel_block_key
 from pageserver.storage.layer_file import ENTRIES_PER_BLOCK, IndexBlockCache, LayerDesc
 from pageserver.storage.layer_map import LayerMap
-from pageserver.storage.reconstruct import KeyState
+from pageserver.storage.reconstruct import KeyState, PageReconstructError, apply_test_records
 from pageserver.storage.value import (
     Image,
     PostgresRecord,
     TestRecord,
     Value,
+    WalRecordValue,
     decode_value,
     encode_value,
 )
@@ -298,21 +300,29 @@ def _layer_maps(draw: hst.DrawFn) -> LayerMap:
     return lm
 
 
-@settings(max_examples=600, deadline=None)
-@given(lm=_layer_maps(), first=hst.integers(0, 19), span=hst.integers(0, 6), end_lsn=hst.integers(5, 80))
-def test_search_span_is_search_for_every_key(lm: LayerMap, first: int, span: int, end_lsn: int) -> None:
-    last = min(19, first + span)
-    got = lm.search_span(k(first), k(last), end_lsn)
-    if first == last:
-        assert got == lm.search(k(first), end_lsn)
-    if got is not None:
-        for i in range(first, last + 1):
-            assert lm.search(k(i), end_lsn) == got, i
-    elif first != last:
-        # None: no layer for any key, or the answer differs somewhere, or a layer ends inside
-        answers = {lm.search(k(i), end_lsn) for i in range(first, last + 1)}
-        edges = {x.desc.key_range.start for x in lm} | {x.desc.key_range.end for x in lm}
-        assert answers == {None} or len(answers) > 1 or any(k(first) < e <= k(last) for e in edges)
+@settings(max_examples=400, deadline=None)
+@given(
+    lm=_layer_maps(),
+    queries=hst.lists(
+        hst.tuples(hst.integers(0, 19), hst.integers(0, 6), hst.integers(5, 80)), min_size=1, max_size=8
+    ),
+)
+def test_search_span_is_search_for_every_key(lm: LayerMap, queries: list[tuple[int, int, int]]) -> None:
+    # twice over: the second round may be answered from search_span's memo of whole-key-space
+    # answers, which must hold for any span
+    for first, span, end_lsn in queries + queries[::-1]:
+        last = min(19, first + span)
+        got = lm.search_span(k(first), k(last), end_lsn)
+        if first == last:
+            assert got == lm.search(k(first), end_lsn)
+        if got is not None:
+            for i in range(first, last + 1):
+                assert lm.search(k(i), end_lsn) == got, i
+        elif first != last:
+            # None: no layer for any key, or the answer differs somewhere, or a layer ends inside
+            answers = {lm.search(k(i), end_lsn) for i in range(first, last + 1)}
+            edges = {x.desc.key_range.start for x in lm} | {x.desc.key_range.end for x in lm}
+            assert answers == {None} or len(answers) > 1 or any(k(first) < e <= k(last) for e in edges)
 
 
 @settings(max_examples=200, deadline=None)
@@ -435,3 +445,47 @@ async def test_single_key_walk_serves_get_and_cold_index_prefetch(
     # the index cache holds 8 blocks of 5+ layer files: walks find it cold and prefetch
     assert prefetches
     await tenant.shutdown()
+
+
+# -- reconstruct: the append-only fast path of apply_test_records ---------------------------------
+
+
+def _model_apply(base: bytes | None, records: list[tuple[Lsn, WalRecordValue]]) -> bytes | str:
+    """Test record semantics written out plainly; an error is its message's kind."""
+    page = base or b""
+    for _lsn, rec in records:
+        if not isinstance(rec, TestRecord):
+            return "no redo"
+        if rec.will_init and (not rec.clear or page):
+            return "will_init"
+        if rec.clear:
+            page = b""
+        if rec.only_if is not None and page != rec.only_if.encode():
+            return "only_if"
+        page = page + rec.append.encode()
+    return page
+
+
+_records = hst.one_of(
+    hst.builds(TestRecord.wal_append, hst.text("ab", max_size=3)),
+    hst.builds(TestRecord.wal_clear, hst.text("ab", max_size=3)),
+    hst.builds(TestRecord.wal_init, hst.text("ab", max_size=3)),
+    hst.builds(TestRecord.wal_append_conditional, hst.text("ab", max_size=3), hst.text("ab", max_size=3)),
+    hst.builds(PostgresRecord, hst.booleans(), hst.binary(max_size=3)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    base=hst.one_of(hst.none(), hst.binary(max_size=4)),
+    recs=hst.lists(hst.one_of(_records, _records.filter(lambda r: isinstance(r, TestRecord))), max_size=5),
+)
+def test_apply_test_records_matches_the_model(base: bytes | None, recs: list[WalRecordValue]) -> None:
+    records = [(Lsn(10 + i), rec) for i, rec in enumerate(recs)]
+    expected = _model_apply(base, records)
+    if isinstance(expected, bytes):
+        assert apply_test_records(k(0), base, records) == expected
+    else:
+        with pytest.raises(PageReconstructError) as info:
+            apply_test_records(k(0), base, records)
+        assert expected in str(info.value)

@@ -21,10 +21,12 @@ from hypothesis import strategies as st
 from pageserver.wal_receiver import (
     PgConnection,
     Progress,
+    WalIngestError,
     WalReceiver,
     WalReceiverConfig,
     parse_safekeepers,
 )
+from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn
 from protocol.replication import (
     PrimaryKeepalive,
@@ -292,3 +294,34 @@ def test_needs_exactly_one_callback() -> None:
         WalReceiver(cfg, start_lsn=START)
     with pytest.raises(ValueError, match="exactly one"):
         WalReceiver(cfg, start_lsn=START, on_record=on_record, on_records=on_records)
+
+
+async def test_a_record_the_ingest_rejects_stops_the_receiver(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A record the ingest cannot parse (``RemoteProtocolError`` from the callee) is the same
+    WAL from every safekeeper: retrying would spin forever (with ``ingest_failures`` never
+    recorded), so the receiver stops with ``WalIngestError``. A connection error from the
+    callee is still retried (``test_batches_in_order_and_a_failed_batch_is_sent_again``)."""
+    wal, spans = make_wal(20, 7)
+    start = spans[0][0]
+    sks = {p: FakeSafekeeper(wal, random.Random(1)) for p in (1, 2)}
+    calls = 0
+
+    async def on_records(recs: list[DecodedRecord]) -> None:
+        nonlocal calls
+        calls += 1
+        await trio.lowlevel.checkpoint()
+        raise RemoteProtocolError(f"malformed heap record at {recs[0].lsn:X}", sqlstate="XX001")
+
+    cfg = WalReceiverConfig(safekeepers=(("h", 1), ("h", 2)))
+    recv = WalReceiver(cfg, start_lsn=start, on_records=on_records, connect=connector(sks))
+    stopped: list[BaseException] = []
+    with trio.fail_after(600):
+        try:
+            await recv.run()
+        except* WalIngestError as eg:  # from inside the session's nursery
+            stopped.extend(eg.exceptions)
+    assert len(stopped) == 1 and "malformed heap record" in str(stopped[0])
+    assert calls == 1
+    assert recv.last_record_lsn == start

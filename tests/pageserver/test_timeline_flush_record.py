@@ -1,0 +1,107 @@
+"""A flush from outside the writer (the tenant's background ``flush_if_old``, the HTTP
+checkpoint, shutdown) must never freeze part of a record: the layer would end at that record's
+LSN, ``disk_consistent_lsn`` would claim it, the writer's next value of the same record would
+be refused (below the new layer's start), and after a restart the record would be skipped
+with values missing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from pageserver.storage.config import StorageConfig
+from pageserver.storage.key import Key, rel_block_key
+from pageserver.storage.value import Image
+from pageserver.tenant import Tenant
+from pageserver.timeline import LsnTimeoutError
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import Lsn
+
+CFG = StorageConfig(validate_get=True, double_buffering=False, gc_horizon=0, pitr_interval_s=0)
+
+
+def k(i: int) -> Key:
+    return rel_block_key(1663, 5, 1000, 0, i)
+
+
+async def test_flush_waits_for_the_record_being_put(tmp_path: Path) -> None:
+    tenant = Tenant(tmp_path, TenantId.generate(), CFG)
+    tid = TimelineId.generate()
+    tl = await tenant.create_timeline(tid)
+    await tl.put(k(0), Lsn(0x10), Image(b"a"))
+    tl.finish_write(Lsn(0x10))
+    await tl.put(k(1), Lsn(0x20), Image(b"b1"))  # record 0x20: first of two values
+    flushed = trio.Event()
+
+    async def background_flush() -> None:
+        await tl.flush()
+        flushed.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(background_flush)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not flushed.is_set(), "flushed part of record 0x20"
+        await tl.put(k(2), Lsn(0x20), Image(b"b2"))  # the writer goes on with the record
+        tl.finish_write(Lsn(0x20))
+    assert tl.disk_consistent_lsn == 0x20
+    assert await tl.get_vectored([k(0), k(1), k(2)], Lsn(0x20)) == {
+        k(0): b"a",
+        k(1): b"b1",
+        k(2): b"b2",
+    }
+    await tenant.shutdown()
+    # After a restart the record is whole on disk.
+    again = await Tenant.load(tmp_path, tenant.tenant_id, CFG)
+    tl2 = again.timelines[tid]
+    assert tl2.last_record_lsn == 0x20
+    assert await tl2.get_vectored([k(1), k(2)], Lsn(0x20)) == {k(1): b"b1", k(2): b"b2"}
+    await again.shutdown()
+
+
+async def test_flush_of_an_abandoned_record_fails_instead_of_claiming_it(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The writer failed (or was cancelled) mid-record: flushing would make the partial record
+    # durable and later skipped, so the flush fails (after wait_lsn_timeout_s) and
+    # disk_consistent_lsn stays below the record: a restart re-ingests it whole.
+    tenant = Tenant(tmp_path, TenantId.generate(), CFG)
+    tl = await tenant.create_timeline(TimelineId.generate())
+    await tl.put(k(0), Lsn(0x10), Image(b"a"))
+    tl.finish_write(Lsn(0x10))
+    await tl.put(k(1), Lsn(0x20), Image(b"b1"))
+    before = tl.disk_consistent_lsn
+    with pytest.raises(LsnTimeoutError, match="0/20 is only partly put"):
+        await tl.flush()
+    assert tl.disk_consistent_lsn == before
+    await tenant.shutdown()
+
+
+async def test_background_jobs_leave_a_timeline_being_created_alone(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A timeline being bootstrapped or imported (uninit marker) belongs to its creator: a
+    failed creation shuts it down and removes its directory while a background flush or
+    compaction of it would still be writing there. The jobs take it up once it is complete."""
+    cfg = StorageConfig(validate_get=True, double_buffering=False, checkpoint_timeout_s=60,
+                        compaction_period_s=20, gc_period_s=20, gc_horizon=0, pitr_interval_s=0)
+    tenant = Tenant(tmp_path, TenantId.generate(), cfg)
+    tid = TimelineId.generate()
+    await tenant.mark_uninit(tid)
+    tl = await tenant.create_timeline(tid)
+    await tl.put(k(0), Lsn(0x10), Image(b"a"))
+    tl.finish_write(Lsn(0x10))
+    assert tl.open_layer is not None
+    tl.open_layer.opened_at -= 3600  # time.monotonic's clock, not trio's: backdate it
+    async with trio.open_nursery() as nursery:
+        await nursery.start(tenant.run_background_jobs)
+        await trio.sleep(45)
+        assert tl.in_memory_layers() and tl.disk_consistent_lsn == 0, "flushed while uninit"
+        await tenant.clear_uninit(tid)
+        await trio.sleep(21)
+        assert not tl.in_memory_layers() and tl.disk_consistent_lsn == 0x10
+        nursery.cancel_scope.cancel()
+    assert tenant.background_failures == 0
+    await tenant.shutdown()

@@ -17,6 +17,7 @@ timelines; so is the graveyard that defers deleting replaced layers until no rea
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -140,9 +141,16 @@ class Tenant:
             lsn = INVALID_LSN
         tl = self._new_timeline(timeline_id, ancestor, lsn, start_lsn)
         tl.path.mkdir(parents=True, exist_ok=False)
-        await tl.write_index_part()
-        await fsync_dir(self.engine, self.timelines_dir)
+        # Listed before the first await: a GC of the ancestor running meanwhile must keep
+        # what the branch point needs (``children_branch_points``).
         self.timelines[timeline_id] = tl
+        try:
+            # Listed already, so a GC round may be writing its index_part too: take turns.
+            await tl.write_index_part_locked()
+            await fsync_dir(self.engine, self.timelines_dir)
+        except BaseException:
+            del self.timelines[timeline_id]
+            raise
         return tl
 
     def children_branch_points(self, timeline: Timeline) -> list[Lsn]:
@@ -153,8 +161,14 @@ class Tenant:
     async def gc(self) -> dict[TimelineId, list[str]]:
         """GC every timeline, keeping what child branches read below their branch points."""
         removed: dict[TimelineId, list[str]] = {}
-        for tid, tl in self.timelines.items():
-            removed[tid] = await tl.gc(self.children_branch_points(tl))
+        # A snapshot: timelines come and go during the awaits (a dict changing size under
+        # the iteration would fail the round).
+        for tid, tl in list(self.timelines.items()):
+            if tid in self.creating or self.timelines.get(tid) is not tl:
+                continue
+            # Evaluated under the timeline's lock (see Timeline.gc), not now: a branch created
+            # while this waits for the lock must count.
+            removed[tid] = await tl.gc(functools.partial(self.children_branch_points, tl))
         return removed
 
     @classmethod

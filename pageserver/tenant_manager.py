@@ -124,6 +124,13 @@ class TenantManager:
         """Stop WAL receivers and background jobs, flush every timeline (index_part
         persisted), close files."""
         self.shutting_down.set()
+        # Stop each ingest between two records before cancelling it: cancelled mid-record it
+        # would leave a partly put record, which the flush below must not make durable (it
+        # would wait for it, then give up: the WAL is re-ingested after the restart).
+        with trio.move_on_after(self.conf.shutdown_timeout_s):
+            async with trio.open_nursery() as nursery:
+                for ingest, _ in self._ingests.values():
+                    nursery.start_soon(ingest.pause)
         for _, scope in self._ingests.values():
             scope.cancel()
         self._ingests.clear()

@@ -37,7 +37,7 @@ import heapq
 import os
 import struct
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -460,6 +460,12 @@ class Timeline:
     async def write_index_part(self) -> None:
         await write_index_part(self.engine, self.path, self.index_part())
 
+    async def write_index_part_locked(self) -> None:
+        """``write_index_part`` under the layers lock, as flush, compaction and GC write it
+        (they share one temp file name): for a writer that does not hold the lock."""
+        async with self._lock:
+            await self.write_index_part()
+
     def index_part(self) -> IndexPart:
         return IndexPart(
             layers={x.path.name: x.file_size for x in self._layer_map},
@@ -492,15 +498,21 @@ class Timeline:
             pitr = older[-1] if older else self.latest_gc_cutoff_lsn
         return Lsn(min(horizon, pitr))
 
-    async def gc(self, retain_lsns: Sequence[Lsn] = ()) -> list[str]:
-        """Remove layers below the cutoff that nothing needs; returns their names."""
+    async def gc(self, retain_lsns: Sequence[Lsn] | Callable[[], Sequence[Lsn]] = ()) -> list[str]:
+        """Remove layers below the cutoff that nothing needs; returns their names.
+
+        ``retain_lsns`` (child branch points) may be a function: it is then called once the
+        lock is held, with no await between it, the cutoff update and the choice of victims,
+        so a branch created meanwhile is either counted or sees the new cutoff (and is
+        refused), never neither."""
         from pageserver.storage.gc import select_gc_victims
 
         async with self._lock:
             cutoff = self.gc_cutoff()
             if cutoff > self.latest_gc_cutoff_lsn:
                 self.latest_gc_cutoff_lsn = cutoff
-            victims = select_gc_victims(list(self._layer_map), self.latest_gc_cutoff_lsn, retain_lsns)
+            retain = retain_lsns() if callable(retain_lsns) else retain_lsns
+            victims = select_gc_victims(list(self._layer_map), self.latest_gc_cutoff_lsn, retain)
             # Persist the cutoff before deleting anything, even if nothing goes.
             self._layer_map.replace(victims, [])
             await self.write_index_part()

@@ -1071,6 +1071,18 @@ class TimelineWalIngest:
             if self._between is not None:
                 self._between.set()
 
+    async def pause(self) -> None:
+        """Hold every later record back, and return once none is being applied: the ingest
+        then sits between two records, so cancelling it (shutdown) leaves no record partly
+        put, and the timeline's flush has nothing to wait for. Not undone (shutdown only)."""
+        while self._flush_done is not None:  # a flush in progress would release the hold
+            await self._flush_done.wait()
+        self._flush_done = trio.Event()  # never set: _on_record(s) and flush() wait on it
+        while self._in_record:
+            between = self._between = trio.Event()
+            await between.wait()
+        self._between = None
+
     async def flush(self) -> Lsn:
         """Flush the timeline between two records (a flush must not interleave with the puts
         of a record); returns ``disk_consistent_lsn``."""

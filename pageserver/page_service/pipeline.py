@@ -1044,7 +1044,12 @@ class _unwrapped:
         # A stage that found its consumer gone only reports that the consumer failed first
         # (e.g. Batching folding behind a Fatal that Execution just raised): not an error of
         # its own, and reporting it would turn the one real failure into a group.
-        causes = [e for e in real if not isinstance(e, ReceiverGone)] or real
+        causes = [e for e in real if not isinstance(e, ReceiverGone)]
+        if not causes and real:
+            # Only consequences: the consumer was cancelled from outside. Re-raise the
+            # cancellation so that its scope absorbs it, as if the producer had seen it too.
+            cancelled: list[BaseException] = [e for e in leaves if isinstance(e, trio.Cancelled)]
+            causes = cancelled[:1] or real[:1]
         if len(causes) == 1:
             raise causes[0]
         return False

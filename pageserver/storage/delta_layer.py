@@ -349,6 +349,7 @@ class PersistentLayer:
             st: KeyState | None = None
             for block, lo, hi in reversed(runs):
                 bkeys, lsns, positions = block.keys, block.lsns, block.positions
+                lengths, crcs = block.lengths, block.crcs
                 for i in range(hi - 1, lo - 1, -1):
                     key = bkeys[i]
                     if key != cur:
@@ -369,7 +370,7 @@ class PersistentLayer:
                         continue
                     pos = positions[i]
                     off = pos >> 1
-                    length = block.lengths[i]
+                    length = lengths[i]
                     if off + length != rd_start or rd_end - off > max_bytes:
                         if rd_start >= 0:
                             r.check_entry(rd_start, rd_end - rd_start)
@@ -377,7 +378,7 @@ class PersistentLayer:
                         rd_end = off + length
                         rd_slot = slot
                     rd_start = off
-                    blobs.append((off, length, block.crcs[i]))
+                    blobs.append((off, length, crcs[i]))
                     pending.append((lsn, slot))
                     slot += 1
                     if pos & 1:

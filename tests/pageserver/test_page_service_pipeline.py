@@ -25,8 +25,9 @@ from pageserver.page_service.config import (
     SerialPipelining,
     structure_config,
 )
+from pageserver.page_service.fold import ReceiverGone
 from pageserver.page_service.metrics import PageServiceMetrics
-from pageserver.page_service.pipeline import PagestreamContext, serve_pagestream_bytes
+from pageserver.page_service.pipeline import PagestreamContext, _unwrapped, serve_pagestream_bytes
 from pageserver.page_service.reader import (
     NotFound,
     PageReader,
@@ -651,3 +652,18 @@ def test_pipelining_config_tagged_union() -> None:
     for bad, word in cases:
         with pytest.raises(ValueError, match=word):
             structure_config(bad)
+
+
+async def test_receiver_gone_behind_an_outer_cancel_is_still_a_cancel() -> None:
+    """Execution cancelled from outside (57P01, the connection's scope) while Batching was
+    runnable: Batching finds it gone (``ReceiverGone``) before its own checkpoint. That is the
+    cancellation's consequence: the scope must absorb it, not see a BrokenResourceError."""
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled as exc:
+            cancelled = exc
+        async with _unwrapped():
+            raise BaseExceptionGroup("pipeline", [cancelled, ReceiverGone("FoldChannel receiver is gone")])
+    assert scope.cancelled_caught

@@ -270,6 +270,9 @@ async def test_a_failed_wal_ingest_stops_that_timeline_only(
             self.tl = tl
             self.receiver = None
 
+        async def pause(self) -> None:  # shutdown stops each ingest between two records
+            await trio.lowlevel.checkpoint()
+
         async def run(self) -> None:
             running.append(self.tl.timeline_id)
             if self.tl.timeline_id in failing:

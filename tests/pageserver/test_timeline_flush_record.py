@@ -78,30 +78,3 @@ async def test_flush_of_an_abandoned_record_fails_instead_of_claiming_it(
     assert tl.disk_consistent_lsn == before
     await tenant.shutdown()
 
-
-async def test_background_jobs_leave_a_timeline_being_created_alone(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock
-) -> None:
-    """A timeline being bootstrapped or imported (uninit marker) belongs to its creator: a
-    failed creation shuts it down and removes its directory while a background flush or
-    compaction of it would still be writing there. The jobs take it up once it is complete."""
-    cfg = StorageConfig(validate_get=True, double_buffering=False, checkpoint_timeout_s=60,
-                        compaction_period_s=20, gc_period_s=20, gc_horizon=0, pitr_interval_s=0)
-    tenant = Tenant(tmp_path, TenantId.generate(), cfg)
-    tid = TimelineId.generate()
-    await tenant.mark_uninit(tid)
-    tl = await tenant.create_timeline(tid)
-    await tl.put(k(0), Lsn(0x10), Image(b"a"))
-    tl.finish_write(Lsn(0x10))
-    assert tl.open_layer is not None
-    tl.open_layer.opened_at -= 3600  # time.monotonic's clock, not trio's: backdate it
-    async with trio.open_nursery() as nursery:
-        await nursery.start(tenant.run_background_jobs)
-        await trio.sleep(45)
-        assert tl.in_memory_layers() and tl.disk_consistent_lsn == 0, "flushed while uninit"
-        await tenant.clear_uninit(tid)
-        await trio.sleep(21)
-        assert not tl.in_memory_layers() and tl.disk_consistent_lsn == 0x10
-        nursery.cancel_scope.cancel()
-    assert tenant.background_failures == 0
-    await tenant.shutdown()

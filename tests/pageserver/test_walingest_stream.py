@@ -13,7 +13,8 @@ import trio.testing
 
 from pageserver.pgdatadir import Datadir, RelTag
 from pageserver.storage.config import StorageConfig
-from pageserver.storage.key import SLRU_CLOG
+from pageserver.storage.key import SLRU_CLOG, rel_block_key
+from pageserver.storage.value import Image
 from pageserver.tenant import Tenant
 from pageserver.timeline import Timeline
 from pageserver.wal_receiver import WalReceiverConfig
@@ -219,4 +220,60 @@ async def test_flush_waits_for_the_record_in_progress(tmp_path: Path) -> None:
     assert blocking.events == [
         "record start", "record end", "flush start", "flush end", "record start", "record end"
     ]
+    await tenant.shutdown()
+
+
+class _HalfwayIngest(WalIngest):
+    """Puts the first of a record's two values, stops until released, then the second."""
+
+    def __init__(self, tl: Timeline) -> None:
+        super().__init__(tl)
+        self.release = trio.Event()
+        self.inside = trio.Event()
+        self.started: list[Lsn] = []
+
+    async def ingest_record(self, rec: DecodedRecord) -> bool:
+        end = rec.end_lsn
+        self.started.append(end)
+        await self.tl.put(rel_block_key(SPC, DB, HEAP.rel, 0, 0), end, Image(b"first half"))
+        self.inside.set()
+        await self.release.wait()
+        await self.tl.put(rel_block_key(SPC, DB, HEAP.rel, 0, 1), end, Image(b"second half"))
+        self.tl.finish_write(end)
+        return True
+
+
+async def test_pause_stops_the_ingest_between_two_records(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Shutdown pauses each ingest before cancelling it: cancelled mid-record, the record would
+    be partly put and the final flush could not make anything durable."""
+    tenant = Tenant(tmp_path, TenantId.generate(), CONFIG)
+    tl = await tenant.create_timeline(TimelineId.generate())
+    halfway = _HalfwayIngest(tl)
+    ing = TimelineWalIngest(tl, WalReceiverConfig(safekeepers=(("sk", 1),)), ingest=halfway)
+    rec = WalStreamDecoder(START)
+    rec.feed(make_wal(1))
+    first, second = next(rec.records()), next(rec.records())
+    paused = trio.Event()
+
+    async def pause() -> None:
+        await ing.pause()
+        paused.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ing._on_record, first)
+        await halfway.inside.wait()
+        nursery.start_soon(pause)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not paused.is_set()  # the record in progress is finished first
+        halfway.release.set()
+        await paused.wait()
+        nursery.start_soon(ing._on_record, second)
+        await trio.testing.wait_all_tasks_blocked()
+        assert halfway.started == [first.end_lsn]  # held back
+        nursery.cancel_scope.cancel()  # what shutdown does next
+    with trio.fail_after(1):
+        await tl.flush()
+    assert tl.disk_consistent_lsn == first.end_lsn
     await tenant.shutdown()

@@ -61,6 +61,8 @@ _PREFIX = KEY_SIZE + 8
 _LSN = struct.Struct(">Q")
 # read size when copying spilled index blocks behind the data (a multiple of the block size)
 _COPY_CHUNK: Final = 32 * INDEX_BLOCK_SIZE
+# readahead hints are a Linux/POSIX nicety; without them a cold read is only slower
+_FADVISE: Final = hasattr(os, "posix_fadvise")
 
 
 class LayerCorruptionError(RemoteProtocolError):
@@ -427,7 +429,7 @@ class LayerFileReader:
         last = max(first, bisect.bisect_left(fences, end) - 1)
         blocks = self.cache._blocks
         missing = [b for b in range(first, last + 1) if (self.file_id, b) not in blocks]
-        if missing:
+        if missing and _FADVISE:
             index_start = self.summary.index_start
             os.posix_fadvise(
                 self.file.fd,
@@ -526,10 +528,7 @@ class LayerFileWriter:
         tmp = directory / (desc.file_name() + ".___temp")
         index_tmp = directory / (desc.file_name() + ".___temp.index")
         for stale in (tmp, index_tmp):
-            try:
-                os.unlink(stale)
-            except FileNotFoundError:
-                pass
+            await engine.run_sync(_unlink_if_present, stale)
         file = await engine.open_file(tmp, "x+")
         index_file: IoFile | None = None
         try:
@@ -661,11 +660,10 @@ class LayerFileWriter:
         await self._drop_index_file()
 
     async def _drop_index_file(self) -> None:
-        # unlink first: a cancelled close must not leave the scratch file behind
-        try:
-            os.unlink(self.index_path)
-        except FileNotFoundError:
-            pass
+        # unlink first, shielded: a cancelled close must not leave the scratch file behind;
+        # the engine's way, because unlinking a large scratch file can block.
+        with trio.CancelScope(shield=True):
+            await self.engine.run_sync(_unlink_if_present, self.index_path)
         await self.index_file.aclose()
 
     async def abort(self) -> None:
@@ -679,3 +677,10 @@ class LayerFileWriter:
                 os.unlink(self.tmp_path)
             except FileNotFoundError:
                 pass
+
+
+def _unlink_if_present(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

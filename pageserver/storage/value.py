@@ -327,6 +327,8 @@ def decode_value(blob: bytes | bytearray | memoryview) -> Value:
 
 def value_will_init(encoded: bytes | bytearray | memoryview) -> bool:
     """``will_init`` of an encoded value without decoding all of it (used by writers)."""
+    if not encoded:
+        raise _corrupt("empty value")
     tag = encoded[0]
     if tag == TAG_IMAGE:
         return True

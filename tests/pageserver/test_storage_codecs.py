@@ -161,3 +161,14 @@ def test_truncated_values_never_decode_to_something_else(value: Value, data: st.
     # Only tail-delimited payloads (images, raw records) can be cut and still parse.
     assert isinstance(value, Image | PostgresRecord)
     assert decoded != value
+
+
+@given(st.binary(max_size=8))
+def test_value_will_init_on_hostile_bytes_is_a_bool_or_corruption(blob: bytes) -> None:
+    try:
+        got = value_will_init(blob)
+    except RemoteProtocolError as exc:
+        assert exc.sqlstate == "XX001"
+        assert blob == b""
+    else:
+        assert isinstance(got, bool)

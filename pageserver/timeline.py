@@ -26,18 +26,27 @@ bumps ``pageserver_get_validation_mismatches_total`` and logs the diff.
 Branches: a timeline may have an ancestor and ``ancestor_lsn``; reads at or below it fall
 through to the ancestor (``read_path``).
 
-Concurrency: structural changes (freeze/flush, compaction, GC) hold ``_layers_lock``; readers
-don't lock, and layers replaced while a read may still hold them are closed and deleted only
-when no read is in progress (``LayerGraveyard``).
+Concurrency: two locks, always taken in this order. The background lock serializes the
+structural background work of one timeline (compaction, image creation, GC) among itself: GC
+must not remove layers a compaction is reading, nor two compactions take the same L0s. The
+layers lock (``_layers_lock``) guards every change of the layer map and every index_part
+write (they share one temp file name): flush holds it to write an L0 and list it, GC for its
+whole (cheap) round, so a branch created meanwhile is either counted or refused; compaction
+and image creation only for their swap (``storage/compaction.py``), so the WAL ingest's roll,
+which needs it, never waits for a compaction's reading and writing. Readers don't lock, and
+layers replaced while a read may still hold them are closed and deleted only when no read is
+in progress (``LayerGraveyard``). ``shutdown`` cancels a running background round and waits
+for it to unwind before closing the layers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import os
 import struct
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -174,6 +183,11 @@ class Timeline:
         self._waiter_seq = 0
         self._layers_lock: trio.Lock | None = None
         self._put_lock_obj: trio.Lock | None = None
+        self._background_lock_obj: trio.Lock | None = None
+        self._background_scope: trio.CancelScope | None = None
+        self._shut_down = False
+        # Test seam: awaited at named points of a compaction round ("l0_merge", "image", "swap")
+        self.compaction_hook: Callable[[str], Awaitable[None]] | None = None
         # (monotonic time, lsn) samples for pitr_interval: at most one per second
         self._lsn_times: list[tuple[float, Lsn]] = []
         self.last_image_check_lsn = INVALID_LSN
@@ -246,6 +260,17 @@ class Timeline:
         if self._layers_lock is None:
             self._layers_lock = trio.Lock()
         return self._layers_lock
+
+    @property
+    def layers_lock(self) -> trio.Lock:
+        """The layers lock, for compaction's swap (see the module docstring)."""
+        return self._lock
+
+    @property
+    def _background_lock(self) -> trio.Lock:
+        if self._background_lock_obj is None:
+            self._background_lock_obj = trio.Lock()
+        return self._background_lock_obj
 
     @property
     def _put_lock(self) -> trio.Lock:
@@ -396,10 +421,14 @@ class Timeline:
             return True
 
     async def flush_if_old(self) -> None:
-        """Flush an open layer that has waited ``checkpoint_timeout_s`` (no put came to roll it)."""
+        """Flush an open layer that has waited ``checkpoint_timeout_s`` (no put came to roll it).
+        Not while a record is partly put: the background job would hold the layers lock while
+        ``flush`` waits for it (or fail after ``wait_lsn_timeout_s`` if its writer gave up);
+        the next period tries again, and a writer that goes on rolls the layer itself."""
         layer = self.open_layer
         if (
-            layer is not None
+            self._max_put_lsn <= self._last_record_lsn
+            and layer is not None
             and layer.index
             and time.monotonic() - layer.opened_at >= self.config.checkpoint_timeout_s
         ):
@@ -479,13 +508,27 @@ class Timeline:
 
     async def compact(self, *, force_image: bool = False) -> None:
         """L0 -> L1 when ``compaction_threshold`` L0s wait, then image layers where the delta
-        stack reaches ``image_creation_threshold`` (every partition if ``force_image``)."""
+        stack reaches ``image_creation_threshold`` (every partition if ``force_image``).
+        Under the background lock only: ingest and flushes go on meanwhile."""
         from pageserver.storage.compaction import compact_level0, create_image_layers
 
-        async with self._lock:
-            await compact_level0(self)
-            await create_image_layers(self, force=force_image)
-            await self.graveyard.collect()
+        async with self._background_lock:
+            if self._shut_down:
+                return
+            with self._background_round():
+                await compact_level0(self)
+                await create_image_layers(self, force=force_image)
+        await self.graveyard.collect()
+
+    @contextlib.contextmanager
+    def _background_round(self) -> Iterator[None]:
+        """A round ``shutdown`` can cancel (it then ends quietly, having changed nothing)."""
+        with trio.CancelScope() as scope:
+            self._background_scope = scope
+            try:
+                yield
+            finally:
+                self._background_scope = None
 
     def gc_cutoff(self, now: float | None = None) -> Lsn:
         cfg = self.config
@@ -505,6 +548,17 @@ class Timeline:
         lock is held, with no await between it, the cutoff update and the choice of victims,
         so a branch created meanwhile is either counted or sees the new cutoff (and is
         refused), never neither."""
+        removed: list[str] = []
+        async with self._background_lock:
+            if self._shut_down:
+                return removed
+            with self._background_round():
+                removed = await self._gc_round(retain_lsns)
+        return removed
+
+    async def _gc_round(self, retain_lsns: Sequence[Lsn] | Callable[[], Sequence[Lsn]]) -> list[str]:
+        """GC's whole round holds the layers lock too (no heavy IO in it, and the branch points
+        must be read in the same step as the cutoff)."""
         from pageserver.storage.gc import select_gc_victims
 
         async with self._lock:
@@ -708,7 +762,24 @@ class Timeline:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def shutdown(self) -> None:
-        """Drop in-memory layers (their WAL is re-ingested after a restart) and close files."""
+        """Drop in-memory layers (their WAL is re-ingested after a restart) and close files.
+        A compaction or GC round still running is cancelled (its outputs deleted) and waited
+        for first: it reads the layers closed here."""
+        self._shut_down = True
+        if self._background_scope is not None:
+            self._background_scope.cancel()
+        lock = self._background_lock
+        try:
+            lock.acquire_nowait()  # no checkpoint: callers shut down from cancelled scopes too
+        except trio.WouldBlock:
+            with trio.CancelScope(shield=True):
+                await lock.acquire()
+        try:
+            await self._close_layers()
+        finally:
+            lock.release()
+
+    async def _close_layers(self) -> None:
         for layer in self.in_memory_layers():
             await layer.aclose()
         self.open_layer = None

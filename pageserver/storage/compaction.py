@@ -13,14 +13,27 @@ has reached ``image_creation_threshold`` gets an image layer at ``disk_consisten
 with ``get_vectored`` in batches. Unless forced, the check runs only after 2 x
 ``checkpoint_distance`` of WAL since the last one. Image layers hold every key that exists in their range,
 inherited ones included.
+
+Concurrency: both run under the timeline's background lock (``Timeline.compact``), which keeps
+other compactions and GC out, so the input layers stay listed and open while they are read.
+The heavy part (reading inputs, writing and fsyncing outputs, opening them) runs WITHOUT the
+layers lock, so WAL ingest keeps rolling and flushing L0s meanwhile; only the swap
+(``_swap``: layer map, index_part, graveyard) takes it. Each works on a snapshot: the L0s
+listed when it starts (new L0s start where the snapshot ends, so the L1s' LSN range ends
+where they begin, and ``replace`` removes only the snapshot), and the ``disk_consistent_lsn``
+when image creation starts (images are made at that LSN, however far flushes move it).
+Cancelled or failed, a round deletes its outputs (shielded) and changes nothing; a crash
+before the swap leaves files index_part does not list, which the next load deletes.
 """
 
 from __future__ import annotations
 
 import heapq
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
+
+import trio
 
 from pageserver.storage.delta_layer import PersistentLayer
 from pageserver.storage.image_layer import write_image_layer
@@ -58,8 +71,61 @@ async def _merged(
             heapq.heapreplace(heap, (nxt[0], nxt[1], i, nxt[2], nxt[3]))
 
 
+async def _hook(tl: Timeline, point: str) -> None:
+    """Test seam: lets a test hold a round at a known point (``Timeline.compaction_hook``)."""
+    hook = tl.compaction_hook
+    if hook is not None:
+        await hook(point)
+
+
+async def _discard(tl: Timeline, outputs: Sequence[PersistentLayer]) -> None:
+    """Delete a failed or cancelled round's finished outputs; shielded, so a cancellation
+    (shutdown) does not leave them behind."""
+    with trio.CancelScope(shield=True):
+        for done in outputs:
+            await done.aclose()
+            await tl.engine.run_sync(_unlink_if_present, done.path)  # the engine's way
+
+
+def _unlink_if_present(path: os.PathLike[str]) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+async def _swap(
+    tl: Timeline, remove: list[PersistentLayer], add: list[PersistentLayer]
+) -> None:
+    """The only part of a round under the layers lock. Cancelled before it holds the lock, it
+    deletes ``add``. Once it holds it, it is shielded: the swap is short and must not stop
+    between the layer map and index_part. If index_part cannot be written, the layer map is
+    put back and ``add`` goes to the graveyard (a read may have found it meanwhile)."""
+    try:
+        await _hook(tl, "swap")
+        await tl.layers_lock.acquire()
+    except BaseException:
+        await _discard(tl, add)
+        raise
+    try:
+        with trio.CancelScope(shield=True):
+            tl.layer_map.replace(remove, add)
+            try:
+                await tl.write_index_part()
+            except BaseException:
+                tl.layer_map.replace(add, remove)
+                tl.graveyard.bury(add)
+                raise
+            tl.graveyard.bury(remove)
+    finally:
+        tl.layers_lock.release()
+
+
 async def compact_level0(tl: Timeline) -> list[PersistentLayer]:
-    """Returns the new L1 layers (empty if below the threshold)."""
+    """Returns the new L1 layers (empty if below the threshold). Caller holds the timeline's
+    background lock, not its layers lock."""
+    # The snapshot: L0s flushed from here on are not inputs and stay listed (replace removes
+    # only these); they start at l0s[-1].lsn_end, where the L1s end.
     l0s = tl.layer_map.l0_layers()
     if len(l0s) < max(2, tl.config.compaction_threshold):
         return []
@@ -77,20 +143,20 @@ async def compact_level0(tl: Timeline) -> list[PersistentLayer]:
                 writer = None
             if writer is None:
                 writer = await LayerFileWriter.create(tl.engine, tl.path, provisional, tl.write_options())
+                await writer.put(key, lsn, blob, will_init)
+                await _hook(tl, "l0_merge")
+                continue
             await writer.put(key, lsn, blob, will_init)
         if writer is not None:
             outputs.append(await _finish_l1(tl, writer))
             writer = None
     except BaseException:
         if writer is not None:
-            await writer.abort()
-        for done in outputs:
-            await done.aclose()
-            await tl.engine.run_sync(os.unlink, done.path)  # the engine's way, like every file op
+            with trio.CancelScope(shield=True):
+                await writer.abort()
+        await _discard(tl, outputs)
         raise
-    tl.layer_map.replace(l0s, outputs)
-    await tl.write_index_part()
-    tl.graveyard.bury(l0s)
+    await _swap(tl, l0s, outputs)
     return outputs
 
 
@@ -104,7 +170,7 @@ async def _finish_l1(tl: Timeline, writer: LayerFileWriter) -> PersistentLayer:
 async def collect_keys(tl: Timeline, lsn: Lsn) -> set[Key]:
     """Every key that exists at ``lsn`` on ``tl``, inherited ones included."""
     keys: set[Key] = set()
-    for layer in tl.layer_map:
+    for layer in list(tl.layer_map):  # the awaits below may see flushes change the map
         if layer.desc.lsn_start > lsn:
             continue
         async for key, entry_lsn, _len in layer.iter_index():
@@ -141,36 +207,56 @@ IMAGE_CHECK_DISTANCES = 2
 
 
 async def create_image_layers(tl: Timeline, *, force: bool = False) -> list[PersistentLayer]:
+    """Caller holds the timeline's background lock, not its layers lock."""
+    # The snapshot LSN: flushes move disk_consistent_lsn on while this runs; everything at or
+    # below this one stays in layer files that only this round's swap (or GC, kept out by the
+    # background lock) could remove.
     lsn = tl.disk_consistent_lsn
     if lsn <= 0 or lsn < tl.latest_gc_cutoff_lsn:
         return []
     if not force and lsn - tl.last_image_check_lsn < IMAGE_CHECK_DISTANCES * tl.config.checkpoint_distance:
         return []
-    keys = sorted(await collect_keys(tl, lsn))
+    # The ancestor's layers are not ours to keep: count as a reader, so a compaction or GC of
+    # the ancestor cannot close a layer this scan is reading (the graveyard is per tenant).
+    tl.graveyard.readers += 1
+    try:
+        keys = sorted(await collect_keys(tl, lsn))
+    finally:
+        tl.graveyard.readers -= 1
     created: list[PersistentLayer] = []
-    for key_range, part_keys in partition_keys(keys, tl.config.compaction_target_size):
-        newest = tl.layer_map.newest_image_covering(key_range, lsn)
-        newest_lsn = newest.desc.image_lsn if newest is not None else -1
-        if newest_lsn == lsn:
-            continue
-        if not force and tl.layer_map.count_deltas_above(key_range, newest_lsn) < tl.config.image_creation_threshold:
-            continue
+    try:
+        for key_range, part_keys in partition_keys(keys, tl.config.compaction_target_size):
+            # New L0s flushed meanwhile start above ``lsn``: they only add to the count.
+            newest = tl.layer_map.newest_image_covering(key_range, lsn)
+            newest_lsn = newest.desc.image_lsn if newest is not None else -1
+            if newest_lsn == lsn:
+                continue
+            if not force and tl.layer_map.count_deltas_above(key_range, newest_lsn) < tl.config.image_creation_threshold:
+                continue
+            await _hook(tl, "image")
 
-        async def images(ks: list[Key] = part_keys) -> AsyncIterator[tuple[Key, bytes]]:
-            for i in range(0, len(ks), IMAGE_BATCH_KEYS):
-                batch = ks[i : i + IMAGE_BATCH_KEYS]
-                pages = await tl.get_vectored(batch, lsn)
-                for key in batch:
-                    yield key, pages[key]
+            async def images(ks: list[Key] = part_keys) -> AsyncIterator[tuple[Key, bytes]]:
+                for i in range(0, len(ks), IMAGE_BATCH_KEYS):
+                    batch = ks[i : i + IMAGE_BATCH_KEYS]
+                    pages = await tl.get_vectored(batch, lsn)
+                    for key in batch:
+                        yield key, pages[key]
 
-        path = await write_image_layer(
-            tl.engine, tl.path, key_range, lsn, images(), opts=tl.write_options()
-        )
-        if path is not None:
-            layer = await PersistentLayer.open(tl.engine, path, tl.index_cache)
-            tl.layer_map.replace([], [layer])
-            created.append(layer)
+            path = await write_image_layer(
+                tl.engine, tl.path, key_range, lsn, images(), opts=tl.write_options()
+            )
+            if path is not None:
+                try:
+                    layer = await PersistentLayer.open(tl.engine, path, tl.index_cache)
+                except BaseException:
+                    with trio.CancelScope(shield=True):
+                        await tl.engine.run_sync(_unlink_if_present, path)
+                    raise
+                created.append(layer)
+    except BaseException:
+        await _discard(tl, created)
+        raise
     if created:
-        await tl.write_index_part()
+        await _swap(tl, [], created)
     tl.last_image_check_lsn = lsn
     return created

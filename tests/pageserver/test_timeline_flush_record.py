@@ -78,3 +78,24 @@ async def test_flush_of_an_abandoned_record_fails_instead_of_claiming_it(
     assert tl.disk_consistent_lsn == before
     await tenant.shutdown()
 
+
+
+async def test_flush_if_old_skips_a_partly_put_record(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The background job must not sit on the layers lock waiting for (or failing on) a record
+    # in progress: it leaves the layer for the next period.
+    tenant = Tenant(tmp_path, TenantId.generate(), CFG)
+    tl = await tenant.create_timeline(TimelineId.generate())
+    await tl.put(k(0), Lsn(0x10), Image(b"a"))
+    tl.finish_write(Lsn(0x10))
+    await tl.put(k(1), Lsn(0x20), Image(b"b1"))
+    assert tl.open_layer is not None
+    tl.open_layer.opened_at -= 3600
+    start = trio.current_time()
+    await tl.flush_if_old()
+    assert trio.current_time() == start and tl.disk_consistent_lsn == 0
+    tl.finish_write(Lsn(0x20))
+    await tl.flush_if_old()
+    assert tl.disk_consistent_lsn == 0x20
+    await tenant.shutdown()

@@ -516,8 +516,9 @@ class Timeline:
             if self._shut_down:
                 return
             with self._background_round():
-                await compact_level0(self)
-                await create_image_layers(self, force=force_image)
+                async with self._lock:  # MUTANT
+                    await compact_level0(self)
+                    await create_image_layers(self, force=force_image)
         await self.graveyard.collect()
 
     @contextlib.contextmanager

@@ -65,7 +65,7 @@ class Model:
 async def write(tl: Timeline, model: Model, lsn: int, keys: list[Key]) -> None:
     """One record at ``lsn`` putting an image of each of ``keys``."""
     for key in keys:
-        page = f"{key.hex()}@{lsn:x}".encode() * 4
+        page = f"{key.hex()}@{lsn:x}".encode() * 16
         await tl.put(key, Lsn(lsn), Image(page))
         model.ops.append((lsn, key, page))
     tl.finish_write(Lsn(lsn))
@@ -134,6 +134,7 @@ class Pause:
 
 
 async def restart_and_check(tmp_path: Path, tenant: Tenant, tl: Timeline, model: Model) -> None:
+    await tl.flush()  # in-memory layers are dropped at shutdown (the WAL would be re-ingested)
     await tenant.shutdown()
     reloaded = await Tenant.load(tmp_path, tenant.tenant_id, CFG)
     again = reloaded.timelines[tl.timeline_id]
@@ -207,22 +208,29 @@ async def test_gc_waits_for_a_running_compaction(tmp_path: Path) -> None:
         await tl.compact(force_image=True)
         order.append("compaction")
 
+    removed: list[str] = []
+
     async def gc() -> None:
-        await tl.gc()
+        removed.extend(await tl.gc())
         order.append("gc")
 
+    inputs = {x.path.name for x in tl.layer_map.l0_layers()}
     async with trio.open_nursery() as nursery:
         nursery.start_soon(compact)
         await pause.reached.wait()
+        # An L0 above the snapshot moves the GC cutoff past the L1s' end: once the images at
+        # the snapshot LSN exist, GC removes the L1s (and, let in now, could remove the inputs).
+        await write_l0(tl, model, 2)
+        newest = tl.layer_map.l0_layers()[-1]
         nursery.start_soon(gc)
         await trio.testing.wait_all_tasks_blocked()
         assert order == [], "GC ran while a compaction was reading its inputs"
         assert tl.latest_gc_cutoff_lsn == 0
         pause.release.set()
     assert order == ["compaction", "gc"]
-    assert tl.latest_gc_cutoff_lsn > 0
-    # GC did remove something once it ran (the images made the L1s garbage): it was not a no-op.
-    assert all(not x.desc.is_delta for x in tl.layer_map)
+    assert tl.latest_gc_cutoff_lsn == tl.disk_consistent_lsn
+    assert removed and not inputs & set(removed), "GC removed nothing, or the compacted L0s twice"
+    assert [x for x in tl.layer_map if x.desc.is_delta] == [newest]
     await check(tl, model)
     await check_index_part(tl)
     await restart_and_check(tmp_path, tenant, tl, model)

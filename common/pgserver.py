@@ -88,6 +88,9 @@ log = structlog.get_logger("pgserver")
 RECEIVE_SIZE = 256 * 1024
 # recv_into gets at least this much room (usually the rest of a 2 MiB receive array).
 RECEIVE_MIN = 256 * 1024
+# A connection whose next receive waits this long releases its receive buffer until bytes
+# arrive (idle page service and libpq connections then hold no receive memory).
+IDLE_RELEASE_S = 1.0
 
 
 @attrs.frozen
@@ -258,22 +261,38 @@ class PgConnection:
             self._decoder.receive_data(await self._receive_some())
             return
         timeout = self.server.config.idle_timeout_s
-        window = self._decoder.receive_window(RECEIVE_MIN)
-        n = 0
-        try:
-            with trio.move_on_after(math.inf if timeout is None else timeout) as idle:
-                try:
-                    n = await stream.socket.recv_into(window)
-                except OSError as exc:
-                    # What trio.SocketStream.receive_some raises for the same failures.
-                    if exc.errno in (errno.EBADF, errno.ENOTSOCK):
-                        raise trio.ClosedResourceError("this socket was already closed") from None
-                    raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-        finally:
-            del window
-            self._decoder.receive_commit(n)
-        if idle.cancelled_caught:
-            raise IdleTimeout(f"no message from the client for {timeout} s")
+        now = trio.current_time()
+        deadline = now + (math.inf if timeout is None else timeout)
+        while True:
+            window = self._decoder.receive_window(RECEIVE_MIN)
+            n = -1
+            try:
+                # A receive that waits longer than IDLE_RELEASE_S gives up its window (below).
+                with trio.move_on_at(min(deadline, now + IDLE_RELEASE_S)):
+                    try:
+                        n = await stream.socket.recv_into(window)
+                    except OSError as exc:
+                        # What trio.SocketStream.receive_some raises for the same failures.
+                        if exc.errno in (errno.EBADF, errno.ENOTSOCK):
+                            raise trio.ClosedResourceError(
+                                "this socket was already closed"
+                            ) from None
+                        raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+            finally:
+                del window
+                self._decoder.receive_commit(max(n, 0))
+            if n >= 0:
+                break
+            if trio.current_time() >= deadline:
+                raise IdleTimeout(f"no message from the client for {timeout} s")
+            # Idle: hold no receive memory (~RECEIVE_MIN, or the 2 MiB arrays of a zero-copy
+            # stream) while waiting; it is allocated again when bytes arrive.
+            self._decoder.release_idle_memory()
+            with trio.move_on_at(deadline) as idle:
+                await trio.lowlevel.wait_readable(stream.socket)
+            if idle.cancelled_caught:
+                raise IdleTimeout(f"no message from the client for {timeout} s")
+            now = trio.current_time()
         if n == 0:
             self._decoder.receive_data(b"")
 
@@ -286,7 +305,10 @@ class PgConnection:
         """
         # The pgwire decoder (protocol/, not ours) has no public drain.
         buf = self._decoder._buf
-        return buf.take(len(buf))
+        data = buf.take(len(buf))
+        # The handler reads the transport itself from now on: keep no receive memory.
+        self._decoder.release_idle_memory()
+        return data
 
     def restore_receive_buffer(self, data: bytes) -> None:
         """Put back bytes a handler read past the end of its COPY stream (see above)."""

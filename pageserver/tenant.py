@@ -245,7 +245,9 @@ class Tenant:
         logged with its traceback, counted, and tried again next period, as Neon does: one
         timeline's trouble must not end the jobs of the others, nor take the node down with
         it. Nothing is lost by a failed round: its outputs are discarded and the layers it
-        would have replaced stay listed."""
+        would have replaced stay listed. A compaction round does not stop the timeline's WAL
+        ingest: it holds the timeline's layers lock only to swap its outputs in
+        (``Timeline.compact``); it and GC take turns on the timeline's background lock."""
         cfg = self.config
 
         async def compaction_loop() -> None:

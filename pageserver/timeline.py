@@ -516,9 +516,8 @@ class Timeline:
             if self._shut_down:
                 return
             with self._background_round():
-                async with self._lock:  # MUTANT
-                    await compact_level0(self)
-                    await create_image_layers(self, force=force_image)
+                await compact_level0(self)
+                await create_image_layers(self, force=force_image)
         await self.graveyard.collect()
 
     @contextlib.contextmanager
@@ -568,10 +567,17 @@ class Timeline:
                 self.latest_gc_cutoff_lsn = cutoff
             retain = retain_lsns() if callable(retain_lsns) else retain_lsns
             victims = select_gc_victims(list(self._layer_map), self.latest_gc_cutoff_lsn, retain)
-            # Persist the cutoff before deleting anything, even if nothing goes.
-            self._layer_map.replace(victims, [])
-            await self.write_index_part()
-            self.graveyard.bury(victims)
+            # Persist the cutoff before deleting anything, even if nothing goes. Shielded, as
+            # compaction's swap: a shutdown cancelling the round must not stop it between the
+            # layer map and index_part (victims neither listed nor buried).
+            with trio.CancelScope(shield=True):
+                self._layer_map.replace(victims, [])
+                try:
+                    await self.write_index_part()
+                except BaseException:
+                    self._layer_map.replace([], victims)
+                    raise
+                self.graveyard.bury(victims)
             await self.graveyard.collect()
             return [v.path.name for v in victims]
 

@@ -407,6 +407,24 @@ class ReceiveBuffer:
             self._data = bytearray()
             self._lent = False
 
+    @property
+    def capacity(self) -> int:
+        """Bytes of receive memory this buffer holds (current and retired arrays)."""
+        return len(self._data) + sum(len(a) for a in self._retired)
+
+    def release_memory(self) -> bool:
+        """Drop every array when nothing is buffered and no ``writable`` window is out, so
+        that an idle connection holds no receive memory (the next ``writable`` or ``append``
+        allocates again). Views handed out keep their own array alive and unchanged: it is
+        only forgotten here, never reused. False (nothing done) if bytes are buffered."""
+        if self._end != self._start or self._window is not None:
+            return False
+        self._data = bytearray()
+        self._start = self._end = 0
+        self._lent = False
+        self._retired.clear()
+        return True
+
 
 class WriteBuffer:
     """An append-only builder for outgoing bytes.

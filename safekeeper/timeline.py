@@ -208,8 +208,10 @@ class Timeline:
                             writes.append(msg.wal)
                         continue
                     if writes:
-                        await self._write_group(begin, writes)
-                        writes = []
+                        # Emptied first: if the write raises InvalidWal (its valid prefix
+                        # is on disk), the group must not be written a second time below.
+                        group, writes = writes, []
+                        await self._write_group(begin, group)
                     if appended:
                         # Acknowledge the appends before answering what follows them.
                         acceptor.advance_commit()
@@ -296,9 +298,9 @@ class Timeline:
     # -- the pipelined write path ------------------------------------------------------------
     #
     # write_appends() writes group N+1 (tracking on this thread, pwritev in a worker) while
-    # the fdatasync of group N, started by sync(), runs in another worker on a duplicated
-    # descriptor; finish(N) then publishes N's flush and builds its AppendResponse. Only one
-    # sync is in flight per connection, and N's reply still leaves only after N's fdatasync.
+    # the fdatasync of group N, started by sync(), runs in another worker on its own
+    # descriptor; finish(N) then publishes N's flush and builds its AppendResponse. At most
+    # SYNCS_IN_FLIGHT syncs run per connection, and N's reply leaves only after N's fdatasync.
     # A truncation in between (another proposer) bumps the storage epoch, and N's flush is
     # then not published: the truncation has set the LSNs itself.
 

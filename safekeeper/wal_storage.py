@@ -302,12 +302,21 @@ class WalStorage:
             iov, start = rest, 0
 
     def sync_handle(self) -> int:
-        """A duplicate of the open segment's descriptor for an ``fdatasync`` that runs while
-        the next group is written (-1 when no segment is open: everything is durable). The
-        caller closes it."""
+        """A descriptor of the open segment for an ``fdatasync`` that runs while the next
+        group is written (-1 when no segment is open: everything is durable). The caller
+        closes it.
+
+        It is a new *open file description* (``open``), not a ``dup``: Linux reports a
+        writeback error once per open file description (errseq), so with two fdatasyncs in
+        flight on dup'ed descriptors the later group's call could take the EIO that belongs
+        to the earlier group's pages, and the earlier group would be acknowledged over lost
+        WAL. A description opened before the failed writeback reports it on its own."""
         if self._fd < 0 or self.no_sync:
             return -1
-        return os.dup(self._fd)
+        # The open segment is always the .partial file (it is renamed only when closed).
+        return os.open(
+            self.directory / (self.segment_name(self._segno) + ".partial"), os.O_RDONLY
+        )
 
     def mark_flushed(self, write_lsn: Lsn, record_end: Lsn) -> None:
         """An ``fdatasync`` that started after ``write_lsn`` was written has completed."""

@@ -103,7 +103,7 @@ async def _swap(
     put back and ``add`` goes to the graveyard (a read may have found it meanwhile)."""
     try:
         await _hook(tl, "swap")
-        pass  # MUTANT
+        await tl.layers_lock.acquire()
     except BaseException:
         await _discard(tl, add)
         raise
@@ -118,7 +118,7 @@ async def _swap(
                 raise
             tl.graveyard.bury(remove)
     finally:
-        pass  # MUTANT
+        tl.layers_lock.release()
 
 
 async def compact_level0(tl: Timeline) -> list[PersistentLayer]:

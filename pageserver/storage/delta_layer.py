@@ -34,6 +34,7 @@ from pageserver.storage.layer_file import (
     IndexBlock,
     IndexBlockCache,
     IndexEntry,
+    LayerClosedError,
     LayerCorruptionError,
     LayerDesc,
     LayerFileReader,
@@ -133,7 +134,12 @@ async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:
     if not ctx.reads:
         return []
     engine = ctx.reads[0][0].engine
-    jobs = [(r.file.fd, offset, total) for r, offset, total, _, _ in ctx.reads]
+    # A file closed since the walk planned its reads (a timeline shut down under the read)
+    # must not be read: its descriptor number may already belong to another file.
+    jobs = [(r.file.fd, offset, total) for r, offset, total, _, _ in ctx.reads if not r.file.closed]
+    if len(jobs) != len(ctx.reads):
+        closed = next(r for r, *_ in ctx.reads if r.file.closed)
+        raise LayerClosedError(closed.path)
     results, calls = await engine.run_sync(_do_reads, jobs)
     engine.stats.preadvs += calls
     values: list[Value | bytes] = []

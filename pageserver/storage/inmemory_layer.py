@@ -18,13 +18,15 @@ import time
 from array import array
 from collections.abc import AsyncIterator, Iterable, Sequence
 from itertools import repeat
+from operator import add, and_, rshift
+from operator import sub as sub_
 from pathlib import Path
 
 from pageserver.storage.delta_layer import ReadContext, write_delta_layer
 from pageserver.storage.ephemeral_file import EphemeralFile
 from pageserver.storage.io_engine import IoEngine
 from pageserver.storage.key import Key, KeyRange
-from pageserver.storage.layer_file import WriteOptions
+from pageserver.storage.layer_file import LayerDesc, LayerFileWriter, WriteOptions
 from pageserver.storage.reconstruct import KeyState
 from pageserver.storage.value import decode_value
 from protocol.lsn import MAX_LSN, Lsn
@@ -32,6 +34,9 @@ from protocol.lsn import MAX_LSN, Lsn
 _READ_WHOLE_MAX = 64 * 1024 * 1024
 # Values read per engine call when a big layer is flushed value by value (bounded memory).
 _READ_BATCH = 2048
+# Slack (bytes) up to which a big layer's flush reads a key's values as one range with the
+# other keys' values between them, rather than value by value.
+_SPAN_SLACK = 64 * 1024
 
 
 class InMemoryLayer:
@@ -260,15 +265,112 @@ class InMemoryLayer:
                 ranges = []
                 run_start = run_end = -1
 
+    async def _l0_batches(
+        self,
+    ) -> AsyncIterator[tuple[list[tuple[Key, int]], array[int], list[bytes | memoryview], list[int]]]:
+        """The frozen layer in (key, lsn) order as ``LayerFileWriter.put_many`` batches
+        ``(runs, lsns, blobs, will_inits)`` of about ``_READ_BATCH`` values: the per-value work
+        is C loops over the index arrays (column slices, ``map``) instead of a tuple and an
+        async-generator step per value (``_entries``, the per-value view, is the same data).
+
+        The keys are sorted once; a key's triples are already in LSN order (appends arrive in
+        LSN order). A layer of at most ``_READ_WHOLE_MAX`` bytes is read whole and its values
+        are memoryview slices of that one buffer (no copies). A bigger one is read per batch
+        (one ``read_many``; a flush never holds a whole ``checkpoint_distance`` in memory): a
+        key's values usually sit back to back in the file (or nearly: a key's span is read as
+        one range while it is at most twice its values plus ``_SPAN_SLACK``), the others are
+        read value by value, all in one engine call.
+        """
+        index = self.index
+        batch = _READ_BATCH
+        if self.size <= _READ_WHOLE_MAX:
+            whole = memoryview(await self.file.read_all())
+            getitem = whole.__getitem__
+            runs: list[tuple[Key, int]] = []
+            lsns = array("Q")
+            blobs: list[bytes | memoryview] = []
+            wills: list[int] = []
+            for key in sorted(index):
+                entries = index[key]
+                count = len(entries) // 3
+                runs.append((key, count))
+                lsns.extend(entries[0::3])
+                pos = entries[1::3]
+                offs = list(map(rshift, pos, repeat(1)))
+                wills += map(and_, pos, repeat(1))
+                blobs += map(getitem, map(slice, offs, map(add, offs, entries[2::3])))
+                if len(lsns) >= batch:
+                    yield runs, lsns, blobs, wills
+                    runs, lsns, blobs, wills = [], array("Q"), [], []
+            if runs:
+                yield runs, lsns, blobs, wills
+            return
+        # A big layer. Per batch: the ranges to read, and per run of values how to cut them
+        # out of what was read: (range index, offsets or None when each value is its own
+        # range, lengths).
+        ranges: list[tuple[int, int]] = []
+        cuts: list[tuple[int, list[int] | None, array[int]]] = []
+        runs, lsns, wills = [], array("Q"), []
+        for key in sorted(index):
+            entries = index[key]
+            total_count = len(entries) // 3
+            for first in range(0, total_count, batch):  # a huge key is split across batches
+                sub = entries if total_count <= batch else entries[3 * first : 3 * (first + batch)]
+                count = len(sub) // 3
+                runs.append((key, count))
+                lsns.extend(sub[0::3])
+                pos = sub[1::3]
+                lens = sub[2::3]
+                wills += map(and_, pos, repeat(1))
+                offs = list(map(rshift, pos, repeat(1)))
+                lo = offs[0]
+                span = offs[-1] + lens[-1] - lo
+                if span <= 2 * sum(lens) + _SPAN_SLACK:
+                    cuts.append((len(ranges), list(map(sub_, offs, repeat(lo))), lens))
+                    ranges.append((lo, span))
+                else:
+                    cuts.append((len(ranges), None, lens))
+                    ranges += zip(offs, lens, strict=True)
+                if len(lsns) >= batch:
+                    yield runs, lsns, await self._cut(ranges, cuts), wills
+                    runs, lsns, wills = [], array("Q"), []
+                    ranges, cuts = [], []
+        if runs:
+            yield runs, lsns, await self._cut(ranges, cuts), wills
+
+    async def _cut(
+        self, ranges: list[tuple[int, int]], cuts: list[tuple[int, list[int] | None, array[int]]]
+    ) -> list[bytes | memoryview]:
+        """Read ``ranges`` in one engine call, then cut the values out (``_l0_batches``)."""
+        data = await self.file.read_many(ranges)
+        blobs: list[bytes | memoryview] = []
+        for at, offs, lens in cuts:
+            if offs is None:
+                blobs += data[at : at + len(lens)]
+            else:
+                view = memoryview(data[at])
+                blobs += map(view.__getitem__, map(slice, offs, map(add, offs, lens)))
+        return blobs
+
     async def write_l0(self, engine: IoEngine, directory: Path, opts: WriteOptions) -> Path | None:
+        """Write the frozen layer to an L0 delta layer file; None if it holds no value."""
         if self.end_lsn is None:
             raise AssertionError("only a frozen in-memory layer is written to disk")
-        return await write_delta_layer(
-            engine,
-            directory,
-            KeyRange.full(),
-            self.start_lsn,
-            self.end_lsn,
-            self._entries(),
-            opts=opts,
-        )
+        if "_entries" in vars(self):
+            # A test replaced the per-value view on this layer to watch what is flushed
+            # (test_walingest_fast): honour it, through the per-value writer.
+            return await write_delta_layer(
+                engine, directory, KeyRange.full(), self.start_lsn, self.end_lsn, self._entries(), opts=opts
+            )
+        desc = LayerDesc(KeyRange.full(), self.start_lsn, self.end_lsn, True)
+        writer = await LayerFileWriter.create(engine, directory, desc, opts)
+        try:
+            async for runs, lsns, blobs, wills in self._l0_batches():
+                await writer.put_many(runs, lsns, blobs, wills)
+        except BaseException:
+            await writer.abort()
+            raise
+        if writer.n_entries == 0:
+            await writer.abort()
+            return None
+        return await writer.finish()

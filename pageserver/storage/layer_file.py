@@ -28,6 +28,9 @@ import os
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import cache
+from itertools import accumulate, compress, islice, repeat
+from operator import ge, lshift, or_
 from pathlib import Path
 from typing import Final
 
@@ -59,6 +62,16 @@ _BLOCK_HDR = struct.Struct(">IHH")
 ENTRIES_PER_BLOCK: Final = (INDEX_BLOCK_SIZE - _BLOCK_HDR.size) // ENTRY.size
 _PREFIX = KEY_SIZE + 8
 _LSN = struct.Struct(">Q")
+
+
+@cache
+def _entries_struct(count: int) -> struct.Struct:
+    """``count`` index entries as one struct (the writer's ``put_many``): ENTRY's bytes, with
+    the 26-byte (key, lsn) prefix as ``18s`` + ``Q`` so no prefix is built per entry."""
+    if KEY_SIZE != 18 or ENTRY.size != 42:
+        raise AssertionError("index entry layout changed: update _entries_struct")
+    return struct.Struct(">" + "18sQQII" * count)
+
 # read size when copying spilled index blocks behind the data (a multiple of the block size)
 _COPY_CHUNK: Final = 32 * INDEX_BLOCK_SIZE
 # readahead hints are a Linux/POSIX nicety; without them a cold read is only slower
@@ -71,6 +84,15 @@ class LayerCorruptionError(RemoteProtocolError):
     def __init__(self, path: Path | str, what: str) -> None:
         super().__init__(f"layer file {path}: {what}", sqlstate=DATA_CORRUPTED)
         self.path = Path(path)
+
+
+class LayerClosedError(Exception):
+    """A read found its layer file closed under it (a timeline shut down meanwhile): the read
+    stops, its descriptor number (maybe another file's by now) is never used."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"layer file {path} was closed during the read")
+        self.path = path
 
 
 @attrs.frozen
@@ -339,6 +361,7 @@ class LayerFileReader:
         cached = self.cache.get(self.file_id, blkno)
         if cached is not None:
             return cached
+        self._check_open()
         s = self.summary
         raw = await self.file.read_at(s.index_start + blkno * INDEX_BLOCK_SIZE, INDEX_BLOCK_SIZE)
         if len(raw) != INDEX_BLOCK_SIZE:
@@ -429,7 +452,7 @@ class LayerFileReader:
         last = max(first, bisect.bisect_left(fences, end) - 1)
         blocks = self.cache._blocks
         missing = [b for b in range(first, last + 1) if (self.file_id, b) not in blocks]
-        if missing and _FADVISE:
+        if missing and _FADVISE and not self.file.closed:
             index_start = self.summary.index_start
             os.posix_fadvise(
                 self.file.fd,
@@ -446,6 +469,10 @@ class LayerFileReader:
         if crc32c.crc32c(data) != crc:
             raise LayerCorruptionError(self.path, f"blob at offset {offset} checksum mismatch")
 
+    def _check_open(self) -> None:
+        if self.file.closed:
+            raise LayerClosedError(self.path)
+
     def check_entry(self, offset: int, length: int) -> None:
         if offset < DATA_START or offset + length > self.summary.data_end:
             raise LayerCorruptionError(self.path, f"index entry points outside the data section: {offset}+{length}")
@@ -453,6 +480,7 @@ class LayerFileReader:
     async def read_blob(self, offset: int, length: int, crc: int) -> bytes:
         """One blob, one pread (the legacy path's way)."""
         self.check_entry(offset, length)
+        self._check_open()
         data = await self.file.read_at(offset, length)
         self.check_blob(offset, length, crc, data)
         return data
@@ -462,6 +490,7 @@ class LayerFileReader:
         returned as one view per blob (one iovec keeps the syscall and its setup cheap)."""
         total = sum(lengths)
         self.check_entry(offset, total)
+        self._check_open()
         buffer = bytearray(total)
         got = await self.engine.preadv(self.file.fd, [buffer], offset)
         if got != total:
@@ -580,6 +609,96 @@ class LayerFileWriter:
         if self.writer.try_write(blob) < 0:
             await self.writer.write(blob)
         self._offset += length
+
+    async def put_many(
+        self,
+        runs: Sequence[tuple[Key, int]],
+        lsns: Sequence[int],
+        blobs: Sequence[bytes | bytearray | memoryview],
+        will_inits: Sequence[int],
+    ) -> None:
+        """``put`` of many entries in one call (the L0 flush's way).
+
+        ``runs`` are ``(key, count)``: the next ``count`` entries belong to ``key``; ``lsns``,
+        ``blobs`` and ``will_inits`` (0/1 or bools) have one item per entry, in the same
+        strictly increasing (key, lsn) order ``put`` requires (a key may continue in the next
+        run). The file is byte for byte what a ``put`` loop over the same entries writes
+        (tests/pageserver/test_layer_writer_fast.py), with the same checks, but the per-entry
+        work is done by C loops: the order and range checks per run (LSNs compared with one
+        ``map``), the crc32c of the blobs with one ``map``, the blobs appended with one buffer
+        write, and the index entries packed with one ``struct`` call per index block.
+        Nothing is written when a check fails.
+        """
+        n = len(lsns)
+        if len(blobs) != n or len(will_inits) != n:
+            raise ValueError(f"{self.final_path.name}: put_many of {n} LSNs, {len(blobs)} blobs, "
+                             f"{len(will_inits)} will_init flags")
+        if n == 0:
+            if runs:
+                raise ValueError(f"{self.final_path.name}: put_many runs do not add up to 0 entries")
+            return
+        desc = self.desc
+        key_range = desc.key_range
+        keys: list[Key] = []
+        starts: set[int] = set()
+        last_prefix = self._last_prefix
+        i = 0
+        for key, count in runs:
+            if len(key) != KEY_SIZE:
+                raise ValueError(f"{self.final_path.name}: key of {len(key)} bytes")
+            if count <= 0 or i + count > n:
+                raise ValueError(f"{self.final_path.name}: put_many runs do not add up to {n} entries")
+            prefix = key + _LSN.pack(lsns[i])
+            if prefix <= last_prefix:
+                raise ValueError(f"{self.final_path.name}: entries out of order at {key_hex(key)}@{lsns[i]:X}")
+            if key not in key_range:
+                raise ValueError(f"{self.final_path.name}: ({key_hex(key)}, {lsns[i]:X}) outside the layer")
+            starts.add(i)
+            keys += repeat(key, count)
+            i += count
+            last_prefix = key + _LSN.pack(lsns[i - 1])
+        if i != n:
+            raise ValueError(f"{self.final_path.name}: put_many runs do not add up to {n} entries")
+        # inside a run the LSNs must rise; a step that does not rise may only start a run
+        for at in compress(range(1, n), map(ge, islice(lsns, 0, n - 1), islice(lsns, 1, None))):
+            if at not in starts:
+                raise ValueError(f"{self.final_path.name}: entries out of order at {key_hex(keys[at])}@{lsns[at]:X}")
+        lo, hi = min(lsns), max(lsns)
+        if lo < desc.lsn_start or hi >= desc.lsn_end:
+            bad = lo if lo < desc.lsn_start else hi
+            at = list(lsns).index(bad)
+            raise ValueError(f"{self.final_path.name}: ({key_hex(keys[at])}, {bad:X}) outside the layer")
+        self._last_prefix = last_prefix
+
+        lengths = list(map(len, blobs))
+        offsets = list(accumulate(lengths, initial=self._offset))
+        positions = list(map(or_, map(lshift, offsets, repeat(1)), will_inits))
+        crcs = list(map(crc32c.crc32c, blobs))
+        data = b"".join(blobs)
+        if self.writer.try_write(data) < 0:
+            await self.writer.write(data)
+        self._offset = offsets[-1]
+        self._n_entries += n
+
+        # one flat argument list (key, lsn, pos, len, crc per entry: ENTRY's bytes, with the
+        # 26-byte prefix as 18s + Q), then one pack_into per (part of an) index block
+        flat: list[object] = [None] * (5 * n)
+        flat[0::5] = keys
+        flat[1::5] = lsns
+        flat[2::5] = positions
+        flat[3::5] = lengths
+        flat[4::5] = crcs
+        i = 0
+        while i < n:
+            if self._n_in_block == ENTRIES_PER_BLOCK:
+                await self._spill_block()
+            if self._n_in_block == 0:
+                self._fences.append(keys[i] + _LSN.pack(lsns[i]))
+            k = min(ENTRIES_PER_BLOCK - self._n_in_block, n - i)
+            _entries_struct(k).pack_into(self._block, _BLOCK_HDR.size + self._n_in_block * ENTRY.size,
+                                         *flat[5 * i : 5 * (i + k)])
+            self._n_in_block += k
+            i += k
 
     async def _spill_block(self) -> None:
         """Seal the current index block (header, crc, zero tail) and append it to the scratch

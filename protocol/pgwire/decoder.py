@@ -184,6 +184,16 @@ class _Decoder:
         """The first ``n`` bytes of the last ``receive_window`` arrived (0: none)."""
         self._buf.commit(n)
 
+    def release_idle_memory(self) -> bool:
+        """Give back the receive memory when nothing is buffered (an idle connection);
+        False if bytes are buffered. See ``ReceiveBuffer.release_memory``."""
+        return self._buf.release_memory()
+
+    @property
+    def receive_capacity(self) -> int:
+        """Bytes of receive memory held now."""
+        return self._buf.capacity
+
     def copy_data_views(self, limit: int = 1 << 30) -> list[memoryview]:
         """The fast path for COPY streams: the payloads of the complete CopyData messages at
         the front of the buffer (at most ``limit``), as zero-copy views that stay valid and

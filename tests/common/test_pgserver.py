@@ -13,6 +13,7 @@ import structlog
 import trio
 import trio.testing
 
+import common.pgserver as pgserver
 from common.pgclient import PgClientConnection, connect
 from common.pgserver import (
     CleartextPasswordAuthenticator,
@@ -561,3 +562,38 @@ async def test_serve_connection_in_caller_task_restores_log_context(handler: Han
         assert structlog.contextvars.get_contextvars() == {"outer": 1}
     finally:
         structlog.contextvars.clear_contextvars()
+
+
+async def test_an_idle_socket_connection_releases_its_receive_buffer(
+    handler: Handler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection waiting for its client longer than IDLE_RELEASE_S holds no receive
+    memory; it receives normally again afterwards, and the idle timeout still counts from
+    the start of the wait."""
+    monkeypatch.setattr(pgserver, "IDLE_RELEASE_S", 0.05)
+    conns: list[PgConnection] = []
+    real_register = PgServer._register
+
+    def register(self: PgServer, conn: PgConnection) -> None:
+        conns.append(conn)
+        real_register(self, conn)
+
+    monkeypatch.setattr(PgServer, "_register", register)
+    with trio.fail_after(10):
+        async with tcp_server(handler, PgServerConfig(idle_timeout_s=0.6)) as server:
+            assert server.port is not None
+            conn = await connect("127.0.0.1", server.port, user="idle")
+            assert len(await conn.query("select")) == 2
+            (server_conn,) = conns
+            assert server_conn._decoder.receive_capacity >= pgserver.RECEIVE_MIN
+            await trio.sleep(0.3)
+            assert server_conn._decoder.receive_capacity == 0
+            assert len(await conn.query("select")) == 2
+            await trio.sleep(0.3)
+            assert len(await conn.query("select")) == 2
+            # Quiet beyond the idle timeout (0.6 s) in total: closed with 57P05.
+            stream = conn.transport
+            msgs = await _raw_exchange(stream, b"", m.ErrorResponse)
+            err = msgs[0]
+            assert isinstance(err, m.ErrorResponse) and err.sqlstate == "57P05"
+            await stream.aclose()

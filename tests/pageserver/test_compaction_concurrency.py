@@ -11,6 +11,7 @@ a restart.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import trio
@@ -220,7 +221,8 @@ async def test_gc_waits_for_a_running_compaction(tmp_path: Path) -> None:
         await pause.reached.wait()
         # An L0 above the snapshot moves the GC cutoff past the L1s' end: once the images at
         # the snapshot LSN exist, GC removes the L1s (and, let in now, could remove the inputs).
-        await write_l0(tl, model, 2)
+        with trio.fail_after(30):  # a guard: the flush must not wait for the round
+            await write_l0(tl, model, 2)
         newest = tl.layer_map.l0_layers()[-1]
         nursery.start_soon(gc)
         await trio.testing.wait_all_tasks_blocked()
@@ -279,17 +281,19 @@ async def test_flushes_during_compaction_leave_a_consistent_layer_map(tmp_path: 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(tl.compact)
         await merge.reached.wait()
-        await write_l0(tl, model, 3)  # flushed while the inputs are read
+        with trio.fail_after(30):  # a guard: flushes must not wait for the round
+            await write_l0(tl, model, 3)  # flushed while the inputs are read
         merge.release.set()
         await swap.reached.wait()
-        await write_l0(tl, model, 2)  # and while the outputs wait to be swapped in
-        await write_l0(tl, model, 1)
+        with trio.fail_after(30):
+            await write_l0(tl, model, 2)  # and while the outputs wait to be swapped in
+            await write_l0(tl, model, 1)
         await check(tl, model)
         swap.release.set()
     l0s = tl.layer_map.l0_layers()
     assert len(l0s) == 3
     assert l0s[0].desc.lsn_start == inputs[-1].desc.lsn_end
-    assert all(a.desc.lsn_end == b.desc.lsn_start for a, b in zip(l0s, l0s[1:], strict=False))
+    assert all(a.desc.lsn_end == b.desc.lsn_start for a, b in itertools.pairwise(l0s))
     assert not set(map(id, inputs)) & set(map(id, tl.layer_map)), "an input stayed listed"
     await check(tl, model)
     await check_index_part(tl)

@@ -193,3 +193,26 @@ def test_take_frames_stops_at_other_tags_bad_lengths_and_partial_messages() -> N
     buf.append(b"Q\x00\x00\x00\x05x")
     assert buf.take_frames(ord("d"), 100, 10) == []
     assert buf.take(6) == b"Q\x00\x00\x00\x05x"
+
+
+def test_release_memory_when_idle_never_touches_views_handed_out() -> None:
+    buf = ReceiveBuffer(arena_size=64)
+    buf.append(b"d\x00\x00\x00\x08abcd" + b"d\x00\x00\x00\x08efgh")
+    views = buf.take_frames(ord("d"), 100, 10)
+    assert [bytes(v) for v in views] == [b"abcd", b"efgh"]
+    buf.append(b"d\x00")  # a partial message: not idle, nothing released
+    assert not buf.release_memory() and buf.capacity > 0
+    buf.consume(2)
+    window = buf.writable(16)
+    assert not buf.release_memory()  # a receive window is out
+    del window
+    buf.commit(0)
+    assert buf.release_memory() and buf.capacity == 0
+    # Receiving again allocates afresh; the held views keep their bytes.
+    for _ in range(20):
+        w = buf.writable(64)
+        w[:64] = b"\xff" * 64
+        del w
+        buf.commit(64)
+        buf.take(64)
+    assert [bytes(v) for v in views] == [b"abcd", b"efgh"]

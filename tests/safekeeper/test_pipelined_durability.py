@@ -207,3 +207,41 @@ async def test_syncs_in_flight_are_bounded_and_acks_follow_their_own_fsync(
     for k, (_flush, done) in enumerate(acks, start=1):
         assert k in done, f"group {k} acknowledged before its fdatasync returned"
     assert acks[-1][0] == tl.acceptor.flush_lsn > START
+
+
+async def test_each_sync_in_flight_has_its_own_open_file_description(tmp_path: Path) -> None:
+    """Linux reports a writeback error once per open file description: if two fdatasyncs
+    in flight shared one (``dup``), group 2's could consume the EIO of group 1's pages and
+    group 1 would be acknowledged. Each pending sync must therefore open the segment anew
+    (a shared description shows as a shared file offset)."""
+    tl = Timeline.create(tmp_path / "tl", 1, TENANT, TIMELINE, no_sync=False)
+    greeting = ProposerGreeting(
+        tenant_id=TENANT, timeline_id=TIMELINE, pg_version=150000, system_id=7,
+        wal_seg_size=WAL_SEGMENT_SIZE,
+    )
+    elected = ProposerElected(1, START, (TermSwitchEntry(1, START),))
+    _, error = await tl.process_batch([greeting, VoteRequest(1), elected])
+    assert error is None
+    wal = synthetic_wal(START, 16384, system_id=7)
+    half = len(wal) // 2
+    pendings = []
+    for begin, chunk in ((START, wal[:half]), (Lsn(START + half), wal[half:])):
+        req = AppendRequest(1, begin, Lsn(begin + len(chunk)), INVALID_LSN, INVALID_LSN, chunk)
+        _, pending, error = await tl.write_appends([req])
+        assert error is None and pending is not None and pending.fd >= 0
+        pendings.append(pending)
+    fds = [tl.storage._fd] + [p.fd for p in pendings]
+    try:
+        for k, fd in enumerate(fds):
+            os.lseek(fd, 1000 + k, os.SEEK_SET)
+        # Each offset is still its own: no two descriptors share an open file description.
+        assert [os.lseek(fd, 0, os.SEEK_CUR) for fd in fds] == [1000 + k for k in range(len(fds))]
+        # And each names the segment being written.
+        seg = os.fstat(tl.storage._fd)
+        assert all(os.fstat(p.fd).st_ino == seg.st_ino for p in pendings)
+    finally:
+        for p in pendings:
+            await tl.sync(p)
+    for p in pendings:
+        await tl.finish(p)
+    assert tl.acceptor.flush_lsn > START

@@ -1,0 +1,319 @@
+"""The layer writer's batch path agrees byte for byte with its per-entry path.
+
+``LayerFileWriter.put_many`` (and ``InMemoryLayer.write_l0``, which feeds it from
+``_l0_batches``) must write exactly the file a ``put`` loop over the same entries writes: ``put``
+is the oracle. Hypothesis draws values (empty, small, bigger than an index block), keys with
+many LSNs, runs split anywhere (inside a key, across index blocks); mutants of the batch code
+(a fence, a crc, a block boundary, a value cut of the big-layer flush) must be caught.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import random
+import shutil
+import tempfile
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hst
+
+from pageserver.storage import inmemory_layer
+from pageserver.storage.delta_layer import write_delta_layer
+from pageserver.storage.ephemeral_file import EphemeralFile
+from pageserver.storage.inmemory_layer import InMemoryLayer
+from pageserver.storage.io_engine import BlockingIoEngine
+from pageserver.storage.key import Key, KeyRange
+from pageserver.storage.layer_file import (
+    ENTRIES_PER_BLOCK,
+    LayerDesc,
+    LayerFileWriter,
+    WriteOptions,
+)
+from protocol.lsn import Lsn
+
+Entry = tuple[Key, int, bytes, bool]
+
+
+def k(i: int) -> Key:
+    # neighbours differ in the last bytes, as relation blocks do
+    return Key(bytes([0, 0, 0, 0x06, 0x7F]) + i.to_bytes(13, "big"))
+
+
+@hst.composite
+def entries_and_cuts(draw: hst.DrawFn) -> tuple[list[Entry], list[int], list[int]]:
+    """Sorted entries, the points where ``put_many`` runs are cut (besides key changes), and
+    where batches (calls) are cut."""
+    n_keys = draw(hst.integers(1, 30))
+    key_ids = sorted(draw(hst.sets(hst.integers(0, 10_000), min_size=n_keys, max_size=n_keys)))
+    # (the bytes come from a drawn seed: drawing thousands of values byte by byte is too much)
+    rng = random.Random(draw(hst.integers(0, 2**32)))
+    out: list[Entry] = []
+    for key_id in key_ids:
+        # a few keys get many LSNs, so a key spans index blocks
+        n_lsns = draw(hst.sampled_from([1, 1, 2, 3, 4, 150, 300, 450]))
+        lsn = 100 + draw(hst.integers(0, 5))
+        for _ in range(n_lsns):
+            # empty, small, and bigger than an index block (and than a 4 KiB buffer)
+            size = rng.choice((0, 0, 1, 7, 100, 140, 200, 200, 200, 8193 + rng.randrange(800)))
+            out.append((k(key_id), lsn, rng.randbytes(size), rng.random() < 0.3))
+            lsn += rng.choice((1, 1, 2, 3))
+    cut = hst.lists(hst.integers(0, len(out)), max_size=12)
+    return out, draw(cut), draw(cut)
+
+
+def _desc() -> LayerDesc:
+    return LayerDesc(KeyRange(k(0), k(10_001)), Lsn(100), Lsn(100 + 3 * 500 + 10), True)
+
+
+async def _write_with_put(directory: Path, desc: LayerDesc, entries: Sequence[Entry], opts: WriteOptions) -> bytes:
+    writer = await LayerFileWriter.create(BlockingIoEngine(), directory, desc, opts)
+    for key, lsn, blob, will_init in entries:
+        await writer.put(key, lsn, blob, will_init)
+    return (await writer.finish()).read_bytes()
+
+
+def _runs(entries: Sequence[Entry], cuts: set[int]) -> list[tuple[Key, int]]:
+    runs: list[tuple[Key, int]] = []
+    for i, (key, _, _, _) in enumerate(entries):
+        if runs and runs[-1][0] == key and i not in cuts:
+            runs[-1] = (key, runs[-1][1] + 1)
+        else:
+            runs.append((key, 1))
+    return runs
+
+
+async def _write_with_put_many(
+    directory: Path,
+    desc: LayerDesc,
+    entries: Sequence[Entry],
+    run_cuts: Sequence[int],
+    batch_cuts: Sequence[int],
+    opts: WriteOptions,
+) -> bytes:
+    writer = await LayerFileWriter.create(BlockingIoEngine(), directory, desc, opts)
+    bounds = sorted({0, len(entries), *batch_cuts})
+    for lo, hi in itertools.pairwise(bounds):
+        part = entries[lo:hi]
+        # some batches hand memoryviews, as the in-memory layer does
+        blobs: list[bytes | memoryview] = [memoryview(e[2]) if lo % 2 else e[2] for e in part]
+        await writer.put_many(
+            _runs(part, {c - lo for c in run_cuts}), [e[1] for e in part], blobs, [e[3] for e in part]
+        )
+    return (await writer.finish()).read_bytes()
+
+
+def _same_file_both_ways(entries: list[Entry], run_cuts: list[int], batch_cuts: list[int]) -> None:
+    desc = _desc()
+    root = Path(tempfile.mkdtemp(prefix="pagestore-writer-"))
+    try:
+        for buffer_size in (4096, 64 * 1024):
+            opts = WriteOptions(buffer_size=buffer_size)
+            (root / "a").mkdir()
+            (root / "b").mkdir()
+            want = trio.run(_write_with_put, root / "a", desc, entries, opts)
+            got = trio.run(_write_with_put_many, root / "b", desc, entries, run_cuts, batch_cuts, opts)
+            assert got == want
+            assert sorted(p.name for p in (root / "b").iterdir()) == [desc.file_name()]
+            shutil.rmtree(root / "a")
+            shutil.rmtree(root / "b")
+    finally:
+        shutil.rmtree(root)
+
+
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=entries_and_cuts())
+def test_put_many_writes_the_same_file_as_put(case: tuple[list[Entry], list[int], list[int]]) -> None:
+    _same_file_both_ways(*case)
+
+
+def test_put_many_fixed_cases_span_index_blocks() -> None:
+    # exactly at and around index block boundaries, one key and many
+    for n in (1, ENTRIES_PER_BLOCK - 1, ENTRIES_PER_BLOCK, ENTRIES_PER_BLOCK + 1, 3 * ENTRIES_PER_BLOCK + 5):
+        one_key = [(k(7), 100 + i, bytes([i % 251]) * (i % 50), i % 5 == 0) for i in range(n)]
+        many = [(k(i // 2), 100 + i % 2, b"v%d" % i, False) for i in range(n)]
+        for entries in (one_key, many):
+            _same_file_both_ways(entries, [], [])
+            _same_file_both_ways(entries, [ENTRIES_PER_BLOCK // 2], [n // 2, n // 2 + 1])
+
+
+# -- put_many's checks are put's -----------------------------------------------------------
+
+
+async def _expect_refused(
+    tmp_path: Path, runs: list[tuple[Key, int]], lsns: list[int], blobs: list[bytes], wills: list[int], what: str
+) -> None:
+    writer = await LayerFileWriter.create(BlockingIoEngine(), tmp_path, _desc(), WriteOptions())
+    try:
+        await writer.put(k(5), 200, b"first", False)
+        with pytest.raises(ValueError, match=what):
+            await writer.put_many(runs, lsns, blobs, wills)
+        assert writer.n_entries == 1 and writer.data_size == 5  # nothing of the batch written
+    finally:
+        await writer.abort()
+
+
+@pytest.mark.parametrize(
+    ("runs", "lsns", "what"),
+    [
+        ([(k(5), 1)], [200], "out of order"),  # same (key, lsn) as the last put
+        ([(k(4), 1)], [300], "out of order"),  # a smaller key
+        ([(k(6), 3)], [200, 202, 201], "out of order"),  # LSNs falling inside a run
+        ([(k(6), 2), (k(6), 1)], [200, 202, 202], "out of order"),  # a key continued at the same LSN
+        ([(k(6), 2), (k(7), 1)], [50, 202, 300], "outside the layer"),
+        ([(k(6), 2), (k(7), 1)], [200, 202, 5000], "outside the layer"),
+        ([(k(20_000), 1)], [300], "outside the layer"),
+        ([(k(6), 2)], [200, 201, 202], "do not add up"),
+        ([(Key(b"short"), 1)], [300], "key of 5 bytes"),
+    ],
+)
+async def test_put_many_refuses_what_put_refuses(
+    tmp_path: Path, runs: list[tuple[Key, int]], lsns: list[int], what: str
+) -> None:
+    await _expect_refused(tmp_path, runs, lsns, [b"x"] * len(lsns), [0] * len(lsns), what)
+
+
+async def test_put_many_refuses_mismatched_columns(tmp_path: Path) -> None:
+    await _expect_refused(tmp_path, [(k(6), 2)], [200, 201], [b"x"], [0, 0], "2 LSNs, 1 blobs")
+
+
+# -- InMemoryLayer.write_l0 (put_many) == the per-value view through put ------------------
+
+
+@hst.composite
+def layer_puts(draw: hst.DrawFn) -> list[tuple[Key, int, bytes, bool]]:
+    """Puts in LSN order over a few keys, interleaved (so a key's values are scattered in the
+    ephemeral file) or in streaks (back to back), some at an LSN already put (replaced)."""
+    n_keys = draw(hst.integers(1, 12))
+    n = draw(hst.integers(1, 700))
+    streaky = draw(hst.booleans())
+    rng = random.Random(draw(hst.integers(0, 2**32)))  # (see entries_and_cuts)
+    puts: list[tuple[Key, int, bytes, bool]] = []
+    lsn = 100
+    key_id = 0
+    for _ in range(n):
+        if not streaky or rng.randrange(30) == 0:
+            key_id = rng.randrange(n_keys)
+        lsn += rng.choice((0, 1, 1, 1, 8))
+        size = rng.choice((0, 1, 60, 140, 200, 9000))
+        puts.append((k(key_id), lsn, rng.randbytes(size), rng.random() < 0.3))
+    return puts
+
+
+async def _l0_both_ways(root: Path, puts: Sequence[tuple[Key, int, bytes, bool]]) -> tuple[bytes, bytes]:
+    engine = BlockingIoEngine()
+    eph = await EphemeralFile.create(engine, root, write_buffer_size=4096, double_buffering=False)
+    layer = InMemoryLayer(eph, Lsn(100))
+    try:
+        for key, lsn, blob, will_init in puts:
+            await layer.put(key, Lsn(lsn), blob, will_init)
+        end = Lsn(puts[-1][1] + 1)
+        await layer.freeze(end)
+        opts = WriteOptions(buffer_size=4096)
+        (root / "put").mkdir()
+        (root / "put_many").mkdir()
+        want = await write_delta_layer(
+            engine, root / "put", KeyRange.full(), Lsn(100), end, layer._entries(), opts=opts
+        )
+        got = await layer.write_l0(engine, root / "put_many", opts)
+        assert want is not None and got is not None and got.name == want.name
+        return want.read_bytes(), got.read_bytes()
+    finally:
+        await layer.aclose()
+
+
+def _same_l0_both_ways(puts: list[tuple[Key, int, bytes, bool]], big: bool) -> None:
+    root = Path(tempfile.mkdtemp(prefix="pagestore-l0-"))
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            if big:
+                # the big-layer path, small batches (keys split across them), and both ways of
+                # reading a key: its span as one range, or value by value
+                m.setattr(inmemory_layer, "_READ_WHOLE_MAX", 0)
+                m.setattr(inmemory_layer, "_READ_BATCH", 37)
+                m.setattr(inmemory_layer, "_SPAN_SLACK", 300)
+            want, got = trio.run(_l0_both_ways, root, puts)
+        assert got == want
+    finally:
+        shutil.rmtree(root)
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(puts=layer_puts(), big=hst.booleans())
+def test_write_l0_writes_the_same_file_as_put(puts: list[tuple[Key, int, bytes, bool]], big: bool) -> None:
+    _same_l0_both_ways(puts, big)
+
+
+async def test_write_l0_of_an_empty_layer_writes_nothing(tmp_path: Path) -> None:
+    engine = BlockingIoEngine()
+    eph = await EphemeralFile.create(engine, tmp_path, double_buffering=False)
+    layer = InMemoryLayer(eph, Lsn(100))
+    try:
+        await layer.freeze(Lsn(200))
+        (tmp_path / "out").mkdir()
+        assert await layer.write_l0(engine, tmp_path / "out", WriteOptions()) is None
+        assert list((tmp_path / "out").iterdir()) == []
+    finally:
+        await layer.aclose()
+
+
+# -- mutants of the batch code fail the tests above ----------------------------------------
+
+
+def _mutate(mp: pytest.MonkeyPatch, owner: type, name: str, old: str, new: str) -> None:
+    """Replace method ``name`` of ``owner`` by its source with the first ``old`` replaced by
+    ``new``, compiled in the method's module."""
+    source = textwrap.dedent(inspect.getsource(getattr(owner, name)))
+    assert old in source, f"mutation point {old!r} not found in {name}"
+    mutant = "from __future__ import annotations\n" + source.replace(old, new, 1)
+    namespace: dict[str, Any] = {}
+    module = inspect.getmodule(owner)
+    assert module is not None
+    exec(compile(mutant, f"<mutant of {name}>", "exec"), vars(module), namespace)
+    mp.setattr(owner, name, namespace[name])
+
+
+_WRITER_MUTANTS = [
+    # the fence of a block is the entry after its first
+    ("self._fences.append(keys[i] + _LSN.pack(lsns[i]))", "self._fences.append(keys[i] + _LSN.pack(lsns[min(i + 1, n - 1)]))"),
+    # a block boundary one entry early
+    ("k = min(ENTRIES_PER_BLOCK - self._n_in_block, n - i)", "k = min(ENTRIES_PER_BLOCK - 1 - self._n_in_block, n - i)"),
+    # the crc of a big blob misses its last byte
+    ("crcs = list(map(crc32c.crc32c, blobs))", "crcs = [crc32c.crc32c(b[:-1] if len(b) > 8192 else b) for b in blobs]"),
+    # the crc of the last blob of a batch is the one before it
+    ("crcs = list(map(crc32c.crc32c, blobs))", "crcs = list(map(crc32c.crc32c, blobs)); crcs[-1] = crcs[-2] if n > 1 else crcs[-1]"),
+    # the will_init bit lost after the first entry of a batch
+    ("map(or_, map(lshift, offsets, repeat(1)), will_inits)", "map(or_, map(lshift, offsets, repeat(1)), [will_inits[0]] * n)"),
+]
+
+
+@pytest.mark.parametrize(("old", "new"), _WRITER_MUTANTS)
+def test_a_writer_mutant_is_caught(old: str, new: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with monkeypatch.context() as m:
+        _mutate(m, LayerFileWriter, "put_many", old, new)
+        with pytest.raises(AssertionError):
+            test_put_many_writes_the_same_file_as_put()
+
+
+_L0_MUTANTS: list[tuple[str, str, str]] = [
+    # a key read value by value gets its neighbour's value
+    ("_cut", "blobs += data[at : at + len(lens)]", "blobs += data[at + 1 : at + 1 + len(lens)] or data[at : at + len(lens)]"),
+    # a key read as one span is cut one byte late
+    ("_cut", "map(slice, offs, map(add, offs, lens))", "map(slice, map(add, offs, repeat(1)), map(add, offs, lens))"),
+    # the whole-layer path loses the will_init bit
+    ("_l0_batches", "wills += map(and_, pos, repeat(1))", "wills += repeat(0, count)"),
+]
+
+
+@pytest.mark.parametrize(("name", "old", "new"), _L0_MUTANTS)
+def test_a_write_l0_mutant_is_caught(name: str, old: str, new: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with monkeypatch.context() as m:
+        _mutate(m, InMemoryLayer, name, old, new)
+        with pytest.raises(AssertionError):
+            test_write_l0_writes_the_same_file_as_put()

@@ -283,7 +283,7 @@ _WRITER_MUTANTS = [
     # the fence of a block is the entry after its first
     ("self._fences.append(keys[i] + _LSN.pack(lsns[i]))", "self._fences.append(keys[i] + _LSN.pack(lsns[min(i + 1, n - 1)]))"),
     # a block boundary one entry early
-    ("k = min(ENTRIES_PER_BLOCK - self._n_in_block, n - i)", "k = min(ENTRIES_PER_BLOCK - 1 - self._n_in_block, n - i)"),
+    ("k = min(ENTRIES_PER_BLOCK - self._n_in_block, n - i)", "k = min(max(1, ENTRIES_PER_BLOCK - 1 - self._n_in_block), n - i)"),
     # the crc of a big blob misses its last byte
     ("crcs = list(map(crc32c.crc32c, blobs))", "crcs = [crc32c.crc32c(b[:-1] if len(b) > 8192 else b) for b in blobs]"),
     # the crc of the last blob of a batch is the one before it

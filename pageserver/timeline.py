@@ -62,7 +62,7 @@ from pageserver.storage.index_part import IndexPart, write_index_part
 from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.io_engine import IoEngine
 from pageserver.storage.key import Key, KeySpace, key_hex, rel_size_key
-from pageserver.storage.layer_file import IndexBlockCache, WriteOptions
+from pageserver.storage.layer_file import IndexBlockCache, LayerClosedError, WriteOptions
 from pageserver.storage.layer_map import LayerMap
 from pageserver.storage.page_cache import PageCache
 from pageserver.storage.reconstruct import (
@@ -95,6 +95,10 @@ class GetValidationError(AssertionError):
 
 class LsnTimeoutError(TimeoutError):
     pass
+
+
+class TimelineShutdownError(Exception):
+    """The timeline was shut down before or while the read ran: its layers are closed."""
 
 
 class LsnBelowGcCutoffError(PageReconstructError):
@@ -186,6 +190,9 @@ class Timeline:
         self._background_lock_obj: trio.Lock | None = None
         self._background_scope: trio.CancelScope | None = None
         self._shut_down = False
+        # LSN -> number of reads in flight at it: GC keeps its cutoff at or below the lowest
+        # (a read admitted above the old cutoff must find every layer it needs)
+        self._reads_in_flight: dict[int, int] = {}
         # Test seam: awaited at named points of a compaction round ("l0_merge", "image", "swap")
         self.compaction_hook: Callable[[str], Awaitable[None]] | None = None
         # (monotonic time, lsn) samples for pitr_interval: at most one per second
@@ -563,6 +570,8 @@ class Timeline:
 
         async with self._lock:
             cutoff = self.gc_cutoff()
+            if self._reads_in_flight:
+                cutoff = Lsn(min(cutoff, min(self._reads_in_flight)))
             if cutoff > self.latest_gc_cutoff_lsn:
                 self.latest_gc_cutoff_lsn = cutoff
             retain = retain_lsns() if callable(retain_lsns) else retain_lsns
@@ -582,6 +591,31 @@ class Timeline:
             return [v.path.name for v in victims]
 
     # -- reads -----------------------------------------------------------------------------
+
+    def _admit(self, lsns: Iterable[int]) -> list[int]:
+        """Register reads at ``lsns`` (called with no await since their GC-cutoff check)."""
+        if self._shut_down:
+            raise TimelineShutdownError(f"timeline {self.timeline_id.hex} is shut down")
+        admitted = list(set(lsns))
+        flight = self._reads_in_flight
+        for lsn in admitted:
+            flight[lsn] = flight.get(lsn, 0) + 1
+        return admitted
+
+    def _release(self, admitted: list[int]) -> None:
+        flight = self._reads_in_flight
+        for lsn in admitted:
+            left = flight[lsn] - 1
+            if left:
+                flight[lsn] = left
+            else:
+                del flight[lsn]
+
+    def _raise_if_shut_down(self) -> None:
+        if self._shut_down:
+            raise TimelineShutdownError(
+                f"timeline {self.timeline_id.hex} was shut down while a read was in flight"
+            )
 
     def _check_lsn(self, key: Key, lsn: Lsn) -> None:
         if lsn < self.latest_gc_cutoff_lsn:
@@ -605,8 +639,14 @@ class Timeline:
             else:
                 for key, st in states.items():
                     await read_path.get_legacy(self, key, lsn, st)
+        except LayerClosedError:
+            self._raise_if_shut_down()
+            raise
         finally:
             self.graveyard.readers -= 1
+        # a walk that went on after shutdown emptied the layer map saw no layers: its
+        # "missing" keys are not missing
+        self._raise_if_shut_down()
         await self.graveyard.collect()
         out: dict[Key, Result] = {}
         for key, st in states.items():
@@ -627,12 +667,16 @@ class Timeline:
         key_list = list(keys.iter_keys()) if isinstance(keys, KeySpace) else list(dict.fromkeys(keys))
         for key in key_list:
             self._check_lsn(key, lsn)
-        impl = self.config.get_impl
-        results = await self._read(key_list, lsn, impl, use_cache=True, ctx=ctx)
-        if self.config.validate_get:
-            other: Literal["vectored", "legacy"] = "legacy" if impl == "vectored" else "vectored"
-            oracle = await self._read(key_list, lsn, other, use_cache=False)
-            self._validate(lsn, results, oracle, impl, other)
+        admitted = self._admit((lsn,))
+        try:
+            impl = self.config.get_impl
+            results = await self._read(key_list, lsn, impl, use_cache=True, ctx=ctx)
+            if self.config.validate_get:
+                other: Literal["vectored", "legacy"] = "legacy" if impl == "vectored" else "vectored"
+                oracle = await self._read(key_list, lsn, other, use_cache=False)
+                self._validate(lsn, results, oracle, impl, other)
+        finally:
+            self._release(admitted)
         return results
 
     def _validate(
@@ -684,8 +728,12 @@ class Timeline:
         self.graveyard.readers += 1
         try:
             await read_path.get_vectored_mixed(self, requests, states, ctx)
+        except LayerClosedError:
+            self._raise_if_shut_down()
+            raise
         finally:
             self.graveyard.readers -= 1
+        self._raise_if_shut_down()
         await self.graveyard.collect()
         out: dict[Key, Result] = {}
         for key, st in states.items():
@@ -721,18 +769,22 @@ class Timeline:
                     break
             else:
                 rounds.append({key: lsn})
-        for batch in rounds:
-            results = await self._read_mixed(batch, ctx)
-            if self.config.validate_get:
-                by_lsn: dict[Lsn, list[Key]] = {}
+        admitted = self._admit(lsn for batch in rounds for lsn in batch.values())
+        try:
+            for batch in rounds:
+                results = await self._read_mixed(batch, ctx)
+                if self.config.validate_get:
+                    by_lsn: dict[Lsn, list[Key]] = {}
+                    for key, lsn in batch.items():
+                        by_lsn.setdefault(lsn, []).append(key)
+                    for lsn, keys in by_lsn.items():
+                        oracle = await self._read(keys, lsn, "legacy", use_cache=False)
+                        got = {k: results[k] for k in keys}
+                        self._validate(lsn, got, oracle, "vectored-mixed", "legacy")
                 for key, lsn in batch.items():
-                    by_lsn.setdefault(lsn, []).append(key)
-                for lsn, keys in by_lsn.items():
-                    oracle = await self._read(keys, lsn, "legacy", use_cache=False)
-                    got = {k: results[k] for k in keys}
-                    self._validate(lsn, got, oracle, "vectored-mixed", "legacy")
-            for key, lsn in batch.items():
-                answers[(key, lsn)] = results[key]
+                    answers[(key, lsn)] = results[key]
+        finally:
+            self._release(admitted)
         return [answers[(key, lsn)] for key, lsn in requests]
 
     async def get_pages_per_lsn(self, requests: Sequence[tuple[Key, Lsn]]) -> list[Result]:

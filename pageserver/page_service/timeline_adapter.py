@@ -9,7 +9,8 @@ the fork's size are zero pages without touching the engine; a missing relation i
 ``NotFound``; a page that cannot be reconstructed is a per-request ``ReadError``.
 
 Error mapping: ``RelNotFoundError`` / ``MissingKeyError`` -> ``NotFound``;
-``PageReconstructError`` -> ``ReadError``; the engine's LSN timeout -> ``LsnTimeout``; the
+``PageReconstructError`` -> ``ReadError``; the engine's LSN timeout -> ``LsnTimeout``; a read
+the timeline's shutdown cut short (``TimelineShutdownError``) -> ``Shutdown`` (57P01); the
 ``shutdown`` event -> ``wait_shutdown`` returns (the stream then ends with 57P01).
 """
 
@@ -25,6 +26,7 @@ from pageserver.page_service.reader import (
     PageRead,
     PageRequestError,
     ReadError,
+    Shutdown,
 )
 from pageserver.pgdatadir import (
     DEFAULTTABLESPACE_OID,
@@ -44,7 +46,7 @@ from pageserver.storage.key import (
     rel_size_key,
 )
 from pageserver.storage.reconstruct import MissingKeyError, PageReconstructError
-from pageserver.timeline import Timeline
+from pageserver.timeline import Timeline, TimelineShutdownError
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn, format_lsn
 from protocol.pagestream import RelTag, SlruKind
@@ -87,6 +89,8 @@ class TimelinePageReader:
             return await self.datadir.rel_exists(_rel(rel), lsn)
         except (PageReconstructError, RemoteProtocolError) as exc:
             raise ReadError(str(exc)) from None
+        except TimelineShutdownError as exc:
+            raise Shutdown(str(exc)) from None
 
     async def get_rel_size(self, rel: RelTag, lsn: Lsn) -> int:
         try:
@@ -95,6 +99,8 @@ class TimelinePageReader:
             raise NotFound(str(exc)) from None
         except (PageReconstructError, RemoteProtocolError) as exc:
             raise ReadError(str(exc)) from None
+        except TimelineShutdownError as exc:
+            raise Shutdown(str(exc)) from None
 
     async def get_db_size(self, dbnode: int, lsn: Lsn) -> int:
         try:
@@ -103,6 +109,8 @@ class TimelinePageReader:
             raise NotFound(str(exc)) from None
         except (PageReconstructError, RemoteProtocolError) as exc:
             raise ReadError(str(exc)) from None
+        except TimelineShutdownError as exc:
+            raise Shutdown(str(exc)) from None
 
     async def get_slru_segment(self, kind: SlruKind, segno: int, lsn: Lsn) -> bytes:
         try:
@@ -113,6 +121,8 @@ class TimelinePageReader:
             ) from None
         except (PageReconstructError, RemoteProtocolError) as exc:
             raise ReadError(str(exc)) from None
+        except TimelineShutdownError as exc:
+            raise Shutdown(str(exc)) from None
 
     async def _sizes(
         self, reads: Sequence[PageRead]
@@ -143,6 +153,12 @@ class TimelinePageReader:
         return sizes
 
     async def get_pages(self, reads: Sequence[PageRead]) -> list[bytes | PageRequestError]:
+        try:
+            return await self._get_pages(reads)
+        except TimelineShutdownError as exc:
+            raise Shutdown(str(exc)) from None
+
+    async def _get_pages(self, reads: Sequence[PageRead]) -> list[bytes | PageRequestError]:
         known = self._sizes_at
         try:
             # A hot timeline has every (fork, LSN) of the batch cached: no size read at all.

@@ -12,7 +12,7 @@ import trio.testing
 
 from pageserver.page_service.config import PageServiceConfig, PipelinedPipelining, SerialPipelining
 from pageserver.page_service.pipeline import PagestreamContext, serve_pagestream_bytes
-from pageserver.page_service.reader import PageRead, SingleTimeline
+from pageserver.page_service.reader import PageRead, Shutdown, SingleTimeline
 from pageserver.page_service.timeline_adapter import TimelinePageReader
 from pageserver.pgdatadir import DatadirWriter
 from pageserver.storage.config import StorageConfig
@@ -141,3 +141,25 @@ async def test_relation_growth_is_seen_through_the_size_cache(tmp_path: Path) ->
     await mod.commit()
     old, new = PageRead(REL, NBLOCKS + 2, Lsn(0x200)), PageRead(REL, NBLOCKS + 2, Lsn(0x300))
     assert await reader.get_pages([old, new]) == [bytes(BLCKSZ), page(NBLOCKS + 2, 3)]
+
+
+async def test_reads_of_a_shut_down_timeline_end_the_stream_with_57p01(tmp_path: Path) -> None:
+    """A timeline shut down under the page service: every kind of read is a ``Shutdown``
+    (the stream ends with 57P01), never a per-request "not found" for pages that exist."""
+    tenant = await build_timeline(tmp_path / "t")
+    tl = next(iter(tenant.timelines.values()))
+    reader = TimelinePageReader(tl)
+    await tl.shutdown()
+    reads = [PageRead(REL, blk, Lsn(0x200)) for blk in range(4)]
+    for attempt in (
+        lambda: reader.get_pages(reads),
+        lambda: reader.get_rel_size(REL, Lsn(0x200)),
+        lambda: reader.get_rel_exists(REL, Lsn(0x200)),
+        lambda: reader.get_db_size(5, Lsn(0x200)),
+    ):
+        try:
+            await attempt()
+        except Shutdown as exc:
+            assert exc.sqlstate == "57P01"
+        else:
+            raise AssertionError("a read of a shut-down timeline succeeded")

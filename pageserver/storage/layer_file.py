@@ -64,6 +64,9 @@ _PREFIX = KEY_SIZE + 8
 _LSN = struct.Struct(">Q")
 
 
+_FLAG_VALUES: Final = frozenset((0, 1))
+
+
 @cache
 def _entries_struct(count: int) -> struct.Struct:
     """``count`` index entries as one struct (the writer's ``put_many``): ENTRY's bytes, with
@@ -639,6 +642,7 @@ class LayerFileWriter:
             return
         desc = self.desc
         key_range = desc.key_range
+        lsn_start, lsn_end = desc.lsn_start, desc.lsn_end
         keys: list[Key] = []
         starts: set[int] = set()
         last_prefix = self._last_prefix
@@ -651,23 +655,23 @@ class LayerFileWriter:
             prefix = key + _LSN.pack(lsns[i])
             if prefix <= last_prefix:
                 raise ValueError(f"{self.final_path.name}: entries out of order at {key_hex(key)}@{lsns[i]:X}")
-            if key not in key_range:
-                raise ValueError(f"{self.final_path.name}: ({key_hex(key)}, {lsns[i]:X}) outside the layer")
+            # (a run's first and last LSN bound it once the rise check below has passed)
+            first, last = lsns[i], lsns[i + count - 1]
+            if key not in key_range or first < lsn_start or last >= lsn_end:
+                bad = first if first < lsn_start or last < lsn_end else last
+                raise ValueError(f"{self.final_path.name}: ({key_hex(key)}, {bad:X}) outside the layer")
             starts.add(i)
             keys += repeat(key, count)
             i += count
-            last_prefix = key + _LSN.pack(lsns[i - 1])
+            last_prefix = key + _LSN.pack(last)
         if i != n:
             raise ValueError(f"{self.final_path.name}: put_many runs do not add up to {n} entries")
         # inside a run the LSNs must rise; a step that does not rise may only start a run
         for at in compress(range(1, n), map(ge, islice(lsns, 0, n - 1), islice(lsns, 1, None))):
             if at not in starts:
                 raise ValueError(f"{self.final_path.name}: entries out of order at {key_hex(keys[at])}@{lsns[at]:X}")
-        lo, hi = min(lsns), max(lsns)
-        if lo < desc.lsn_start or hi >= desc.lsn_end:
-            bad = lo if lo < desc.lsn_start else hi
-            at = list(lsns).index(bad)
-            raise ValueError(f"{self.final_path.name}: ({key_hex(keys[at])}, {bad:X}) outside the layer")
+        if not _FLAG_VALUES.issuperset(will_inits):  # (they are or-ed into the positions)
+            raise ValueError(f"{self.final_path.name}: will_init flags must be 0/1 or bools")
         self._last_prefix = last_prefix
 
         lengths = list(map(len, blobs))

@@ -189,6 +189,10 @@ async def test_put_many_refuses_mismatched_columns(tmp_path: Path) -> None:
     await _expect_refused(tmp_path, [(k(6), 2)], [200, 201], [b"x"], [0, 0], "2 LSNs, 1 blobs")
 
 
+async def test_put_many_refuses_will_init_flags_other_than_0_1(tmp_path: Path) -> None:
+    await _expect_refused(tmp_path, [(k(6), 2)], [200, 201], [b"x", b"y"], [1, 2], "0/1")
+
+
 # -- InMemoryLayer.write_l0 (put_many) == the per-value view through put ------------------
 
 
@@ -244,6 +248,7 @@ def _same_l0_both_ways(puts: list[tuple[Key, int, bytes, bool]], big: bool) -> N
                 m.setattr(inmemory_layer, "_READ_WHOLE_MAX", 0)
                 m.setattr(inmemory_layer, "_READ_BATCH", 37)
                 m.setattr(inmemory_layer, "_SPAN_SLACK", 300)
+                m.setattr(inmemory_layer, "_READ_BATCH_BYTES", 20_000)
             want, got = trio.run(_l0_both_ways, root, puts)
         assert got == want
     finally:

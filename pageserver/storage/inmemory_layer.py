@@ -24,7 +24,7 @@ from operator import add, and_, rshift
 from operator import sub as sub_
 from pathlib import Path
 
-from pageserver.storage.delta_layer import ReadContext, write_delta_layer
+from pageserver.storage.delta_layer import ReadContext
 from pageserver.storage.ephemeral_file import EphemeralFile
 from pageserver.storage.io_engine import IoEngine
 from pageserver.storage.key import Key, KeyRange
@@ -367,12 +367,6 @@ class InMemoryLayer:
         """Write the frozen layer to an L0 delta layer file; None if it holds no value."""
         if self.end_lsn is None:
             raise AssertionError("only a frozen in-memory layer is written to disk")
-        if "_entries" in vars(self):
-            # A test replaced the per-value view on this layer to watch what is flushed
-            # (test_walingest_fast): honour it, through the per-value writer.
-            return await write_delta_layer(
-                engine, directory, KeyRange.full(), self.start_lsn, self.end_lsn, self._entries(), opts=opts
-            )
         desc = LayerDesc(KeyRange.full(), self.start_lsn, self.end_lsn, True)
         writer = await LayerFileWriter.create(engine, directory, desc, opts)
         try:

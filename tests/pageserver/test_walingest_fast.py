@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -166,14 +166,9 @@ async def _ingest(
     async def capturing_write_l0(
         self: InMemoryLayer, engine: IoEngine, directory: Path, opts: WriteOptions
     ) -> Path | None:
-        real_entries = self._entries
-
-        async def entries() -> AsyncIterator[tuple[Key, Lsn, bytes | bytearray | memoryview, bool]]:
-            async for key, lsn, blob, will_init in real_entries():
-                written.append((key, lsn, bytes(blob), will_init))
-                yield key, lsn, blob, will_init
-
-        monkeypatch.setattr(self, "_entries", entries)
+        # the frozen layer's values, read before the real (batched) write takes them
+        async for key, lsn, blob, will_init in self._entries():
+            written.append((key, lsn, bytes(blob), will_init))
         layers.append(self)
         return await real_write_l0(self, engine, directory, opts)
 

@@ -32,8 +32,9 @@ restarted stream may overlap. ``finish_write`` runs once per record.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import structlog
@@ -1039,31 +1040,27 @@ class TimelineWalIngest:
         return Progress(self.tl.disk_consistent_lsn, self.tl.disk_consistent_lsn)
 
     async def _on_record(self, rec: DecodedRecord) -> None:
+        await self._applying(self.ingest.ingest_record(rec))
+
+    async def _on_records(self, recs: list[DecodedRecord]) -> None:
+        # a flush waits for the whole batch (a few ms of WAL)
+        await self._applying(self.ingest.ingest_records(recs))
+
+    async def _applying(self, apply: Coroutine[Any, Any, object]) -> None:
         # A flush must not interleave with the puts of a record. trio.Lock costs a schedule
         # point per record (about 6 µs, a quarter of the whole per-record cost), so the hot
         # path only tests a flag.
-        while self._flush_done is not None:
-            await self._flush_done.wait()
+        try:
+            while self._flush_done is not None:
+                await self._flush_done.wait()
+        except BaseException:
+            apply.close()  # never started: no "was never awaited" warning
+            raise
         self._in_record = True
         try:
-            await self.ingest.ingest_record(rec)
+            await apply
         except BaseException:
             # a half-applied record must not leave stale sizes or directories behind
-            self.ingest.w.invalidate()
-            raise
-        finally:
-            self._in_record = False
-            if self._between is not None:
-                self._between.set()
-
-    async def _on_records(self, recs: list[DecodedRecord]) -> None:
-        # _on_record for a whole batch: a flush waits for the batch (a few ms of WAL).
-        while self._flush_done is not None:
-            await self._flush_done.wait()
-        self._in_record = True
-        try:
-            await self.ingest.ingest_records(recs)
-        except BaseException:
             self.ingest.w.invalidate()
             raise
         finally:

@@ -41,6 +41,7 @@ from pageserver.storage.layer_file import (
     LayerFileWriter,
     WriteOptions,
     prefix_of,
+    write_layer_file,
 )
 from pageserver.storage.reconstruct import KeyState
 from pageserver.storage.value import (
@@ -583,15 +584,8 @@ async def write_delta_layer(
     opts: WriteOptions | None = None,
 ) -> Path | None:
     """Write a delta layer from entries in (key, lsn) order; None if there were none."""
-    desc = LayerDesc(key_range, lsn_start, lsn_end, True)
-    writer = await LayerFileWriter.create(engine, directory, desc, opts)
-    try:
+    async def fill(writer: LayerFileWriter) -> None:
         async for key, lsn, blob, will_init in entries:
             await writer.put(key, lsn, blob, will_init)
-    except BaseException:
-        await writer.abort()
-        raise
-    if writer.n_entries == 0:
-        await writer.abort()
-        return None
-    return await writer.finish()
+
+    return await write_layer_file(engine, directory, LayerDesc(key_range, lsn_start, lsn_end, True), opts, fill)

@@ -14,7 +14,7 @@ from pathlib import Path
 from pageserver.storage.delta_layer import PersistentLayer, ReadContext
 from pageserver.storage.io_engine import IoEngine
 from pageserver.storage.key import Key, KeyRange
-from pageserver.storage.layer_file import LayerDesc, LayerFileWriter, WriteOptions
+from pageserver.storage.layer_file import LayerDesc, LayerFileWriter, WriteOptions, write_layer_file
 from pageserver.storage.reconstruct import KeyState
 from pageserver.storage.value import Image, encode_value
 from protocol.lsn import Lsn
@@ -52,15 +52,8 @@ async def write_image_layer(
     opts: WriteOptions | None = None,
 ) -> Path | None:
     """Write an image layer from (key, page) in key order; None if there were none."""
-    desc = LayerDesc(key_range, lsn, Lsn(lsn + 1), False)
-    writer = await LayerFileWriter.create(engine, directory, desc, opts)
-    try:
+    async def fill(writer: LayerFileWriter) -> None:
         async for key, page in images:
             await writer.put(key, lsn, encode_value(Image(page)), True)
-    except BaseException:
-        await writer.abort()
-        raise
-    if writer.n_entries == 0:
-        await writer.abort()
-        return None
-    return await writer.finish()
+
+    return await write_layer_file(engine, directory, LayerDesc(key_range, lsn, Lsn(lsn + 1), False), opts, fill)

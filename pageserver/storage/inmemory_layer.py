@@ -28,7 +28,7 @@ from pageserver.storage.delta_layer import ReadContext
 from pageserver.storage.ephemeral_file import EphemeralFile
 from pageserver.storage.io_engine import IoEngine
 from pageserver.storage.key import Key, KeyRange
-from pageserver.storage.layer_file import LayerDesc, LayerFileWriter, WriteOptions
+from pageserver.storage.layer_file import LayerDesc, LayerFileWriter, WriteOptions, write_layer_file
 from pageserver.storage.reconstruct import KeyState
 from pageserver.storage.value import decode_value
 from protocol.lsn import MAX_LSN, Lsn
@@ -367,15 +367,9 @@ class InMemoryLayer:
         """Write the frozen layer to an L0 delta layer file; None if it holds no value."""
         if self.end_lsn is None:
             raise AssertionError("only a frozen in-memory layer is written to disk")
-        desc = LayerDesc(KeyRange.full(), self.start_lsn, self.end_lsn, True)
-        writer = await LayerFileWriter.create(engine, directory, desc, opts)
-        try:
+        async def fill(writer: LayerFileWriter) -> None:
             async for runs, lsns, blobs, wills in self._l0_batches():
                 await writer.put_many(runs, lsns, blobs, wills)
-        except BaseException:
-            await writer.abort()
-            raise
-        if writer.n_entries == 0:
-            await writer.abort()
-            return None
-        return await writer.finish()
+
+        desc = LayerDesc(KeyRange.full(), self.start_lsn, self.end_lsn, True)
+        return await write_layer_file(engine, directory, desc, opts, fill)

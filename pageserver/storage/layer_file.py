@@ -27,7 +27,7 @@ import itertools
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import cache
 from itertools import accumulate, compress, islice, repeat
 from operator import ge, lshift, or_
@@ -800,6 +800,27 @@ class LayerFileWriter:
                 os.unlink(self.tmp_path)
             except FileNotFoundError:
                 pass
+
+
+async def write_layer_file(
+    engine: IoEngine,
+    directory: Path,
+    desc: LayerDesc,
+    opts: WriteOptions | None,
+    fill: Callable[[LayerFileWriter], Awaitable[None]],
+) -> Path | None:
+    """Create a layer file for ``desc``, let ``fill`` put its entries, finish it; ``None``
+    (and nothing left on disk) when ``fill`` put nothing, the temp files removed when it fails."""
+    writer = await LayerFileWriter.create(engine, directory, desc, opts)
+    try:
+        await fill(writer)
+    except BaseException:
+        await writer.abort()
+        raise
+    if writer.n_entries == 0:
+        await writer.abort()
+        return None
+    return await writer.finish()
 
 
 def _unlink_if_present(path: Path) -> None:

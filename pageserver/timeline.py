@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-import os
 import struct
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -123,14 +122,7 @@ class LayerGraveyard:
             await layer.aclose()
             if isinstance(layer, PersistentLayer):
                 # Unlinking a large layer file can block: the engine's way, like its reads.
-                await layer.reader.file.engine.run_sync(_unlink_if_present, layer.path)
-
-
-def _unlink_if_present(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+                await layer.reader.file.engine.unlink(layer.path)
 
 
 def _describe(result: Result) -> str:

@@ -29,7 +29,6 @@ before the swap leaves files index_part does not list, which the next load delet
 from __future__ import annotations
 
 import heapq
-import os
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -84,14 +83,7 @@ async def _discard(tl: Timeline, outputs: Sequence[PersistentLayer]) -> None:
     with trio.CancelScope(shield=True):
         for done in outputs:
             await done.aclose()
-            await tl.engine.run_sync(_unlink_if_present, done.path)  # the engine's way
-
-
-def _unlink_if_present(path: os.PathLike[str]) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+            await tl.engine.unlink(done.path)  # the engine's way
 
 
 async def _swap(
@@ -250,7 +242,7 @@ async def create_image_layers(tl: Timeline, *, force: bool = False) -> list[Pers
                     layer = await PersistentLayer.open(tl.engine, path, tl.index_cache)
                 except BaseException:
                     with trio.CancelScope(shield=True):
-                        await tl.engine.run_sync(_unlink_if_present, path)
+                        await tl.engine.unlink(path)
                     raise
                 created.append(layer)
     except BaseException:

@@ -84,7 +84,7 @@ class EphemeralFile:
             )
         except BaseException:
             await file.aclose()
-            await engine.run_sync(_unlink_if_present, path)
+            await engine.unlink(path)
             raise
         return cls(file, writer)
 
@@ -146,14 +146,7 @@ class EphemeralFile:
         await self._writer.abort()
         await self.file.aclose()
         # Unlinking a large file can block for milliseconds: the engine's way, like its writes.
-        await self.file.engine.run_sync(_unlink_if_present, self.file.path)
-
-
-def _unlink_if_present(path: str | os.PathLike[str]) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        await self.file.engine.unlink(self.file.path)
 
 
 def remove_stale_ephemeral_files(directory: str | os.PathLike[str]) -> list[Path]:

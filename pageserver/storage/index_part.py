@@ -12,7 +12,6 @@ it was written.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -64,17 +63,10 @@ class IndexPart:
             raise RemoteProtocolError(f"{path}: invalid index_part: {exc}", sqlstate="XX001") from exc
 
 
-def _remove_stale(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 async def write_index_part(engine: IoEngine, directory: Path, part: IndexPart) -> None:
     tmp = directory / (INDEX_PART + ".___temp")
     # Every flush writes an index_part: the unlink goes the engine's way like the writes.
-    await engine.run_sync(_remove_stale, tmp)
+    await engine.unlink(tmp)
     file = await engine.open_file(tmp, "x")
     try:
         await file.write_at(0, part.to_json())

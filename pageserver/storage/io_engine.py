@@ -155,6 +155,15 @@ def sync_mode_flags(sync_mode: SyncMode) -> int:
 # -- the raw syscalls, shared by both engines ----------------------------------------------
 
 
+def unlink_if_present(path: str | os.PathLike[str]) -> None:
+    """``os.unlink`` that takes an absent file as done (blocking: ``IoEngine.unlink`` runs it
+    the engine's way)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _pread_all(fd: int, size: int, offset: int) -> bytes:
     """pread until ``size`` bytes or EOF (regular files only return short at EOF)."""
     data = os.pread(fd, size, offset)
@@ -283,6 +292,10 @@ class IoEngine(abc.ABC):
         """Run any blocking callable the engine's way (e.g. a whole batch of reads at once)."""
         self.stats.run_syncs += 1
         return await self._call(fn, *args)
+
+    async def unlink(self, path: str | os.PathLike[str]) -> None:
+        """Delete ``path`` if it exists (removing a large file can block for milliseconds)."""
+        await self.run_sync(unlink_if_present, path)
 
     async def pread(self, fd: int, size: int, offset: int) -> bytes:
         """Up to ``size`` bytes at ``offset``; shorter only at end of file."""

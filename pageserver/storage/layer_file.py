@@ -39,7 +39,7 @@ import crc32c
 import trio
 
 from pageserver.storage.buffered_writer import BufferedWriter
-from pageserver.storage.io_engine import IoEngine, IoFile, durable_rename
+from pageserver.storage.io_engine import IoEngine, IoFile, durable_rename, unlink_if_present
 from pageserver.storage.key import KEY_SIZE, Key, KeyRange, key_hex, key_parse_hex
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn
@@ -560,7 +560,7 @@ class LayerFileWriter:
         tmp = directory / (desc.file_name() + ".___temp")
         index_tmp = directory / (desc.file_name() + ".___temp.index")
         for stale in (tmp, index_tmp):
-            await engine.run_sync(_unlink_if_present, stale)
+            await engine.unlink(stale)
         file = await engine.open_file(tmp, "x+")
         index_file: IoFile | None = None
         try:
@@ -786,7 +786,7 @@ class LayerFileWriter:
         # unlink first, shielded: a cancelled close must not leave the scratch file behind;
         # the engine's way, because unlinking a large scratch file can block.
         with trio.CancelScope(shield=True):
-            await self.engine.run_sync(_unlink_if_present, self.index_path)
+            await self.engine.unlink(self.index_path)
         await self.index_file.aclose()
 
     async def abort(self) -> None:
@@ -796,10 +796,7 @@ class LayerFileWriter:
         finally:
             await self.writer.abort()
             await self.file.aclose()
-            try:
-                os.unlink(self.tmp_path)
-            except FileNotFoundError:
-                pass
+            unlink_if_present(self.tmp_path)  # inline: an abort may run in a cancelled scope
 
 
 async def write_layer_file(
@@ -821,10 +818,3 @@ async def write_layer_file(
         await writer.abort()
         return None
     return await writer.finish()
-
-
-def _unlink_if_present(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

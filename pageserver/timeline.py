@@ -619,18 +619,32 @@ class Timeline:
         self, keys: Sequence[Key], lsn: Lsn, impl: Literal["vectored", "legacy"], use_cache: bool,
         ctx: ReadContext | None = None,
     ) -> dict[Key, Result]:
-        states: dict[Key, KeyState] = {}
-        for key in keys:
-            hit = self.page_cache.lookup(self._key, key, lsn) if use_cache else None
-            states[key] = KeyState() if hit is None else KeyState(hit[0], hit[1])
-        ctx = ctx or ReadContext(max_vectored_read_bytes=self.config.max_vectored_read_bytes)
-        self.graveyard.readers += 1
-        try:
+        async def walk(states: dict[Key, KeyState], ctx: ReadContext) -> None:
             if impl == "vectored":
                 await read_path.get_vectored(self, list(states), lsn, states, ctx)
             else:
                 for key, st in states.items():
                     await read_path.get_legacy(self, key, lsn, st)
+
+        return await self._read_requests(dict.fromkeys(keys, lsn), walk, use_cache, ctx)
+
+    async def _read_requests(
+        self,
+        requests: dict[Key, Lsn],
+        walk: Callable[[dict[Key, KeyState], ReadContext], Awaitable[None]],
+        use_cache: bool,
+        ctx: ReadContext | None,
+    ) -> dict[Key, Result]:
+        """The body of every read: page-cache hits seed the key states, ``walk`` collects
+        each key's values, then each key is reconstructed at its LSN (and memorized)."""
+        states: dict[Key, KeyState] = {}
+        for key, lsn in requests.items():
+            hit = self.page_cache.lookup(self._key, key, lsn) if use_cache else None
+            states[key] = KeyState() if hit is None else KeyState(hit[0], hit[1])
+        ctx = ctx or ReadContext(max_vectored_read_bytes=self.config.max_vectored_read_bytes)
+        self.graveyard.readers += 1
+        try:
+            await walk(states, ctx)
         except LayerClosedError:
             self._raise_if_shut_down()
             raise
@@ -643,7 +657,7 @@ class Timeline:
         out: dict[Key, Result] = {}
         for key, st in states.items():
             try:
-                page, applied = reconstruct_value(key, lsn, st, self.redo)
+                page, applied = reconstruct_value(key, requests[key], st, self.redo)
             except PageReconstructError as exc:
                 out[key] = exc
                 continue
@@ -712,32 +726,11 @@ class Timeline:
 
     async def _read_mixed(self, requests: dict[Key, Lsn], ctx: ReadContext | None) -> dict[Key, Result]:
         """``_read`` (vectored, with the page cache) for keys that each have their own LSN."""
-        states: dict[Key, KeyState] = {}
-        for key, lsn in requests.items():
-            hit = self.page_cache.lookup(self._key, key, lsn)
-            states[key] = KeyState() if hit is None else KeyState(hit[0], hit[1])
-        ctx = ctx or ReadContext(max_vectored_read_bytes=self.config.max_vectored_read_bytes)
-        self.graveyard.readers += 1
-        try:
+
+        async def walk(states: dict[Key, KeyState], ctx: ReadContext) -> None:
             await read_path.get_vectored_mixed(self, requests, states, ctx)
-        except LayerClosedError:
-            self._raise_if_shut_down()
-            raise
-        finally:
-            self.graveyard.readers -= 1
-        self._raise_if_shut_down()
-        await self.graveyard.collect()
-        out: dict[Key, Result] = {}
-        for key, st in states.items():
-            try:
-                page, applied = reconstruct_value(key, requests[key], st, self.redo)
-            except PageReconstructError as exc:
-                out[key] = exc
-                continue
-            if applied is not None:
-                self.page_cache.memorize(self._key, key, applied, page)
-            out[key] = page
-        return out
+
+        return await self._read_requests(requests, walk, True, ctx)
 
     async def get_pages(
         self, requests: Sequence[tuple[Key, Lsn]], ctx: ReadContext | None = None

@@ -65,22 +65,42 @@ class _Waiter:
             trio.lowlevel.reschedule(task)
 
 
-class HandoffQueue(Generic[T]):
+class _Ends:
+    """What both hand-offs share: one parked task at most per side, and the two ways a side
+    ends (the producer closes; the consumer goes away)."""
+
+    __slots__ = ("_closed", "_receiver", "_receiver_gone", "_sender")
+
+    def __init__(self) -> None:
+        self._closed = False
+        self._receiver_gone = False
+        self._receiver = _Waiter()
+        self._sender = _Waiter()
+
+    def close(self) -> None:
+        """No more items; the consumer gets what is pending, then ``EndOfChannel``."""
+        self._closed = True
+        self._receiver.wake()
+
+    def close_receiver(self) -> None:
+        """The consumer stops; a parked producer raises ``ReceiverGone``."""
+        self._receiver_gone = True
+        self._sender.wake()
+
+
+class HandoffQueue(_Ends, Generic[T]):
     """Bounded FIFO, single producer, single consumer; ``close()`` (by the producer) ends it.
 
     ``capacity`` 0 still holds one item: the producer hands it over without waiting for the
     consumer to be parked (what matters here is bounding memory, not rendezvous).
     """
 
-    __slots__ = ("_capacity", "_closed", "_items", "_receiver", "_receiver_gone", "_sender")
+    __slots__ = ("_capacity", "_items")
 
     def __init__(self, capacity: int) -> None:
+        super().__init__()
         self._capacity = max(1, capacity)
         self._items: deque[T] = deque()
-        self._closed = False
-        self._receiver_gone = False
-        self._receiver = _Waiter()
-        self._sender = _Waiter()
 
     @property
     def receiver_idle(self) -> bool:
@@ -108,16 +128,6 @@ class HandoffQueue(Generic[T]):
         if not parked:
             await trio.lowlevel.cancel_shielded_checkpoint()
 
-    def close(self) -> None:
-        """No more items; the consumer gets what is queued, then ``EndOfChannel``."""
-        self._closed = True
-        self._receiver.wake()
-
-    def close_receiver(self) -> None:
-        """The consumer stops; a parked producer raises ``ReceiverGone``."""
-        self._receiver_gone = True
-        self._sender.wake()
-
     async def get(self) -> T:
         """The oldest item, parking while the queue is empty; ``EndOfChannel`` once closed."""
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -134,18 +144,15 @@ class HandoffQueue(Generic[T]):
         return item
 
 
-class FoldChannel(Generic[T]):
+class FoldChannel(_Ends, Generic[T]):
     """Single producer, single consumer; ``close()`` (by the producer) ends the stream."""
 
-    __slots__ = ("_batch", "_can_fold", "_closed", "_receiver", "_receiver_gone", "_sender")
+    __slots__ = ("_batch", "_can_fold")
 
     def __init__(self, can_fold: Callable[[list[T], T], bool]) -> None:
+        super().__init__()
         self._can_fold = can_fold
         self._batch: list[T] = []
-        self._closed = False
-        self._receiver_gone = False
-        self._receiver = _Waiter()
-        self._sender = _Waiter()
 
     async def send(self, item: T) -> None:
         """Fold ``item`` into the pending batch, parking while the batch refuses it."""
@@ -174,16 +181,6 @@ class FoldChannel(Generic[T]):
         self._batch.append(item)
         self._receiver.wake()
         return True
-
-    def close(self) -> None:
-        """No more items; the receiver gets the last batch, then ``EndOfChannel``."""
-        self._closed = True
-        self._receiver.wake()
-
-    def close_receiver(self) -> None:
-        """The receiver stops; a parked sender raises ``ReceiverGone``."""
-        self._receiver_gone = True
-        self._sender.wake()
 
     async def receive(self) -> list[T]:
         """Take the whole pending batch, parking while it is empty."""

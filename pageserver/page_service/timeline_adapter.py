@@ -153,18 +153,15 @@ class TimelinePageReader:
         return sizes
 
     async def get_pages(self, reads: Sequence[PageRead]) -> list[bytes | PageRequestError]:
-        try:
-            return await self._get_pages(reads)
-        except TimelineShutdownError as exc:
-            raise Shutdown(str(exc)) from None
-
-    async def _get_pages(self, reads: Sequence[PageRead]) -> list[bytes | PageRequestError]:
         known = self._sizes_at
         try:
             # A hot timeline has every (fork, LSN) of the batch cached: no size read at all.
             sizes: list[int | PageRequestError] = [known[(r.rel, r.lsn)] for r in reads]
         except KeyError:
-            by_key = await self._sizes(reads)
+            try:
+                by_key = await self._sizes(reads)
+            except TimelineShutdownError as exc:
+                raise Shutdown(str(exc)) from None
             sizes = [by_key[(r.rel, r.lsn)] for r in reads]
         out: list[bytes | PageRequestError] = [ZERO_PAGE] * len(reads)
         wanted: list[int] = []
@@ -182,7 +179,10 @@ class TimelinePageReader:
                     )
                 )
         if keyed:
-            results = await self.timeline.get_pages(keyed)
+            try:
+                results = await self.timeline.get_pages(keyed)
+            except TimelineShutdownError as exc:
+                raise Shutdown(str(exc)) from None
             for i, result in zip(wanted, results, strict=True):
                 out[i] = result if isinstance(result, bytes) else ReadError(str(result))
         return out

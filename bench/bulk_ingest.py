@@ -28,6 +28,20 @@ Memory (issue 3's goal: pageserver RSS below ``page_cache_size`` + 300 MiB while
 **peak_rss_mib** is this process's peak over the ingest and its final flush;
 ``rss_before_ingest_mib`` is the RSS at the reset; ``rss_goal_mib`` = ``page_cache_size_mib`` +
 300. The walredo process is not counted (a separate process, as in Neon).
+
+Floors (one ``bulk_ingest_floor`` JSON line each, after the ingest, over the same WAL: the
+segment files the recovered PostgreSQL still holds, read into memory first, from the record
+the ingest started at to the end of the bulk load; in-process, nothing stored), each with its
+time, CPU per record and its ratio to ``pg_recovery_s``:
+
+- ``decode-only``: the production decoder (``WalStreamDecoder.decode_into``, fed the receiver's
+  128 KiB pieces) decodes and CRC-checks every record; the records are dropped.
+- ``walk-crc-min``: ``protocol.wal.walk.walk_crc``, the least any Python ingest must do per
+  record: unpack its header, follow page boundaries, check its CRC-32C. If this alone were
+  near 2x PostgreSQL's recovery, the goal would be out of reach for a Python pageserver.
+
+``--floor-runs N`` repeats each floor (the line reports the median run); ``--floor-runs 0``
+skips them.
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +66,20 @@ from pageserver.wal_receiver import WalReceiverConfig
 from pageserver.walingest import TimelineWalIngest
 from pageserver.walredo.manager import PostgresRedoManager
 from protocol.ids import TenantId, TimelineId
-from protocol.lsn import Lsn, format_lsn, parse_lsn
+from protocol.lsn import (
+    WAL_SEGMENT_SIZE,
+    XLOG_BLCKSZ,
+    Lsn,
+    format_lsn,
+    parse_lsn,
+    segment_file_name,
+)
+from protocol.wal.reader import NeedData, WalStreamDecoder
+from protocol.wal.record import DecodedRecord
+from protocol.wal.walk import walk_crc
 
 MB = 1_000_000
+XLOGDATA_BYTES = 128 * 1024  # what one XLogData message of the walsender carries
 SETTINGS = {
     "wal_level": "replica",
     "full_page_writes": "on",
@@ -72,6 +98,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-rows", type=int, default=500_000, help="rows per INSERT statement")
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: under /tmp)")
     parser.add_argument("--io-engine", choices=("blocking", "threadpool"), default="blocking")
+    parser.add_argument("--floor-runs", type=int, default=1,
+                        help="runs of each floor configuration (median reported; 0: none)")
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -181,6 +209,7 @@ async def _ingest(root: Path, pg: PostgresInstance, end: Lsn, args: argparse.Nam
     await tenant.shutdown()
     wal_bytes = end - imported.end_lsn
     return {
+        "ingest_start": format_lsn(imported.end_lsn),
         "ingest_s": round(ingest_s, 2),
         "ingest_cpu_s": round(ingest_cpu_s, 2),
         "ingest_runq_wait_s": round(runq_s, 2),
@@ -200,6 +229,79 @@ async def _ingest(root: Path, pg: PostgresInstance, end: Lsn, args: argparse.Nam
     }
 
 
+def _read_wal(pg_wal: Path, start: Lsn, end: Lsn) -> tuple[Lsn, bytes]:
+    """The WAL from ``start``'s segment up to ``end``, from PostgreSQL's segment files."""
+    first = start // WAL_SEGMENT_SIZE
+    last = (end - 1) // WAL_SEGMENT_SIZE
+    parts = []
+    for seg in range(first, last + 1):
+        path = pg_wal / segment_file_name(seg, 1, WAL_SEGMENT_SIZE)
+        parts.append(path.read_bytes())  # (FileNotFoundError names a missing segment)
+    base = Lsn(first * WAL_SEGMENT_SIZE)
+    # up to the end of the page holding ``end``: the decoder never needs more
+    stop = -(-end // XLOG_BLCKSZ) * XLOG_BLCKSZ - base
+    return base, b"".join(parts)[:stop]
+
+
+def _decode_only(wal: bytes, base: Lsn, start: Lsn, end: Lsn) -> tuple[int, int]:
+    """The production decoder over the WAL in the receiver's XLogData pieces: (records, end)."""
+    page = start & ~(XLOG_BLCKSZ - 1)
+    dec = WalStreamDecoder(start, data_start=page)
+    out: list[DecodedRecord] = []
+    records = 0
+    for at in range(page - base, len(wal), XLOGDATA_BYTES):
+        dec.feed(wal[at : at + XLOGDATA_BYTES])
+        stop = dec.decode_into(out)
+        if dec.position >= end:
+            # the last piece may hold records past the bulk load's end: not counted
+            records += sum(1 for r in out if r.lsn < end)
+            return records, max(r.end_lsn for r in out if r.lsn < end)
+        records += len(out)
+        out.clear()
+        if not isinstance(stop, NeedData):
+            raise RuntimeError(f"decode-only floor: WAL ended early: {stop}")
+    raise RuntimeError(f"decode-only floor: the WAL stops at {format_lsn(dec.position)}")
+
+
+def _floors(root: Path, start: Lsn, end: Lsn, recovery_s: float, runs: int) -> None:
+    base, wal = _read_wal(root / "pg" / "pg_wal", start, end)
+
+    def walk() -> tuple[int, int]:
+        result = walk_crc(wal, base, start, end)
+        if result.error is not None:
+            raise RuntimeError(f"walk-crc-min floor: {result.error}")
+        return result.records, result.end_lsn
+
+    configs: list[tuple[str, Callable[[], tuple[int, int]]]] = [
+        ("decode-only", lambda: _decode_only(wal, base, start, end)),
+        ("walk-crc-min", walk),
+    ]
+    for name, fn in configs:
+        samples = []
+        for _ in range(runs):
+            load0 = os.getloadavg()[0]
+            t0 = time.perf_counter()
+            c0 = time.process_time()
+            records, stopped_at = fn()
+            samples.append((time.process_time() - c0, time.perf_counter() - t0, records, stopped_at, load0))
+        cpu_s, wall_s, records, stopped_at, load0 = sorted(samples)[len(samples) // 2]
+        _emit({
+            "bench": "bulk_ingest_floor",
+            "config": name,
+            "wal_mb": round((stopped_at - start) / MB, 1),
+            "records": records,
+            "end": format_lsn(Lsn(stopped_at)),
+            "seconds": round(wall_s, 2),
+            "cpu_s": round(cpu_s, 2),
+            "us_per_record_cpu": round(cpu_s / max(1, records) * 1e6, 3),
+            "pg_recovery_s": round(recovery_s, 2),
+            "ratio": round(wall_s / recovery_s, 2),
+            "ratio_cpu": round(cpu_s / recovery_s, 2),
+            "runs": runs,
+            "loadavg": [round(load0, 1), round(os.getloadavg()[0], 1)],
+        })
+
+
 def run(args: argparse.Namespace) -> int:
     base = args.dir or Path("/tmp")
     root = Path(tempfile.mkdtemp(prefix="bench-bulk-ingest-", dir=base))
@@ -209,10 +311,13 @@ def run(args: argparse.Namespace) -> int:
         trio.run(run_initdb, root / "init")
         pg, start, end, recovery_s = _prepare(root, args)
         result = trio.run(_ingest, root, pg, end, args)
+        if args.floor_runs > 0:
+            _floors(root, parse_lsn(result["ingest_start"]), end, recovery_s, args.floor_runs)
         _emit({
             "bench": "bulk_ingest",
             "wal_mb": round((end - start) / MB, 1),
             "pg_recovery_s": round(recovery_s, 2),
+            "pg_us_per_record": round(recovery_s / max(1, result["records"]) * 1e6, 3),
             **result,
             "ratio": round(result["ingest_s"] / recovery_s, 2),
             "io_engine": args.io_engine,

@@ -376,18 +376,69 @@ def _run_config(
     cache: str,
     qd: int,
 ) -> dict[str, Any]:
+    serve = ["--serve", str(workdir), mode, get_impl, cache, str(args.writes_per_s)]
+    count, hist, elapsed, server_cpu_s, server = _measure(serve, "batching_factor", targets, args, qd)
+    return {
+        "bench": "getpage",
+        "target": "pagestore",
+        "mode": mode,
+        "get_impl": get_impl,
+        "cache": cache,
+        "client": args.client,
+        "tenants": args.tenants,
+        "clients_per_tenant": args.clients,
+        "queue_depth": qd,
+        "writes_per_s": args.writes_per_s,
+        "pages": args.pages,
+        **_measured_fields(count, hist, elapsed, server_cpu_s),
+        "batching_factor": round(server["batching_factor"], 2),
+    }
+
+
+def _run_floor(
+    kind: str, targets: list[tuple[str, str]], args: argparse.Namespace, qd: int
+) -> dict[str, Any]:
+    """One FLOOR row: the same clients against a null server (``null-trio`` or
+    ``null-blocking``, see ``pageserver.page_service.null_server``) in its own process."""
+    count, hist, elapsed, server_cpu_s, _ = _measure(
+        ["--null-serve", kind], "stopped", targets, args, qd
+    )
+    return {
+        "bench": "getpage",
+        "target": kind,
+        "floor": True,
+        "client": args.client,
+        "tenants": args.tenants,
+        "clients_per_tenant": args.clients,
+        "queue_depth": qd,
+        **_measured_fields(count, hist, elapsed, server_cpu_s),
+    }
+
+
+def _measured_fields(count: int, hist: Any, elapsed: float, server_cpu_s: float) -> dict[str, Any]:
+    return {
+        "duration_s": round(elapsed, 2),
+        "request_count": count,
+        "pages_per_s": round(count / elapsed),
+        "latency_mean_us": round(hist.get_mean_value(), 1),
+        **{f"latency_p{p}_us": hist.get_value_at_percentile(p) for p in (50, 95, 99, 99.9, 99.99)},
+        # The server is idle while the clients start, so this is (almost) all serving.
+        "server_cpu_us_per_request": round(server_cpu_s / count * 1e6, 1) if count else None,
+    }
+
+
+def _measure(
+    serve_argv: list[str],
+    final_key: str,
+    targets: list[tuple[str, str]],
+    args: argparse.Namespace,
+    qd: int,
+) -> tuple[int, Any, float, float, dict[str, Any]]:
+    """Start a server process (``bench.getpage`` + ``serve_argv``; it prints its port as a
+    JSON line, and a line with ``final_key`` when SIGTERM stops it), drive it with the
+    configured clients; return count, histogram, elapsed s, server CPU s, the final line."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "bench.getpage",
-            "--serve",
-            str(workdir),
-            mode,
-            get_impl,
-            cache,
-            str(args.writes_per_s),
-        ],
+        [sys.executable, "-m", "bench.getpage", *serve_argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -407,31 +458,40 @@ def _run_config(
             )
         server_cpu_s = _process_cpu_s(proc.pid) - cpu_before
         proc.send_signal(signal.SIGTERM)
-        server = _read_json(proc.stdout, "batching_factor")
+        final = _read_json(proc.stdout, final_key)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
-    return {
-        "bench": "getpage",
-        "target": "pagestore",
-        "mode": mode,
-        "get_impl": get_impl,
-        "cache": cache,
-        "client": args.client,
-        "tenants": args.tenants,
-        "clients_per_tenant": args.clients,
-        "queue_depth": qd,
-        "writes_per_s": args.writes_per_s,
-        "pages": args.pages,
-        "duration_s": round(elapsed, 2),
-        "request_count": count,
-        "pages_per_s": round(count / elapsed),
-        "latency_mean_us": round(hist.get_mean_value(), 1),
-        **{f"latency_p{p}_us": hist.get_value_at_percentile(p) for p in (50, 95, 99, 99.9, 99.99)},
-        "batching_factor": round(server["batching_factor"], 2),
-        # The server is idle while the clients start, so this is (almost) all serving.
-        "server_cpu_us_per_request": round(server_cpu_s / count * 1e6, 1) if count else None,
-    }
+    return count, hist, elapsed, server_cpu_s, final
+
+
+def _null_serve(kind: str) -> None:
+    """``--null-serve trio|blocking``: a null server on a free port until SIGTERM."""
+    import threading
+
+    from pageserver.page_service import null_server
+
+    sock = null_server.listen()
+    if kind == "null-trio":
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(null_server.serve_trio, sock)
+                print(json.dumps({"port": port}), flush=True)
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for _ in signals:
+                        break
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+    elif kind == "null-blocking":
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        print(json.dumps({"port": sock.getsockname()[1]}), flush=True)
+        null_server.serve_blocking(sock, stop=stop)
+    else:
+        raise SystemExit(f"unknown null server {kind!r}")
+    print(json.dumps({"stopped": kind}), flush=True)
 
 
 def _process_cpu_s(pid: int) -> float:
@@ -671,6 +731,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "and an in-process client over a socketpair (no storage, no second process)",
     )
     parser.add_argument(
+        "--floor",
+        nargs="?",
+        const="null-trio,null-blocking",
+        default="",
+        help="also run FLOOR rows with the same clients against null servers that answer "
+        "every GetPage with a fixed page (no storage, metrics or pipeline): null-trio (a trio "
+        "server: the ceiling of any trio page service), null-blocking (a thread per "
+        "connection: of any Python server); without a value both",
+    )
+    parser.add_argument(
         "--writes-per-s",
         type=float,
         default=0.0,
@@ -687,6 +757,7 @@ _MEDIAN_FIELDS = (
     "latency_p99.9_us",
     "batching_factor",
     "server_cpu_us_per_request",
+    "vs_postgres",
 )
 
 
@@ -705,14 +776,14 @@ def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _plot(rows: list[dict[str, Any]], path: str) -> None:
     """Mean/p50/p99 latency per configuration at queue depth 1 and pages/s at every queue
-    depth, one column per client count, PostgreSQL as a reference line."""
+    depth, one column per client count, PostgreSQL and the FLOOR rows as reference lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ours = [r for r in rows if r["target"] == "pagestore"]
-    pg = {r["clients"]: r for r in rows if r["target"] != "pagestore"}
+    pg = {r["clients"]: r for r in rows if r["target"].startswith("postgres")}
     client_counts = sorted({r["clients_per_tenant"] * r["tenants"] for r in ours})
     fig, axes = plt.subplots(
         2, len(client_counts), figsize=(7 * len(client_counts), 9), squeeze=False
@@ -740,13 +811,39 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.barh(range(len(mine)), [r["pages_per_s"] for r in mine], color="tab:blue")
         if clients in pg and pg[clients].get("pages_per_s"):
             ax.axvline(pg[clients]["pages_per_s"], color="k", ls="--", label="PostgreSQL")
-            ax.legend(fontsize=8)
+        styles = iter(("tab:green", "tab:red", "tab:purple", "tab:olive"))
+        floors = [
+            r for r in rows if r.get("floor") and r["clients_per_tenant"] * r["tenants"] == clients
+        ]
+        for floor in floors:
+            ax.axvline(
+                floor["pages_per_s"],
+                color=next(styles, "tab:gray"),
+                ls=":",
+                label=f"FLOOR {floor['target']} QD{floor['queue_depth']}",
+            )
+        ax.legend(fontsize=7)
         ax.set_yticks(range(len(mine)), labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("pages/s")
         ax.set_title(f"{clients} client(s): throughput")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+_Rows = dict[tuple[Any, ...], list[dict[str, Any]]]
+
+
+def _emit(
+    ctx: tuple[_Rows, int, float | None], row: dict[str, Any], key: tuple[Any, ...]
+) -> None:
+    """Print ``row`` with its round and its ratio to the round's PostgreSQL row; keep it."""
+    rows, round_no, pg_pages_per_s = ctx
+    row["round"] = round_no
+    if pg_pages_per_s:
+        row["vs_postgres"] = round(row["pages_per_s"] / pg_pages_per_s, 2)
+    print(json.dumps(row), flush=True)
+    rows.setdefault(key, []).append(row)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -757,7 +854,7 @@ def run(args: argparse.Namespace) -> int:
     workdir.mkdir()
     (base / "pages.json").write_text(json.dumps(args.pages))
     client_counts = [int(c) for c in str(args.clients).split(",")]
-    rows: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    rows: _Rows = {}
     try:
         t0 = time.perf_counter()
         targets = trio.run(_build, workdir, args.tenants, args.pages)
@@ -775,25 +872,32 @@ def run(args: argparse.Namespace) -> int:
         )
         # Rounds outermost: every configuration is measured once per round, so a burst of
         # load from elsewhere on the machine hits all of them alike; medians are printed last.
+        modes = [m for m in args.modes.split(",") if m]
+        floors = [f for f in (args.floor or "").split(",") if f]
+        queue_depths = [int(q) for q in args.queue_depth.split(",")]
         for round_no in range(args.rounds):
             for clients in client_counts:
                 config_args = argparse.Namespace(**{**vars(args), "clients": clients})
-                for get_impl in args.get_impl.split(","):
-                    for cache in args.cache.split(","):
-                        for mode in args.modes.split(","):
-                            for qd in (int(q) for q in args.queue_depth.split(",")):
-                                row = _run_config(
-                                    workdir, targets, config_args, mode, get_impl, cache, qd
-                                )
-                                row["round"] = round_no
-                                print(json.dumps(row), flush=True)
-                                key = (clients, get_impl, cache, mode, qd)
-                                rows.setdefault(key, []).append(row)
+                # PostgreSQL first, so every row of this round can carry its ratio to it.
+                pg_pages_per_s = None
                 if args.postgres:
                     row = _postgres_baseline(args, clients * args.tenants)
                     row["round"] = round_no
+                    pg_pages_per_s = row["pages_per_s"]
                     print(json.dumps(row), flush=True)
                     rows.setdefault(("postgres", clients), []).append(row)
+                ctx = (rows, round_no, pg_pages_per_s)
+                for get_impl in args.get_impl.split(","):
+                    for cache in args.cache.split(","):
+                        for mode in modes:
+                            for qd in queue_depths:
+                                row = _run_config(
+                                    workdir, targets, config_args, mode, get_impl, cache, qd
+                                )
+                                _emit(ctx, row, (clients, get_impl, cache, mode, qd))
+                for kind in floors:
+                    for qd in queue_depths:
+                        _emit(ctx, _run_floor(kind, targets, config_args, qd), (clients, kind, qd))
         summary = [_median_row(r) for r in rows.values()]
         if args.rounds > 1:
             for row in summary:
@@ -808,6 +912,8 @@ def run(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--client-process":
         print(json.dumps(_process_client(*json.loads(sys.argv[2]))), flush=True)
+    elif len(sys.argv) == 3 and sys.argv[1] == "--null-serve":
+        _null_serve(sys.argv[2])
     elif len(sys.argv) == 7 and sys.argv[1] == "--serve":
         trio.run(
             _serve, Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6])

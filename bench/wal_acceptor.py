@@ -19,6 +19,28 @@ safekeeper's record tracker and CRC checks do their normal work.
 
 AppendRequest size: the protocol caps one message at 128 KiB (MAX_SEND_SIZE), so the
 "1 MiB" configuration sends bursts of eight 128 KiB AppendRequests in one socket write.
+
+FLOORS (``--floors on``, the default; only for sizes >= 128 KiB): how fast *any* Python
+receiver on this machine could take the same stream, measured in the same run, from the
+same proposer code, with the same pre-framed AppendRequest bytes and the same socket
+bursts, into the same directory. Each floor is its own process (``python -m
+bench.wal_acceptor --floor MODE DIR START``) that speaks no pgwire: it receives the raw
+stream with ``recv_into`` into a pool of 1 MiB buffers and answers with 8-byte counts of
+the stream bytes it has taken (the proposer converts them to WAL bytes):
+
+- ``sink``: receive and discard; one count per MiB. The socket + proposer ceiling.
+- ``sink-write`` / ``sink-write-fsync``: a receive thread hands each ``recv_into`` slice to
+  a writer thread, which takes everything queued (up to 1 MiB), writes it with one
+  ``pwritev`` per 16 MiB segment (preallocated + fsynced + directory fsynced like the
+  safekeeper's), and with fsync starts one ``fdatasync`` per group on a fresh descriptor
+  (two in flight, acknowledged in order, like the safekeeper). No parsing, no checks.
+- ``sink-write-crc`` / ``sink-write-fsync-crc``: the same, and the receive thread first cuts
+  the CopyData / AppendRequest framing and feeds the WAL to the real ``RecordTracker``
+  (every record's CRC-32C and page header), as the safekeeper does before writing.
+
+Anything the real safekeeper does beyond these (pgwire, acceptor, trio) is the gap between
+its row and the floor's; the floor's own distance to the raw fsynced rate is what no Python
+receiver structured like this can close on this machine.
 """
 
 from __future__ import annotations
@@ -26,11 +48,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import shutil
+import socket
 import statistics
 import struct
+import subprocess
+import sys
 import tempfile
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -47,6 +77,7 @@ from protocol.safekeeper import (
 )
 from protocol.wal.encoder import WalEncoder
 from protocol.wal.rmgr import RmgrId
+from safekeeper.record_tracker import RecordTracker
 from safekeeper.testing import XLOG_NOOP, SafekeeperProcess, TestProposer
 
 SIZES = {"1KiB": 1024, "8KiB": 8192, "128KiB": 128 * 1024, "1MiB": 1 << 20}
@@ -54,6 +85,12 @@ _COPY_HEAD = struct.Struct(">cI")
 _PAGEADDR = struct.Struct("<Q")
 TENANT = TenantId(bytes.fromhex("be" * 16))
 TIMELINE = TimelineId(bytes.fromhex("ac" * 16))
+_ACK = struct.Struct("<Q")
+FLOOR_GROUP = 1 << 20
+FLOOR_BUFFERS = 16
+# Floors run for these fsync settings (the names say what each does).
+FLOORS_FSYNC = ("sink", "sink-write-fsync", "sink-write-fsync-crc")
+FLOORS_NO_FSYNC = ("sink-write", "sink-write-crc")
 
 
 def segment_template(record_size: int) -> bytes:
@@ -216,6 +253,305 @@ def raw_disk_rate(directory: Path, *, fsync: bool, seconds: float, max_mib: int)
     }
 
 
+# -- floors: the receiver process --------------------------------------------------------
+
+
+class _FrameFeeder:
+    """Cuts CopyData('d') + v3 AppendRequest framing out of the raw stream, in any
+    segmentation, and feeds the WAL bytes to a ``RecordTracker`` (which raises on any
+    invalid record or page header)."""
+
+    def __init__(self, start: Lsn) -> None:
+        self.tracker = RecordTracker(start, WAL_SEGMENT_SIZE)
+        dummy = AppendRequest(1, start, start, INVALID_LSN, INVALID_LSN, b"")
+        self.head_len = _COPY_HEAD.size + len(encode_append_request_header(dummy, 3))
+        self.head = bytearray()
+        self.wal_left = 0
+
+    def feed(self, view: memoryview) -> None:
+        i, n = 0, len(view)
+        while i < n:
+            if self.wal_left:
+                take = min(self.wal_left, n - i)
+                self.tracker.feed(view[i : i + take])
+                self.wal_left -= take
+                i += take
+                continue
+            take = min(self.head_len - len(self.head), n - i)
+            self.head += view[i : i + take]
+            i += take
+            if len(self.head) == self.head_len:
+                tag, length = _COPY_HEAD.unpack_from(self.head)
+                if tag != b"d":
+                    raise ValueError(f"unexpected message {tag!r} in the floor stream")
+                self.wal_left = length + 1 - self.head_len
+                self.head = bytearray()
+
+
+class _FloorWriter:
+    """The writer thread of the write floors: groups of received slices, one ``pwritev``
+    per segment, one ``fdatasync`` per group on a fresh descriptor (at most two in flight,
+    acknowledged in order), 8-byte acknowledgements of the stream bytes taken."""
+
+    def __init__(self, directory: Path, conn: socket.socket, fsync: bool, free: queue.Queue[bytearray]) -> None:
+        self.directory = directory
+        self.conn = conn
+        self.fsync = fsync
+        self.free = free
+        self.slices: queue.Queue[tuple[bytearray, int, int] | None] = queue.Queue()
+        self.pos = 0  # stream bytes written
+        self.fd = -1
+        self.segno = -1
+        self.syncs: deque[tuple[Future[None], int]] = deque()
+        self.pool = ThreadPoolExecutor(max_workers=2)
+
+    def segment(self, segno: int) -> int:
+        if segno != self.segno:
+            if self.fd >= 0:
+                os.close(self.fd)
+            path = self.directory / f"floor-{segno:08X}"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.posix_fallocate(fd, 0, WAL_SEGMENT_SIZE)
+            if self.fsync:
+                os.fsync(fd)
+                dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+                os.fsync(dfd)
+                os.close(dfd)
+            self.fd, self.segno = fd, segno
+        return self.fd
+
+    def write(self, views: list[memoryview]) -> None:
+        data = deque(views)
+        while data:
+            segno, off = divmod(self.pos, WAL_SEGMENT_SIZE)
+            room = WAL_SEGMENT_SIZE - off
+            iov: list[memoryview] = []
+            size = 0
+            while data and size < room:
+                v = data.popleft()
+                if size + len(v) > room:
+                    data.appendleft(v[room - size :])
+                    v = v[: room - size]
+                iov.append(v)
+                size += len(v)
+            fd = self.segment(segno)
+            done = 0
+            while done < size:
+                n = os.pwritev(fd, iov, off + done)
+                if n <= 0:
+                    raise OSError("pwritev made no progress")
+                done += n
+                iov = _drop_written(iov, n)
+            self.pos += size
+
+    def ack(self, count: int) -> None:
+        self.conn.sendall(_ACK.pack(count))
+
+    def ack_oldest(self) -> None:
+        fut, count = self.syncs.popleft()
+        fut.result()
+        self.ack(count)
+
+    def run(self) -> None:
+        try:
+            while True:
+                if self.syncs:
+                    try:
+                        item = self.slices.get_nowait()
+                    except queue.Empty:
+                        # Nothing to overlap with: acknowledge the oldest group.
+                        self.ack_oldest()
+                        continue
+                else:
+                    item = self.slices.get()
+                if item is None:
+                    break
+                group = [item]
+                size = item[2] - item[1]
+                while size < FLOOR_GROUP:
+                    try:
+                        more = self.slices.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        self.slices.put(None)
+                        break
+                    group.append(more)
+                    size += more[2] - more[1]
+                self.write([memoryview(b)[s:e] for b, s, e in group])
+                for b, _s, e in group:
+                    if e == len(b):
+                        self.free.put(b)  # written: the receive thread may refill it
+                if not self.fsync:
+                    self.ack(self.pos)
+                    continue
+                while len(self.syncs) >= 2:
+                    self.ack_oldest()
+                sync_fd = os.open(self.directory / f"floor-{self.segno:08X}", os.O_RDONLY)
+                self.syncs.append((self.pool.submit(_fdatasync_close, sync_fd), self.pos))
+            while self.syncs:
+                self.ack_oldest()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            self.pool.shutdown()
+
+
+def _fdatasync_close(fd: int) -> None:
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _drop_written(iov: list[memoryview], n: int) -> list[memoryview]:
+    rest: list[memoryview] = []
+    for v in iov:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        rest.append(v[n:])
+        n = 0
+    return rest
+
+
+def floor_serve(mode: str, directory: Path, start: Lsn) -> int:
+    """The receiver process of one floor configuration (see the module docstring)."""
+    write = mode.startswith("sink-write")
+    fsync = "fsync" in mode
+    feeder = _FrameFeeder(start) if mode.endswith("-crc") else None
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+    conn, _ = listener.accept()
+    listener.close()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if not write:
+        buf = bytearray(FLOOR_GROUP)
+        view = memoryview(buf)
+        total = acked = 0
+        try:
+            while True:
+                n = conn.recv_into(view)
+                if n == 0:
+                    break
+                total += n
+                if total - acked >= FLOOR_GROUP:
+                    conn.sendall(_ACK.pack(total))
+                    acked = total
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        return 0
+    free: queue.Queue[bytearray] = queue.Queue()
+    for _ in range(FLOOR_BUFFERS):
+        free.put(bytearray(FLOOR_GROUP))
+    writer = _FloorWriter(directory, conn, fsync, free)
+    thread = threading.Thread(target=writer.run, name="floor-writer")
+    thread.start()
+    try:
+        while True:
+            buf = free.get()
+            view = memoryview(buf)
+            fill = 0
+            while fill < len(buf):
+                n = conn.recv_into(view[fill:])
+                if n == 0:
+                    break
+                if feeder is not None:
+                    # Checked before it is handed to the writer, as in the safekeeper.
+                    feeder.feed(view[fill : fill + n])
+                writer.slices.put((buf, fill, fill + n))
+                fill += n
+            if fill < len(buf):
+                break
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    finally:
+        writer.slices.put(None)
+        thread.join()
+    return 0
+
+
+# -- floors: the proposer side -------------------------------------------------------------
+
+
+async def run_floor(
+    workdir: Path, mode: str, stream: bytes, start: Lsn, wal_bytes: int, msg_size: int,
+    seconds: float,
+) -> dict[str, object]:
+    """Push ``stream`` to a floor receiver exactly as ``run_config`` pushes it to the
+    safekeeper (same bursts); the rate is acknowledged WAL bytes over the last ack's time."""
+    workdir.mkdir(parents=True)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.wal_acceptor", "--floor", mode, str(workdir), str(start)],
+        cwd=root, stdout=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        cpu_at_start = process_cpu_seconds(proc.pid)
+        tcp = await trio.open_tcp_stream("127.0.0.1", port)
+        tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+        burst = max(msg_size, 1 << 20) if msg_size > MAX_SEND_SIZE else 1 << 20
+        acked = 0
+        t0 = last_ack = time.perf_counter()
+        proposer_cpu0 = time.process_time()
+        responses = 0
+
+        async def send_all() -> None:
+            view = memoryview(stream)
+            for off in range(0, len(view), burst):
+                await tcp.send_all(view[off : off + burst])
+
+        async def receive_acks(cancel: trio.CancelScope) -> None:
+            nonlocal acked, last_ack, responses
+            pending = b""
+            while True:
+                data = await tcp.receive_some(1 << 16)
+                if not data:
+                    raise RuntimeError(f"floor {mode} ended the stream")
+                pending += data
+                whole = len(pending) - len(pending) % _ACK.size
+                for off in range(0, whole, _ACK.size):
+                    (count,) = _ACK.unpack_from(pending, off)
+                    responses += 1
+                    if count > acked:
+                        acked = count
+                        last_ack = time.perf_counter()
+                pending = pending[whole:]
+                if acked >= len(stream):
+                    cancel.cancel()
+                    return
+
+        with trio.move_on_after(seconds):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_all)
+                nursery.start_soon(receive_acks, nursery.cancel_scope)
+        proposer_cpu_s = time.process_time() - proposer_cpu0
+        cpu_s = process_cpu_seconds(proc.pid) - cpu_at_start
+        await tcp.aclose()
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+    elapsed = last_ack - t0
+    # Acknowledged stream bytes -> WAL bytes (the framing is ~0.04% at 128 KiB).
+    acked_wal = acked * wal_bytes / len(stream)
+    return {
+        "bench": "wal-acceptor-floor",
+        "floor": mode,
+        "msg_size": msg_size,
+        "fsync": "fsync" in mode,
+        "acked_mib": round(acked_wal / (1 << 20), 2),
+        "seconds": round(elapsed, 3),
+        "mib_s": round(acked_wal / (1 << 20) / elapsed, 2) if elapsed > 0 else 0.0,
+        "sk_cpu_s": round(cpu_s, 3),
+        "mib_per_cpu_s": round(acked_wal / (1 << 20) / cpu_s, 2) if cpu_s > 0 else 0.0,
+        "proposer_cpu_s": round(proposer_cpu_s, 3),
+        "responses": responses,
+    }
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=",".join(SIZES), help="AppendRequest sizes: " + ",".join(SIZES))
     parser.add_argument("--seconds", type=float, default=3.0, help="time window per configuration")
@@ -226,13 +562,81 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--commit", default="on,off", help="commit_lsn advancing: on, off or both")
     parser.add_argument("--repeat", type=int, default=1, help="runs per configuration; the best is printed (noisy machines)")
     parser.add_argument("--dir", type=Path, default=None, help="where the safekeepers write (default: a temp dir)")
+    parser.add_argument("--floor", nargs=3, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--floors", default="on", choices=("on", "off", "only"),
+        help="floor receivers beside the safekeeper for sizes >= 128KiB (only: floors alone)",
+    )
 
 
 def _flags(text: str) -> list[bool]:
     return [part.strip() == "on" for part in text.split(",") if part.strip()]
 
 
+def _repeat(
+    args: argparse.Namespace, base: Path, adjacent_raw: bool,
+    one: Callable[[int], dict[str, object]],
+) -> dict[str, object]:
+    """Run one configuration ``--repeat`` times (each fsynced or floor run right after its
+    own 1 s raw fsynced measurement) and summarise: the best run, plus every run's rate,
+    the medians and the median ratio to the adjacent raw fsynced rate."""
+    runs = []
+    raw_near: list[float] = []
+    for i in range(max(args.repeat, 1)):
+        if adjacent_raw:
+            # This virtual disk's fsynced rate swings several-fold between minutes:
+            # measure it right next to every fsynced run.
+            near = raw_disk_rate(
+                base, fsync=True, seconds=min(args.seconds, 1.0), max_mib=args.max_mib
+            )
+            raw_near.append(float(near["mib_s"]))  # type: ignore[arg-type]
+        runs.append(one(i))
+    result = max(runs, key=lambda r: float(r["mib_s"]))  # type: ignore[arg-type]
+    result["runs_mib_s"] = [r["mib_s"] for r in runs]
+    result["runs_mib_per_cpu_s"] = [r["mib_per_cpu_s"] for r in runs]
+    result["median_mib_s"] = statistics.median(float(r["mib_s"]) for r in runs)  # type: ignore[arg-type]
+    result["median_mib_per_cpu_s"] = statistics.median(
+        float(r["mib_per_cpu_s"]) for r in runs  # type: ignore[arg-type]
+    )
+    if raw_near:
+        # Each run against the raw fsynced rate measured just before it.
+        ratios = [
+            float(r["mib_s"]) / raw  # type: ignore[arg-type]
+            for r, raw in zip(runs, raw_near, strict=True)
+            if raw > 0
+        ]
+        result["raw_fsync_near_mib_s"] = raw_near
+        result["median_pct_of_raw_fsync"] = round(100 * statistics.median(ratios), 1)
+    result["record_size"] = args.record_size
+    return result
+
+
+def _one_real(
+    workdir: Path, stream: bytes, start: Lsn, end: Lsn, msg_size: int, fsync: bool,
+    coalescing: bool, seconds: float, i: int,
+) -> dict[str, object]:
+    return trio.run(
+        partial(
+            run_config, workdir.with_name(f"{workdir.name}-{i}"), stream, start, end, msg_size,
+            fsync=fsync, coalescing=coalescing, seconds=seconds,
+        )
+    )
+
+
+def _one_floor(
+    workdir: Path, mode: str, stream: bytes, start: Lsn, wal_bytes: int, msg_size: int,
+    seconds: float, i: int,
+) -> dict[str, object]:
+    return trio.run(
+        run_floor, workdir.with_name(f"{workdir.name}-{i}"), mode, stream, start, wal_bytes,
+        msg_size, seconds,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.floor:
+        mode, directory, start = args.floor
+        return floor_serve(mode, Path(directory), Lsn(int(start)))
     base = Path(tempfile.mkdtemp(prefix="pagestore-bench-sk-", dir=args.dir))
     try:
         for fsync in (True, False):
@@ -249,55 +653,44 @@ def run(args: argparse.Namespace) -> int:
         n = 0
         for size_name in args.sizes.split(","):
             msg_size = SIZES[size_name.strip()]
-            for commit in _flags(args.commit):
+            for c, commit in enumerate(_flags(args.commit)):
                 stream, end = framed_stream(template, 1, total, msg_size, commit)
-                for fsync in _flags(args.fsync):
+                for fsync in _flags(args.fsync) if args.floors != "only" else []:
                     for coalescing in _flags(args.coalescing):
                         n += 1
-                        runs = []
-                        raw_near: list[float] = []
-                        for i in range(max(args.repeat, 1)):
-                            if fsync:
-                                # This virtual disk's fsynced rate swings several-fold between
-                                # minutes: measure it right next to every fsynced run.
-                                near = raw_disk_rate(
-                                    base, fsync=True, seconds=min(args.seconds, 1.0),
-                                    max_mib=args.max_mib,
-                                )
-                                raw_near.append(float(near["mib_s"]))  # type: ignore[arg-type]
-                            runs.append(
-                                trio.run(
-                                    partial(
-                                        run_config, base / f"sk{n}-{i}", stream, start, end,
-                                        msg_size, fsync=fsync, coalescing=coalescing,
-                                        seconds=args.seconds,
-                                    )
-                                )
-                            )
-                        result = max(runs, key=lambda r: float(r["mib_s"]))  # type: ignore[arg-type]
-                        result["runs_mib_s"] = [r["mib_s"] for r in runs]
-                        result["runs_mib_per_cpu_s"] = [r["mib_per_cpu_s"] for r in runs]
-                        result["median_mib_s"] = statistics.median(
-                            float(r["mib_s"]) for r in runs  # type: ignore[arg-type]
+
+                        real = partial(
+                            _one_real, base / f"sk{n}", stream, start, end, msg_size, fsync,
+                            coalescing, args.seconds,
                         )
-                        result["median_mib_per_cpu_s"] = statistics.median(
-                            float(r["mib_per_cpu_s"]) for r in runs  # type: ignore[arg-type]
-                        )
-                        if raw_near:
-                            # Each run against the raw fsynced rate measured just before it.
-                            ratios = [
-                                float(r["mib_s"]) / raw  # type: ignore[arg-type]
-                                for r, raw in zip(runs, raw_near, strict=True)
-                                if raw > 0
-                            ]
-                            result["raw_fsync_near_mib_s"] = raw_near
-                            result["median_pct_of_raw_fsync"] = round(
-                                100 * statistics.median(ratios), 1
-                            )
+                        result = _repeat(args, base, fsync, real)
                         result["commit_advancing"] = commit
-                        result["record_size"] = args.record_size
+                        print(json.dumps(result), flush=True)
+                if args.floors != "off" and msg_size >= MAX_SEND_SIZE and c == 0:
+                    modes: list[str] = []
+                    flags = _flags(args.fsync)
+                    if True in flags:
+                        modes += FLOORS_FSYNC
+                    if False in flags:
+                        modes += [m for m in ("sink", *FLOORS_NO_FSYNC) if m not in modes]
+                    for mode in modes:
+                        n += 1
+
+                        floor = partial(
+                            _one_floor, base / f"floor{n}", mode, stream, start, end - start,
+                            msg_size, args.seconds,
+                        )
+                        result = _repeat(args, base, "fsync" in mode or mode == "sink", floor)
+                        result["commit_advancing"] = commit
                         print(json.dumps(result), flush=True)
                 del stream
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 0
+
+
+if __name__ == "__main__":
+    # The floor receiver process: python -m bench.wal_acceptor --floor MODE DIR START
+    _parser = argparse.ArgumentParser()
+    configure(_parser)
+    sys.exit(run(_parser.parse_args()))

@@ -13,7 +13,7 @@ from typing import Any
 
 from control_plane import process
 from control_plane.http_client import ApiError, get_json, post_json, request_json
-from control_plane.local_env import LocalEnv, LocalEnvError
+from control_plane.local_env import LocalEnv, LocalEnvError, port_free
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
@@ -37,24 +37,53 @@ def _node_cmd(env: LocalEnv, name: str) -> tuple[list[str], str]:
     )
 
 
+def _node_ports(env: LocalEnv, name: str) -> list[int]:
+    if name == "pageserver":
+        return [env.config.pageserver.pg, env.config.pageserver.http]
+    ports = env.safekeeper_ports(int(name.removeprefix("safekeeper_")))
+    return [ports.pg, ports.http]
+
+
 def start(env: LocalEnv, *, log: Any = print) -> None:
-    """Start every node that is not running; wait until each one's HTTP port answers."""
+    """Start every node that is not running; wait until each one's HTTP port answers.
+
+    All or nothing: when a node does not come up, the nodes this call started are stopped
+    again and their pid files removed, so nothing is left running unaccounted for and the
+    next ``start`` begins from the same state.
+    """
     # Safekeepers first: the pageserver's WAL receivers connect to them right away.
     order = [n for n in env.node_dirs() if n[0] != "pageserver"] + [n for n in env.node_dirs() if n[0] == "pageserver"]
-    for name, node_dir in order:
-        cmd, http = _node_cmd(env, name)
-        pid = process.running_pid(_pid_path(node_dir))
-        if pid is not None:
-            log(f"{name} is already running (pid {pid})")
-            continue
-        stdout = node_dir / "stdout.log"
-        pid = process.spawn(cmd, log_path=stdout, pid_path=_pid_path(node_dir))
-        try:
-            process.wait_until(f"starting {name}", process.http_answers(f"{http}/v1/status"),
-                               timeout=START_TIMEOUT_S, pid=pid, log_path=stdout)
-        except process.ProcessError as exc:
-            raise ClusterError(str(exc)) from None
-        log(f"started {name} (pid {pid}, HTTP {http})")
+    started: list[tuple[str, Path, int]] = []
+    try:
+        for name, node_dir in order:
+            cmd, http = _node_cmd(env, name)
+            pid = process.running_pid(_pid_path(node_dir))
+            if pid is not None:
+                log(f"{name} is already running (pid {pid})")
+                continue
+            # Another process on a node's port would fail the node's bind, and if it speaks
+            # HTTP it would even answer the readiness check in the node's place.
+            busy = [p for p in _node_ports(env, name) if not port_free(p)]
+            if busy:
+                raise ClusterError(
+                    f"cannot start {name}: port {', '.join(map(str, busy))} is in use by another "
+                    f"process (another cluster? see `ss -ltnp`)"
+                )
+            stdout = node_dir / "stdout.log"
+            pid = process.spawn(cmd, log_path=stdout, pid_path=_pid_path(node_dir))
+            started.append((name, node_dir, pid))
+            try:
+                process.wait_until(f"starting {name}", process.http_answers(f"{http}/v1/status"),
+                                   timeout=START_TIMEOUT_S, pid=pid, log_path=stdout)
+            except process.ProcessError as exc:
+                raise ClusterError(str(exc)) from None
+            log(f"started {name} (pid {pid}, HTTP {http})")
+    except BaseException:
+        for name, node_dir, pid in reversed(started):
+            how = process.stop_pid(pid, timeout=STOP_TIMEOUT_S, what=name)
+            _pid_path(node_dir).unlink(missing_ok=True)
+            log(f"{name} (pid {pid}) {how}: the start failed")
+        raise
 
 
 def stop(env: LocalEnv, *, immediate: bool = False, log: Any = print) -> None:
@@ -62,7 +91,8 @@ def stop(env: LocalEnv, *, immediate: bool = False, log: Any = print) -> None:
     from control_plane import endpoint
 
     for ep in endpoint.list_endpoints(env):
-        if ep.running():
+        # A bridge outlives its PostgreSQL when that one crashed or was killed: stop it too.
+        if ep.running() or process.running_pid(ep.bridge_pid_path) is not None:
             endpoint.stop_endpoint(env, ep.name, log=log)
     for name, node_dir in env.node_dirs():
         pid = process.running_pid(_pid_path(node_dir))

@@ -273,6 +273,12 @@ def start_endpoint(
         existing = load_endpoint(env, name)
         if existing.running():
             raise LocalEnvError(f"endpoint {name!r} is already running on port {existing.spec.port}")
+        # Its PostgreSQL died but its bridge may live on: removing the directory would lose the
+        # bridge's pid file, and the old bridge would then fight the new one over terms.
+        stale = process.running_pid(existing.bridge_pid_path)
+        if stale is not None:
+            process.stop_pid(stale, timeout=5, what="walproposer bridge")
+            log(f"stopped the walproposer bridge (pid {stale}) left by the earlier run of {name}")
     # A stopped endpoint starts over from a fresh basebackup: its pages live on the pageserver.
     shutil.rmtree(ep_dir, ignore_errors=True)
     read_only = lsn is not None

@@ -79,7 +79,7 @@ class LocalEnvConfig:
     validate_redo: bool = False
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
     with socket.socket() as s:
         # As the nodes' listeners do: a port with connections in TIME_WAIT is free for them.
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -176,7 +176,7 @@ class LocalEnv:
             busy = [
                 p for p in [config.pageserver.pg, config.pageserver.http,
                             *(x for s in config.safekeepers for x in (s.pg, s.http))]
-                if not _port_free(p)
+                if not port_free(p)
             ]
             if busy:
                 raise LocalEnvError(

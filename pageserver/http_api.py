@@ -32,6 +32,7 @@ from common.http import HttpError, Request, Response, Router
 from common.metrics import metrics_text
 from pageserver.basebackup import TimelineBackupSource, collect_keyspace
 from pageserver.storage.key import key_hex
+from pageserver.storage.reconstruct import MissingKeyError
 from pageserver.tenant import Tenant
 from pageserver.tenant_manager import (
     AlreadyExistsError,
@@ -149,6 +150,20 @@ def _lsn(text: str, what: str) -> Lsn:
         raise HttpError(400, f"{what}: {exc.msg}") from None
 
 
+async def _require_datadir(tl: Timeline, lsn: Lsn, what: str) -> None:
+    """400 unless ``tl`` holds a data directory at ``lsn``: below its first record (an LSN
+    mistyped by a digit, say) there is nothing to branch from or list, and a branch made there
+    would only fail later, when an endpoint asks it for a basebackup."""
+    try:
+        await TimelineBackupSource(tl).get_control_file(lsn)
+    except MissingKeyError:
+        raise HttpError(
+            400,
+            f"{what} {format_lsn(lsn)}: timeline {tl.timeline_id.hex} holds no data directory at "
+            f"that LSN (it starts later)",
+        ) from None
+
+
 def timeline_info(tl: Timeline, manager: TenantManager) -> TimelineInfo:
     ingest = manager.ingest_of(tl.tenant_id, tl.timeline_id)
     receiver = ingest.receiver if ingest is not None else None
@@ -240,13 +255,17 @@ def build_router(manager: TenantManager, registry: CollectorRegistry) -> Router:
         if body.ancestor_start_lsn is not None and body.ancestor_timeline_id is None:
             raise HttpError(400, "ancestor_start_lsn needs ancestor_timeline_id")
         manager.get_tenant(tenant_id)
+        start_lsn = _lsn(body.ancestor_start_lsn, "ancestor_start_lsn") if body.ancestor_start_lsn else None
+        if body.ancestor_timeline_id and start_lsn is not None and start_lsn % 8 == 0:
+            ancestor = manager.get_timeline(tenant_id, _timeline_id(body.ancestor_timeline_id))
+            # Points above the end or below the GC cutoff are the tenant manager's to refuse.
+            if ancestor.latest_gc_cutoff_lsn <= start_lsn <= ancestor.last_record_lsn:
+                await _require_datadir(ancestor, start_lsn, "ancestor_start_lsn")
         tl = await manager.create_timeline(
             tenant_id,
             _timeline_id(body.new_timeline_id) if body.new_timeline_id else None,
             ancestor_timeline_id=_timeline_id(body.ancestor_timeline_id) if body.ancestor_timeline_id else None,
-            ancestor_start_lsn=(
-                _lsn(body.ancestor_start_lsn, "ancestor_start_lsn") if body.ancestor_start_lsn else None
-            ),
+            ancestor_start_lsn=start_lsn,
         )
         return Response.json(timeline_info(tl, manager), status=201)
 
@@ -288,6 +307,7 @@ def build_router(manager: TenantManager, registry: CollectorRegistry) -> Router:
             raise HttpError(400, f"at_lsn {format_lsn(lsn)} is not in 0/1..{format_lsn(tl.last_record_lsn)}")
         if lsn < tl.latest_gc_cutoff_lsn:
             raise HttpError(400, f"at_lsn {format_lsn(lsn)} is below the GC cutoff {format_lsn(tl.latest_gc_cutoff_lsn)}")
+        await _require_datadir(tl, lsn, "at_lsn")
         space = await collect_keyspace(TimelineBackupSource(tl), lsn)
         return KeySpaceResponse(
             format_lsn(lsn), [KeyRangeJson(key_hex(r.start), key_hex(r.end)) for r in space.ranges]

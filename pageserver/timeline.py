@@ -15,7 +15,7 @@ Public interface (stable; other rooms build on it):
   errors); ``await get_pages([(key, lsn), ...]) -> list[bytes | PageReconstructError]`` (one walk
   for the whole batch, each key at its own LSN, for the page service; ``get_pages_per_lsn`` is
   the old one-walk-per-LSN way); ``get_rel_size`` / ``get_rel_exists``.
-- maintenance: ``freeze()``, ``flush()`` (freeze + write L0s + index_part), ``compact()``
+- maintenance: ``freeze()`` (at a record boundary only, else ``PartialRecordError``), ``flush()`` (freeze + write L0s + index_part), ``compact()``
   (L0 -> L1, then image layers), ``gc(retain_lsns)`` (normally via ``Tenant.gc``).
 
 Reads: ``get_impl`` picks the vectored walk or the legacy per-key path (``read_path``); with
@@ -94,6 +94,10 @@ class GetValidationError(AssertionError):
 
 class LsnTimeoutError(TimeoutError):
     pass
+
+
+class PartialRecordError(Exception):
+    """``freeze`` while a record is partly put: a layer must not end inside a record."""
 
 
 class TimelineShutdownError(Exception):
@@ -398,8 +402,19 @@ class Timeline:
         return self.open_layer
 
     async def freeze(self) -> None:
-        """Close the open layer at ``max(put LSNs, last_record_lsn) + 1``; no-op if empty."""
-        await self._freeze(whole_records=False)
+        """Close the open layer at ``last_record_lsn + 1``; no-op if empty.
+
+        Only at a record boundary: with a record partly put (a put above ``last_record_lsn``,
+        not yet finished with ``finish_write``) it raises ``PartialRecordError`` and changes
+        nothing. Freezing there would end the layer inside the record: its remaining values
+        would be refused (below the next layer's start) and a flush would make the half
+        record durable. ``flush`` waits for the record instead; the writer's own roll
+        (``put_encoded``) freezes between two records."""
+        if not await self._freeze(whole_records=True):
+            raise PartialRecordError(
+                f"not freezing: the record at {format_lsn(self._max_put_lsn)} is only partly put "
+                f"(last_record_lsn {format_lsn(self._last_record_lsn)})"
+            )
 
     async def _freeze(self, *, whole_records: bool) -> bool:
         """``freeze``; with ``whole_records``, nothing (``False``) while a record is partly put."""
@@ -457,9 +472,10 @@ class Timeline:
             await self._write_frozen()
 
     async def _flush(self) -> None:
-        """The writer's roll (``put_encoded``): it is between two records."""
+        """The writer's roll (``put_encoded``): it is between two records (the put that rolls
+        is above every earlier put, so each record put so far is whole, finished or not)."""
         async with self._lock:
-            await self.freeze()
+            await self._freeze(whole_records=False)
             await self._write_frozen()
 
     async def _write_frozen(self) -> None:

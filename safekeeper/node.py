@@ -50,6 +50,7 @@ from safekeeper.receive_wal import IngestConfig, serve_wal_push
 from safekeeper.send_wal import check_start, serve_replication
 from safekeeper.timeline import Timeline
 from safekeeper.wal_removal import run_wal_removal
+from safekeeper.wal_storage import WalStorageError
 
 log = structlog.get_logger("safekeeper")
 
@@ -204,6 +205,11 @@ class SafekeeperHandler:
                 except RemoteProtocolError as exc:
                     # Neon closes the stream on any proposer error: FATAL ends the connection.
                     raise PgError(exc.msg, exc.sqlstate, severity="FATAL") from None
+                except WalStorageError as exc:
+                    # An IO error (58030) or WAL that is not ours: nothing of the failed group
+                    # was acknowledged; the proposer must go elsewhere or wait for a restart.
+                    log.error("WAL storage error", error=str(exc), sqlstate=exc.sqlstate)
+                    raise PgError(str(exc), exc.sqlstate, severity="FATAL") from None
             case IdentifySystem():
                 tl = await self._existing(conn)
                 recovery = conn.startup_params.get("application_name", "").startswith(

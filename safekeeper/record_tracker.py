@@ -13,6 +13,7 @@ treats that as the end of WAL, the ingest path as the proposer's fault.
 from __future__ import annotations
 
 import struct
+from typing import NoReturn
 
 import crc32c
 
@@ -228,7 +229,7 @@ class RecordTracker:
                     break
                 body = i + RECORD_HEADER
                 if crc32(buf[i:body], crc32(buf[body:end])) != _CRC_RESIDUE:
-                    raise InvalidWal(f"record CRC mismatch for the record at {base + i:#x}")
+                    self._fast_fail(base, last_end, i)
                 # MAXALIGN: a record starts aligned, so its padding follows from its length.
                 last_end = i + ((tot_len + 7) & ~7)
                 if last_end > n:
@@ -269,7 +270,7 @@ class RecordTracker:
             if left:
                 break
             if crc32(buf[i:body], crc) != _CRC_RESIDUE:
-                raise InvalidWal(f"record CRC mismatch for the record at {base + i:#x}")
+                self._fast_fail(base, last_end, i)
             last_end = ((base + p + 7) & ~7) - base
             if last_end > n:
                 self.record_end = Lsn(base + last_end)
@@ -278,6 +279,15 @@ class RecordTracker:
         if last_end >= 0:
             self.record_end = Lsn(base + last_end)
         return i, Lsn(base + i)
+
+    def _fast_fail(self, base: int, last_end: int, i: int) -> NoReturn:
+        """A CRC mismatch in ``_fast_records``: publish the end of the records it verified
+        before raising. The restart scan relies on it: there the WAL ends in a torn record
+        (its header written, the rest zeros), and without this the records before it in the
+        same read chunk would be lost although they were acknowledged."""
+        if last_end >= 0:
+            self.record_end = Lsn(base + last_end)
+        raise InvalidWal(f"record CRC mismatch for the record at {base + i:#x}")
 
     def _check_page_header(self, page_lsn: Lsn) -> None:
         magic, info, _tli, pageaddr, rem_len = _PAGE_HEADER.unpack_from(self._phdr, 0)

@@ -197,6 +197,9 @@ class Timeline:
                 for msg in batch:
                     self.stats.messages += 1
                     if isinstance(msg, AppendRequest):
+                        if self.storage.broken is not None:
+                            # Before the acceptor: the refusal names the real cause.
+                            self.storage.check_usable()
                         refusal = acceptor.append(msg)
                         if refusal is not None:
                             replies.append(refusal)
@@ -318,6 +321,8 @@ class Timeline:
         acceptor = self.acceptor
         storage = self.storage
         async with self.lock:
+            # Before the acceptor sees the appends: the refusal names the real cause.
+            storage.check_usable()
             try:
                 for msg in batch:
                     self.stats.messages += 1
@@ -335,22 +340,26 @@ class Timeline:
             if not accepted:
                 return replies, None, error
             record_end = storage.flush_record_lsn
+            fd = -1
             if chunks:
                 fsyncs_before = storage.fsync_count
                 try:
                     group = await self._track(begin, chunks)
                     record_end = group.record_end
-                    await trio.to_thread.run_sync(storage.write_tracked, begin, group)
+                    # The sync descriptor is opened in the same worker call: opening (like
+                    # closing) a file may block, so neither runs on the event loop's thread.
+                    fd = await trio.to_thread.run_sync(_write_and_open_sync, storage, begin, group)
                 except InvalidWal as exc:
                     error = error or exc
+                    # Synced even so: the appends accepted before the invalid WAL are
+                    # acknowledged by finish(), so they must be durable first.
+                    fd = await trio.to_thread.run_sync(storage.sync_handle)
                 finally:
                     acceptor.write_lsn = storage.write_lsn
                 self.stats.record_group(len(chunks), sum(len(c) for c in chunks))
                 self.stats.fsyncs += storage.fsync_count - fsyncs_before
             pending = PendingFlush(
-                # Synced even when an error stopped the batch: the appends accepted before it
-                # are acknowledged by finish(), so they must be durable first.
-                fd=storage.sync_handle() if chunks else -1,
+                fd=fd,
                 write_lsn=storage.write_lsn,
                 record_end=Lsn(min(record_end, storage.write_lsn)),
                 epoch=storage.epoch,
@@ -359,23 +368,50 @@ class Timeline:
 
     async def sync(self, pending: PendingFlush) -> None:
         """The fdatasync of a pending group (run as its own task)."""
+        fd = pending.fd
+        closed = False
+
+        def sync_and_close() -> None:
+            # close() in the worker too: closing a file can block on some filesystems
+            # (NFS flushes on close), and the event loop's thread must not wait on it.
+            nonlocal closed
+            try:
+                self.storage.fdatasync(fd)
+            finally:
+                closed = True
+                os.close(fd)
+
         try:
-            if pending.fd >= 0:
-                await trio.to_thread.run_sync(self.storage.fdatasync, pending.fd)
+            if fd >= 0:
+                await trio.to_thread.run_sync(sync_and_close)
                 self.stats.fsyncs += 1
         except BaseException as exc:
             pending.error = exc
             raise
         finally:
-            if pending.fd >= 0:
-                os.close(pending.fd)
+            if fd >= 0 and not closed:
+                # Only when cancelled before the worker started: this read-only descriptor
+                # never carried a write, so its close has nothing to flush.
+                os.close(fd)
             pending.done.set()
 
     async def finish(self, pending: PendingFlush) -> AppendResponse:
         """Wait for a pending group's fdatasync, publish its flush, build its reply."""
         await pending.done.wait()
         if pending.error is not None:
+            if isinstance(pending.error, WalStorageError):
+                raise pending.error
             raise RuntimeError("fdatasync of a WAL write group failed") from pending.error
+        # Once the storage is broken nothing more is acknowledged, not even a group whose own
+        # fdatasync succeeded before a later group's write or fdatasync failed. That group's
+        # bytes are durable (its fdatasync ran on a description opened after they were
+        # written, and Linux reports any writeback error since then on it), so the restart
+        # scan finds them and the proposer learns them at its next election: withholding the
+        # ack costs one round trip. Sending it would mean publishing flush_lsn and commit_lsn
+        # on a timeline whose file state we no longer vouch for; an ack withheld is never
+        # unsafe, a wrong one is. This also keeps acks in group order trivially: a later
+        # group is never acknowledged either.
+        self.storage.check_usable()
         async with self.lock:
             if self.storage.epoch == pending.epoch:
                 self.storage.mark_flushed(pending.write_lsn, pending.record_end)
@@ -502,6 +538,8 @@ class Timeline:
             "write_messages": self.stats.messages,
             "write_bytes": self.stats.bytes,
             "fsyncs": self.stats.fsyncs,
+            # The IO error that broke the WAL storage (None while it is usable).
+            "wal_storage_broken": None if self.storage.broken is None else str(self.storage.broken),
             "replicas": [
                 {
                     "name": r.name,
@@ -515,6 +553,12 @@ class Timeline:
             ],
             "now": time.time(),
         }
+
+
+def _write_and_open_sync(storage: WalStorage, begin: Lsn, group: TrackedGroup) -> int:
+    """Write a tracked group, then open the descriptor its fdatasync will use (-1: none)."""
+    storage.write_tracked(begin, group)
+    return storage.sync_handle()
 
 
 def _slices(

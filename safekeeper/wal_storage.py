@@ -17,16 +17,22 @@ Rules:
 - ``open`` finds the end of WAL by a CRC-checked record scan from a known record boundary
   (the persisted commit_lsn): the first invalid or missing byte ends WAL.
 - ``no_sync`` skips every fsync/fdatasync (tests, benchmarks of the CPU path).
-- A failed fdatasync leaves the storage ``broken``: every later write, flush or truncation
-  raises ``WalStorageError`` until a restart rescans the disk (a retried fsync may succeed
-  over pages the kernel already dropped).
+- Any ``OSError`` on the write path leaves the storage ``broken``: a failed ``pwritev``
+  (EIO, ENOSPC, a short write that makes no progress), fdatasync, or segment
+  create/preallocate/rename/directory fsync, and any IO error during first-segment
+  initialisation or truncation. It raises ``WalStorageBroken`` (SQLSTATE 58030), and every
+  later write, flush or truncation raises it too until a restart rescans the disk: after a
+  failed write the file's content is unknown, and after a failed fsync a retried one may
+  succeed over pages the kernel already dropped (PostgreSQL PANICs in both cases).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import attrs
@@ -57,6 +63,15 @@ class TrackedGroup:
 class WalStorageError(Exception):
     """The WAL on disk is not what this node wrote (a bug or outside interference)."""
 
+    # What the connection's ErrorResponse carries.
+    sqlstate = "XX000"
+
+
+class WalStorageBroken(WalStorageError):
+    """An IO error on the write path: the storage refuses all further writes until restart."""
+
+    sqlstate = "58030"  # io_error
+
 
 class WalStorage:
     """See the module docstring. Not thread-safe: one caller at a time."""
@@ -76,9 +91,11 @@ class WalStorage:
         self.fsync_count = 0
         # Bumped by every open/truncate: a flush started before one must not be published.
         self.epoch = 0
-        # A failed fsync: Linux may have dropped the dirty pages and a retried fsync can then
-        # succeed over lost data, so nothing more is written or acknowledged until a restart
-        # rescans what is really on disk (PostgreSQL PANICs for the same reason).
+        # The first IO error of the write path. After a failed fsync Linux may have dropped
+        # the dirty pages and a retried fsync can then succeed over lost data; after a failed
+        # or short write the file holds an unknown mix of old and new bytes. Either way
+        # nothing more is written or acknowledged until a restart rescans what is really on
+        # disk (PostgreSQL PANICs for the same reasons).
         self.broken: OSError | None = None
 
     # -- naming ------------------------------------------------------------------------------
@@ -118,9 +135,26 @@ class WalStorage:
             self._tracker = None
             return INVALID_LSN
         end = self.scan_end_of_wal(scan_from)
+        if not self.no_sync:
+            self._fsync_scanned(scan_from, end)
         self.write_lsn = self.flush_lsn = self.flush_record_lsn = end
         self._tracker = RecordTracker(end, self.seg_size)
         return end
+
+    def _fsync_scanned(self, start: Lsn, end: Lsn) -> None:
+        """fsync the segments the scan accepted before ``end`` is reported as flushed: a
+        previous process may have died (or broken its storage) between a write and its
+        fdatasync, and those bytes are then only in the page cache. PostgreSQL syncs its
+        data directory at crash recovery for the same reason. An error here fails the load."""
+        for segno in range(start // self.seg_size, (max(end, 1) - 1) // self.seg_size + 1):
+            path = self.segment_path(segno)
+            if path is None:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def scan_end_of_wal(self, start: Lsn) -> Lsn:
         tracker = RecordTracker(start, self.seg_size)
@@ -179,16 +213,27 @@ class WalStorage:
     def fdatasync(self, fd: int) -> None:
         """``os.fdatasync`` that marks the storage broken when it fails."""
         self.check_usable()
-        try:
+        with self.write_io("fdatasync of a WAL segment"):
             os.fdatasync(fd)
+
+    @contextmanager
+    def write_io(self, what: str) -> Iterator[None]:
+        """Turn any ``OSError`` inside into a broken storage and ``WalStorageBroken``."""
+        try:
+            yield
         except OSError as exc:
-            self.broken = exc
-            raise
+            if self.broken is None:
+                self.broken = exc
+            raise WalStorageBroken(
+                f"{what} failed: {exc}; this timeline's WAL is refused until the safekeeper "
+                "restarts"
+            ) from exc
 
     def check_usable(self) -> None:
         if self.broken is not None:
-            raise WalStorageError(
-                f"an fsync of this timeline's WAL failed ({self.broken}); restart the safekeeper"
+            raise WalStorageBroken(
+                f"an IO error on this timeline's WAL ({self.broken}) broke its storage; "
+                "nothing more is written or acknowledged until the safekeeper restarts"
             )
 
     def _close_fd(self) -> None:
@@ -247,7 +292,8 @@ class WalStorage:
             raise WalStorageError(
                 f"write at {format_lsn(begin)} but write_lsn is {format_lsn(self.write_lsn)}"
             )
-        self._pwrite_group(begin, group.views)
+        with self.write_io("writing WAL"):
+            self._pwrite_group(begin, group.views)
         if group.error is not None:
             # The tracker's state is garbage; truncate() syncs and starts a new one.
             self.truncate(group.record_end)
@@ -289,6 +335,9 @@ class WalStorage:
         while done < size:
             batch = iov[start : start + IOV_MAX]
             n = os.pwritev(fd, batch, offset + done)
+            if n <= 0:
+                # No progress and no errno (PostgreSQL assumes a full disk in this case too).
+                raise OSError(errno.ENOSPC, f"pwritev wrote nothing at offset {offset + done}")
             done += n
             # Drop fully written buffers; keep the rest of a partially written one.
             rest: list[memoryview] = []
@@ -313,10 +362,11 @@ class WalStorage:
         WAL. A description opened before the failed writeback reports it on its own."""
         if self._fd < 0 or self.no_sync:
             return -1
-        # The open segment is always the .partial file (it is renamed only when closed).
-        return os.open(
-            self.directory / (self.segment_name(self._segno) + ".partial"), os.O_RDONLY
-        )
+        with self.write_io("opening a WAL segment for fdatasync"):
+            # The open segment is always the .partial file (it is renamed only when closed).
+            return os.open(
+                self.directory / (self.segment_name(self._segno) + ".partial"), os.O_RDONLY
+            )
 
     def mark_flushed(self, write_lsn: Lsn, record_end: Lsn) -> None:
         """An ``fdatasync`` that started after ``write_lsn`` was written has completed."""
@@ -352,6 +402,7 @@ class WalStorage:
             last_page -= XLOG_BLCKSZ
         if last_page < seg_start:
             return
+        self.check_usable()
         headers: list[tuple[int, bytes]] = []
         rem_len = 0
         page = last_page
@@ -364,12 +415,13 @@ class WalStorage:
             )
             headers.append((page - seg_start, hdr))
             page -= XLOG_BLCKSZ
-        fd = self._open_segment(segno)
         image = bytearray(last_page + XLOG_BLCKSZ - seg_start)
         for offset, hdr in headers:
             image[offset : offset + len(hdr)] = hdr
-        # Only the bytes before lsn: what follows is the proposer's.
-        os.pwrite(fd, memoryview(image)[: lsn - seg_start], 0)
+        with self.write_io("initialising the first WAL segment"):
+            fd = self._open_segment(segno)
+            # Only the bytes before lsn: what follows is the proposer's.
+            self._pwritev_all(fd, [memoryview(image)[: lsn - seg_start]], 0, lsn - seg_start)
 
     def truncate(self, lsn: Lsn) -> None:
         """Forget all WAL at and after ``lsn`` (a record boundary); WAL continues there."""
@@ -377,6 +429,12 @@ class WalStorage:
         self.epoch += 1
         if self._fd >= 0 and not self.no_sync:
             self.fdatasync(self._fd)
+        with self.write_io(f"truncating WAL at {format_lsn(lsn)}"):
+            self._truncate_files(lsn)
+        self.write_lsn = self.flush_lsn = self.flush_record_lsn = lsn
+        self._tracker = RecordTracker(lsn, self.seg_size)
+
+    def _truncate_files(self, lsn: Lsn) -> None:
         self._close_fd()
         segno = lsn // self.seg_size
         for other in self.segments():
@@ -393,14 +451,8 @@ class WalStorage:
         os.ftruncate(fd, offset)
         os.posix_fallocate(fd, 0, self.seg_size)
         if not self.no_sync:
-            try:
-                os.fsync(fd)
-            except OSError as exc:
-                self.broken = exc
-                raise
+            os.fsync(fd)
             fsync_dir(self.directory)
-        self.write_lsn = self.flush_lsn = self.flush_record_lsn = lsn
-        self._tracker = RecordTracker(lsn, self.seg_size)
 
     # -- removal -----------------------------------------------------------------------------
 

@@ -25,6 +25,13 @@ Tasks (one trio nursery per term; any task's failure ends the term):
 
 ``ProposerRejected`` (a safekeeper in a higher term) ends the term: the bridge starts over with a
 term above the one it saw, which is also what happens after the bridge itself restarts.
+
+A lost PostgreSQL stream resumes in the same term at the end of the window, also after
+PostgreSQL crashed and restarted: PostgreSQL never rewrites WAL it reported flushed. Its flush
+position is a record end or a page boundary; when crash recovery finds the record across that
+page boundary incomplete, PostgreSQL 15 keeps the part before the boundary and writes an
+XLOG_OVERWRITE_CONTRECORD record on the next page (page flag XLP_FIRST_IS_OVERWRITE_CONTRECORD),
+exactly so that a standby that already streamed the partial record stays consistent.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from compute.walproposer.walbuffer import WalBuffer
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, Lsn, format_lsn, parse_lsn
+from protocol.pgwire import sqlstate
 from protocol.pgwire.errors import PgError
 from protocol.replication import (
     CreateReplicationSlot,
@@ -75,6 +83,9 @@ from protocol.safekeeper import (
 log = structlog.get_logger("walproposer")
 
 PROTO_VERSION: Final = 3
+# Reconnect delays double from this up to ``BridgeConfig.max_backoff_s`` while a peer stays
+# unreachable, and start over from it once a connection worked.
+MIN_BACKOFF_S: Final = 0.05
 # ---------------------------------------------------------------------------------------------
 # What the bridge needs from a libpq client (``common.pgclient`` provides it; tests may fake it)
 
@@ -230,6 +241,7 @@ class Bridge:
         self.reported_flush_lsn = INVALID_LSN
         self.slot_lsn = INVALID_LSN
         self._status_requested = False
+        self._pg_sessions_streaming = 0
 
     # -- public --------------------------------------------------------------------------------
 
@@ -346,7 +358,7 @@ class Bridge:
 
     async def _safekeeper_loop(self, i: int, info: PostgresInfo) -> None:
         addr = self.cfg.safekeepers[i]
-        backoff = 0.05
+        backoff = MIN_BACKOFF_S
         slog = log.bind(safekeeper=str(addr))
         while True:
             try:
@@ -354,6 +366,10 @@ class Bridge:
             except* CONNECTION_ERRORS as eg:
                 slog.info("safekeeper connection lost", error=repr(next(_leaves(eg))))
             finally:
+                if self.proposer.slots[i].phase is Phase.ACTIVE:
+                    # It was streaming: this is a new failure, not the same outage going on, so
+                    # reconnect quickly (an earlier outage must not slow every later reconnect).
+                    backoff = MIN_BACKOFF_S
                 if self.proposer.slots[i].phase is not Phase.OFFLINE:
                     self.proposer.disconnected(i)
                 self._pending[i].clear()
@@ -544,6 +560,11 @@ class Bridge:
                         f"'{format_lsn(target)}')"
                     )
                     self.slot_lsn = target
+                except PgError as exc:
+                    if exc.sqlstate != sqlstate.UNDEFINED_OBJECT:
+                        log.warning("could not advance the slot", error=repr(exc))
+                        continue
+                    await self._recreate_slot(exc)
                 except CONNECTION_ERRORS as exc:
                     log.warning("could not advance the slot", error=repr(exc))
                     if conn is not None:
@@ -555,16 +576,43 @@ class Bridge:
                 with trio.CancelScope(shield=True):
                     await conn.aclose()
 
+    async def _recreate_slot(self, exc: PgError) -> None:
+        """The slot is gone (dropped by hand, or a data directory restored without it): without
+        it PostgreSQL keeps no WAL for a lagging safekeeper. Create it again; it then holds WAL
+        from PostgreSQL's last checkpoint on, so a safekeeper further behind may have lost
+        what it needs (its catch-up reports that)."""
+        log.error(
+            "the replication slot disappeared; creating it again",
+            slot=self.cfg.slot_name,
+            error=exc.message,
+            lowest_safekeeper_flush=format_lsn(min(s.acked_flush_lsn for s in self.proposer.slots)),
+        )
+        try:
+            conn = await self._pg_connect(f"{self.cfg.application_name}_setup")
+            try:
+                self.slot_lsn = await self._ensure_slot(conn)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await conn.aclose()
+        except CONNECTION_ERRORS as exc2:
+            log.warning("could not create the slot again", error=repr(exc2))
+            return
+        log.info("replication slot created again", slot=self.cfg.slot_name,
+                 restart_lsn=format_lsn(self.slot_lsn))
+
     # -- PostgreSQL stream ---------------------------------------------------------------------
 
     async def _postgres_loop(self) -> None:
         await self._elected.wait()
-        backoff = 0.05
+        backoff = MIN_BACKOFF_S
         while True:
+            streamed_from = self._pg_sessions_streaming
             try:
                 await self._postgres_session()
             except* CONNECTION_ERRORS as eg:
                 log.warning("postgres replication stream lost", error=repr(next(_leaves(eg))))
+            if self._pg_sessions_streaming != streamed_from:
+                backoff = MIN_BACKOFF_S  # it streamed: a new failure, reconnect quickly
             await trio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.max_backoff_s)
 
@@ -588,6 +636,7 @@ class Bridge:
                 self.buffer.reset(Lsn(max(start, election.epoch_start_lsn)))
                 raise
             log.info("streaming from postgres", start=format_lsn(start))
+            self._pg_sessions_streaming += 1
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._postgres_status_sender, copy)
                 while True:

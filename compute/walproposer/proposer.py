@@ -27,8 +27,8 @@ Rules, in the order a term goes through them:
 5. **Commit.** ``commit_lsn`` is the ``quorum``-th highest ``flush_lsn`` acknowledged *in our
    term* and not below ``epoch_start_lsn`` (Raft: a term commits nothing until a quorum holds
    its own start; a safekeeper's last acknowledgement survives its disconnection: it was
-   fsynced). It
-   only moves forward; it rides on every AppendRequest. ``truncate_lsn`` (peer horizon) is the
+   fsynced, unless it comes back with less: its acknowledgement is then cut to where it
+   restarts streaming). It only moves forward; it rides on every AppendRequest. ``truncate_lsn`` (peer horizon) is the
    lowest of those acknowledgements over all safekeepers, also never moving back.
 """
 
@@ -276,6 +276,11 @@ class Proposer:
         slot.phase = Phase.ACTIVE
         slot.start_streaming_at = start
         slot.streaming_at = start
+        # The safekeeper truncates to ``start`` and holds nothing of ours beyond it: an earlier
+        # acknowledgement above that (it came back with less WAL: a replaced disk, a restart that
+        # lost WAL) no longer counts towards commit_lsn.
+        if slot.acked_flush_lsn > start:
+            slot.acked_flush_lsn = start
         return i, ProposerElected(
             term=self.term,
             start_streaming_at=start,

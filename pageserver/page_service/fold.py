@@ -19,7 +19,9 @@ and wakes each of these once, so their cost is the pipeline's cost over serial m
 Checkpoint discipline (trio's, as its memory channels): every blocking call checks for
 cancellation first, then either parks (its schedule point) or, when it did not need to park,
 does a cancel-shielded checkpoint after the state change, so an operation either happened
-completely or raised ``Cancelled`` having changed nothing. ``*_nowait`` calls never yield.
+completely or raised ``Cancelled`` having changed nothing. (``FoldChannel.receive`` on an
+empty batch parks straight away: trio delivers a pending cancel when a task parks, so the
+park is the check.) ``*_nowait`` calls never yield.
 ``HandoffQueue.receiver_idle`` tells the producer that the consumer is parked on an empty
 queue, i.e. has nothing in hand: the producer may then do the consumer's next step itself
 without reordering anything (the pipeline's Reading task folds directly when Batching is idle).
@@ -184,20 +186,22 @@ class FoldChannel(_Ends, Generic[T]):
 
     async def receive(self) -> list[T]:
         """Take the whole pending batch, parking while it is empty."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        parked = False
+        if self._batch:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            batch, self._batch = self._batch, []
+            self._sender.wake()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return batch
+        # Parking is this call's cancellation check and schedule point (trio delivers a
+        # pending cancel the moment a task parks), so no separate check first: an idle
+        # pipeline at queue depth 1 comes through here on every request.
         while not self._batch:
             if self._closed:
+                await trio.lowlevel.checkpoint_if_cancelled()
                 raise trio.EndOfChannel
             await self._receiver.park()
-            parked = True
         batch, self._batch = self._batch, []
         self._sender.wake()
-        if not parked:
-            # Parking already was this call's schedule point (as in trio's channels); a second
-            # one would cost an event-loop round per batch, which an idle pipeline at queue
-            # depth 1 pays on every request.
-            await trio.lowlevel.cancel_shielded_checkpoint()
         return batch
 
     def pending(self) -> int:

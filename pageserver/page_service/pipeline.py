@@ -137,6 +137,15 @@ class Pending:
     needs_wait: bool
     error: PageRequestError | None
     received_at: float
+    # Only a GetPage with no decided error joins a batch; decided once here rather than on
+    # every fold (the batch's first request is looked at for each request folded into it).
+    foldable: bool = attrs.field(
+        init=False,
+        default=attrs.Factory(
+            lambda self: self.error is None and type(self.request) is GetPageRequest,
+            takes_self=True,
+        ),
+    )
 
 
 @attrs.frozen
@@ -235,6 +244,7 @@ class DirectStreamIO:
     __slots__ = (
         "_buf",
         "_decoder",
+        "_drained",
         "_eof",
         "_fast",
         "_fd",
@@ -246,6 +256,7 @@ class DirectStreamIO:
         "_v3",
         "_waiting_since",
         "in_flight",
+        "park_when_drained",
         "stream",
     )
 
@@ -275,6 +286,15 @@ class DirectStreamIO:
         # kept when there is an idle timeout (``enforce_idle_timeout`` reads it).
         self._waiting_since: float | None = None
         self.in_flight = InFlight(timed=self._idle_timeout_s != math.inf)
+        # The last read returned less than asked: the kernel had nothing more at that moment.
+        self._drained = False
+        # Set by the pipelined mode's Reading: after a drained read whose requests are all
+        # decoded, park on the socket instead of first trying a read that (at queue depth
+        # 1, where the client waits for the answer Execution has not written yet) can only
+        # fail with EAGAIN. A wrong guess costs one event-loop round, never correctness
+        # (epoll is level-triggered). Serial mode keeps trying first: after its own write
+        # the client's next request often is already there.
+        self.park_when_drained = False
 
     @property
     def idle_timeout_s(self) -> float:
@@ -301,23 +321,31 @@ class DirectStreamIO:
                     self._waiting_since = None
                 self._unyielded = 0
             else:
+                if self._drained and self.park_when_drained:
+                    self._drained = False
+                    await self._wait_readable(timed)
                 try:
                     data = os.read(self._fd, MAX_RECV)
                 except BlockingIOError:
-                    if timed:
-                        self._waiting_since = trio.current_time()
-                    try:
-                        await trio.lowlevel.wait_readable(self._sock)
-                    finally:
-                        self._waiting_since = None
-                    self._unyielded = 0
+                    await self._wait_readable(timed)
                     continue
                 except OSError as exc:
                     raise trio.BrokenResourceError(f"receiving from the client: {exc}") from exc
+                self._drained = len(data) < MAX_RECV
             if data:
                 self._buf += data
             else:
                 self._eof = True
+
+    async def _wait_readable(self, timed: bool) -> None:
+        assert self._sock is not None
+        if timed:
+            self._waiting_since = trio.current_time()
+        try:
+            await trio.lowlevel.wait_readable(self._sock)
+        finally:
+            self._waiting_since = None
+        self._unyielded = 0
 
     async def enforce_idle_timeout(self) -> None:
         """Raise ``IdleTimeout`` once the connection has been idle for ``idle_timeout_s``:
@@ -339,6 +367,8 @@ class DirectStreamIO:
             await trio.sleep_until(since + idle)
 
     def receive_nowait(self) -> Request | StreamEnd | None:
+        if self._pos == len(self._buf) and not self._eof:
+            return None  # how every burst ends: nothing buffered, nothing to decode
         event = self._next_event()
         return None if event is NEED_DATA else event
 
@@ -540,19 +570,18 @@ def make_can_fold(cfg: PipelinedPipelining) -> Callable[[list[Item], Item], bool
     index = _LsnIndex()
 
     def can_fold(batch: list[Item], item: Item) -> bool:
-        if len(batch) >= max_batch_size:
+        if len(batch) >= max_batch_size or type(item) is not Pending or not item.foldable:
             return False
-        if not _is_getpage(item) or not _is_getpage(first := batch[0]):
+        first = batch[0]
+        if type(first) is not Pending or not first.foldable or item.timeline is not first.timeline:
             return False
-        item = cast(Pending, item)
-        if item.timeline is not cast(Pending, first).timeline:
-            return False
-        last = cast(Pending, batch[-1])
+        # A batch whose first request folds holds only requests that folded: Pendings.
+        last: Pending = batch[-1]  # type: ignore[assignment]
         if item.needs_wait and not last.needs_wait:
             return False
         if not scattered:
             return item.lsn == last.lsn
-        return index.allows(cast(list[Pending], batch), item)
+        return index.allows(batch, item)  # type: ignore[arg-type]
 
     return can_fold
 
@@ -601,14 +630,6 @@ class _LsnIndex:
             if other.lsn != item.lsn and cast(GetPageRequest, other.request).rel == req.rel:
                 return False
         return True
-
-
-def _is_getpage(item: Item) -> bool:
-    return (
-        isinstance(item, Pending)
-        and item.error is None
-        and isinstance(item.request, GetPageRequest)
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -791,10 +812,18 @@ def _observe(metrics: PageServiceMetrics | None, batch: list[Pending], taken: fl
     done = time.perf_counter()
     metrics.batch_size.observe(len(batch))
     getpages = 0
+    # Requests read in one burst share ``received_at``: one observation per run of equal
+    # values (with its count) rather than one per request.
+    in_batcher = metrics.time_in_batcher_seconds
+    run_at, run = batch[0].received_at, 0
     for p in batch:
-        metrics.time_in_batcher_seconds.observe(taken - p.received_at)
-        if isinstance(p.request, GetPageRequest):
+        if p.received_at != run_at:
+            in_batcher.observe(taken - run_at, run)
+            run_at, run = p.received_at, 0
+        run += 1
+        if type(p.request) is GetPageRequest:
             getpages += 1
+    in_batcher.observe(taken - run_at, run)
     if getpages:
         # Every GetPage of a batch waited for the same execution.
         metrics.getpage_execution_seconds.observe(done - taken, getpages)
@@ -936,7 +965,11 @@ async def _serve_pipelined(
     state = _ReadState()
     requests = HandoffQueue[ReadItem](ctx.config.read_queue)
     batches = FoldChannel[Item](make_can_fold(cfg))
-    flight = source.in_flight if isinstance(source, DirectStreamIO) else InFlight()
+    if isinstance(source, DirectStreamIO):
+        flight = source.in_flight
+        source.park_when_drained = True
+    else:
+        flight = InFlight()
     async with _unwrapped(), trio.open_nursery() as nursery:
         nursery.start_soon(
             _read_stage,

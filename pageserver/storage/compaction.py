@@ -3,8 +3,12 @@
 ``compact_level0``: once ``compaction_threshold`` L0s exist, merge all of them (they are
 LSN-contiguous by construction) by (key, lsn) — a streaming k-way merge, blobs copied without
 decoding, straight into the output files — into L1 files whose LSN range is the union of the
-inputs, cut at key boundaries once a file holds ``compaction_target_size`` bytes. The new files are made durable, then
-index_part lists them instead of the L0s, then the L0 files go (via the graveyard).
+inputs, cut at key boundaries once a file holds ``compaction_target_size`` bytes. The new files
+are made durable, then index_part lists them instead of the L0s, then the L0 files go (via the
+graveyard). The merge works on lists: each input is read as ``iter_entry_batches`` (~1 MiB of
+blobs, crc32c-checked), runs below the next input's head move as slices, and the output goes
+to ``LayerFileWriter.put_many`` per ``MERGE_BATCH`` entries (byte for byte the files of a
+``put`` per entry; about half the CPU per entry, docs/bench-storage.md).
 
 ``create_image_layers``: the timeline's keyspace at ``disk_consistent_lsn`` is split into
 partitions of about ``compaction_target_size`` / 8 KiB keys (extended to tile the whole key
@@ -28,6 +32,7 @@ before the swap leaves files index_part does not list, which the next load delet
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
@@ -44,30 +49,56 @@ if TYPE_CHECKING:
     from pageserver.timeline import Timeline
 
 IMAGE_BATCH_KEYS = 256
+MERGE_BATCH = 2048  # entries per LayerFileWriter.put_many of the L0 -> L1 merge
 _KEYS_PER_PAGE = 8192
 
 
-async def _merged(
-    layers: list[PersistentLayer],
-) -> AsyncIterator[tuple[Key, Lsn, bytes, bool]]:
-    iters = [x.iter_entries() for x in layers]
-    heap: list[tuple[Key, Lsn, int, bytes, bool]] = []
-    for i, it in enumerate(iters):
-        async for key, lsn, blob, will_init in it:
-            heap.append((key, lsn, i, blob, will_init))
-            break
+Entry = tuple[Key, Lsn, bytes, bool]
+
+
+async def _merged(layers: list[PersistentLayer], out_size: int = 4096) -> AsyncIterator[list[Entry]]:
+    """The entries of ``layers`` in (key, lsn) order, as lists of about ``out_size``: a k-way
+    merge over each layer's ``iter_entry_batches``. The entries of the smallest source below
+    the next source's head go over as one slice (a bulk load's L0s hold mostly different heap
+    blocks, so runs are long); the heap moves once per run, not once per entry. No two
+    sources share a (key, lsn): L0s hold disjoint LSN ranges."""
+    sources = [x.iter_entry_batches() for x in layers]
+    bufs: list[list[Entry]] = []
+    heap: list[tuple[Key, Lsn, int]] = []
+    for i, source in enumerate(sources):
+        first = await anext(source, None)
+        bufs.append(first or [])
+        if first:
+            heap.append((first[0][0], first[0][1], i))
     heapq.heapify(heap)
+    pos = [0] * len(sources)
+    out: list[Entry] = []
     while heap:
-        key, lsn, i, blob, will_init = heap[0]
-        yield key, lsn, blob, will_init
-        nxt = None
-        async for entry in iters[i]:
-            nxt = entry
-            break
-        if nxt is None:
-            heapq.heappop(heap)
+        i = heap[0][2]
+        buf = bufs[i]
+        p = pos[i]
+        if len(heap) == 1:
+            j = len(buf)
         else:
-            heapq.heapreplace(heap, (nxt[0], nxt[1], i, nxt[2], nxt[3]))
+            nxt = heap[1] if len(heap) == 2 or heap[1] < heap[2] else heap[2]
+            # (an entry compares with the (key, lsn) head by its key and LSN: never equal)
+            j = bisect.bisect_left(buf, (nxt[0], nxt[1]), p)
+        out += buf[p:j]
+        if j == len(buf):
+            more = await anext(sources[i], None)
+            if not more:
+                heapq.heappop(heap)
+                bufs[i] = []
+                continue
+            bufs[i] = buf = more
+            j = 0
+        pos[i] = j
+        heapq.heapreplace(heap, (buf[j][0], buf[j][1], i))
+        if len(out) >= out_size:
+            yield out
+            out = []
+    if out:
+        yield out
 
 
 async def _hook(tl: Timeline, point: str) -> None:
@@ -128,18 +159,52 @@ async def compact_level0(tl: Timeline) -> list[PersistentLayer]:
     provisional = LayerDesc(KeyRange.full(), lsn_start, lsn_end, True)
     outputs: list[PersistentLayer] = []
     writer: LayerFileWriter | None = None
+    # Entries wait here and go to the writer with one ``put_many`` per MERGE_BATCH (the same
+    # file as a ``put`` per entry, tests/pageserver/test_storage_compaction_batch.py); ``filled``
+    # counts the file's bytes with theirs, so that a file is cut where the per-entry path would
+    # cut it.
+    runs: list[tuple[Key, int]] = []
+    lsns: list[int] = []
+    blobs: list[bytes] = []
+    will_inits: list[bool] = []
+    filled = 0
+    last_key: Key | None = None
+
+    async def drain(w: LayerFileWriter) -> None:
+        if lsns:
+            await w.put_many(runs, lsns, blobs, will_inits)
+            runs.clear()
+            lsns.clear()
+            blobs.clear()
+            will_inits.clear()
+
     try:
-        async for key, lsn, blob, will_init in _merged(l0s):
-            if writer is not None and writer.data_size >= target and key != writer.last_key:
-                outputs.append(await _finish_l1(tl, writer))
-                writer = None
-            if writer is None:
-                writer = await LayerFileWriter.create(tl.engine, tl.path, provisional, tl.write_options())
-                await writer.put(key, lsn, blob, will_init)
-                await _hook(tl, "l0_merge")
-                continue
-            await writer.put(key, lsn, blob, will_init)
+        async for batch in _merged(l0s):
+            for key, lsn, blob, will_init in batch:
+                if writer is not None and filled >= target and key != last_key:
+                    await drain(writer)
+                    outputs.append(await _finish_l1(tl, writer))
+                    writer = None
+                if writer is None:
+                    writer = await LayerFileWriter.create(tl.engine, tl.path, provisional, tl.write_options())
+                    await writer.put(key, lsn, blob, will_init)
+                    last_key = key
+                    filled = len(blob)
+                    await _hook(tl, "l0_merge")
+                    continue
+                if key == last_key and runs:
+                    runs[-1] = (key, runs[-1][1] + 1)
+                else:
+                    runs.append((key, 1))
+                    last_key = key
+                lsns.append(lsn)
+                blobs.append(blob)
+                will_inits.append(will_init)
+                filled += len(blob)
+                if len(lsns) >= MERGE_BATCH:
+                    await drain(writer)
         if writer is not None:
+            await drain(writer)
             outputs.append(await _finish_l1(tl, writer))
             writer = None
     except BaseException:

@@ -510,25 +510,52 @@ class PersistentLayer:
 
     async def iter_entries(self, batch_bytes: int = 1 << 20) -> AsyncIterator[tuple[Key, Lsn, bytes, bool]]:
         """Every (key, lsn, blob, will_init) in order; blobs read sequentially in big chunks."""
+        async for batch in self.iter_entry_batches(batch_bytes):
+            for entry in batch:
+                yield entry
+
+    async def iter_entry_batches(
+        self, batch_bytes: int = 1 << 20
+    ) -> AsyncIterator[list[tuple[Key, Lsn, bytes, bool]]]:
+        """``iter_entries`` as lists of about ``batch_bytes`` of blobs (compaction's merge):
+        one ``read_blobs`` per list, the checks (every blob's crc32c, the positions following
+        each other) and the tuples made by C loops rather than a generator step per entry."""
         r = self.reader
-        for blkno in range(r.summary.n_index_blocks):
+        keys: list[Key] = []
+        lsns: list[Lsn] = []
+        positions: list[int] = []
+        lengths: list[int] = []
+        crcs: list[int] = []
+        pending = 0
+        n_blocks = r.summary.n_index_blocks
+        for blkno in range(n_blocks):
             block = await r.block(blkno)
-            n = len(block.prefixes)
-            i = 0
-            while i < n:
-                j = i
-                start = block.positions[i] >> 1
-                total = 0
-                while j < n and total < batch_bytes:
-                    total += block.lengths[j]
-                    j += 1
-                chunk = await r.read_blobs(start, [block.lengths[k] for k in range(i, j)])
-                for k, data in zip(range(i, j), chunk, strict=True):
-                    off = block.positions[k] >> 1
-                    r.check_blob(off, block.lengths[k], block.crcs[k], data)
-                    p = block.prefixes[k]
-                    yield Key(p[:KEY_SIZE]), Lsn(_lsn_of(p)), bytes(data), bool(block.positions[k] & 1)
-                i = j
+            keys += block.keys
+            lsns += block.lsns
+            positions += block.positions
+            lengths += block.lengths
+            crcs += block.crcs
+            pending += sum(block.lengths)
+            while lengths and (pending >= batch_bytes or blkno == n_blocks - 1):
+                # the entries up to about batch_bytes (at least one)
+                j = min(len(lengths), bisect.bisect_left(list(itertools.accumulate(lengths)), batch_bytes) + 1)
+                yield await self._entry_batch(keys[:j], lsns[:j], positions[:j], lengths[:j], crcs[:j])
+                pending -= sum(lengths[:j])
+                del keys[:j], lsns[:j], positions[:j], lengths[:j], crcs[:j]
+
+    async def _entry_batch(
+        self, keys: list[Key], lsns: list[Lsn], positions: list[int], lengths: list[int], crcs: list[int]
+    ) -> list[tuple[Key, Lsn, bytes, bool]]:
+        r = self.reader
+        start = positions[0] >> 1
+        offsets = [p >> 1 for p in positions]
+        if offsets != list(itertools.accumulate(lengths[:-1], initial=start)):
+            raise LayerCorruptionError(self.path, f"index entries from offset {start} do not follow each other")
+        blobs = await r.read_blob_copies(start, lengths)
+        if list(map(crc32c, blobs)) != crcs:
+            for off, length, crc, blob in zip(offsets, lengths, crcs, blobs, strict=True):
+                r.check_blob(off, length, crc, blob)  # raises for the first bad one
+        return list(zip(keys, lsns, blobs, [bool(p & 1) for p in positions], strict=True))
 
     async def iter_index(self) -> AsyncIterator[tuple[Key, Lsn, int]]:
         """(key, lsn, blob length) of every entry, from the index alone."""

@@ -488,3 +488,31 @@ def test_acks_below_epoch_start_do_not_commit() -> None:
         assert segments(p4.election.term_history, lsn) == segments(hist, lsn), (
             f"WAL reported committed at {lsn:X} was overwritten by a later term"
         )
+
+
+def test_safekeeper_back_with_less_wal_loses_its_old_acknowledgement() -> None:
+    """A safekeeper acknowledged WAL, then came back without it (a replaced disk, a restart that
+    lost WAL). Its old acknowledgement must not count towards commit_lsn: only the one other
+    safekeeper holds that WAL, which is not a quorum of three."""
+    p = _elected_proposer()
+    for i in (0, 1):
+        p.sent(i, Lsn(BOOT + 1000))
+    p.on_append_response(0, AppendResponse(1, Lsn(BOOT + 100), Lsn(0)))
+    p.on_append_response(1, AppendResponse(1, Lsn(BOOT + 100), Lsn(0)))
+    assert p.commit_lsn == BOOT + 100
+    p.on_append_response(0, AppendResponse(1, Lsn(BOOT + 1000), Lsn(0)))
+    p.disconnected(0)
+    p.connected(0)
+    # It lost everything: term 0, empty history; we stream to it from the timeline's start.
+    ((_, req),) = p.on_greeting(0, AcceptorGreeting(1, 0))
+    assert isinstance(req, VoteRequest)
+    ((_, m),) = p.on_vote(0, _vote(1, 0, ()))
+    assert isinstance(m, ProposerElected) and m.start_streaming_at == BOOT
+    assert p.slots[0].acked_flush_lsn == BOOT
+    # sk1 reaches 1000: without sk0's lost WAL that is one copy, commit_lsn stays.
+    assert p.on_append_response(1, AppendResponse(1, Lsn(BOOT + 1000), Lsn(0))) is False
+    assert p.commit_lsn == BOOT + 100
+    # Once sk0 holds it again, it commits.
+    p.sent(0, Lsn(BOOT + 1000))
+    assert p.on_append_response(0, AppendResponse(1, Lsn(BOOT + 1000), Lsn(0))) is True
+    assert p.commit_lsn == BOOT + 1000

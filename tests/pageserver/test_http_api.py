@@ -119,6 +119,15 @@ def test_timelines_bootstrap_get_list_branch(node: NodeProcess, bootstrapped: tu
     assert status == 400, err
     status, err = node.request("POST", f"/v1/tenant/{tenant}/timeline", {"pg_version": 14})
     assert status == 400, err
+    # A branch point below the ancestor's first record (a digit dropped from the LSN): there is
+    # no data directory there to branch from, and no timeline is left behind.
+    status, err = node.request(
+        "POST", f"/v1/tenant/{tenant}/timeline",
+        {"ancestor_timeline_id": timeline, "ancestor_start_lsn": "0/8"},
+    )
+    assert status == 400 and "no data directory" in err["msg"], err
+    status, listed = node.request("GET", f"/v1/tenant/{tenant}/timeline")
+    assert status == 200 and {t["timeline_id"] for t in listed} == {timeline, branch_id}
     status, err = node.request("GET", f"/v1/tenant/{tenant}/timeline/{'12' * 16}")
     assert status == 404, err
 
@@ -136,6 +145,9 @@ def test_keyspace(node: NodeProcess, bootstrapped: tuple[str, str]) -> None:
     assert any(k[0].hex().upper() == start.upper() for k in rel_blocks), start
     status, err = node.request("GET", f"/v1/tenant/{tenant}/timeline/{timeline}/keyspace?at_lsn=FF/0")
     assert status == 400, err
+    # Before the timeline's first record there is no keyspace to list.
+    status, err = node.request("GET", f"/v1/tenant/{tenant}/timeline/{timeline}/keyspace?at_lsn=0/8")
+    assert status == 400 and "no data directory" in err["msg"], err
 
 
 def test_checkpoint_and_compact(node: NodeProcess, bootstrapped: tuple[str, str]) -> None:

@@ -9,13 +9,22 @@ mutant that never takes them fails the task-step count below).
 
 from __future__ import annotations
 
+import os
+import socket
+
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pageserver.page_service.config import PageServiceConfig, PipelinedPipelining
+from pageserver.page_service import pipeline
+from pageserver.page_service.config import (
+    PageServiceConfig,
+    PipelinedPipelining,
+    SerialPipelining,
+)
 from pageserver.page_service.fold import FoldChannel, HandoffQueue
 from pageserver.page_service.pipeline import (
     Item,
@@ -27,6 +36,7 @@ from pageserver.page_service.pipeline import (
 from pageserver.page_service.reader import SingleTimeline
 from protocol.lsn import Lsn
 from protocol.pagestream import GetPageRequest, GetPageResponse, RelTag, StreamEnd
+from protocol.pgwire import messages as m
 from tests.pageserver.page_service_fakes import FakeTimeline, decode_all, frame_requests
 
 REL = RelTag(1663, 5, 16384, 0)
@@ -266,3 +276,173 @@ async def test_unbatchable_traffic_bypasses_the_batching_task() -> None:
     assert counter.steps.get("pagestream.execute", 0) >= len(requests)
     # Started, parked once, woken at the end: a handful of steps, not one per request.
     assert counter.steps.get("pagestream.batch", 0) <= 3
+
+
+async def test_fold_channel_receive_on_empty_batch_is_a_cancellation_point() -> None:
+    """An empty ``receive`` parks without checking for cancellation first: the park is the
+    check. Cancelled before it starts, it raises and takes nothing; the channel still works."""
+    ch = FoldChannel[int](lambda batch, item: True)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await ch.receive()
+        raise AssertionError("not reached: receive must raise Cancelled")
+    assert scope.cancelled_caught
+    assert ch.send_nowait(1)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await ch.receive()  # a batch is pending: the cancel still wins, nothing taken
+    assert ch.pending() == 1
+    assert await ch.receive() == [1]
+    ch.close()
+    with pytest.raises(trio.EndOfChannel):
+        await ch.receive()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading on a real socket: park first after a drained read (pipelined only)
+
+
+class _CountingOs:
+    """Stands in for ``os`` in the pipeline module: counts reads that found nothing."""
+
+    def __init__(self) -> None:
+        self.eagain = 0
+
+    def read(self, fd: int, n: int) -> bytes:
+        try:
+            return os.read(fd, n)
+        except BlockingIOError:
+            self.eagain += 1
+            raise
+
+    def write(self, fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
+
+
+def _socket_pair() -> tuple[socket.socket, trio.SocketStream]:
+    ours, theirs = socket.socketpair()
+    return ours, trio.SocketStream(trio.socket.from_stdlib_socket(theirs))
+
+
+async def _answer_one_at_a_time(
+    config: PageServiceConfig, monkeypatch: pytest.MonkeyPatch, n: int
+) -> int:
+    """Queue depth 1 over a socketpair; returns how many reads of the server found EAGAIN."""
+    counting = _CountingOs()
+    monkeypatch.setattr(pipeline, "os", counting)
+    tl = FakeTimeline()
+    tl.fill(REL, 16, [0x100])
+    ctx = PagestreamContext(3, SingleTimeline(tl), config)
+    ours, server = _socket_pair()
+    client = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_pagestream_bytes, server, ctx)
+        for i in range(n):
+            req = GetPageRequest(i, MAX, Lsn(0x100), REL, i % 16)
+            await client.send_all(frame_requests([req], 3))
+            raw = b""
+            while len(raw) < 5 + 8234:
+                raw += await client.receive_some()
+            assert decode_all(raw, [req], 3) == [
+                GetPageResponse(req, tl.versions[(REL, req.blkno)][0][1])
+            ]
+        await client.send_all(m.encode(m.CopyDone()))
+    await client.aclose()
+    return counting.eagain
+
+
+async def test_pipelined_reading_parks_instead_of_reading_what_cannot_be_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At queue depth 1 the client's next request cannot arrive before Execution answers the
+    current one, so after a drained read Reading parks on the socket at once instead of
+    failing a read with EAGAIN per request; serial mode still reads first (after its own
+    write the next request is often already there)."""
+    n = 30
+    pipelined = PageServiceConfig(page_service_pipelining=PipelinedPipelining(32, "scattered-lsn"))
+    assert await _answer_one_at_a_time(pipelined, monkeypatch, n) <= 2
+    serial = PageServiceConfig(page_service_pipelining=SerialPipelining())
+    assert await _answer_one_at_a_time(serial, monkeypatch, n) >= n - 2
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    bursts=st.lists(st.lists(st.integers(0, 15), min_size=1, max_size=6), min_size=1, max_size=6),
+    cut=st.integers(1, 300),
+)
+def test_pipelined_over_a_socket_answers_like_serial(bursts: list[list[int]], cut: int) -> None:
+    """Bursts sent in pieces while the pipeline may be parked after a drained read (or may
+    have guessed wrong and parked with bytes already there): the responses are the serial
+    oracle's, byte for byte."""
+
+    async def run(config: PageServiceConfig) -> bytes:
+        tl = FakeTimeline()
+        tl.fill(REL, 16, [0x100])
+        ctx = PagestreamContext(3, SingleTimeline(tl), config)
+        ours, server = _socket_pair()
+        client = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+        raw = bytearray()
+        reqid = 0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve_pagestream_bytes, server, ctx)
+            for burst in bursts:
+                wire = bytearray()
+                for blk in burst:
+                    wire += frame_requests([GetPageRequest(reqid, MAX, Lsn(0x100), REL, blk)], 3)
+                    reqid += 1
+                for at in range(0, len(wire), cut):
+                    await client.send_all(wire[at : at + cut])
+                    await trio.lowlevel.checkpoint()
+            want = reqid * (5 + 8234)
+            while len(raw) < want:
+                raw += await client.receive_some()
+            await client.send_all(m.encode(m.CopyDone()))
+        await client.aclose()
+        return bytes(raw)
+
+    serial = trio.run(run, PageServiceConfig(page_service_pipelining=SerialPipelining()))
+    for size in (1, 32):
+        config = PageServiceConfig(
+            page_service_pipelining=PipelinedPipelining(size, "scattered-lsn")
+        )
+        assert trio.run(run, config) == serial
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics per batch: one time-in-batcher observation per run of requests read together
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    bursts=st.lists(st.integers(1, 5), min_size=1, max_size=8),
+    kinds=st.lists(st.booleans(), min_size=40, max_size=40),
+)
+def test_observe_per_run_matches_one_observation_per_request(
+    bursts: list[int], kinds: list[bool]
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from pageserver.page_service.metrics import PageServiceMetrics
+    from protocol.pagestream import ExistsRequest
+
+    batch: list[Pending] = []
+    for b, size in enumerate(bursts):
+        for _ in range(size):
+            i = len(batch)
+            request = (
+                GetPageRequest(i, MAX, Lsn(0x100), REL, i)
+                if kinds[i]
+                else ExistsRequest(i, MAX, Lsn(0x100), REL)
+            )
+            batch.append(Pending(request, None, Lsn(0x100), False, None, 0.001 * (b % 3)))
+    taken = 0.5
+    grouped = PageServiceMetrics.register(CollectorRegistry())
+    pipeline._observe(grouped, batch, taken)
+    oracle = PageServiceMetrics.register(CollectorRegistry())
+    for p in batch:
+        oracle.time_in_batcher_seconds.observe(taken - p.received_at)
+    got, want = grouped.time_in_batcher_seconds, oracle.time_in_batcher_seconds
+    assert got._counts == want._counts
+    assert got.sum == pytest.approx(want.sum)
+    assert grouped.getpage_execution_seconds.count == sum(kinds[: len(batch)])
+    assert grouped.batch_size.count == 1 and grouped.batch_size.sum == len(batch)

@@ -201,3 +201,48 @@ def test_decode_into_mutant_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reader_mod, "_RM_XLOG", -1)
     got, got_end = _by_decode_into(start, data, chunks)
     assert (got, got_end) != (want, want_end)
+
+
+_PAGE_FIELD_MUTATIONS: list[tuple[str, int, str, int]] = [
+    # (name, offset in the short header, struct format, how: xor mask / value to set)
+    ("magic", 0, "<H", 0x0001),
+    ("contrecord bit", 2, "<H", 0x0001),
+    ("long header bit", 2, "<H", 0x0002),
+    ("overwrite bit", 2, "<H", 0x0008),
+    ("unknown info bit", 2, "<H", 0x0010),
+    ("tli lower", 4, "<I", 0x0001),  # 1 -> 0
+    ("tli higher", 4, "<I", 0x0002),  # 1 -> 3: a newer timeline is accepted
+    ("pageaddr", 8, "<Q", 0x2000),
+    ("rem_len", 16, "<I", 0x0008),
+]
+
+
+@pytest.mark.parametrize("mutation", _PAGE_FIELD_MUTATIONS, ids=[m[0] for m in _PAGE_FIELD_MUTATIONS])
+def test_decode_into_page_headers_inline_equal_next_record(mutation: tuple[str, int, str, int]) -> None:
+    """decode_into checks the short page headers of a bulk load (a record continuing onto the
+    page, or none) in its own loop: every field of such a header, changed, must end the WAL
+    exactly where and why next_record ends it (or be accepted by both)."""
+    import random
+
+    _name, off, fmt, mask = mutation
+    rng = random.Random(7)
+    rnode = RelFileNode(1663, 5, 16384)
+    start = 2 * SEG - 40 * 8192  # a segment boundary (long header) on the way too
+    enc = WalEncoder(start)
+    for i in range(3000):
+        size = rng.choice([60, 116, 116, 116, 200, 300])
+        blk = BlockSpec(rnode=rnode, blkno=i // 50, data=bytes(size))
+        enc.append(10, 0, xid=9, blocks=[blk], main_data=b"\x01\x00\x00")
+    data = enc.take()
+    pages = [p for p in range(8192, len(data), 8192) if (start + p) % SEG]
+    with_cont = [p for p in pages if struct.unpack_from("<H", data, p + 2)[0] & 1]
+    without = [p for p in pages if not struct.unpack_from("<H", data, p + 2)[0] & 1]
+    assert with_cont and without  # both kinds of page are tested
+    for page in [with_cont[0], with_cont[len(with_cont) // 2], without[0], without[-1]]:
+        buf = bytearray(data)
+        (value,) = struct.unpack_from(fmt, buf, page + off)
+        struct.pack_into(fmt, buf, page + off, value ^ mask)
+        for sizes in ([131072], [977, 100]):
+            chunks = _chunking(bytes(buf), sizes)
+            want = _by_next_record(start, bytes(buf), chunks)
+            assert _by_decode_into(start, bytes(buf), chunks) == want

@@ -29,7 +29,7 @@ from safekeeper.acceptor import AcceptorError
 from safekeeper.receive_wal import SYNCS_IN_FLIGHT, _ByteBudget, _write_stage
 from safekeeper.testing import synthetic_wal
 from safekeeper.timeline import Timeline
-from safekeeper.wal_storage import WalStorageError
+from safekeeper.wal_storage import WalStorageBroken, WalStorageError
 
 TENANT = TenantId(bytes(range(16)))
 TIMELINE = TimelineId(bytes(range(16, 32)))
@@ -122,9 +122,10 @@ async def test_a_failed_fdatasync_is_never_retried_into_an_acknowledgement(
     first = AppendRequest(1, START, Lsn(START + half), INVALID_LSN, INVALID_LSN, wal[:half])
     _, pending, error = await tl.write_appends([first])
     assert error is None and pending is not None
-    with pytest.raises(OSError):
+    with pytest.raises(WalStorageBroken) as info:
         await tl.sync(pending)
-    with pytest.raises(RuntimeError):
+    assert info.value.sqlstate == "58030" and isinstance(info.value.__cause__, OSError)
+    with pytest.raises(WalStorageBroken):
         await tl.finish(pending)
     assert not failures
     # The next group's fdatasync would succeed now: it must not be attempted, nor acked.

@@ -1,0 +1,431 @@
+"""IO errors on the WAL write path break the timeline's storage, exactly like a failed fsync.
+
+After a failed ``pwritev`` (EIO, ENOSPC, a short write that makes no progress) or a failed
+segment create/rename, the file holds an unknown mix of old and new bytes. Nothing of the
+failed group may be acknowledged, every later append/flush/truncate is refused until a
+restart, and the restart's CRC-checked scan finds at least everything acknowledged before.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from common.pgclient import connect
+from protocol.errors import RemoteProtocolError
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn
+from protocol.pgwire.errors import PgError
+from protocol.safekeeper import (
+    AppendRequest,
+    AppendResponse,
+    ProposerElected,
+    ProposerGreeting,
+    ProposerMessage,
+    TermSwitchEntry,
+    VoteRequest,
+    decode_acceptor_message,
+)
+from safekeeper.config import SafekeeperConfig
+from safekeeper.node import SafekeeperNode
+from safekeeper.receive_wal import _ByteBudget, _write_stage
+from safekeeper.testing import TestProposer, synthetic_wal
+from safekeeper.timeline import Timeline
+from safekeeper.wal_storage import WalStorageBroken
+
+TENANT = TenantId(bytes(range(16)))
+TIMELINE = TimelineId(bytes(range(16, 32)))
+START = Lsn(WAL_SEGMENT_SIZE + 40)
+PIECE = 65536
+
+
+async def elected(directory: Path, start: Lsn = START) -> Timeline:
+    tl = Timeline.create(directory, 1, TENANT, TIMELINE, no_sync=False)
+    greeting = ProposerGreeting(
+        tenant_id=TENANT, timeline_id=TIMELINE, pg_version=150000, system_id=7,
+        wal_seg_size=WAL_SEGMENT_SIZE,
+    )
+    _, error = await tl.process_batch(
+        [greeting, VoteRequest(1), ProposerElected(1, start, (TermSwitchEntry(1, start),))]
+    )
+    assert error is None
+    return tl
+
+
+def append(wal: bytes, start: Lsn, k: int, piece: int = PIECE) -> AppendRequest:
+    """The k-th piece of ``wal`` (which starts at ``start``); commit_lsn = its begin, so the
+    control file's scan start moves and a restart finds the WAL."""
+    begin = Lsn(start + k * piece)
+    chunk = wal[k * piece : (k + 1) * piece]
+    return AppendRequest(1, begin, Lsn(begin + len(chunk)), begin, INVALID_LSN, chunk)
+
+
+async def ack(tl: Timeline, req: AppendRequest, *, pipelined: bool) -> Lsn:
+    """Write, sync and acknowledge one group; returns the acknowledged flush_lsn."""
+    if pipelined:
+        replies, pending, error = await tl.write_appends([req])
+        assert error is None and replies == [] and pending is not None
+        await tl.sync(pending)
+        return (await tl.finish(pending)).flush_lsn
+    replies2, error = await tl.process_batch([req])
+    assert error is None
+    (resp,) = replies2
+    assert isinstance(resp, AppendResponse)
+    return resp.flush_lsn
+
+
+def failing(exc: OSError) -> Callable[..., Any]:
+    def fail(*args: object) -> Any:
+        raise exc
+
+    return fail
+
+
+async def assert_refused_then_restart(
+    tl: Timeline, directory: Path, wal: bytes, acked: Lsn, retry: AppendRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the IO working again, the timeline still refuses everything; a restart finds
+    at least ``acked`` with its bytes intact."""
+    monkeypatch.undo()
+    assert tl.storage.broken is not None
+    for pipelined in (True, False):
+        with pytest.raises(WalStorageBroken) as info:
+            await ack(tl, retry, pipelined=pipelined)
+        assert info.value.sqlstate == "58030"
+    with pytest.raises(WalStorageBroken):
+        await trio.to_thread.run_sync(tl.storage.flush)
+    with pytest.raises(WalStorageBroken):
+        await trio.to_thread.run_sync(tl.storage.truncate, START)
+    # An election's truncation goes through the same storage: refused too.
+    with pytest.raises(WalStorageBroken):
+        await tl.process_batch(
+            [VoteRequest(2), ProposerElected(2, acked, (TermSwitchEntry(1, START), TermSwitchEntry(2, acked)))]
+        )
+    assert tl.acceptor.flush_lsn == acked
+    assert tl.status()["wal_storage_broken"]
+    tl.storage.close()
+
+    again = Timeline.load(directory, 1, no_sync=False)
+    assert again.acceptor.flush_lsn >= acked
+    assert again.storage.broken is None
+    got = b"".join(
+        again.storage.read(Lsn(pos), acked - pos) for pos in range(START, acked, 1 << 20)
+    )
+    assert got == wal[: acked - START]
+    again.storage.close()
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sequential"])
+async def test_failed_pwritev_breaks_the_storage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, pipelined: bool
+) -> None:
+    directory = tmp_path / "tl"
+    tl = await elected(directory)
+    wal = synthetic_wal(START, 3 * PIECE, system_id=7)
+    acked = await ack(tl, append(wal, START, 0), pipelined=pipelined)
+    assert acked > START
+
+    monkeypatch.setattr(os, "pwritev", failing(OSError(code, os.strerror(code))))
+    with pytest.raises(WalStorageBroken) as info:
+        await ack(tl, append(wal, START, 1), pipelined=pipelined)
+    assert info.value.sqlstate == "58030"
+    assert isinstance(tl.storage.broken, OSError) and tl.storage.broken.errno == code
+    assert tl.acceptor.flush_lsn == acked
+    await assert_refused_then_restart(tl, directory, wal, acked, append(wal, START, 1), monkeypatch)
+
+
+async def test_a_write_that_stops_making_progress_breaks_the_storage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pwritev returning 0 for a non-empty write: no errno, no progress. Retrying forever
+    would hang the connection; treating it as success would ack unwritten WAL."""
+    directory = tmp_path / "tl"
+    tl = await elected(directory)
+    wal = synthetic_wal(START, 3 * PIECE, system_id=7)
+    acked = await ack(tl, append(wal, START, 0), pipelined=True)
+    real = os.pwritev
+    calls = [0]
+
+    def short_then_nothing(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls[0] += 1
+        if calls[0] == 1:
+            # A partial write of the first 100 bytes really happens, then the disk is full.
+            return real(fd, [memoryview(b"".join(bytes(b) for b in buffers))[:100]], offset)
+        if calls[0] > 1000:
+            raise AssertionError("a write that makes no progress was retried forever")
+        return 0
+
+    monkeypatch.setattr(os, "pwritev", short_then_nothing)
+    with trio.fail_after(10), pytest.raises(WalStorageBroken) as info:
+        await ack(tl, append(wal, START, 1), pipelined=True)
+    assert isinstance(tl.storage.broken, OSError) and tl.storage.broken.errno == errno.ENOSPC
+    assert "pwritev" in str(info.value)
+    await assert_refused_then_restart(tl, directory, wal, acked, append(wal, START, 1), monkeypatch)
+
+
+async def test_short_writes_that_progress_still_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other side of the rule: a short write that makes progress is continued, not an
+    error (the kernel may return less than asked, e.g. on a signal)."""
+    tl = await elected(tmp_path / "tl")
+    wal = synthetic_wal(START, 2 * PIECE, system_id=7)
+    real = os.pwritev
+
+    def at_most_1000(fd: int, buffers: list[memoryview], offset: int) -> int:
+        return real(fd, [memoryview(b"".join(bytes(b) for b in buffers))[:1000]], offset)
+
+    monkeypatch.setattr(os, "pwritev", at_most_1000)
+    acked = await ack(tl, append(wal, START, 0, 2 * PIECE), pipelined=True)
+    assert acked > START and tl.storage.broken is None
+    assert tl.storage.read(START, acked - START) == wal[: acked - START]
+
+
+@pytest.mark.parametrize("call", ["posix_fallocate", "rename", "fsync"])
+async def test_failed_segment_switch_breaks_the_storage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """A group that crosses a segment end: completing the old segment (fdatasync, rename) or
+    creating the next (open, preallocate, fsync, rename, directory fsync) fails."""
+    start = Lsn(2 * WAL_SEGMENT_SIZE - 3 * PIECE)
+    directory = tmp_path / "tl"
+    tl = await elected(directory, start)
+    wal = synthetic_wal(start, 6 * PIECE, system_id=7)
+    acked = await ack(tl, append(wal, start, 0, 2 * PIECE), pipelined=True)
+    monkeypatch.setattr(os, call, failing(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(WalStorageBroken):
+        await ack(tl, append(wal, start, 1, 2 * PIECE), pipelined=True)
+    assert tl.acceptor.flush_lsn == acked
+    monkeypatch.undo()
+    with pytest.raises(WalStorageBroken):
+        await ack(tl, append(wal, start, 1, 2 * PIECE), pipelined=True)
+    tl.storage.close()
+    again = Timeline.load(directory, 1, no_sync=False)
+    assert again.acceptor.flush_lsn >= acked
+    assert again.storage.read(start, acked - start) == wal[: acked - start]
+    again.storage.close()
+
+
+async def test_a_group_synced_before_the_break_is_not_acknowledged_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group N is written and its own fdatasync succeeds; then group N+1's write fails.
+    N's bytes are durable, but nothing is acknowledged once the storage is broken (see
+    ``Timeline.finish``): a restart reports them instead."""
+    directory = tmp_path / "tl"
+    tl = await elected(directory)
+    wal = synthetic_wal(START, 3 * PIECE, system_id=7)
+    _, pending, error = await tl.write_appends([append(wal, START, 0)])
+    assert error is None and pending is not None
+    await tl.sync(pending)  # N is durable
+    monkeypatch.setattr(os, "pwritev", failing(OSError(errno.EIO, "Input/output error")))
+    with pytest.raises(WalStorageBroken):
+        await tl.write_appends([append(wal, START, 1)])
+    with pytest.raises(WalStorageBroken):
+        await tl.finish(pending)
+    assert tl.acceptor.flush_lsn == START
+    monkeypatch.undo()
+    tl.storage.close()
+    again = Timeline.load(directory, 1, no_sync=False)
+    # Not acknowledged, yet durable and found by the scan (the last record of N may
+    # continue into N+1, so the end is N's last complete record).
+    assert Lsn(START + PIECE - 8192) <= again.acceptor.flush_lsn <= START + PIECE
+    n_end = again.acceptor.flush_lsn
+    assert again.storage.read(START, n_end - START) == wal[: n_end - START]
+    again.storage.close()
+
+
+async def test_write_error_with_two_syncs_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pipelined writer: group N's fdatasync is held while group N+1's pwritev fails.
+    No AppendResponse leaves (not N+1's: its bytes are unknown; not N's: the storage is
+    broken), no other fdatasync starts, the connection ends with WalStorageBroken (58030),
+    and a restart (which fsyncs what its scan accepts) finds N."""
+    directory = tmp_path / "tl"
+    tl = await elected(directory)
+    wal = synthetic_wal(START, 4 * PIECE, system_id=7)
+    gate = threading.Event()
+    started: list[int] = []
+    finished: list[int] = []
+    real_fdatasync = tl.storage.fdatasync
+
+    def held_fdatasync(fd: int) -> None:
+        started.append(len(started) + 1)
+        assert gate.wait(10)
+        real_fdatasync(fd)
+        finished.append(len(finished) + 1)
+
+    monkeypatch.setattr(tl.storage, "fdatasync", held_fdatasync)
+    real_pwritev = os.pwritev
+    writes = [0]
+    write_failed = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def second_write_fails(fd: int, buffers: list[memoryview], offset: int) -> int:
+        writes[0] += 1
+        if writes[0] == 2:
+            token.run_sync_soon(write_failed.set)
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", second_write_fails)
+    acks: list[Lsn] = []
+
+    class Copy:
+        async def send_many(self, payloads: list[bytes]) -> None:
+            for payload in payloads:
+                msg = decode_acceptor_message(payload, 3)
+                assert isinstance(msg, AppendResponse)
+                acks.append(msg.flush_lsn)
+
+    send, receive = trio.open_memory_channel[ProposerMessage | RemoteProtocolError](100)
+    for k in range(3):
+        send.send_nowait(append(wal, START, k))
+    outcome: list[BaseException] = []
+
+    async def writer() -> None:
+        try:
+            await _write_stage(Copy(), receive, tl, 3, PIECE, _ByteBudget(1 << 30))  # type: ignore[arg-type]
+        except BaseException as exc:  # the test inspects it
+            outcome.append(exc)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            await write_failed.wait()
+            await trio.sleep(0.1)
+            assert acks == [] and started == [1]
+            gate.set()
+    (exc,) = outcome
+    leaves = list(_leaves(exc))
+    # The write's error, and N's held fdatasync refused too: it reached the storage after
+    # the break (a later flush is refused like any other).
+    assert leaves and all(isinstance(e, WalStorageBroken) and e.sqlstate == "58030" for e in leaves)
+    assert acks == []
+    assert started == [1] and finished == []
+    monkeypatch.undo()
+    tl.storage.close()
+    again = Timeline.load(directory, 1, no_sync=False)
+    assert again.acceptor.flush_lsn >= START + PIECE - 8192
+    n_end = again.acceptor.flush_lsn
+    assert n_end <= START + PIECE
+    assert again.storage.read(START, n_end - START) == wal[: n_end - START]
+    again.storage.close()
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for e in exc.exceptions:
+            yield from _leaves(e)
+    else:
+        yield exc
+
+
+@pytest.fixture
+async def synced_node(tmp_path: Path) -> AsyncIterator[SafekeeperNode]:
+    cfg = SafekeeperConfig(
+        data_dir=str(tmp_path / "sk"), listen_pg="127.0.0.1:0", listen_http="127.0.0.1:0",
+        no_sync=False,
+    )
+    sk = SafekeeperNode(cfg)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sk.run)
+        yield sk
+        sk.stop()
+
+
+async def test_node_ends_the_push_with_58030_and_refuses_until_restart(
+    synced_node: SafekeeperNode, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    node = synced_node
+    assert node.pg_port is not None
+    start = Lsn(WAL_SEGMENT_SIZE)
+    wal = synthetic_wal(start, 4 * PIECE)
+    with trio.fail_after(30):
+        async with await TestProposer.connect("127.0.0.1", node.pg_port, TENANT, TIMELINE) as p:
+            await p.greet()
+            await p.elect(start)
+            end = await p.append_many(start, [wal[:PIECE]])
+            # The piece ends inside a record: the ack is that record's start.
+            acked = (await p.wait_flush(Lsn(end - 8192))).flush_lsn
+            monkeypatch.setattr(os, "pwritev", failing(OSError(errno.EIO, "Input/output error")))
+            await p.append_many(end, [wal[PIECE : 2 * PIECE]])
+            with pytest.raises(PgError) as info:
+                while True:
+                    msg = await p.receive()
+                    assert not (isinstance(msg, AppendResponse) and msg.flush_lsn > acked)
+            assert info.value.sqlstate == "58030"
+            assert info.value.severity == "FATAL"
+        monkeypatch.undo()
+        # A new proposer, with the disk working again: still refused.
+        async with await TestProposer.connect("127.0.0.1", node.pg_port, TENANT, TIMELINE) as q:
+            await q.greet()
+            with pytest.raises(PgError) as info:
+                begin = await q.elect(start)
+                await q.append_many(begin, [wal[begin - start : begin - start + PIECE]])
+                while True:
+                    msg = await q.receive()
+                    assert not (isinstance(msg, AppendResponse) and msg.flush_lsn > acked)
+            assert info.value.sqlstate == "58030"
+        # The node itself goes on serving: status and replication of acknowledged WAL.
+        conn = await connect(
+            "127.0.0.1", node.pg_port, user="postgres", params={"replication": "true"},
+            options={"tenant_id": TENANT.hex, "timeline_id": TIMELINE.hex},
+        )
+        async with conn:
+            (row,) = await conn.query("TIMELINE_STATUS")
+            assert row[0] is not None
+    node.stop()
+    await trio.sleep(0.1)
+    # Restart: a fresh node on the same directory finds at least what was acknowledged.
+    again = SafekeeperNode(
+        SafekeeperConfig(
+            data_dir=str(tmp_path / "sk"), listen_pg="127.0.0.1:0", listen_http="127.0.0.1:0",
+            no_sync=False,
+        )
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(again.run)
+        tl = await again.get_timeline(TENANT, TIMELINE, False)
+        assert tl is not None and tl.acceptor.flush_lsn >= acked
+        assert tl.storage.read(start, acked - start) == wal[: acked - start]
+        again.stop()
+
+
+@pytest.mark.parametrize("record_size", [200, 8000])
+@pytest.mark.parametrize("cut", [1, 30, 4000, 9000])
+def test_scan_end_is_the_last_complete_record_before_a_torn_one(record_size: int, cut: int) -> None:
+    """What a restart scan reads after a crash: complete records, then one torn record
+    (its first bytes written, the rest of the preallocated file zeros), all in one read
+    chunk. The end of WAL is the end of the last complete record, not the chunk's start."""
+    from safekeeper.record_tracker import InvalidWal, RecordTracker
+
+    wal = synthetic_wal(START, 64 * 1024, record_size=record_size, system_id=7)
+    whole = RecordTracker(START, WAL_SEGMENT_SIZE)
+    whole.feed(wal)
+    # Record ends, by feeding the WAL byte by byte in pieces: the last one at or before a
+    # cut point is what the scan must report.
+    ends: list[int] = []
+    step = RecordTracker(START, WAL_SEGMENT_SIZE)
+    for k in range(0, len(wal), 97):
+        step.feed(wal[k : k + 97])
+        ends.append(step.record_end)
+    cut_at = START + len(wal) // 2 + cut
+    expected = max(e for e in ends if e <= cut_at)
+    torn = wal[: cut_at - START] + bytes(1 << 20)
+    scan = RecordTracker(START, WAL_SEGMENT_SIZE)
+    with pytest.raises(InvalidWal):
+        scan.feed(torn)
+    assert scan.record_end >= expected
+    # record_end includes the MAXALIGN padding after the record (as everywhere).
+    assert scan.record_end <= (cut_at + 7) & ~7

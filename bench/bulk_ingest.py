@@ -238,9 +238,10 @@ def _read_wal(pg_wal: Path, start: Lsn, end: Lsn) -> tuple[Lsn, bytes]:
         path = pg_wal / segment_file_name(seg, 1, WAL_SEGMENT_SIZE)
         parts.append(path.read_bytes())  # (FileNotFoundError names a missing segment)
     base = Lsn(first * WAL_SEGMENT_SIZE)
-    # up to the end of the page holding ``end``: the decoder never needs more
-    stop = -(-end // XLOG_BLCKSZ) * XLOG_BLCKSZ - base
-    return base, b"".join(parts)[:stop]
+    # up to the end of the page holding ``end``: the decoder never needs more (cut before the
+    # join: one copy of the WAL in memory, not two)
+    parts[-1] = parts[-1][: -(-end // XLOG_BLCKSZ) * XLOG_BLCKSZ - last * WAL_SEGMENT_SIZE]
+    return base, b"".join(parts)
 
 
 def _decode_only(wal: bytes, base: Lsn, start: Lsn, end: Lsn) -> tuple[int, int]:

@@ -15,7 +15,10 @@ server's ``pageserver_page_service_batch_size`` histogram. ``--cache cold`` disa
 pageserver's page cache (the OS cache stays warm). ``--postgres`` adds the baseline a user
 would pick today: PostgreSQL 15 serving the same number of 8 KiB pages with
 ``SELECT get_raw_page('t', blk)`` (pageinspect) through ``pgbench -M prepared`` at the same
-client count.
+client count. ``--floor`` adds FLOOR rows with the same clients against servers that only echo
+a fixed page (``pageserver.page_service.null_server``: ``null-trio``, ``null-blocking``): the
+ceiling of any trio / any Python server on this machine, printed beside the real rows. With
+``--postgres`` every row carries ``vs_postgres`` (its pages/s over the round's PostgreSQL row).
 
 Prints JSON lines. Not a test: nothing is asserted.
 """
@@ -709,7 +712,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--modes",
         default="serial,pipelined-1,pipelined-32",
         help="comma list: serial, pipelined-N (max_batch_size N, scattered-lsn), "
-        "pipelined-N-uniform (uniform-lsn)",
+        "pipelined-N-uniform (uniform-lsn); empty for none (e.g. only --floor rows)",
     )
     parser.add_argument("--get-impl", default="vectored", help="comma list: vectored, legacy")
     parser.add_argument("--cache", default="hot", help="comma list: hot, cold (no page cache)")
@@ -874,6 +877,8 @@ def run(args: argparse.Namespace) -> int:
         # load from elsewhere on the machine hits all of them alike; medians are printed last.
         modes = [m for m in args.modes.split(",") if m]
         floors = [f for f in (args.floor or "").split(",") if f]
+        if unknown := set(floors) - {"null-trio", "null-blocking"}:
+            raise SystemExit(f"--floor: unknown {sorted(unknown)}; use null-trio, null-blocking")
         queue_depths = [int(q) for q in args.queue_depth.split(",")]
         for round_no in range(args.rounds):
             for clients in client_counts:

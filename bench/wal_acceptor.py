@@ -24,7 +24,7 @@ FLOORS (``--floors on``, the default; only for sizes >= 128 KiB): how fast *any*
 receiver on this machine could take the same stream, measured in the same run, from the
 same proposer code, with the same pre-framed AppendRequest bytes and the same socket
 bursts, into the same directory. Each floor is its own process (``python -m
-bench.wal_acceptor --floor MODE DIR START``) that speaks no pgwire: it receives the raw
+bench.wal_acceptor --floor MODE DIR START BYTES``) that speaks no pgwire: it receives the raw
 stream with ``recv_into`` into a pool of 1 MiB buffers and answers with 8-byte counts of
 the stream bytes it has taken (the proposer converts them to WAL bytes):
 
@@ -415,7 +415,7 @@ def _drop_written(iov: list[memoryview], n: int) -> list[memoryview]:
     return rest
 
 
-def floor_serve(mode: str, directory: Path, start: Lsn) -> int:
+def floor_serve(mode: str, directory: Path, start: Lsn, total_bytes: int) -> int:
     """The receiver process of one floor configuration (see the module docstring)."""
     write = mode.startswith("sink-write")
     fsync = "fsync" in mode
@@ -435,7 +435,7 @@ def floor_serve(mode: str, directory: Path, start: Lsn) -> int:
                 if n == 0:
                     break
                 total += n
-                if total - acked >= FLOOR_GROUP:
+                if total - acked >= FLOOR_GROUP or total == total_bytes:
                     conn.sendall(_ACK.pack(total))
                     acked = total
         except (BrokenPipeError, ConnectionResetError):
@@ -483,7 +483,10 @@ async def run_floor(
     workdir.mkdir(parents=True)
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.wal_acceptor", "--floor", mode, str(workdir), str(start)],
+        [
+            sys.executable, "-m", "bench.wal_acceptor", "--floor", mode, str(workdir),
+            str(start), str(len(stream)),
+        ],
         cwd=root, stdout=subprocess.PIPE,
     )
     try:
@@ -562,7 +565,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--commit", default="on,off", help="commit_lsn advancing: on, off or both")
     parser.add_argument("--repeat", type=int, default=1, help="runs per configuration; the best is printed (noisy machines)")
     parser.add_argument("--dir", type=Path, default=None, help="where the safekeepers write (default: a temp dir)")
-    parser.add_argument("--floor", nargs=3, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--floor", nargs=4, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--floors", default="on", choices=("on", "off", "only"),
         help="floor receivers beside the safekeeper for sizes >= 128KiB (only: floors alone)",
@@ -635,8 +638,8 @@ def _one_floor(
 
 def run(args: argparse.Namespace) -> int:
     if args.floor:
-        mode, directory, start = args.floor
-        return floor_serve(mode, Path(directory), Lsn(int(start)))
+        mode, directory, start, total_bytes = args.floor
+        return floor_serve(mode, Path(directory), Lsn(int(start)), int(total_bytes))
     base = Path(tempfile.mkdtemp(prefix="pagestore-bench-sk-", dir=args.dir))
     try:
         for fsync in (True, False):
@@ -690,7 +693,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    # The floor receiver process: python -m bench.wal_acceptor --floor MODE DIR START
+    # The floor receiver process: python -m bench.wal_acceptor --floor MODE DIR START BYTES
     _parser = argparse.ArgumentParser()
     configure(_parser)
     sys.exit(run(_parser.parse_args()))

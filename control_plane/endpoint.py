@@ -20,6 +20,7 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
 import tarfile
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn, format_lsn, parse_lsn
 
 BRIDGE_START_TIMEOUT_S = 60.0
+SYNC_TIMEOUT_S = 30.0
 
 
 class EndpointError(Exception):
@@ -201,7 +203,13 @@ def _untar(tar_path: Path, pgdata: Path) -> None:
 
 
 def _safekeeper_flush(env: LocalEnv, tenant_id: str, timeline_id: str) -> Lsn | None:
-    """The highest flush_lsn any reachable safekeeper reports for the timeline.
+    """The highest flush_lsn any reachable safekeeper reports for the timeline."""
+    states = _safekeeper_states(env, tenant_id, timeline_id)
+    return max((parse_lsn(st["flush_lsn"]) for st in states), default=None)
+
+
+def _safekeeper_states(env: LocalEnv, tenant_id: str, timeline_id: str) -> list[dict[str, Any]]:
+    """The timeline status of every reachable safekeeper that holds the timeline.
 
     A quorum must answer: every commit is on a quorum, so any quorum holds every committed
     record and the highest flush among it is at or above the commit position. With fewer
@@ -209,7 +217,7 @@ def _safekeeper_flush(env: LocalEnv, tenant_id: str, timeline_id: str) -> Lsn | 
     committed data and the safekeepers would receive a forked history): a clear error instead.
     """
     ids = env.safekeeper_ids
-    best: Lsn | None = None
+    states: list[dict[str, Any]] = []
     answered = 0
     unreachable: list[str] = []
     for sk_id in ids:
@@ -225,15 +233,40 @@ def _safekeeper_flush(env: LocalEnv, tenant_id: str, timeline_id: str) -> Lsn | 
             unreachable.append(f"safekeeper_{sk_id} ({exc})")
             continue
         answered += 1
-        lsn = parse_lsn(st["flush_lsn"])
-        best = lsn if best is None or lsn > best else best
+        states.append(st)
     if ids and answered < len(ids) // 2 + 1:
         raise EndpointError(
             f"only {answered} of {len(ids)} safekeepers answered (a quorum is {len(ids) // 2 + 1}): "
             f"cannot tell where committed WAL ends, so a primary cannot start; unreachable: "
             + ", ".join(unreachable)
         )
-    return best
+    return states
+
+
+def _sync_safekeepers(env: LocalEnv, ep_dir: Path, tenant_id: str, timeline_id: str,
+                      states: list[dict[str, Any]]) -> Lsn:
+    """Commit what the safekeepers hold (``pagestore walproposer --sync-safekeepers``, Neon's
+    ``postgres --sync-safekeepers``); returns where the timeline's WAL ends."""
+    log_path = ep_dir / "sync-safekeepers.log"
+    cmd = process.cli_command(
+        "walproposer", "--sync-safekeepers", "--safekeepers", ",".join(env.safekeeper_pg_addrs),
+        "--tenant-id", tenant_id, "--timeline-id", timeline_id,
+        "--system-id", str(states[0].get("system_id") or 0),
+        "--pg-version", str(states[0].get("pg_version") or 150000),
+        "--sync-timeout", str(SYNC_TIMEOUT_S), "--log-file", str(log_path),
+    )
+    proc = subprocess.run(cmd, cwd=process.ROOT, capture_output=True, text=True, check=False,
+                          timeout=SYNC_TIMEOUT_S + 30)
+    if proc.returncode != 0:
+        raise EndpointError(
+            f"the safekeepers hold WAL of {tenant_id}/{timeline_id} that is not committed (a compute "
+            f"died before it sent the commit position) and it could not be committed: "
+            f"{proc.stderr.strip()}\n--- {log_path} ---\n{process.tail(log_path)}"
+        )
+    try:
+        return parse_lsn(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, RemoteProtocolError):
+        raise EndpointError(f"sync-safekeepers printed {proc.stdout!r}, not an LSN") from None
 
 
 def _settings(spec: EndpointSpec) -> dict[str, str]:
@@ -301,7 +334,16 @@ def start_endpoint(
         if at > parse_lsn(info["last_record_lsn"]):
             cluster.wait_for_lsn(env, tenant, timeline, at, timeout=30)
     else:
-        sk_flush = _safekeeper_flush(env, tenant, timeline)
+        states = _safekeeper_states(env, tenant, timeline)
+        sk_flush = max((parse_lsn(st["flush_lsn"]) for st in states), default=None)
+        sk_commit = max((parse_lsn(st["commit_lsn"]) for st in states), default=None)
+        if sk_flush is not None and sk_commit is not None and sk_flush > sk_commit:
+            # Only committed WAL reaches the pageserver: without a new term committing this
+            # tail the wait below could never end.
+            log(f"the safekeepers hold uncommitted WAL up to {format_lsn(sk_flush)} (committed: "
+                f"{format_lsn(sk_commit)}): committing it in a new term")
+            ep_dir.mkdir(parents=True, exist_ok=True)
+            sk_flush = _sync_safekeepers(env, ep_dir, tenant, timeline, states)
         info = cluster.timeline_info(env, tenant, timeline)
         if sk_flush is not None and sk_flush > parse_lsn(info["last_record_lsn"]):
             log(f"waiting for the pageserver to ingest the safekeepers' WAL up to {format_lsn(sk_flush)}")
@@ -313,7 +355,7 @@ def start_endpoint(
     spec = EndpointSpec(name=name, tenant_id=tenant, timeline_id=timeline, branch=branch,
                         port=port or _pick_port(env, name), basebackup_lsn=format_lsn(at),
                         read_only=read_only)
-    ep_dir.mkdir(parents=True)
+    ep_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(ep_dir, 0o755)
     ep = Endpoint(env, spec)
     tar_path = ep_dir / "basebackup.tar"

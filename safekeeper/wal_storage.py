@@ -87,6 +87,8 @@ class WalStorage:
         self.flush_record_lsn = INVALID_LSN
         self._tracker: RecordTracker | None = None
         self._fd = -1
+        # The open segment's path (sync_handle opens it once per write group).
+        self._fd_path = ""
         self._segno = -1
         self.fsync_count = 0
         # Bumped by every open/truncate: a flush started before one must not be published.
@@ -207,27 +209,35 @@ class WalStorage:
             if not self.no_sync:
                 fsync_dir(self.directory)
         self._fd = os.open(partial, os.O_RDWR)
+        self._fd_path = str(partial)
         self._segno = segno
         return self._fd
 
     def fdatasync(self, fd: int) -> None:
         """``os.fdatasync`` that marks the storage broken when it fails."""
-        self.check_usable()
-        with self.write_io("fdatasync of a WAL segment"):
+        if self.broken is not None:
+            self.check_usable()
+        try:
             os.fdatasync(fd)
+        except OSError as exc:
+            raise self._broke(exc, "fdatasync of a WAL segment") from exc
+
+    def _broke(self, exc: OSError, what: str) -> WalStorageBroken:
+        """Mark the storage broken by ``exc``; the error to raise from it."""
+        if self.broken is None:
+            self.broken = exc
+        return WalStorageBroken(
+            f"{what} failed: {exc}; this timeline's WAL is refused until the safekeeper restarts"
+        )
 
     @contextmanager
     def write_io(self, what: str) -> Iterator[None]:
-        """Turn any ``OSError`` inside into a broken storage and ``WalStorageBroken``."""
+        """Turn any ``OSError`` inside into a broken storage and ``WalStorageBroken``
+        (the per-group hot paths use ``_broke`` directly: a context manager costs more)."""
         try:
             yield
         except OSError as exc:
-            if self.broken is None:
-                self.broken = exc
-            raise WalStorageBroken(
-                f"{what} failed: {exc}; this timeline's WAL is refused until the safekeeper "
-                "restarts"
-            ) from exc
+            raise self._broke(exc, what) from exc
 
     def check_usable(self) -> None:
         if self.broken is not None:
@@ -292,8 +302,10 @@ class WalStorage:
             raise WalStorageError(
                 f"write at {format_lsn(begin)} but write_lsn is {format_lsn(self.write_lsn)}"
             )
-        with self.write_io("writing WAL"):
+        try:
             self._pwrite_group(begin, group.views)
+        except OSError as exc:
+            raise self._broke(exc, "writing WAL") from exc
         if group.error is not None:
             # The tracker's state is garbage; truncate() syncs and starts a new one.
             self.truncate(group.record_end)
@@ -362,11 +374,11 @@ class WalStorage:
         WAL. A description opened before the failed writeback reports it on its own."""
         if self._fd < 0 or self.no_sync:
             return -1
-        with self.write_io("opening a WAL segment for fdatasync"):
+        try:
             # The open segment is always the .partial file (it is renamed only when closed).
-            return os.open(
-                self.directory / (self.segment_name(self._segno) + ".partial"), os.O_RDONLY
-            )
+            return os.open(self._fd_path, os.O_RDONLY)
+        except OSError as exc:
+            raise self._broke(exc, "opening a WAL segment for fdatasync") from exc
 
     def mark_flushed(self, write_lsn: Lsn, record_end: Lsn) -> None:
         """An ``fdatasync`` that started after ``write_lsn`` was written has completed."""

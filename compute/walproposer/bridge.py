@@ -46,7 +46,7 @@ import structlog
 import trio
 
 from common import pgclient
-from compute.walproposer.proposer import Phase, Proposer, ProposerRejected
+from compute.walproposer.proposer import Phase, Proposer, ProposerRejected, quorum_size
 from compute.walproposer.walbuffer import WalBuffer
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
@@ -241,7 +241,12 @@ class Bridge:
         self.reported_flush_lsn = INVALID_LSN
         self.slot_lsn = INVALID_LSN
         self._status_requested = False
-        self._pg_sessions_streaming = 0
+        # Whether the current connection made progress (see the reconnect loops' back-off).
+        self._sk_progress = [False] * n
+        # The commit_lsn each safekeeper last reported (sync_safekeepers waits on a quorum).
+        self._sk_commit = [INVALID_LSN] * n
+        self._sk_commit_changed = _Signal()
+        self._pg_progress = False
 
     # -- public --------------------------------------------------------------------------------
 
@@ -303,6 +308,46 @@ class Bridge:
                 min_term = max(min_term, self.proposer.term)
             await trio.sleep(0.2)
 
+    async def sync_safekeepers(self, info: PostgresInfo) -> Lsn:
+        """Neon's ``--sync-safekeepers``, before a compute starts: win a term without PostgreSQL
+        and commit the WAL the safekeepers already hold, up to the donor's end; returns that LSN.
+
+        A compute that died (kill -9, a crashed machine) leaves its last WAL flushed on the
+        safekeepers but not committed there: the commit position rides on the *next*
+        AppendRequest. Safekeepers send the pageserver committed WAL only, so without a new
+        term the pageserver never gets that tail, and a compute cannot start on top of it.
+        The election's donor ends at E (the highest last-log-term, then flush); a quorum that
+        already holds WAL up to E acknowledges it in the new term, which commits E. With no
+        PostgreSQL there is no WAL to send: a tail that only a minority holds cannot be
+        committed (it would need WAL from the donor), and this waits (the caller's timeout).
+        ``info`` carries the timeline's system id and version (from the safekeepers) and
+        ``bootstrap_lsn`` INVALID_LSN: safekeepers holding nothing is the caller's error.
+        """
+        self.info = info
+        n = len(self.cfg.safekeepers)
+        self.terms_run += 1
+        self.proposer = p = Proposer(n, bootstrap_lsn=INVALID_LSN)
+        self._pending = [deque() for _ in range(n)]
+        self._elected = trio.Event()
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(self._safekeeper_loop, i, info)
+            await self._elected.wait()
+            assert p.election is not None
+            end = p.election.epoch_start_lsn
+            if end == INVALID_LSN:
+                raise LocalProtocolError("sync-safekeepers: the safekeepers hold no WAL of the timeline")
+            # commit_lsn reaches E once a quorum acknowledged E in our term; it reaches the
+            # safekeepers on the next AppendRequests, and they confirm it in their answers.
+            while True:
+                woken = self._sk_commit_changed.event
+                if sum(c >= end for c in self._sk_commit) >= quorum_size(n):
+                    break
+                await woken.wait()
+            log.info("safekeepers synced", term=p.term, commit_lsn=format_lsn(end))
+            nursery.cancel_scope.cancel()
+        return end
+
     # -- PostgreSQL setup ----------------------------------------------------------------------
 
     async def _pg_connect(self, application_name: str) -> PgConnection:
@@ -361,14 +406,17 @@ class Bridge:
         backoff = MIN_BACKOFF_S
         slog = log.bind(safekeeper=str(addr))
         while True:
+            started = trio.current_time()
+            self._sk_progress[i] = False
             try:
                 await self._safekeeper_session(i, info)
             except* CONNECTION_ERRORS as eg:
                 slog.info("safekeeper connection lost", error=repr(next(_leaves(eg))))
             finally:
-                if self.proposer.slots[i].phase is Phase.ACTIVE:
-                    # It was streaming: this is a new failure, not the same outage going on, so
-                    # reconnect quickly (an earlier outage must not slow every later reconnect).
+                if self._sk_progress[i] or trio.current_time() - started >= self.cfg.max_backoff_s:
+                    # The connection worked (acknowledged WAL, or lived a while): this is a new
+                    # failure, not the same outage going on, so reconnect quickly. A session that
+                    # fails as soon as it starts (say, its catch-up cannot get WAL) keeps backing off.
                     backoff = MIN_BACKOFF_S
                 if self.proposer.slots[i].phase is not Phase.OFFLINE:
                     self.proposer.disconnected(i)
@@ -421,8 +469,14 @@ class Bridge:
                     if p.election is not None and not was_elected:
                         self._on_elected(out)
                 case AppendResponse():
+                    acked = p.slots[i].acked_flush_lsn
                     if p.on_append_response(i, msg):
                         self._on_commit()
+                    if p.slots[i].acked_flush_lsn > acked:
+                        self._sk_progress[i] = True
+                    if msg.commit_lsn > self._sk_commit[i]:
+                        self._sk_commit[i] = msg.commit_lsn
+                        self._sk_commit_changed.fire()
                     out = []
             for j, m in out:
                 self._pending[j].append(m)
@@ -606,13 +660,14 @@ class Bridge:
         await self._elected.wait()
         backoff = MIN_BACKOFF_S
         while True:
-            streamed_from = self._pg_sessions_streaming
+            started = trio.current_time()
+            self._pg_progress = False
             try:
                 await self._postgres_session()
             except* CONNECTION_ERRORS as eg:
                 log.warning("postgres replication stream lost", error=repr(next(_leaves(eg))))
-            if self._pg_sessions_streaming != streamed_from:
-                backoff = MIN_BACKOFF_S  # it streamed: a new failure, reconnect quickly
+            if self._pg_progress or trio.current_time() - started >= self.cfg.max_backoff_s:
+                backoff = MIN_BACKOFF_S  # it worked: a new failure, reconnect quickly
             await trio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.max_backoff_s)
 
@@ -636,13 +691,13 @@ class Bridge:
                 self.buffer.reset(Lsn(max(start, election.epoch_start_lsn)))
                 raise
             log.info("streaming from postgres", start=format_lsn(start))
-            self._pg_sessions_streaming += 1
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._postgres_status_sender, copy)
                 while True:
                     msg = decode_server_copy_data(await receive_payload(copy))
                     if isinstance(msg, XLogData):
                         self.buffer.append(msg.wal_start, msg.data)
+                        self._pg_progress = True
                         for w in self._wake:
                             w.fire()
                     elif isinstance(msg, PrimaryKeepalive) and msg.reply_requested:

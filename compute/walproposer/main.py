@@ -1,4 +1,5 @@
-"""``pagestore walproposer``: run the bridge beside a vanilla PostgreSQL until interrupted."""
+"""``pagestore walproposer``: run the bridge beside a vanilla PostgreSQL until interrupted, or
+(``--sync-safekeepers``) commit what the safekeepers hold before a compute starts."""
 
 from __future__ import annotations
 
@@ -6,20 +7,29 @@ import argparse
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 import structlog
 import trio
 
 from common.logging import LEVELS, setup_logging
-from compute.walproposer.bridge import Bridge, BridgeConfig, SafekeeperAddr, pgclient_connect
+from compute.walproposer.bridge import (
+    Bridge,
+    BridgeConfig,
+    PostgresInfo,
+    SafekeeperAddr,
+    pgclient_connect,
+)
+from protocol.errors import LocalProtocolError
 from protocol.ids import TenantId, TimelineId
-from protocol.lsn import parse_lsn
+from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn, format_lsn, parse_lsn
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pg-host", default="127.0.0.1", help="PostgreSQL host (default 127.0.0.1)")
-    parser.add_argument("--pg-port", type=int, required=True, help="PostgreSQL port")
+    parser.add_argument("--pg-port", type=int, default=None,
+                        help="PostgreSQL port (required, except with --sync-safekeepers)")
     parser.add_argument("--pg-user", default="postgres", help="a role with REPLICATION")
     parser.add_argument(
         "--safekeepers", required=True, help="comma-separated host:port list of safekeepers"
@@ -48,6 +58,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-file", default=None, help="JSON log lines here (default stderr)")
     parser.add_argument("--log-level", default="info", choices=sorted(LEVELS, key=LEVELS.__getitem__))
     parser.add_argument(
+        "--sync-safekeepers",
+        action="store_true",
+        help="no PostgreSQL: win a term and commit the WAL the safekeepers hold (what a compute "
+        "that died left uncommitted), print the LSN where it ends and exit (before a compute starts)",
+    )
+    parser.add_argument("--system-id", type=int, default=0,
+                        help="with --sync-safekeepers: the timeline's system id (0: keep theirs)")
+    parser.add_argument("--pg-version", type=int, default=150000,
+                        help="with --sync-safekeepers: PostgreSQL version number (default 150000)")
+    parser.add_argument("--sync-timeout", type=float, default=30.0,
+                        help="with --sync-safekeepers: give up after this many seconds")
+    parser.add_argument(
         "--status-file",
         default=None,
         help="write statistics() as JSON to this file every second (for tests and tools)",
@@ -57,7 +79,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> BridgeConfig:
     return BridgeConfig(
         pg_host=args.pg_host,
-        pg_port=args.pg_port,
+        pg_port=args.pg_port or 0,
         pg_user=args.pg_user,
         safekeepers=tuple(SafekeeperAddr.parse(s) for s in args.safekeepers.split(",") if s.strip()),
         tenant_id=TenantId.parse(args.tenant_id),
@@ -99,7 +121,32 @@ async def amain(cfg: BridgeConfig, status_file: str | None) -> None:
                 break
 
 
+async def sync_main(cfg: BridgeConfig, info: PostgresInfo, timeout: float) -> Lsn:
+    structlog.contextvars.bind_contextvars(
+        tenant_id=cfg.tenant_id.hex, timeline_id=cfg.timeline_id.hex
+    )
+    with trio.fail_after(timeout):
+        return await Bridge(cfg, pgclient_connect).sync_safekeepers(info)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.pg_port is None and not args.sync_safekeepers:
+        print("pagestore walproposer: error: --pg-port is required", file=sys.stderr)
+        return 2
     setup_logging(log_file=Path(args.log_file) if args.log_file else None, level=args.log_level)
-    trio.run(amain, config_from_args(args), args.status_file)
+    cfg = config_from_args(args)
+    if args.sync_safekeepers:
+        info = PostgresInfo(args.system_id, args.pg_version, WAL_SEGMENT_SIZE, INVALID_LSN)
+        try:
+            lsn = trio.run(sync_main, cfg, info, args.sync_timeout)
+        except (trio.TooSlowError, LocalProtocolError) as exc:
+            print(
+                f"pagestore walproposer: error: sync-safekeepers did not finish: "
+                f"{exc or f'no quorum committed within {args.sync_timeout:g} s'}",
+                file=sys.stderr,
+            )
+            return 1
+        print(format_lsn(lsn))
+        return 0
+    trio.run(amain, cfg, args.status_file)
     return 0

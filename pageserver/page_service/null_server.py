@@ -138,6 +138,13 @@ class NullPagestream:
 
     def _stream(self, buf: bytearray) -> bytes:
         out = bytearray()
+        try:
+            return self._answer(buf, out)
+        except NullStreamEnd as end:
+            # What was answered before the end still goes out, in order.
+            raise NullStreamEnd(bytes(out) + end.reply) from None
+
+    def _answer(self, buf: bytearray, out: bytearray) -> bytes:
         page = self._page
         pos = 0
         have = len(buf)
@@ -146,7 +153,7 @@ class NullPagestream:
             end = pos + 1 + length
             if tag != _COPY_DATA:
                 if tag in (_COPY_DONE, _TERMINATE):
-                    raise NullStreamEnd(bytes(out))
+                    raise NullStreamEnd()
                 raise _fatal(
                     f"unexpected message {tag} in the pagestream", sqlstate.PROTOCOL_VIOLATION
                 )
@@ -166,8 +173,8 @@ class NullPagestream:
 
 
 def listen(port: int = 0) -> socket.socket:
-    sock = socket.create_server(("127.0.0.1", port), backlog=128)
-    return sock
+    """A listening socket on 127.0.0.1 (``port`` 0: a free one)."""
+    return socket.create_server(("127.0.0.1", port), backlog=128)
 
 
 def _configure(conn: socket.socket) -> None:

@@ -46,8 +46,6 @@ from protocol.wal.page import (
     SHORT_PHD,
     SIZE_OF_LONG_PHD,
     SIZE_OF_SHORT_PHD,
-    XLOG_PAGE_MAGIC,
-    XLP_BKP_REMOVABLE,
     XLP_FIRST_IS_CONTRECORD,
     XLP_FIRST_IS_OVERWRITE_CONTRECORD,
     XLP_LONG_HEADER,
@@ -85,9 +83,6 @@ _new_block: Callable[..., BlockRef] = BlockRef
 # The XLogRecord header and the fragment headers of the commonest layout (see decode_body),
 # unpacked together.
 _SIMPLE_RECORD = struct.Struct(XLOG_RECORD_HEADER.format + _SIMPLE_HEADERS.format[1:])
-# info bits that send a page header to the general path where no record continues (only
-# XLP_BKP_REMOVABLE may be set: a contrecord flag there is an error, a long header a new segment)
-_PINFO_NOT = 0xFFFF & ~XLP_BKP_REMOVABLE
 
 
 class NeedData:
@@ -235,14 +230,10 @@ class WalStreamDecoder:
         """Append every record decodable from the bytes fed so far to ``out``; return what
         stopped it (``NEED_DATA`` or the ``EndOfWal``). The same records as calling
         ``next_record`` until it stops, for less CPU: records that start and end inside one
-        page, or go on after the next page's short header, run through one loop over local
-        variables (that header, and one where no record continues, checked there with
-        ``_page_boundary``'s tests: tests/protocol/test_wal_fastpaths.py changes each of its
-        fields), and the commonest layout (one block reference without image, then a short
-        main data: heap and btree inserts) is parsed with its header in one ``struct``
-        unpack. Anything else (a segment's first page, a record header split by a page end,
-        a record over more than two pages...), or anything that fails a check, goes to
-        ``next_record``, which checks it again and reports."""
+        page run through one loop over local variables, and the commonest layout (one block
+        reference without image, then a short main data: heap and btree inserts) is parsed
+        with its header in one ``struct`` unpack. Anything else, or anything that fails a
+        check, goes to ``next_record``, which checks it again and reports."""
         if self._ended is not None:
             return self._ended
         if self._pending:
@@ -251,45 +242,25 @@ class WalStreamDecoder:
         crc32c = _crcmod.crc32c
         unpack_header = XLOG_RECORD_HEADER.unpack_from
         unpack_simple = _SIMPLE_RECORD.unpack_from
-        unpack_phd = SHORT_PHD.unpack_from
         new_record = _new_record
         new_block = _new_block
         rnode: RelFileNode | None = None  # the last simple block's relation (a bulk load: one)
         last_spc = last_db = last_rel = -1
         while True:
-            if (
-                self._partial is None
-                and self._check_page_at is None
-                and self._ended is None
-                and not self._find_first
-            ):
+            if self._partial is None and self._check_page_at is None and self._ended is None:
                 buf = self._buf
                 base = self._buf_lsn
                 nbuf = len(buf)
                 pos = self._pos
                 prev = self._prev
                 start = pos
-                rec_end = -1  # end of the last record appended here
-                seg_size = self._segment_size
-                tli_now = self._latest_tli
                 while True:
                     page_rem = XLOG_BLCKSZ - (pos & _PAGE_MASK)
                     o = pos - base
                     avail = nbuf - o
-                    if page_rem == XLOG_BLCKSZ:
-                        # A short page header with no record continuing, of the timeline of
-                        # the page before: checked here (_page_boundary's tests, the same
-                        # outcome); anything else goes to the general path.
-                        if pos % seg_size == 0 or avail < SIZE_OF_SHORT_PHD:
-                            break
-                        magic, pinfo, tli, addr, _rem = unpack_phd(buf, o)
-                        if magic != XLOG_PAGE_MAGIC or pinfo & _PINFO_NOT or tli != tli_now or addr != pos:
-                            break
-                        self._latest_page = pos
-                        pos += SIZE_OF_SHORT_PHD
-                        continue
-                    # A record header split by the page end, too few bytes: the general path.
-                    if page_rem < SIZE_OF_XLOG_RECORD:
+                    # A page header next, a record header split by the page end, too few
+                    # bytes: the general path decides.
+                    if page_rem == XLOG_BLCKSZ or page_rem < SIZE_OF_XLOG_RECORD:
                         break
                     if avail >= _SIMPLE_PAYLOAD_AT:
                         (
@@ -302,54 +273,16 @@ class WalStreamDecoder:
                     else:
                         break
                     # Only the plainest record: every failed test (a wrong xl_prev, an XLOG
-                    # record, a record past the next page or the input...) goes to
-                    # next_record.
+                    # record, a record past this page or the input...) goes to next_record.
                     if (
                         xprev != prev
-                        or tot_len < SIZE_OF_XLOG_RECORD
+                        or not SIZE_OF_XLOG_RECORD <= tot_len <= page_rem
                         or rmid > RM_MAX_BUILTIN_ID
                         or rmid == _RM_XLOG
+                        or avail < tot_len
                     ):
                         break
-                    if tot_len <= page_rem:
-                        if avail < tot_len:
-                            break
-                        raw = buf[o : o + tot_len]
-                        end = (pos + tot_len + 7) & ~7
-                    else:
-                        # The record goes on after the next page's short header (a bulk
-                        # load: one record per page): that header checked as _page_boundary
-                        # checks a continuation page's, the two pieces joined.
-                        rest = tot_len - page_rem
-                        page = pos + page_rem
-                        po = o + page_rem
-                        if (
-                            page % seg_size == 0
-                            or rest > XLOG_BLCKSZ - SIZE_OF_SHORT_PHD
-                            or nbuf - po < SIZE_OF_SHORT_PHD + rest
-                        ):
-                            break
-                        magic, pinfo, tli, addr, rem_len = unpack_phd(buf, po)
-                        if (
-                            magic != XLOG_PAGE_MAGIC
-                            or pinfo & ~XLP_BKP_REMOVABLE != XLP_FIRST_IS_CONTRECORD
-                            or tli != tli_now
-                            or addr != page
-                            or rem_len != rest
-                        ):
-                            break
-                        po += SIZE_OF_SHORT_PHD
-                        raw = buf[o : o + page_rem] + buf[po : po + rest]
-                        end = (page + SIZE_OF_SHORT_PHD + rest + 7) & ~7
-                        if page_rem < _SIMPLE_PAYLOAD_AT:
-                            if tot_len < _SIMPLE_PAYLOAD_AT:
-                                block_id = -1
-                            else:
-                                (
-                                    tot_len, xid, xprev, info, rmid, crc,
-                                    block_id, fork_flags, data_len, spc, db, rel, blkno, main_id,
-                                    main_len,
-                                ) = unpack_simple(raw, 0)
+                    raw = buf[o : o + tot_len]
                     if crc32c(raw[:20], crc32c(raw[SIZE_OF_XLOG_RECORD:])) != crc:
                         break
                     # decode_body's single-block fast path (the same tests, the same values)
@@ -380,8 +313,7 @@ class WalStreamDecoder:
                             blocks, main_data, origin, top_xid = decode_body(raw, pos)
                         except RemoteProtocolError:
                             break
-                    if end > pos + page_rem:
-                        self._latest_page = pos + page_rem
+                    end = (pos + tot_len + 7) & ~7
                     append(
                         new_record(
                             pos, end, tot_len, xid, xprev, info, rmid, crc, blocks, main_data,
@@ -389,13 +321,10 @@ class WalStreamDecoder:
                         )
                     )
                     prev = pos
-                    pos = rec_end = end
+                    pos = end
                 if pos != start:
-                    # (past a page header and no record yet: the general path's state too)
-                    self._pos = pos
-                    if rec_end >= 0:
-                        self._last_end = rec_end
-                        self._prev = self._last_lsn = prev
+                    self._pos = self._last_end = pos
+                    self._prev = self._last_lsn = prev
             item = self.next_record()
             if not isinstance(item, DecodedRecord):
                 return item

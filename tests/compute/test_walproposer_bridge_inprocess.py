@@ -21,9 +21,15 @@ import pytest
 import trio
 
 from common import pgclient
-from compute.walproposer.bridge import Bridge, BridgeConfig, PgConnection, SafekeeperAddr
+from compute.walproposer.bridge import (
+    Bridge,
+    BridgeConfig,
+    PgConnection,
+    PostgresInfo,
+    SafekeeperAddr,
+)
 from protocol.ids import TenantId, TimelineId
-from protocol.lsn import WAL_SEGMENT_SIZE, Lsn, format_lsn
+from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn, format_lsn
 from protocol.pgwire import sqlstate
 from protocol.pgwire.errors import PgError
 from protocol.replication import (
@@ -46,7 +52,7 @@ from protocol.wal.rmgr import XLOG_NOOP, XLOG_OVERWRITE_CONTRECORD, RmgrId
 from safekeeper.config import SafekeeperConfig
 from safekeeper.node import SafekeeperNode
 from safekeeper.record_tracker import RecordTracker
-from safekeeper.testing import synthetic_wal
+from safekeeper.testing import TestProposer, synthetic_wal
 
 TENANT = TenantId(bytes(range(16)))
 TIMELINE = TimelineId(bytes(range(16, 32)))
@@ -68,6 +74,8 @@ class ScriptedPostgres:
     statuses: list[tuple[int, Lsn]] = attrs.field(factory=list)
     slot_advances: list[Lsn] = attrs.field(factory=list)
     slots_created: int = 0
+    # WAL below this is gone (recycled): streams asked to start there fail as PostgreSQL's do.
+    removed_before: Lsn = START
 
     def _notify(self) -> None:
         self.changed.set()
@@ -81,6 +89,11 @@ class ScriptedPostgres:
         ``new_wal`` from there (all of it flushed)."""
         self.wal = self.wal[: end_of_log - START] + new_wal
         self.flush = Lsn(START + len(self.wal))
+        self.incarnation += 1
+        self._notify()
+
+    def break_connections(self) -> None:
+        """Every connection fails (a restart, a network hiccup); the WAL stays as it was."""
         self.incarnation += 1
         self._notify()
 
@@ -134,6 +147,10 @@ class ScriptedConnection:
         self._check_alive()
         cmd = parse_replication_command(sql)
         assert isinstance(cmd, StartReplication) and cmd.slot is None, sql
+        if cmd.start_lsn < self.pg.removed_before:
+            raise PgError(
+                f"requested WAL segment for {format_lsn(cmd.start_lsn)} has already been removed"
+            )
         if cmd.start_lsn > self.pg.flush:
             raise PgError(
                 f"requested starting point {format_lsn(cmd.start_lsn)} is ahead of the WAL "
@@ -200,11 +217,8 @@ class Setup:
     links: Links
 
 
-@pytest.fixture
-async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
-    wal = synthetic_wal(START, 400_000, record_size=3000, system_id=SYSTEM_ID)
-    pg = ScriptedPostgres(wal=wal, flush=START)
-    nodes = [
+def safekeeper_nodes(tmp_path: Path) -> list[SafekeeperNode]:
+    return [
         SafekeeperNode(
             SafekeeperConfig(
                 data_dir=str(tmp_path / f"sk{i}"),
@@ -216,6 +230,15 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
         )
         for i in range(3)
     ]
+
+
+@pytest.fixture
+async def setup(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Setup]:
+    # ``indirect`` parametrization may set the bridge's window size.
+    buffer_bytes: int = getattr(request, "param", {}).get("buffer_bytes", 64 * 1024 * 1024)
+    wal = synthetic_wal(START, 400_000, record_size=3000, system_id=SYSTEM_ID)
+    pg = ScriptedPostgres(wal=wal, flush=START)
+    nodes = safekeeper_nodes(tmp_path)
 
     links = Links()
 
@@ -241,6 +264,7 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
             timeline_id=TIMELINE,
             start_lsn=START,
             slot_interval_s=0.05,
+            buffer_bytes=buffer_bytes,
         )
         bridge = Bridge(cfg, connect)
         await nursery.start(bridge.run)
@@ -323,7 +347,7 @@ async def test_postgres_crash_inside_a_record(setup: Setup) -> None:
         for slot in bridge.proposer.slots:
             while slot.streaming_at != cut:
                 await trio.sleep(0.02)
-    with trio.fail_after(10):
+    with trio.fail_after(5):  # well under 1 s once the safekeepers accept the page
         pg.crash_and_recover(cut, overwrite_contrecord_wal(cut, aborted, prev))
         new_end = Lsn(pg.flush - pg.flush % 8)
         # The pageserver's decoder reads this WAL (the records go on after the aborted one).
@@ -388,24 +412,109 @@ async def test_reconnects_are_quick_again_after_a_long_outage(setup: Setup) -> N
         n_sk, n_pg = links.count(port), links.count(stream)
         links.refused |= {port, PG_PORT}
         await links.conns[port].aclose()
-        pg.crash_and_recover(pg.flush, b"")  # breaks every PostgreSQL connection
+        pg.break_connections()
         while links.count(port) < n_sk + 7 or links.count(stream) < n_pg + 7:
-            print("DBG1", links.count(port) - n_sk, links.count(stream) - n_pg)
-            await trio.sleep(0.5)
+            await trio.sleep(0.05)
         links.refused -= {port, PG_PORT}
         pg.flush = ends[20]
         pg._notify()
         while bridge.proposer.slots[0].acked_flush_lsn < ends[20]:
-            print("DBG2", bridge.statistics())
-            await trio.sleep(0.5)
+            await trio.sleep(0.02)
 
         # A new, brief failure of each: the next attempt comes at once.
         n_sk, n_pg = links.count(port), links.count(stream)
         broken_at = trio.current_time()
         await links.conns[port].aclose()
-        pg.crash_and_recover(pg.flush, b"")
+        pg.break_connections()
         while links.count(port) == n_sk or links.count(stream) == n_pg:
-            print("DBG3", links.count(port) - n_sk, links.count(stream) - n_pg)
-            await trio.sleep(0.1)
+            await trio.sleep(0.01)
         assert links.attempts[port][n_sk] - broken_at < 0.5
         assert links.attempts[stream][n_pg] - broken_at < 0.5
+
+
+@pytest.mark.parametrize("setup", [{"buffer_bytes": 16 * 1024}], indirect=True)
+async def test_safekeeper_that_cannot_catch_up_keeps_backing_off(setup: Setup) -> None:
+    """A safekeeper came back needing WAL that is older than the window and that PostgreSQL no
+    longer has: each session is elected, then its catch-up fails at once. That is the same
+    outage going on, not a new failure: the retries keep backing off instead of reconnecting
+    (an election and a PostgreSQL connection each time) every 50 ms."""
+    pg, bridge, links = setup.pg, setup.bridge, setup.links
+    ends = record_ends(pg.wal)
+    port = setup.nodes[0].pg_port or 0
+    with trio.fail_after(30):
+        pg.flush = ends[10]
+        pg._notify()
+        await wait_commit(bridge, ends[10])
+        n = links.count(port)
+        links.refused.add(port)
+        await links.conns[port].aclose()
+        while links.count(port) < n + 2:
+            await trio.sleep(0.01)
+        pg.flush = ends[60]
+        pg._notify()
+        await wait_commit(bridge, ends[60])
+        assert bridge.buffer.start > ends[10]  # sk0 must catch up from PostgreSQL...
+        pg.removed_before = ends[50]  # ...which recycled that WAL
+        links.refused.discard(port)
+        n = links.count(port)
+        await trio.sleep(3.0)
+        # 0.4 + 0.8 + 1.6 s of back-off fit in 3 s, plus the sessions themselves.
+        assert links.count(port) - n <= 6, links.count(port) - n
+        assert bridge.proposer.commit_lsn == ends[60]  # the quorum went on
+
+
+@pytest.fixture
+async def nodes(tmp_path: Path) -> AsyncIterator[list[SafekeeperNode]]:
+    """Three safekeeper nodes and no bridge."""
+    nodes = safekeeper_nodes(tmp_path)
+    async with trio.open_nursery() as nursery:
+        for node in nodes:
+            await nursery.start(node.run)
+        yield nodes
+        for node in nodes:
+            node.stop()
+
+
+def sk_status(node: SafekeeperNode) -> dict[str, object]:
+    tl = node.find_timeline(TENANT.hex, TIMELINE.hex)
+    assert tl is not None
+    return tl.status()
+
+
+async def test_sync_safekeepers_commits_what_a_dead_compute_left(nodes: list[SafekeeperNode]) -> None:
+    """A compute died right after its last WAL was flushed on every safekeeper, before the
+    commit position that covers it was sent: the safekeepers hold WAL they will never stream
+    to a pageserver (only committed WAL goes there). sync-safekeepers wins a new term with no
+    PostgreSQL and commits it, so a new compute can start where that WAL ends."""
+    wal = synthetic_wal(START, 100_000, record_size=300, system_id=SYSTEM_ID)
+    ends = record_ends(wal)
+    tail = ends[-1]
+    for node in nodes:
+        async with await TestProposer.connect("127.0.0.1", node.pg_port or 0, TENANT, TIMELINE) as tp:
+            await tp.greet(system_id=SYSTEM_ID)
+            assert await tp.elect(START, term=1) == START
+            chunks = [wal[i : i + 8192] for i in range(0, tail - START, 8192)]
+            await tp.append_many(START, chunks, commit=False)
+            await tp.append(tail, b"", commit_lsn=ends[100])
+            await tp.wait_flush(tail)
+    for node in nodes:
+        st = sk_status(node)
+        assert (st["flush_lsn"], st["commit_lsn"]) == (format_lsn(tail), format_lsn(ends[100]))
+
+    cfg = BridgeConfig(
+        pg_host="127.0.0.1", pg_port=PG_PORT,
+        safekeepers=tuple(SafekeeperAddr("127.0.0.1", n.pg_port or 0) for n in nodes),
+        tenant_id=TENANT, timeline_id=TIMELINE,
+    )
+    bridge = Bridge(cfg, pgclient.connect_with_params)
+    with trio.fail_after(20):
+        end = await bridge.sync_safekeepers(
+            PostgresInfo(SYSTEM_ID, 150000, WAL_SEGMENT_SIZE, INVALID_LSN)
+        )
+    assert end == tail
+    assert bridge.proposer.term == 2
+    committed = [sk_status(n)["commit_lsn"] == format_lsn(tail) for n in nodes]
+    assert sum(committed) >= 2, committed
+    # What a pageserver is sent now reaches the end of that WAL.
+    node = nodes[committed.index(True)]
+    assert await safekeeper_wal(node, tail) == wal[: tail - START]

@@ -121,13 +121,18 @@ def test_null_stream_refuses_what_it_does_not_serve() -> None:
         (error,) = _backend_messages(caught.value.reply)
         assert isinstance(error, m.ErrorResponse)
         assert error.fields[0] == ("S", "FATAL")
-    # Requests before the refused one are still answered, the end is clean on CopyDone.
+    # Requests before the end are still answered, in order: a clean end (CopyDone) sends
+    # only them, a refused request sends them and then the FATAL error.
     good = bytearray()
     encode_request_into(good, _requests(1)[0], 3, framed=True)
     with pytest.raises(NullStreamEnd) as caught:
         _stream_after_handshake().receive(bytes(good) + m.encode(m.CopyDone()))
     (copy,) = _backend_messages(caught.value.reply)
     assert isinstance(copy, m.CopyData)
+    with pytest.raises(NullStreamEnd) as caught:
+        _stream_after_handshake().receive(bytes(good) + bytes(exists))
+    copy, error = _backend_messages(caught.value.reply)
+    assert isinstance(copy, m.CopyData) and isinstance(error, m.ErrorResponse)
     # Only pagestream_v3 opens a stream.
     stream = NullPagestream()
     with pytest.raises(NullStreamEnd) as caught:

@@ -47,6 +47,7 @@ from protocol.ids import TenantId, TimelineId
 from protocol.lsn import WAL_SEGMENT_SIZE, Lsn, parse_lsn, segment_file_name
 from protocol.wal.reader import EndOfWal, WalStreamDecoder
 from protocol.wal.record import DecodedRecord
+from protocol.wal.walk import walk_crc
 from tests.tmpdirs import pg_tmpdir
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -137,6 +138,26 @@ def test_decode_into_equals_next_record_on_real_wal(real_wal: RealWal, chunk: in
     assert want[-1].end_lsn >= real_wal.end
     assert got == want
     assert got_end == want_end
+
+
+def test_minimal_walk_finds_the_decoders_records_on_real_wal(real_wal: RealWal) -> None:
+    # the walk-crc-min floor of `pagestore bench bulk-ingest` (protocol/wal/walk.py) walks the
+    # same records as the decoder on every kind of record this workload writes (FPIs over
+    # several pages, a WAL switch, a segment boundary), and stops at a corrupted one
+    want, want_end = _decode(real_wal, CHUNK, batched=True)
+    first = want[0].lsn
+    walked = walk_crc(real_wal.wal, Lsn(WAL_SEGMENT_SIZE), first)
+    assert (walked.records, walked.end_lsn) == (len(want), want_end.lsn)
+    assert walked.error is not None  # the zeros after the end: xl_tot_len 0
+    at = len(want) // 2
+    while 8192 - want[at].lsn % 8192 < 24:
+        at += 1  # (a record header on one page)
+    victim = want[at]
+    bad = bytearray(real_wal.wal)
+    bad[victim.lsn + 12 - WAL_SEGMENT_SIZE] ^= 0x10  # in xl_prev
+    walked = walk_crc(bytes(bad), Lsn(WAL_SEGMENT_SIZE), first)
+    assert (walked.records, walked.end_lsn) == (at, victim.lsn)
+    assert walked.error is not None and "CRC" in walked.error
 
 
 # -- the ingest -------------------------------------------------------------------------------

@@ -1,0 +1,93 @@
+"""A primary endpoint whose compute died (kill -9 of PostgreSQL and its bridge mid-workload)
+starts again with ``endpoint start``.
+
+The bridge's last appends were flushed on the safekeepers, but the commit position covering
+them rides on the next AppendRequest, which never came: the safekeepers hold WAL they will not
+stream to the pageserver (only committed WAL goes there). ``endpoint start`` must commit it in
+a new term (sync-safekeepers) and start the compute where it ends, with every commit a client
+saw acknowledged, instead of waiting for the pageserver forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from compute.postgres import PG_USER, PostgresInstance, pg_binary
+from control_plane import cli
+from control_plane.http_client import get_json
+from control_plane.local_env import LocalEnv
+from control_plane.process import read_pid, wait_until
+from protocol.lsn import parse_lsn
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
+
+def pagestore_json(capsys: pytest.CaptureFixture[str], *args: str) -> Any:
+    capsys.readouterr()
+    rc = cli.main([*args, "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    return json.loads(captured.out)
+
+
+@pytest.fixture
+def cluster_dir(pg_tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Iterator[Path]:
+    workdir = pg_tmp_path / "cluster"
+    assert cli.main(["init", "--workdir", str(workdir), "--free-ports", "--no-sync"]) == 0
+    try:
+        yield workdir
+    finally:
+        cli.main(["stop", "--workdir", str(workdir), "--immediate"])
+
+
+def test_primary_restarts_after_its_compute_was_killed(
+    cluster_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wd = ["--workdir", str(cluster_dir)]
+    assert cli.main(["start", *wd]) == 0
+    tenant = pagestore_json(capsys, "tenant", "create", *wd)
+    ep = pagestore_json(capsys, "endpoint", "start", "main", *wd)
+    pgdata = cluster_dir / "endpoints/main/pgdata"
+    main = PostgresInstance(pgdata, port=ep["port"], started=True)
+    main.pgbench("-i", "-s", "1", "-q")
+
+    bench = subprocess.Popen(
+        ([] if os.geteuid() != 0 else ["runuser", "-u", PG_USER, "--"])
+        + [pg_binary("pgbench"), "-h", "127.0.0.1", "-p", str(main.port), "-U", PG_USER, "-n",
+           "-c", "2", "-T", "30", "postgres"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until("pgbench commits",
+                   lambda: int(main.psql("SELECT count(*) FROM pgbench_history")) > 50, timeout=60)
+        acknowledged = int(main.psql("SELECT count(*) FROM pgbench_history"))
+        # The compute dies: its bridge first (kill -9), then PostgreSQL (no shutdown checkpoint).
+        bridge_pid = read_pid(cluster_dir / "endpoints/main/bridge.pid")
+        assert bridge_pid is not None
+        os.kill(bridge_pid, signal.SIGKILL)
+        main.stop("immediate")
+    finally:
+        bench.kill()
+        bench.wait()
+
+    env = LocalEnv.load(cluster_dir)
+    states = [get_json(f"{env.safekeeper_http(i)}/v1/tenant/{tenant['tenant_id']}/timeline/"
+                       f"{tenant['timeline_id']}") for i in env.safekeeper_ids]
+    flush = max(parse_lsn(s["flush_lsn"]) for s in states)
+    commit = max(parse_lsn(s["commit_lsn"]) for s in states)
+    assert flush > commit, "the safekeepers committed everything: nothing left to check"
+
+    ep2 = pagestore_json(capsys, "endpoint", "start", "main", *wd)
+    assert parse_lsn(ep2["basebackup_lsn"]) >= flush
+    again = PostgresInstance(pgdata, port=ep2["port"], started=True)
+    assert int(again.psql("SELECT count(*) FROM pgbench_history")) >= acknowledged
+    assert int(again.psql("SELECT count(*) FROM pgbench_accounts")) == 100_000
+    again.psql("INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (1, 1, 1, 1, now())")

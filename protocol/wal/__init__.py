@@ -8,4 +8,6 @@
 - ``protocol.wal.encoder``: ``WalEncoder``, which writes valid WAL for synthetic records.
 - ``protocol.wal.rmgr``: resource manager ids, names and record-type constants.
 - ``protocol.wal.pglz``: pglz (de)compression for compressed full-page images.
+- ``protocol.wal.walk``: ``walk_crc``, the least a Python reader does per record (header,
+  page boundaries, CRC): the ``walk-crc-min`` floor of ``pagestore bench bulk-ingest``.
 """

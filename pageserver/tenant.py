@@ -145,11 +145,19 @@ class Tenant:
         # what the branch point needs (``children_branch_points``).
         self.timelines[timeline_id] = tl
         try:
+            if ancestor is not None and ancestor.disk_consistent_lsn < lsn:
+                # The branch is durable on return, so its branch point must be too: else a
+                # restart loads the ancestor at its older disk_consistent_lsn and the branch
+                # reads it there (stale pages, no error) until its WAL is ingested again.
+                await ancestor.flush()
             # Listed already, so a GC round may be writing its index_part too: take turns.
             await tl.write_index_part_locked()
             await fsync_dir(self.engine, self.timelines_dir)
         except BaseException:
             del self.timelines[timeline_id]
+            # No index_part: nothing to keep (a load would remove it too); a retry may mkdir.
+            with trio.CancelScope(shield=True):
+                await self.engine.run_sync(shutil.rmtree, tl.path, True)
             raise
         return tl
 
@@ -288,20 +296,24 @@ class Tenant:
 
 
 async def _load_layers(tl: Timeline, listed: dict[str, int]) -> None:
+    """Open and check every listed layer, and only then delete the unlisted files: an
+    index_part that names a missing or damaged file stops the load with an error naming it,
+    and leaves the directory as it found it (the unlisted files may be what a repair needs)."""
     opened: list[PersistentLayer] = []
+    try:
+        for name, size in listed.items():
+            layer = await PersistentLayer.open(tl.engine, tl.path / name, tl.index_cache)
+            opened.append(layer)
+            if layer.file_size != size:
+                raise LayerCorruptionError(layer.path, f"size {layer.file_size} but index_part says {size}")
+    except BaseException:
+        for layer in opened:
+            await layer.aclose()
+        raise
     for entry in sorted(tl.path.iterdir()):
         name = entry.name
-        if name == INDEX_PART:
-            continue
-        if name not in listed:
+        if name != INDEX_PART and name not in listed:
             os.unlink(entry)  # temp, ephemeral, or a layer index_part no longer lists
-            continue
-    for name, size in listed.items():
-        layer = await PersistentLayer.open(tl.engine, tl.path / name, tl.index_cache)
-        if layer.file_size != size:
-            await layer.aclose()
-            raise LayerCorruptionError(layer.path, f"size {layer.file_size} but index_part says {size}")
-        opened.append(layer)
     tl.layer_map.replace([], opened)
     await fsync_dir(tl.engine, tl.path)
 

@@ -487,10 +487,25 @@ class Timeline:
             added: list[PersistentLayer] = []
             if path is not None:
                 added.append(await PersistentLayer.open(self.engine, path, self.index_cache))
+            consistent = Lsn(layer.end_lsn - 1)
+            # index_part first, the in-memory state only once it is durable: the WAL receiver
+            # tells the safekeepers ``disk_consistent_lsn``, and they may then forget the WAL
+            # below it. Meanwhile readers find the values in the frozen layer.
+            try:
+                await self.write_index_part(add=added, disk_consistent_lsn=consistent)
+                # (durable now; but a shutdown meanwhile closed the layers and emptied the map)
+                self._raise_if_shut_down()
+            except BaseException:
+                # Nothing changed; the frozen layer stays for the next flush (which rewrites
+                # the same L0). The file stays too: a write that failed after its rename (at
+                # the directory fsync) left an index_part naming it; the next load settles it.
+                with trio.CancelScope(shield=True):
+                    for x in added:
+                        await x.aclose()
+                raise
             self._layer_map.replace([], added)
             self.frozen_layers.pop(0)
-            self.disk_consistent_lsn = Lsn(layer.end_lsn - 1)
-            await self.write_index_part()
+            self.disk_consistent_lsn = consistent
             self.graveyard.bury([layer])
         await self.graveyard.collect()
 
@@ -501,8 +516,25 @@ class Timeline:
             nursery=self.nursery,
         )
 
-    async def write_index_part(self) -> None:
-        await write_index_part(self.engine, self.path, self.index_part())
+    async def write_index_part(
+        self,
+        *,
+        remove: Sequence[PersistentLayer] = (),
+        add: Sequence[PersistentLayer] = (),
+        disk_consistent_lsn: Lsn | None = None,
+    ) -> None:
+        """Write index_part for the layer map with ``remove`` taken out and ``add`` put in
+        (and ``disk_consistent_lsn`` if given), without changing either: callers swap their
+        change in only once this returned (caller holds the layers lock).
+
+        Never after ``shutdown``: it empties the layer map, so an index_part written then (by
+        a flush that was already running in another task) would list none of the layers and
+        the next load would delete them all as unlisted."""
+        if self._shut_down:
+            raise TimelineShutdownError(
+                f"timeline {self.timeline_id.hex} is shut down: not writing its index_part"
+            )
+        await write_index_part(self.engine, self.path, self.index_part(remove, add, disk_consistent_lsn))
 
     async def write_index_part_locked(self) -> None:
         """``write_index_part`` under the layers lock, as flush, compaction and GC write it
@@ -510,10 +542,20 @@ class Timeline:
         async with self._lock:
             await self.write_index_part()
 
-    def index_part(self) -> IndexPart:
+    def index_part(
+        self,
+        remove: Sequence[PersistentLayer] = (),
+        add: Sequence[PersistentLayer] = (),
+        disk_consistent_lsn: Lsn | None = None,
+    ) -> IndexPart:
+        layers = {x.path.name: x.file_size for x in self._layer_map}
+        for x in remove:
+            del layers[x.path.name]
+        for x in add:
+            layers[x.path.name] = x.file_size
         return IndexPart(
-            layers={x.path.name: x.file_size for x in self._layer_map},
-            disk_consistent_lsn=self.disk_consistent_lsn,
+            layers=layers,
+            disk_consistent_lsn=self.disk_consistent_lsn if disk_consistent_lsn is None else disk_consistent_lsn,
             latest_gc_cutoff_lsn=self.latest_gc_cutoff_lsn,
             ancestor_timeline_id=None if self.ancestor is None else self.ancestor.timeline_id.hex,
             ancestor_lsn=self._ancestor_lsn,

@@ -4,7 +4,10 @@ It connects to one safekeeper at a time (``START_REPLICATION PHYSICAL X/Y`` with
 ``tenant_id``/``timeline_id`` options, protocols.md §3.6), feeds the XLogData bytes to the WAL
 stream decoder and hands the decoded records, in order, to the ingest: all the records one
 XLogData message completes as one list to ``on_records`` (one await per ~900 records of a bulk
-load instead of one per record), or one by one to ``on_record``. ``X/Y`` is the end of the last
+load instead of one per record), or one by one to ``on_record``; or it hands the decoder itself,
+fed with the message, to ``on_wal``, which decodes and applies what it can in one go (the
+ingest's fused path, ``WalIngest.ingest_decoder``) and says how many records it took and where
+the last one ended. ``X/Y`` is the end of the last
 record handed over, so a reconnection neither skips nor repeats a record handed over
 completely; when ``on_records`` fails part-way through a list, the next session starts at the
 beginning of that list again, so the callee must skip records it already has (the ingest does:
@@ -46,7 +49,7 @@ from protocol.replication import (
     encode_copy_message,
     pg_now,
 )
-from protocol.wal.reader import EndOfWal, WalStreamDecoder
+from protocol.wal.reader import EndOfWal, NeedData, WalStreamDecoder
 from protocol.wal.record import DecodedRecord
 
 log = structlog.get_logger("wal_receiver")
@@ -70,6 +73,8 @@ class PgConnection(Protocol):
 Connector = Callable[[str, int, dict[str, str]], Awaitable[PgConnection]]
 OnRecord = Callable[[DecodedRecord], Awaitable[None]]
 OnRecords = Callable[[list[DecodedRecord]], Awaitable[None]]
+# takes every record the decoder can give: (records taken, end of the last one, what stopped it)
+OnWal = Callable[[WalStreamDecoder], Awaitable[tuple[int, Lsn, NeedData | EndOfWal]]]
 
 
 # The production connector.
@@ -140,17 +145,19 @@ class WalReceiver:
         start_lsn: Lsn,
         on_record: OnRecord | None = None,
         on_records: OnRecords | None = None,
+        on_wal: OnWal | None = None,
         connect: Connector = pgclient_connect,
         progress: ProgressFn | None = None,
     ) -> None:
         if not cfg.safekeepers:
             raise ValueError("no safekeepers to receive WAL from")
-        if (on_record is None) == (on_records is None):
-            raise ValueError("give exactly one of on_record and on_records")
+        if sum(f is not None for f in (on_record, on_records, on_wal)) != 1:
+            raise ValueError("give exactly one of on_record, on_records and on_wal")
         self.cfg = cfg
         self._connect = connect
         self._on_record = on_record
         self._on_records = on_records
+        self._on_wal = on_wal
         self._progress = progress
         # End of the last record handed to on_record: where the next session starts.
         self.last_record_lsn = start_lsn
@@ -241,14 +248,31 @@ class WalReceiver:
                     f"XLogData at {format_lsn(msg.wal_start)}, expected {format_lsn(decoder.fed_lsn)}"
                 )
             decoder.feed(msg.data)
-            batch: list[DecodedRecord] = []
-            stop = decoder.decode_into(batch)
-            if batch:
-                await self._hand_over(batch)
+            if self._on_wal is not None:
+                stop = await self._take(self._on_wal, decoder)
+            else:
+                batch: list[DecodedRecord] = []
+                stop = decoder.decode_into(batch)
+                if batch:
+                    await self._hand_over(batch)
             if isinstance(stop, EndOfWal):
                 raise WalDecodeError(
                     f"WAL stopped decoding at {format_lsn(stop.error_lsn)}: {stop.reason}"
                 )
+
+    async def _take(self, on_wal: OnWal, decoder: WalStreamDecoder) -> NeedData | EndOfWal:
+        try:
+            n, end, stop = await on_wal(decoder)
+        except RemoteProtocolError as exc:
+            raise WalIngestError(
+                f"ingest rejected WAL after {format_lsn(self.last_record_lsn)}: {exc}"
+            ) from exc
+        if n:
+            self.last_record_lsn = end
+            self.records_received += n
+            self._advanced.set()
+            self._advanced = trio.Event()
+        return stop
 
     async def _hand_over(self, batch: list[DecodedRecord]) -> None:
         try:

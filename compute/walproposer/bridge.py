@@ -324,9 +324,20 @@ class Bridge:
         ``bootstrap_lsn`` INVALID_LSN: safekeepers holding nothing is the caller's error.
         """
         self.info = info
+        min_term = 0
+        while True:
+            try:
+                return await self._sync_term(info, min_term)
+            except* ProposerRejected as eg:
+                rejected = [e for e in _leaves(eg) if isinstance(e, ProposerRejected)]
+                min_term = max(min_term, *(e.seen_term for e in rejected))
+                log.warning("term lost, starting over", reason=str(rejected[0]), min_term=min_term)
+            await trio.sleep(0.2)
+
+    async def _sync_term(self, info: PostgresInfo, min_term: int) -> Lsn:
         n = len(self.cfg.safekeepers)
         self.terms_run += 1
-        self.proposer = p = Proposer(n, bootstrap_lsn=INVALID_LSN)
+        self.proposer = p = Proposer(n, bootstrap_lsn=INVALID_LSN, min_term=min_term)
         self._pending = [deque() for _ in range(n)]
         self._elected = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -525,7 +536,11 @@ class Bridge:
                     heartbeat_due = trio.current_time() - last_sent_at >= self.cfg.heartbeat_s
                     if begin == end and p.commit_lsn == last_commit_sent and not heartbeat_due:
                         break
-                    await self._send_append(i, copy, begin, self.buffer.read(begin, end - begin))
+                    # A voter may start above the window's end (the window starts at the lowest
+                    # voter's position and PostgreSQL has not filled it up to this one yet):
+                    # then there is no WAL for it yet, only the heartbeat and commit_lsn.
+                    wal = self.buffer.read(begin, end - begin) if end > begin else b""
+                    await self._send_append(i, copy, begin, wal)
                     last_commit_sent = p.commit_lsn
                     last_sent_at = trio.current_time()
                     if end >= self.buffer.end:

@@ -21,7 +21,6 @@ from compute.walproposer.bridge import (
     SafekeeperAddr,
     pgclient_connect,
 )
-from protocol.errors import LocalProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn, format_lsn, parse_lsn
 
@@ -139,12 +138,15 @@ def run(args: argparse.Namespace) -> int:
         info = PostgresInfo(args.system_id, args.pg_version, WAL_SEGMENT_SIZE, INVALID_LSN)
         try:
             lsn = trio.run(sync_main, cfg, info, args.sync_timeout)
-        except (trio.TooSlowError, LocalProtocolError) as exc:
-            print(
-                f"pagestore walproposer: error: sync-safekeepers did not finish: "
-                f"{exc or f'no quorum committed within {args.sync_timeout:g} s'}",
-                file=sys.stderr,
-            )
+        except trio.TooSlowError:
+            print(f"pagestore walproposer: error: sync-safekeepers: no quorum committed the "
+                  f"safekeepers' WAL within {args.sync_timeout:g} s (see the log)", file=sys.stderr)
+            return 1
+        except Exception as exc:  # one line for the caller; the log has the traceback
+            structlog.get_logger("walproposer").error("sync-safekeepers failed", exc_info=exc)
+            leaves = exc.exceptions if isinstance(exc, ExceptionGroup) else (exc,)
+            print(f"pagestore walproposer: error: sync-safekeepers failed: "
+                  f"{'; '.join(repr(e) for e in leaves)}", file=sys.stderr)
             return 1
         print(format_lsn(lsn))
         return 0

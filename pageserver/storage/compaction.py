@@ -27,7 +27,9 @@ listed when it starts (new L0s start where the snapshot ends, so the L1s' LSN ra
 where they begin, and ``replace`` removes only the snapshot), and the ``disk_consistent_lsn``
 when image creation starts (images are made at that LSN, however far flushes move it).
 Cancelled or failed, a round deletes its outputs (shielded) and changes nothing; a crash
-before the swap leaves files index_part does not list, which the next load deletes.
+before the swap leaves files index_part does not list, which the next load deletes. A round
+whose index_part write fails keeps its outputs on disk (closed, unlisted in memory): that
+write may have failed after its rename, leaving an index_part that names them.
 """
 
 from __future__ import annotations
@@ -122,8 +124,14 @@ async def _swap(
 ) -> None:
     """The only part of a round under the layers lock. Cancelled before it holds the lock, it
     deletes ``add``. Once it holds it, it is shielded: the swap is short and must not stop
-    between the layer map and index_part. If index_part cannot be written, the layer map is
-    put back and ``add`` goes to the graveyard (a read may have found it meanwhile)."""
+    between index_part and the layer map. index_part is written first and the layer map
+    changed only once it is durable, so no read ever sees ``add`` unless it is listed.
+
+    If index_part cannot be written, nothing changes and ``add`` is closed but its files are
+    NOT deleted: a write that failed at its last step (the directory fsync) has already
+    renamed an index_part that lists them, not ``remove``, into place, and a crash would make
+    that the one a restart loads. The next load deletes whichever files its index_part does
+    not list; a retried round writes the same names again (rename over them)."""
     try:
         await _hook(tl, "swap")
         await tl.layers_lock.acquire()
@@ -132,13 +140,13 @@ async def _swap(
         raise
     try:
         with trio.CancelScope(shield=True):
-            tl.layer_map.replace(remove, add)
             try:
-                await tl.write_index_part()
+                await tl.write_index_part(remove=remove, add=add)
             except BaseException:
-                tl.layer_map.replace(add, remove)
-                tl.graveyard.bury(add)
+                for done in add:
+                    await done.aclose()
                 raise
+            tl.layer_map.replace(remove, add)
             tl.graveyard.bury(remove)
     finally:
         tl.layers_lock.release()

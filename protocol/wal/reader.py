@@ -72,7 +72,7 @@ from protocol.wal.record import (
 )
 from protocol.wal.rmgr import RM_MAX_BUILTIN_ID, XLOG_SWITCH, RmgrId, rmgr_id_is_valid
 
-__all__ = ["NEED_DATA", "EndOfWal", "NeedData", "WalStreamDecoder"]
+__all__ = ["NEED_DATA", "SIMPLE_HEADERS", "SIMPLE_PAYLOAD_AT", "SIMPLE_RECORD", "EndOfWal", "NeedData", "WalStreamDecoder"]
 
 _PAGE_MASK = XLOG_BLCKSZ - 1
 _RM_XLOG = int(RmgrId.XLOG)  # an enum member lookup per record costs more than the compare
@@ -83,6 +83,13 @@ _new_block: Callable[..., BlockRef] = BlockRef
 # The XLogRecord header and the fragment headers of the commonest layout (see decode_body),
 # unpacked together.
 _SIMPLE_RECORD = struct.Struct(XLOG_RECORD_HEADER.format + _SIMPLE_HEADERS.format[1:])
+# For readers with their own in-page loop (``in_page_cursor``; the ingest's fused path): that
+# unpack gives xl_tot_len, xl_xid, xl_prev, xl_info, xl_rmid, xl_crc, then block id 0's
+# id, fork_flags, data_length, spc, db, rel, blkno, then the main data's id and length; the
+# block data starts at SIMPLE_PAYLOAD_AT.
+SIMPLE_RECORD: Final = _SIMPLE_RECORD
+SIMPLE_HEADERS: Final = _SIMPLE_HEADERS  # that tail alone
+SIMPLE_PAYLOAD_AT: Final = _SIMPLE_PAYLOAD_AT
 
 
 class NeedData:
@@ -329,6 +336,29 @@ class WalStreamDecoder:
             if not isinstance(item, DecodedRecord):
                 return item
             append(item)
+
+    def in_page_cursor(self) -> tuple[bytes, int, int, int | None] | None:
+        """For a caller that walks the records inside a page itself (the ingest's fused path,
+        ``WalIngest.ingest_decoder``): ``(buf, buf_lsn, pos, prev)`` -- the input (``buf[0]``
+        is at LSN ``buf_lsn``), where the next record starts and the start of the record
+        before it (its ``xl_prev`` must equal ``prev``; ``None``: unknown, so leave the record
+        to ``next_record``) -- or ``None`` when the next record is not simply at ``pos`` (a
+        page to check first, a record being joined across pages, the end of WAL): then
+        ``next_record`` must go next. The caller may take complete records that start and
+        end on ``pos``'s page (never a page header) after checking them as ``decode_into``
+        does (``xl_prev``, length, resource manager, CRC), then report with
+        ``advance_in_page``."""
+        if self._pending:
+            self._merge()
+        if self._partial is not None or self._check_page_at is not None or self._ended is not None:
+            return None
+        return self._buf, self._buf_lsn, self._pos, self._prev
+
+    def advance_in_page(self, pos: int, prev: int) -> None:
+        """The caller of ``in_page_cursor`` took the records up to ``pos``; the last one
+        started at ``prev``."""
+        self._pos = self._last_end = pos
+        self._prev = self._last_lsn = prev
 
     def finish(self) -> EndOfWal:
         """No more input will come: where does valid WAL end?"""

@@ -481,40 +481,98 @@ def sk_status(node: SafekeeperNode) -> dict[str, object]:
     return tl.status()
 
 
-async def test_sync_safekeepers_commits_what_a_dead_compute_left(nodes: list[SafekeeperNode]) -> None:
-    """A compute died right after its last WAL was flushed on every safekeeper, before the
-    commit position that covers it was sent: the safekeepers hold WAL they will never stream
-    to a pageserver (only committed WAL goes there). sync-safekeepers wins a new term with no
-    PostgreSQL and commits it, so a new compute can start where that WAL ends."""
+async def dead_compute_left(nodes: list[SafekeeperNode]) -> tuple[bytes, Lsn, Lsn]:
+    """What a compute that died leaves: one term's WAL flushed up to ``tail`` on sk0 and sk1
+    and up to ``mid`` on sk2, committed (on the safekeepers) only up to an earlier point."""
     wal = synthetic_wal(START, 100_000, record_size=300, system_id=SYSTEM_ID)
     ends = record_ends(wal)
-    tail = ends[-1]
-    for node in nodes:
+    tail, mid, committed_before = ends[-1], ends[len(ends) * 2 // 3], ends[len(ends) // 3]
+    for node, end in zip(nodes, (tail, tail, mid), strict=True):
         async with await TestProposer.connect("127.0.0.1", node.pg_port or 0, TENANT, TIMELINE) as tp:
             await tp.greet(system_id=SYSTEM_ID)
             assert await tp.elect(START, term=1) == START
-            chunks = [wal[i : i + 8192] for i in range(0, tail - START, 8192)]
+            data = wal[: end - START]
+            chunks = [data[i : i + 8192] for i in range(0, len(data), 8192)]
             await tp.append_many(START, chunks, commit=False)
-            await tp.append(tail, b"", commit_lsn=ends[100])
-            await tp.wait_flush(tail)
-    for node in nodes:
+            await tp.append(end, b"", commit_lsn=committed_before)
+            await tp.wait_flush(end)
+    for node, end in zip(nodes, (tail, tail, mid), strict=True):
         st = sk_status(node)
-        assert (st["flush_lsn"], st["commit_lsn"]) == (format_lsn(tail), format_lsn(ends[100]))
+        assert (st["flush_lsn"], st["commit_lsn"]) == (format_lsn(end), format_lsn(committed_before))
+
+    return wal, tail, mid
+
+
+async def test_sync_safekeepers_commits_what_a_dead_compute_left(nodes: list[SafekeeperNode]) -> None:
+    """A compute died right after its last WAL was flushed on the safekeepers, before the
+    commit position that covers it was sent: they hold WAL they will never stream to a
+    pageserver (only committed WAL goes there). sync-safekeepers wins a new term with no
+    PostgreSQL and commits it, so a new compute can start where that WAL ends.
+
+    sk0 and sk1 hold all of it, sk2 only part; sk1 answers late, so the vote is sk0's and
+    sk2's: the donor (sk0) starts streaming above the end of the (empty) window, which starts
+    at sk2's position. That voter gets heartbeats and commit_lsn, no WAL, until WAL arrives."""
+    wal, tail, mid = await dead_compute_left(nodes)
+
+    late = nodes[1].pg_port
+
+    async def connect(host: str, port: int, params: dict[str, str]) -> PgConnection:
+        if port == late:
+            await trio.sleep(0.5)
+        return await pgclient.connect_with_params(host, port, params)
 
     cfg = BridgeConfig(
         pg_host="127.0.0.1", pg_port=PG_PORT,
         safekeepers=tuple(SafekeeperAddr("127.0.0.1", n.pg_port or 0) for n in nodes),
         tenant_id=TENANT, timeline_id=TIMELINE,
     )
-    bridge = Bridge(cfg, pgclient.connect_with_params)
+    bridge = Bridge(cfg, connect)
     with trio.fail_after(20):
         end = await bridge.sync_safekeepers(
             PostgresInfo(SYSTEM_ID, 150000, WAL_SEGMENT_SIZE, INVALID_LSN)
         )
     assert end == tail
-    assert bridge.proposer.term == 2
-    committed = [sk_status(n)["commit_lsn"] == format_lsn(tail) for n in nodes]
-    assert sum(committed) >= 2, committed
+    assert bridge.proposer.term == 2 and bridge.terms_run == 1
+    assert bridge.buffer.start == mid  # the vote was sk0's and sk2's, as arranged
+    for node in nodes[:2]:
+        assert sk_status(node)["commit_lsn"] == format_lsn(tail)
     # What a pageserver is sent now reaches the end of that WAL.
-    node = nodes[committed.index(True)]
-    assert await safekeeper_wal(node, tail) == wal[: tail - START]
+    assert await safekeeper_wal(nodes[0], tail) == wal[: tail - START]
+
+
+async def test_restarted_bridge_with_voters_at_different_positions(
+    nodes: list[SafekeeperNode],
+) -> None:
+    """The bridge restarts while the safekeepers stand at different positions (one lagged),
+    and the vote is the donor's and a lagging one's. The window starts at the lagging voter's
+    position, so the donor starts streaming above its end: it must get heartbeats until the
+    window reaches it, not fail the term (which fails again in every new term: commits would
+    never resume)."""
+    wal, tail, mid = await dead_compute_left(nodes)
+    pg = ScriptedPostgres(wal=wal, flush=tail)
+    late = nodes[1].pg_port
+
+    async def connect(host: str, port: int, params: dict[str, str]) -> PgConnection:
+        if port == PG_PORT:
+            return pg.connect()
+        if port == late:
+            await trio.sleep(0.5)
+        return await pgclient.connect_with_params(host, port, params)
+
+    cfg = BridgeConfig(
+        pg_host="127.0.0.1", pg_port=PG_PORT,
+        safekeepers=tuple(SafekeeperAddr("127.0.0.1", n.pg_port or 0) for n in nodes),
+        tenant_id=TENANT, timeline_id=TIMELINE,
+    )
+    bridge = Bridge(cfg, connect)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(bridge.run)
+        with trio.fail_after(20):
+            await wait_commit(bridge, tail)
+            assert bridge.terms_run == 1
+            # and the lagging safekeeper catches up from the window
+            while bridge.proposer.slots[2].acked_flush_lsn < tail:
+                await trio.sleep(0.02)
+        nursery.cancel_scope.cancel()
+    for node in nodes:
+        assert await safekeeper_wal(node, tail) == wal[: tail - START]

@@ -214,8 +214,12 @@ class Tenant:
                 shutil.rmtree(entry)  # an interrupted create_timeline
                 continue
             parts[TimelineId.parse(entry.name)] = await read_index_part(tenant.engine, entry)
-        # Markers go only after their directories: a crash in between leaves a marker alone,
-        # which the next load removes.
+        # Markers go only after their directories, durably removed (an fsync between): else
+        # a crash could keep a marker's unlink and lose a directory's removal, and the next
+        # load would take that half-made timeline for a complete one. A crash in between
+        # leaves a marker alone, which the next load removes.
+        if unfinished:
+            await fsync_dir(tenant.engine, tdir)
         for name in unfinished:
             (tdir / (name + UNINIT_SUFFIX)).unlink()
         if unfinished:

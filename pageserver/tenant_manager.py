@@ -385,5 +385,8 @@ class TenantManager:
             await trio.to_thread.run_sync(
                 lambda: shutil.rmtree(tenant.timelines_dir / timeline_id.hex, ignore_errors=True)
             )
-            # Only now: had we crashed before, the marker makes the next load remove the rest.
+            # The removal durable first (else a crash could keep the marker's unlink only and
+            # leave the half-made timeline to be loaded as complete); only then the marker: had
+            # we crashed before, it makes the next load remove the rest.
+            await fsync_dir(tenant.engine, tenant.timelines_dir)
             await tenant.clear_uninit(timeline_id)

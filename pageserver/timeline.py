@@ -186,6 +186,7 @@ class Timeline:
         self._background_lock_obj: trio.Lock | None = None
         self._background_scope: trio.CancelScope | None = None
         self._shut_down = False
+        self._layers_closed = False  # by shutdown: the layer map is empty from then on
         # LSN -> number of reads in flight at it: GC keeps its cutoff at or below the lowest
         # (a read admitted above the old cutoff must find every layer it needs)
         self._reads_in_flight: dict[int, int] = {}
@@ -494,7 +495,7 @@ class Timeline:
             try:
                 await self.write_index_part(add=added, disk_consistent_lsn=consistent)
                 # (durable now; but a shutdown meanwhile closed the layers and emptied the map)
-                self._raise_if_shut_down()
+                self._raise_if_layers_closed()
             except BaseException:
                 # Nothing changed; the frozen layer stays for the next flush (which rewrites
                 # the same L0). The file stays too: a write that failed after its rename (at
@@ -527,13 +528,10 @@ class Timeline:
         (and ``disk_consistent_lsn`` if given), without changing either: callers swap their
         change in only once this returned (caller holds the layers lock).
 
-        Never after ``shutdown``: it empties the layer map, so an index_part written then (by
-        a flush that was already running in another task) would list none of the layers and
-        the next load would delete them all as unlisted."""
-        if self._shut_down:
-            raise TimelineShutdownError(
-                f"timeline {self.timeline_id.hex} is shut down: not writing its index_part"
-            )
+        Never once ``shutdown`` closed the layers: that empties the layer map, so an index_part
+        written then (by a flush already running in another task) would list none of the
+        layers and the next load would delete them all as unlisted."""
+        self._raise_if_layers_closed()
         await write_index_part(self.engine, self.path, self.index_part(remove, add, disk_consistent_lsn))
 
     async def write_index_part_locked(self) -> None:
@@ -660,6 +658,13 @@ class Timeline:
                 flight[lsn] = left
             else:
                 del flight[lsn]
+
+    def _raise_if_layers_closed(self) -> None:
+        if self._layers_closed:
+            raise TimelineShutdownError(
+                f"timeline {self.timeline_id.hex} is shut down: its layers are closed, "
+                "index_part is not written any more"
+            )
 
     def _raise_if_shut_down(self) -> None:
         if self._shut_down:
@@ -882,6 +887,7 @@ class Timeline:
             lock.release()
 
     async def _close_layers(self) -> None:
+        self._layers_closed = True
         for layer in self.in_memory_layers():
             await layer.aclose()
         self.open_layer = None

@@ -41,6 +41,7 @@ from protocol.safekeeper import (
     encode_message,
 )
 from safekeeper.timeline import PendingFlush, Timeline
+from safekeeper.wal_storage import WalStorageError
 
 log = structlog.get_logger("safekeeper.receive_wal")
 
@@ -91,7 +92,10 @@ class _ByteBudget:
 
 
 def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The one real error of a pipeline (the other task only saw the cancellation)."""
+    """The one real error of a pipeline (the other task only saw the cancellation). A broken
+    WAL storage wins over anything else: with fdatasyncs in flight, the failed write and the
+    sync refused because of it both report it, and the connection must end with its 58030,
+    not with a group that the server would answer as a generic internal error."""
     leaves: list[BaseException] = []
 
     def walk(exc: BaseException) -> None:
@@ -102,7 +106,12 @@ def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
             leaves.append(exc)
 
     walk(group)
-    return leaves[0] if len(leaves) == 1 else group
+    if len(leaves) == 1:
+        return leaves[0]
+    for leaf in leaves:
+        if isinstance(leaf, WalStorageError):
+            return leaf
+    return group
 
 
 async def serve_wal_push(

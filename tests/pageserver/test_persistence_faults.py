@@ -18,20 +18,27 @@ deletes anything (the unlisted files may be what a repair needs).
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import trio
 
 import pageserver.storage.index_part as index_part_mod
 import pageserver.storage.layer_file as layer_file_mod
+import pageserver.tenant as tenant_mod
+import pageserver.tenant_manager as tenant_manager_mod
+from pageserver.config import PageserverConfig
 from pageserver.storage.index_part import read_index_part
 from pageserver.storage.io_engine import IoEngine, durable_rename
+from pageserver.storage.io_engine import fsync_dir as real_fsync_dir
 from pageserver.storage.layer_file import LayerCorruptionError
 from pageserver.tenant import Tenant
+from pageserver.tenant_manager import TenantManager
 from pageserver.timeline import Timeline, TimelineShutdownError
-from protocol.ids import TimelineId
+from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn
 from tests.pageserver.test_compaction_concurrency import (
     CFG,
@@ -301,3 +308,79 @@ async def test_gc_whose_index_part_write_fails_leaves_a_loadable_timeline(
     reloaded, again = await crash_and_load(tmp_path, tenant, tl)
     await check(again, model)
     await reloaded.shutdown()
+
+
+class FsJournal:
+    """Records the directory removals, fsyncs and unlinks of the code under test, in order."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ops: list[tuple[str, Path]] = []
+        real_rmtree, real_unlink = shutil.rmtree, Path.unlink
+
+        def rmtree(path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> None:
+            self.ops.append(("rmtree", Path(path)))
+            real_rmtree(path, *args, **kwargs)
+
+        def unlink(path: Path, missing_ok: bool = False) -> None:
+            self.ops.append(("unlink", path))
+            real_unlink(path, missing_ok=missing_ok)
+
+        async def fsync_dir(engine: IoEngine, directory: str | os.PathLike[str]) -> None:
+            self.ops.append(("fsync", Path(directory)))
+            await real_fsync_dir(engine, directory)
+
+        monkeypatch.setattr(shutil, "rmtree", rmtree)
+        monkeypatch.setattr(Path, "unlink", unlink)
+        monkeypatch.setattr(tenant_mod, "fsync_dir", fsync_dir)
+        monkeypatch.setattr(tenant_manager_mod, "fsync_dir", fsync_dir)
+
+    def assert_removed_durably_before(self, removed: Path, marker: Path) -> None:
+        """``removed``'s removal was made durable (its parent fsynced) before ``marker`` was
+        unlinked: else a crash may keep the unlink and lose the removal, and the next load
+        takes the half-made timeline, marker gone, for a complete one."""
+        r = self.ops.index(("rmtree", removed))
+        m = self.ops.index(("unlink", marker))
+        assert ("fsync", removed.parent) in self.ops[r:m], self.ops
+
+
+async def test_load_makes_the_removal_of_an_unfinished_timeline_durable_before_its_marker_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tenant = Tenant(tmp_path, TenantId.generate(), CFG)
+    tid = TimelineId.generate()
+    tenant.timelines_dir.mkdir(parents=True)
+    await tenant.mark_uninit(tid)
+    tl = await tenant.create_timeline(tid)
+    await write(tl, Model(), STEP, KEYS)
+    await tl.flush()  # a half import with a durable index_part, as a rolled flush leaves
+    await tenant.shutdown()
+
+    journal = FsJournal(monkeypatch)
+    reloaded = await Tenant.load(tmp_path, tenant.tenant_id, CFG)
+    assert reloaded.timelines == {} and not tl.path.exists() and not tenant.uninit_marker(tid).exists()
+    journal.assert_removed_durably_before(tl.path, tenant.uninit_marker(tid))
+    await reloaded.shutdown()
+
+
+async def test_a_failed_import_is_removed_durably_before_its_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "pgdata"
+    source.mkdir()
+
+    async def failing_import(tl: Timeline, src: Path, *, wal_tar: Path | None = None) -> None:
+        await write(tl, Model(), STEP, KEYS)
+        await tl.flush()
+        raise OSError(5, "injected: the import fails half-way")
+
+    monkeypatch.setattr(tenant_manager_mod, "import_datadir", failing_import)
+    manager = TenantManager(PageserverConfig(workdir=tmp_path / "ps", tenant_config=CFG))
+    tenant = await manager.create_tenant()
+    tid = TimelineId.generate()
+    journal = FsJournal(monkeypatch)
+    with pytest.raises(OSError, match="injected"):
+        await manager.import_timeline(tenant.tenant_id, tid, source)
+    path = tenant.timelines_dir / tid.hex
+    assert not path.exists() and not tenant.uninit_marker(tid).exists()
+    journal.assert_removed_durably_before(path, tenant.uninit_marker(tid))
+    await manager.shutdown()

@@ -41,7 +41,7 @@ from safekeeper.receive_wal import _ByteBudget, _write_stage
 from safekeeper.record_tracker import InvalidWal, RecordTracker
 from safekeeper.testing import TestProposer, synthetic_wal
 from safekeeper.timeline import Timeline
-from safekeeper.wal_storage import WalStorageBroken
+from safekeeper.wal_storage import WalStorage, WalStorageBroken
 
 TENANT = TenantId(bytes(range(16)))
 TIMELINE = TimelineId(bytes(range(16, 32)))
@@ -432,3 +432,57 @@ def test_scan_end_is_the_last_complete_record_before_a_torn_one(
     except InvalidWal:
         pass
     assert scan.record_end == prefix.record_end
+
+
+async def test_node_write_error_with_a_sync_in_flight_still_ends_with_58030(
+    synced_node: SafekeeperNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group A's fdatasync is held (before the storage's own check) while group B's write
+    fails: the writer and A's then refused sync both raise. The connection must still end
+    with FATAL 58030 (not the server's generic answer to an exception group), and neither A
+    nor B is acknowledged."""
+    node = synced_node
+    assert node.pg_port is not None
+    start = Lsn(WAL_SEGMENT_SIZE)
+    wal = synthetic_wal(start, PIECE + (2 << 20))
+    gate = threading.Event()
+    hold = [False]
+    real_fdatasync = WalStorage.fdatasync
+
+    def held(self: WalStorage, fd: int) -> None:
+        if hold[0]:
+            hold[0] = False
+            assert gate.wait(10)
+        real_fdatasync(self, fd)
+
+    real_pwritev = os.pwritev
+    writes = [0]
+
+    def second_write_fails(fd: int, buffers: list[memoryview], offset: int) -> int:
+        writes[0] += 1
+        if writes[0] == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pwritev(fd, buffers, offset)
+
+    with trio.fail_after(30):
+        async with await TestProposer.connect("127.0.0.1", node.pg_port, TENANT, TIMELINE) as p:
+            await p.greet()
+            await p.elect(start)
+            end = await p.append_many(start, [wal[:PIECE]])
+            acked = (await p.wait_flush(Lsn(end - 8192))).flush_lsn
+            monkeypatch.setattr(WalStorage, "fdatasync", held)
+            monkeypatch.setattr(os, "pwritev", second_write_fails)
+            hold[0] = True
+            # Two 1 MiB groups in one send: A is written and its sync held, B's write fails.
+            rest = wal[PIECE:]
+            await p.append_many(end, [rest[k : k + PIECE] for k in range(0, len(rest), PIECE)])
+            while writes[0] < 2:
+                await trio.sleep(0.01)
+            await trio.sleep(0.2)
+            gate.set()
+            with pytest.raises(PgError) as info:
+                while True:
+                    msg = await p.receive()
+                    assert not (isinstance(msg, AppendResponse) and msg.flush_lsn > acked)
+            assert info.value.sqlstate == "58030"
+            assert info.value.severity == "FATAL"

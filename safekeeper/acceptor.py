@@ -245,6 +245,14 @@ class Acceptor:
                 f"refusing ProposerElected: start_streaming_at {format_lsn(start)} is not the "
                 f"last common point {format_lsn(point.lsn)} of the term histories"
             )
+        if mine and start > flush_lsn:
+            # Only reachable when no term is common (the proposer's first entry is taken as
+            # the point): WAL would continue after a hole, which a restart scan ends at, so
+            # flush_lsn acknowledged beyond it would shrink.
+            raise AcceptorError(
+                f"refusing ProposerElected: start_streaming_at {format_lsn(start)} is beyond "
+                f"the end of WAL here {format_lsn(flush_lsn)} (the term histories share no term)"
+            )
         if start < self.commit_lsn:
             raise AcceptorError(
                 f"ProposerElected would truncate committed WAL: start {format_lsn(start)} "

@@ -224,8 +224,13 @@ def write_control_file(directory: Path, state: PersistentState, no_sync: bool = 
 
 def read_control_file(directory: Path) -> PersistentState | None:
     """The stored state, or None when the timeline has no control file yet."""
+    path = directory / CONTROL_FILE_NAME
     try:
-        data = (directory / CONTROL_FILE_NAME).read_bytes()
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
-    return decode(data)
+    try:
+        return decode(data)
+    except ControlFileError as exc:
+        # Which timeline: the node refuses to start, and the operator must find the file.
+        raise ControlFileError(f"{path}: {exc}") from None

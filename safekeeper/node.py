@@ -45,10 +45,11 @@ from protocol.replication import (
     parse_replication_command,
 )
 from safekeeper.config import ConfigError, SafekeeperConfig, load_config
+from safekeeper.control_file import CONTROL_FILE_NAME, ControlFileError
 from safekeeper.http_api import build_http_server
 from safekeeper.receive_wal import IngestConfig, serve_wal_push
 from safekeeper.send_wal import check_start, serve_replication
-from safekeeper.timeline import Timeline
+from safekeeper.timeline import Timeline, has_wal_segments
 from safekeeper.wal_removal import run_wal_removal
 from safekeeper.wal_storage import WalStorageError
 
@@ -85,9 +86,24 @@ class SafekeeperNode:
             if not tenant_dir.is_dir():
                 continue
             for tl_dir in sorted(tenant_dir.iterdir()):
-                if (tl_dir / "safekeeper.control").exists():
-                    tl = Timeline.load(tl_dir, self.cfg.id, no_sync=self.cfg.no_sync)
-                    self.timelines[(tl.tenant_id, tl.timeline_id)] = tl
+                if not tl_dir.is_dir():
+                    continue
+                if not (tl_dir / CONTROL_FILE_NAME).exists():
+                    if has_wal_segments(tl_dir):
+                        # Skipping it would let the next proposer create the timeline afresh
+                        # at term 0 over this WAL.
+                        raise ControlFileError(
+                            f"{tl_dir}: holds WAL segments but no {CONTROL_FILE_NAME}"
+                        )
+                    continue
+                tl = Timeline.load(tl_dir, self.cfg.id, no_sync=self.cfg.no_sync)
+                if (tl.tenant_id.hex, tl.timeline_id.hex) != (tenant_dir.name, tl_dir.name):
+                    # A copied directory: two timelines would claim one id, one silently lost.
+                    raise ControlFileError(
+                        f"{tl_dir}: its control file is for {tl.tenant_id.hex}/"
+                        f"{tl.timeline_id.hex}"
+                    )
+                self.timelines[(tl.tenant_id, tl.timeline_id)] = tl
 
     def find_timeline(self, tenant_hex: str, timeline_hex: str) -> Timeline | None:
         try:
@@ -281,5 +297,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"safekeeper: {exc}", file=sys.stderr)
         return 2
     setup_logging(log_file=Path(cfg.log_file) if cfg.log_file else None, level=cfg.log_level)
-    trio.run(SafekeeperNode(cfg).run)
+    try:
+        trio.run(SafekeeperNode(cfg).run)
+    except ControlFileError as exc:
+        # Never started afresh over a damaged timeline: terms would go back to 0.
+        print(f"safekeeper: cannot start: {exc}", file=sys.stderr)
+        return 1
     return 0

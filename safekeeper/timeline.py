@@ -29,7 +29,7 @@ import trio_util
 from common.metrics import BATCH_BUCKETS
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
-from protocol.lsn import INVALID_LSN, Lsn
+from protocol.lsn import INVALID_LSN, Lsn, format_lsn
 from protocol.safekeeper import (
     AcceptorMessage,
     AppendRequest,
@@ -47,6 +47,7 @@ from safekeeper.acceptor import (
     WriteWal,
 )
 from safekeeper.control_file import (
+    ControlFileError,
     PersistentState,
     fsync_dir,
     read_control_file,
@@ -153,7 +154,16 @@ class Timeline:
         if state is None:
             raise FileNotFoundError(f"no control file in {directory}")
         storage = WalStorage(directory, seg_size=state.wal_seg_size, no_sync=no_sync)
-        end = storage.open(state.commit_lsn)
+        commit = state.commit_lsn
+        if commit % state.wal_seg_size and storage.segment_path(commit // state.wal_seg_size) is None:
+            # The scan would end WAL right at commit_lsn and report it as flushed: votes and
+            # peers would be told of WAL this node does not have. WAL removal never removes
+            # this segment, so someone deleted it.
+            raise ControlFileError(
+                f"{directory}: the WAL segment {storage.segment_name(commit // state.wal_seg_size)} "
+                f"holding commit_lsn {format_lsn(commit)} is missing"
+            )
+        end = storage.open(commit)
         log.info(
             "timeline loaded", path=str(directory), term=state.term, end_of_wal=f"{end:X}"
         )
@@ -164,6 +174,13 @@ class Timeline:
         cls, directory: Path, node_id: int, tenant_id: TenantId, timeline_id: TimelineId, *, no_sync: bool
     ) -> Timeline:
         directory.mkdir(parents=True, exist_ok=True)
+        if has_wal_segments(directory):
+            # Its control file is gone: a fresh one would restart the terms at 0 over WAL
+            # that earlier terms wrote and votes that were given.
+            raise ControlFileError(
+                f"{directory}: holds WAL segments but no control file; refusing to create the "
+                "timeline over them"
+            )
         state = PersistentState(tenant_id=tenant_id, timeline_id=timeline_id)
         write_control_file(directory, state, no_sync=no_sync)
         if not no_sync:
@@ -553,6 +570,15 @@ class Timeline:
             ],
             "now": time.time(),
         }
+
+
+def has_wal_segments(directory: Path) -> bool:
+    """Whether ``directory`` holds a WAL segment file (complete or ``.partial``)."""
+    for entry in os.listdir(directory):
+        base = entry.removesuffix(".partial")
+        if len(base) == 24 and all(c in "0123456789ABCDEF" for c in base):
+            return True
+    return False
 
 
 def _write_and_open_sync(storage: WalStorage, begin: Lsn, group: TrackedGroup) -> int:

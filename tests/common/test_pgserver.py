@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+import socket
+import struct
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
@@ -12,6 +14,8 @@ import pytest
 import structlog
 import trio
 import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import common.pgserver as pgserver
 from common.pgclient import PgClientConnection, connect
@@ -23,7 +27,7 @@ from common.pgserver import (
     PgServerConfig,
 )
 from protocol.errors import RemoteProtocolError
-from protocol.pgwire import CLOSED, NEED_DATA, BackendDecoder, sqlstate
+from protocol.pgwire import CLOSED, NEED_DATA, BackendDecoder, FrontendDecoder, sqlstate
 from protocol.pgwire import messages as m
 from protocol.pgwire.errors import PgError
 
@@ -597,3 +601,137 @@ async def test_an_idle_socket_connection_releases_its_receive_buffer(
             err = msgs[0]
             assert isinstance(err, m.ErrorResponse) and err.sqlstate == "57P05"
             await stream.aclose()
+
+
+# -- the socket receive fast path (readv without a cancel scope, then a checkpoint) --------
+
+
+def _general_copy_payloads(wire: bytes) -> list[bytes]:
+    """CopyData payloads of ``wire`` as the general decoder sees them (message by message,
+    no views, no socket), up to CopyDone."""
+    decoder = FrontendDecoder()
+    decoder.receive_data(m.encode(m.StartupMessage({"user": "general"})) + wire)
+    assert isinstance(decoder.next_event(), m.StartupMessage)
+    out: list[bytes] = []
+    while True:
+        ev = decoder.next_event()
+        assert ev is not NEED_DATA and ev is not CLOSED
+        if isinstance(ev, m.CopyData):
+            out.append(bytes(ev.data))
+        elif isinstance(ev, m.CopyDone):
+            return out
+
+
+async def _socket_connection() -> tuple[PgConnection, trio.socket.SocketType]:
+    """A server connection over a real socket (so the recv fast path runs), past startup
+    and in COPY, and the raw client end."""
+    server_sock, client = trio.socket.socketpair()
+    conn = PgConnection(PgServer(Handler()), trio.SocketStream(server_sock), 1, "socketpair")
+    await client.send(m.encode(m.StartupMessage({"user": "fast"})))
+    assert isinstance(await conn.receive_message(), m.StartupMessage)
+    return conn, client
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 7, 4096, 70_000, 300_000]), min_size=1, max_size=12),
+    cuts=st.lists(st.integers(1, 200_000), min_size=1, max_size=30),
+    pauses=st.lists(st.booleans(), min_size=1, max_size=30),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_socket_receive_agrees_with_the_general_decoder_on_any_chunking(
+    sizes: list[int], cuts: list[int], pauses: list[bool], seed: int
+) -> None:
+    """Whatever way the client's bytes arrive on the socket (cut anywhere, sometimes with
+    the server finding the socket empty and waiting), the views the server hands out are
+    the payloads the general decoder finds in the same bytes, and no view changes later."""
+    rng = random.Random(seed)
+    wire = bytearray()
+    for i, n in enumerate(sizes):
+        wire += m.encode(m.CopyData(rng.randbytes(n)))
+        if i % 3 == 1:
+            wire += m.encode(m.Sync()) + m.encode(m.Flush())
+    wire += m.encode(m.CopyDone())
+    expected = _general_copy_payloads(bytes(wire))
+
+    async def run() -> list[bytes]:
+        conn, client = await _socket_connection()
+        copy = await conn.enter_copy_both()
+        held: list[memoryview] = []
+        snapshots: list[bytes] = []
+
+        async def sender() -> None:
+            view = memoryview(wire)
+            pos = 0
+            k = 0
+            while pos < len(view):
+                pos += await client.send(view[pos : pos + cuts[k % len(cuts)]])
+                if pauses[k % len(pauses)]:
+                    await trio.sleep(0.001)  # the server finds the socket empty
+                k += 1
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sender)
+                while (batch := await conn.copy_receive_views(copy)) is not None:
+                    held += batch
+                    snapshots += [bytes(v) for v in batch]
+        assert [bytes(v) for v in held] == snapshots  # nothing changed under a live view
+        client.close()
+        await conn.transport.aclose()
+        return snapshots
+
+    assert trio.run(run) == expected
+
+
+async def test_a_receive_that_does_not_wait_is_still_a_checkpoint() -> None:
+    """Bytes already queued on the socket are received without waiting, and that receive
+    still lets other tasks run and cancellations land (as trio's recv_into does)."""
+    conn, client = await _socket_connection()
+    copy = await conn.enter_copy_both()
+    await client.send(m.encode(m.CopyData(b"queued")))
+    await trio.testing.wait_all_tasks_blocked()
+    with trio.testing.assert_checkpoints():
+        views = await conn.copy_receive_views(copy)
+    assert views is not None and [bytes(v) for v in views] == [b"queued"]
+    await client.send(m.encode(m.CopyData(b"more")))
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await conn.copy_receive_views(copy)
+    assert scope.cancelled_caught
+    # The cancelled call had already taken the bytes into the decoder: nothing is lost.
+    views = await conn.copy_receive_views(copy)
+    assert views is not None and [bytes(v) for v in views] == [b"more"]
+    client.close()
+    await conn.transport.aclose()
+
+
+async def test_socket_errors_map_to_the_stream_exceptions() -> None:
+    """A reset connection gives BrokenResourceError, a socket closed under the connection
+    ClosedResourceError, and EOF in the middle of a message 08P01 (what trio's
+    SocketStream and the decoder raised before the fast path)."""
+    conn, client = await _socket_connection()
+    copy = await conn.enter_copy_both()
+    # SO_LINGER 0: close() sends a RST instead of a FIN.
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()
+    with pytest.raises(trio.BrokenResourceError):
+        await conn.copy_receive_views(copy)
+    await conn.transport.aclose()
+
+    conn, client = await _socket_connection()
+    copy = await conn.enter_copy_both()
+    conn.transport.socket.close()  # type: ignore[attr-defined]
+    with pytest.raises(trio.ClosedResourceError):
+        await conn.copy_receive_views(copy)
+    client.close()
+
+    conn, client = await _socket_connection()
+    copy = await conn.enter_copy_both()
+    await client.send(m.encode(m.CopyData(b"x" * 100))[:50])
+    client.shutdown(socket.SHUT_WR)  # a FIN (close() would reset: our replies are unread)
+    with pytest.raises(RemoteProtocolError) as info:
+        await conn.copy_receive_views(copy)
+    assert info.value.sqlstate == sqlstate.PROTOCOL_VIOLATION
+    client.close()
+    await conn.transport.aclose()

@@ -548,7 +548,7 @@ async def test_restarted_bridge_with_voters_at_different_positions(
     position, so the donor starts streaming above its end: it must get heartbeats until the
     window reaches it, not fail the term (which fails again in every new term: commits would
     never resume)."""
-    wal, tail, mid = await dead_compute_left(nodes)
+    wal, tail, _ = await dead_compute_left(nodes)
     pg = ScriptedPostgres(wal=wal, flush=tail)
     late = nodes[1].pg_port
 

@@ -325,3 +325,21 @@ def test_append_before_any_election_is_an_error() -> None:
     acc = new_acceptor()
     with pytest.raises(AcceptorError, match="before any ProposerElected"):
         append(acc, 0, START, 16)
+
+
+def test_elected_with_no_common_term_never_starts_beyond_the_wal() -> None:
+    """No term in common: the proposer's first entry is the point. If that is past our WAL,
+    truncating "at" it would leave a hole that a restart scan stops at (flush_lsn would shrink
+    below what was acknowledged, by the same term)."""
+    acc = new_acceptor()
+    elect(acc, 1)
+    append(acc, 1, START, 800)
+    acc.wal_flushed(Lsn(START + 800))
+    acc.process(VoteRequest(3))
+    beyond = Lsn(START + 0x10000)
+    with pytest.raises(AcceptorError, match="beyond the end of WAL"):
+        acc.process(ProposerElected(3, beyond, (TermSwitchEntry(2, beyond), TermSwitchEntry(3, beyond))))
+    assert acc.flush_lsn == START + 800 and acc.state.term_history == (TermSwitchEntry(1, START),)
+    # At or before our end it is an ordinary truncation at the divergence.
+    effects = acc.process(ProposerElected(3, START, (TermSwitchEntry(2, START), TermSwitchEntry(3, START))))
+    assert TruncateWal(START) in effects

@@ -216,7 +216,7 @@ async def test_a_silent_receiver_is_dropped_and_releases_the_removal_horizon(
     """A receiver that never replies (its host died, a half-open connection) is dropped after
     the replication timeout, so its start stops pinning WAL removal; one that answers the
     keepalives stays."""
-    monkeypatch.setattr(send_wal, "RECEIVER_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(send_wal, "RECEIVER_TIMEOUT_S", 2.0, raising=False)
     start = Lsn(WAL_SEGMENT_SIZE)
     wal = synthetic_wal(start, 16 * 1024)
     with trio.fail_after(30):
@@ -232,8 +232,8 @@ async def test_a_silent_receiver_is_dropped_and_releases_the_removal_horizon(
         async with silent, polite:
             s_copy = await silent.copy_both(f"START_REPLICATION PHYSICAL {format_lsn(start)}")
             p_copy = await polite.copy_both(f"START_REPLICATION PHYSICAL {format_lsn(start)}")
-            names = sorted(r.name for r in tl.replicas.values())
-            assert names == ["polite", "silent"]
+            while sorted(r.name for r in tl.replicas.values()) != ["polite", "silent"]:
+                await trio.sleep(0.01)
 
             async def answer_keepalives() -> None:
                 while True:
@@ -247,10 +247,61 @@ async def test_a_silent_receiver_is_dropped_and_releases_the_removal_horizon(
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(answer_keepalives)
-                with pytest.raises(PgError, match="replication timeout"):
+                with trio.fail_after(10), pytest.raises(PgError, match="replication timeout"):
                     while await s_copy.receive() is not None:
                         pass
                 assert [r.name for r in tl.replicas.values()] == ["polite"]
                 await trio.sleep(1.0)
                 assert [r.name for r in tl.replicas.values()] == ["polite"]
                 nursery.cancel_scope.cancel()
+
+
+async def test_while_wal_flows_the_sender_asks_for_replies_before_the_timeout(
+    node: SafekeeperNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No idle keepalive goes out while WAL keeps coming; a receiver that replies only when
+    asked (a standby with wal_receiver_status_interval = 0) must still be asked in time."""
+    monkeypatch.setattr(send_wal, "RECEIVER_TIMEOUT_S", 2.0, raising=False)
+    monkeypatch.setattr(send_wal, "KEEPALIVE_INTERVAL_S", 100.0)
+    start = Lsn(WAL_SEGMENT_SIZE)
+    with trio.fail_after(30):
+        async with await proposer(node) as p:
+            await p.greet()
+            await p.elect(start)
+            end = await p.append_many(start, [synthetic_wal(start, 8192)])
+            await p.append(end, b"", commit_lsn=end)
+            await p.wait_flush(end)
+            conn = await replication(node, "asked-only")
+            async with conn:
+                copy = await conn.copy_both(f"START_REPLICATION PHYSICAL {format_lsn(start)}")
+                asked = 0
+
+                async def reply_when_asked() -> None:
+                    nonlocal asked
+                    while True:
+                        payload = await copy.receive()
+                        assert payload is not None
+                        msg = decode_server_copy_data(payload)
+                        if isinstance(msg, PrimaryKeepalive) and msg.reply_requested:
+                            asked += 1
+                            await copy.send(
+                                encode_copy_message(StandbyStatusUpdate(start, start, start, pg_now(), False))
+                            )
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(reply_when_asked)
+                    # 4.2 s of WAL trickling in, one page every 0.3 s.
+                    for _ in range(14):
+                        await trio.sleep(0.3)
+                        # Whole records: flush_lsn (record-aligned) reaches the chunk's end.
+                        chunk = synthetic_wal(end, 4096)
+                        await p.append(end, chunk, commit_lsn=end)
+                        end = Lsn(end + len(chunk))
+                        await p.wait_flush(end)
+                    await p.append(end, b"", commit_lsn=end)
+                    await p.wait_flush(end)
+                    await trio.sleep(0.3)
+                    tl = node.timelines[(TENANT, TIMELINE)]
+                    assert [r.name for r in tl.replicas.values()] == ["asked-only"]
+                    assert asked >= 2
+                    nursery.cancel_scope.cancel()

@@ -106,5 +106,5 @@ def test_missing_segment_holding_commit_lsn_is_refused(tmp_path: Path) -> None:
     tl.storage.close()
     assert Timeline.load(directory, 1, no_sync=True).acceptor.flush_lsn == end
     (directory / (segment_file_name(1) + ".partial")).unlink()
-    with pytest.raises(ControlFileError, match="holding commit_lsn .* is missing"):
+    with pytest.raises(ControlFileError, match=r"holding commit_lsn .* is missing"):
         Timeline.load(directory, 1, no_sync=True)

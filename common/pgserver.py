@@ -291,7 +291,7 @@ class PgConnection:
             raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
         finally:
             del window
-            self._decoder.receive_commit(max(n, 0))
+            self._decoder.receive_commit(max(n - 1, 0))
         return n
 
     async def _wait_and_receive(self, stream: trio.SocketStream) -> int:

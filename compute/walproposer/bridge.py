@@ -246,6 +246,8 @@ class Bridge:
         # The commit_lsn each safekeeper last reported (sync_safekeepers waits on a quorum).
         self._sk_commit = [INVALID_LSN] * n
         self._sk_commit_changed = _Signal()
+        # sync-safekeepers: the donor safekeeper is the WAL source instead of PostgreSQL.
+        self._sync_donor: int | None = None
         self._pg_progress = False
 
     # -- public --------------------------------------------------------------------------------
@@ -317,9 +319,8 @@ class Bridge:
         AppendRequest. Safekeepers send the pageserver committed WAL only, so without a new
         term the pageserver never gets that tail, and a compute cannot start on top of it.
         The election's donor ends at E (the highest last-log-term, then flush); a quorum that
-        already holds WAL up to E acknowledges it in the new term, which commits E. With no
-        PostgreSQL there is no WAL to send: a tail that only a minority holds cannot be
-        committed (it would need WAL from the donor), and this waits (the caller's timeout).
+        acknowledges E in the new term, which commits E; voters behind E get the missing WAL
+        from the donor safekeeper (``START_REPLICATION ... (term='N')``) instead of PostgreSQL.
         ``info`` carries the timeline's system id and version (from the safekeepers) and
         ``bootstrap_lsn`` INVALID_LSN: safekeepers holding nothing is the caller's error.
         """
@@ -336,6 +337,7 @@ class Bridge:
 
     async def _sync_term(self, info: PostgresInfo, min_term: int) -> Lsn:
         n = len(self.cfg.safekeepers)
+        self._sync_donor = None
         self.terms_run += 1
         self.proposer = p = Proposer(n, bootstrap_lsn=INVALID_LSN, min_term=min_term)
         self._pending = [deque() for _ in range(n)]
@@ -348,6 +350,9 @@ class Bridge:
             end = p.election.epoch_start_lsn
             if end == INVALID_LSN:
                 raise LocalProtocolError("sync-safekeepers: the safekeepers hold no WAL of the timeline")
+            # Voters behind the donor get its WAL from the donor itself (no PostgreSQL here).
+            self._sync_donor = p.election.donor
+            nursery.start_soon(self._donor_stream)
             # commit_lsn reaches E once a quorum acknowledged E in our term; it reaches the
             # safekeepers on the next AppendRequests, and they confirm it in their answers.
             while True:
@@ -568,9 +573,10 @@ class Bridge:
             at=format_lsn(slot.streaming_at),
             window_start=format_lsn(self.buffer.start),
         )
-        pg = await self._pg_connect(f"{self.cfg.application_name}_catchup_{i}")
+        pg, source = await self._open_wal_source(
+            f"{self.cfg.application_name}_catchup_{i}", slot.streaming_at
+        )
         try:
-            source = await pg.copy_both(StartReplication(slot.streaming_at).to_sql())
             while slot.streaming_at is not None and slot.streaming_at < self.buffer.start:
                 msg = decode_server_copy_data(await receive_payload(source))
                 if not isinstance(msg, XLogData):
@@ -588,6 +594,56 @@ class Bridge:
         finally:
             with trio.CancelScope(shield=True):
                 await pg.aclose()
+
+    async def _open_wal_source(self, application_name: str, start: Lsn) -> tuple[PgConnection, CopyStream]:
+        """A replication stream of the timeline's WAL from ``start``: PostgreSQL's, or during
+        sync-safekeepers the donor safekeeper's (``(term='N')``: its flushed WAL, while it is
+        in our term)."""
+        donor = self._sync_donor
+        if donor is None:
+            conn = await self._pg_connect(application_name)
+            cmd = StartReplication(start)
+        else:
+            addr = self.cfg.safekeepers[donor]
+            params = {
+                "user": self.cfg.pg_user,
+                "replication": "true",
+                "application_name": application_name,
+                "options": f"-c timeline_id={self.cfg.timeline_id} tenant_id={self.cfg.tenant_id}",
+            }
+            with trio.fail_after(self.cfg.connect_timeout_s):
+                conn = await self._connect(addr.host, addr.port, params)
+            cmd = StartReplication(start, term=self.proposer.term)
+        try:
+            return conn, await conn.copy_both(cmd.to_sql())
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await conn.aclose()
+            raise
+
+    async def _donor_stream(self) -> None:
+        """sync-safekeepers' window filler: the donor's WAL, for voters behind it."""
+        backoff = MIN_BACKOFF_S
+        while True:
+            try:
+                conn, copy = await self._open_wal_source(
+                    f"{self.cfg.application_name}_sync", self.buffer.end
+                )
+                try:
+                    while True:
+                        msg = decode_server_copy_data(await receive_payload(copy))
+                        if isinstance(msg, XLogData):
+                            self.buffer.append(msg.wal_start, msg.data)
+                            backoff = MIN_BACKOFF_S
+                            for w in self._wake:
+                                w.fire()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await conn.aclose()
+            except CONNECTION_ERRORS as exc:
+                log.warning("donor WAL stream lost", error=repr(exc))
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, self.cfg.max_backoff_s)
 
     # -- the slot --------------------------------------------------------------------------
 

@@ -662,15 +662,16 @@ def test_socket_receive_agrees_with_the_general_decoder_on_any_chunking(
 
         async def sender() -> None:
             view = memoryview(wire)
+            least = len(view) // 40 + 1  # at most ~40 sends (and pauses) per example
             pos = 0
             k = 0
             while pos < len(view):
-                pos += await client.send(view[pos : pos + cuts[k % len(cuts)]])
+                pos += await client.send(view[pos : pos + max(cuts[k % len(cuts)], least)])
                 if pauses[k % len(pauses)]:
                     await trio.sleep(0.001)  # the server finds the socket empty
                 k += 1
 
-        with trio.fail_after(30):
+        with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(sender)
                 while (batch := await conn.copy_receive_views(copy)) is not None:
@@ -715,14 +716,14 @@ async def test_socket_errors_map_to_the_stream_exceptions() -> None:
     # SO_LINGER 0: close() sends a RST instead of a FIN.
     client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     client.close()
-    with pytest.raises(trio.BrokenResourceError):
+    with pytest.raises(trio.BrokenResourceError), trio.fail_after(5):
         await conn.copy_receive_views(copy)
     await conn.transport.aclose()
 
     conn, client = await _socket_connection()
     copy = await conn.enter_copy_both()
     conn.transport.socket.close()  # type: ignore[attr-defined]
-    with pytest.raises(trio.ClosedResourceError):
+    with pytest.raises(trio.ClosedResourceError), trio.fail_after(5):
         await conn.copy_receive_views(copy)
     client.close()
 
@@ -730,8 +731,24 @@ async def test_socket_errors_map_to_the_stream_exceptions() -> None:
     copy = await conn.enter_copy_both()
     await client.send(m.encode(m.CopyData(b"x" * 100))[:50])
     client.shutdown(socket.SHUT_WR)  # a FIN (close() would reset: our replies are unread)
-    with pytest.raises(RemoteProtocolError) as info:
+    with pytest.raises(RemoteProtocolError) as info, trio.fail_after(5):
         await conn.copy_receive_views(copy)
     assert info.value.sqlstate == sqlstate.PROTOCOL_VIOLATION
+    client.close()
+    await conn.transport.aclose()
+
+    # EOF while the server waits for the socket: a clean end of the COPY stream.
+    conn, client = await _socket_connection()
+    copy = await conn.enter_copy_both()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+
+            async def end_later() -> None:
+                await trio.testing.wait_all_tasks_blocked()
+                client.shutdown(socket.SHUT_WR)
+
+            nursery.start_soon(end_later)
+            assert await conn.copy_receive_views(copy) is None
+    assert copy.peer_closed
     client.close()
     await conn.transport.aclose()

@@ -484,13 +484,16 @@ def sk_status(node: SafekeeperNode) -> dict[str, object]:
     return tl.status()
 
 
-async def dead_compute_left(nodes: list[SafekeeperNode]) -> tuple[bytes, Lsn, Lsn]:
+async def dead_compute_left(
+    nodes: list[SafekeeperNode], minority_tail: bool = False
+) -> tuple[bytes, Lsn, Lsn]:
     """What a compute that died leaves: one term's WAL flushed up to ``tail`` on sk0 and sk1
     and up to ``mid`` on sk2, committed (on the safekeepers) only up to an earlier point."""
     wal = synthetic_wal(START, 100_000, record_size=300, system_id=SYSTEM_ID)
     ends = record_ends(wal)
     tail, mid, committed_before = ends[-1], ends[len(ends) * 2 // 3], ends[len(ends) // 3]
-    for node, end in zip(nodes, (tail, tail, mid), strict=True):
+    positions = (tail, mid, mid) if minority_tail else (tail, tail, mid)
+    for node, end in zip(nodes, positions, strict=True):
         async with await TestProposer.connect("127.0.0.1", node.pg_port or 0, TENANT, TIMELINE) as tp:
             await tp.greet(system_id=SYSTEM_ID)
             assert await tp.elect(START, term=1) == START
@@ -499,7 +502,7 @@ async def dead_compute_left(nodes: list[SafekeeperNode]) -> tuple[bytes, Lsn, Ls
             await tp.append_many(START, chunks, commit=False)
             await tp.append(end, b"", commit_lsn=committed_before)
             await tp.wait_flush(end)
-    for node, end in zip(nodes, (tail, tail, mid), strict=True):
+    for node, end in zip(nodes, positions, strict=True):
         st = sk_status(node)
         assert (st["flush_lsn"], st["commit_lsn"]) == (format_lsn(end), format_lsn(committed_before))
 
@@ -537,8 +540,8 @@ async def test_sync_safekeepers_commits_what_a_dead_compute_left(nodes: list[Saf
     assert end == tail
     assert bridge.proposer.term == 2 and bridge.terms_run == 1
     assert bridge.buffer.start == mid  # the vote was sk0's and sk2's, as arranged
-    for node in nodes[:2]:
-        assert sk_status(node)["commit_lsn"] == format_lsn(tail)
+    committed = [sk_status(n)["commit_lsn"] == format_lsn(tail) for n in nodes]
+    assert sum(committed) >= 2, committed
     # What a pageserver is sent now reaches the end of that WAL.
     assert await safekeeper_wal(nodes[0], tail) == wal[: tail - START]
 
@@ -581,3 +584,35 @@ async def test_restarted_bridge_with_voters_at_different_positions(
             for node in nodes:
                 assert await safekeeper_wal(node, tail) == wal[: tail - START]
         nursery.cancel_scope.cancel()
+
+
+async def test_sync_safekeepers_brings_a_minority_tail_to_a_quorum(
+    nodes: list[SafekeeperNode],
+) -> None:
+    """Only sk0 holds the dead compute's last WAL; sk2 answers late, so the vote is sk0's and
+    sk1's and sk0 is the donor. sk1 needs WAL no PostgreSQL can give: it gets it from the
+    donor safekeeper, and the tail is committed on a quorum."""
+    with trio.fail_after(20):
+        wal, tail, mid = await dead_compute_left(nodes, minority_tail=True)
+    late = nodes[2].pg_port
+
+    async def connect(host: str, port: int, params: dict[str, str]) -> PgConnection:
+        if port == late:
+            await trio.sleep(0.5)
+        return await pgclient.connect_with_params(host, port, params)
+
+    cfg = BridgeConfig(
+        pg_host="127.0.0.1", pg_port=PG_PORT,
+        safekeepers=tuple(SafekeeperAddr("127.0.0.1", n.pg_port or 0) for n in nodes),
+        tenant_id=TENANT, timeline_id=TIMELINE,
+    )
+    bridge = Bridge(cfg, connect)
+    with trio.fail_after(20):
+        end = await bridge.sync_safekeepers(
+            PostgresInfo(SYSTEM_ID, 150000, WAL_SEGMENT_SIZE, INVALID_LSN)
+        )
+        assert end == tail and bridge.buffer.start == mid
+        # The quorum is sk0 and sk1, which had to get the tail from sk0.
+        for node in nodes[:2]:
+            assert sk_status(node)["commit_lsn"] == format_lsn(tail)
+            assert await safekeeper_wal(node, tail) == wal[: tail - START]

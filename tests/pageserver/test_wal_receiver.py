@@ -38,7 +38,7 @@ from protocol.replication import (
     parse_replication_command,
 )
 from protocol.wal.encoder import WalEncoder
-from protocol.wal.reader import WalStreamDecoder
+from protocol.wal.reader import EndOfWal, NeedData, WalStreamDecoder
 from protocol.wal.record import DecodedRecord
 from protocol.wal.rmgr import RmgrId
 
@@ -325,3 +325,59 @@ async def test_a_record_the_ingest_rejects_stops_the_receiver(
     assert len(stopped) == 1 and "malformed heap record" in str(stopped[0])
     assert calls == 1
     assert recv.last_record_lsn == start
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([None, 30000, 70000]), st.integers(0, 3))
+def test_on_wal_takes_every_record_once_in_order(seed: int, cut: int | None, failures: int) -> None:
+    """``on_wal`` (the ingest's fused path) gets the fed decoder and says how many records it
+    took and where the last one ended; sessions restart there, also after it failed
+    part-way, and a record it rejects as malformed stops the receiver."""
+    wal, spans = make_wal(60, seed)
+    start = spans[0][0]
+
+    async def main() -> None:
+        rng = random.Random(seed)
+        sks = {p: FakeSafekeeper(wal, rng, cut=cut) for p in (1, 2)}
+        applied: list[tuple[Lsn, Lsn]] = []
+        failures_left = failures
+
+        async def on_wal(dec: WalStreamDecoder) -> tuple[int, Lsn, NeedData | EndOfWal]:
+            nonlocal failures_left
+            recs: list[DecodedRecord] = []
+            stop = dec.decode_into(recs)
+            for i, rec in enumerate(recs):
+                if applied and rec.end_lsn <= applied[-1][1]:
+                    continue  # already applied in a session that failed
+                if failures_left and i == len(recs) // 2 and len(recs) > 1:
+                    failures_left -= 1
+                    raise ConnectionResetError("the ingest failed part-way")
+                applied.append((rec.lsn, rec.end_lsn))
+            await trio.lowlevel.checkpoint()
+            return len(recs), recs[-1].end_lsn if recs else Lsn(0), stop
+
+        cfg = WalReceiverConfig(safekeepers=(("h", 1), ("h", 2)))
+        recv = WalReceiver(cfg, start_lsn=start, on_wal=on_wal, connect=connector(sks))
+        want = expected_records(wal, start)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(recv.run)
+            with trio.fail_after(600):
+                await recv.wait_for_lsn(want[-1][1])
+            nursery.cancel_scope.cancel()
+        assert applied == want
+        assert recv.last_record_lsn == want[-1][1]
+        assert recv.records_received >= len(want)
+
+        async def rejecting(dec: WalStreamDecoder) -> tuple[int, Lsn, NeedData | EndOfWal]:
+            raise RemoteProtocolError("bad record", sqlstate="XX001")
+
+        recv = WalReceiver(cfg, start_lsn=start, on_wal=rejecting, connect=connector(sks))
+        stopped: list[BaseException] = []
+        try:
+            await recv.run()
+        except* WalIngestError as eg:  # from inside the session's nursery
+            stopped.extend(eg.exceptions)
+        assert len(stopped) == 1 and "bad record" in str(stopped[0])
+        assert recv.last_record_lsn == start
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

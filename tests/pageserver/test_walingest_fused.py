@@ -6,7 +6,8 @@ new-page INSERTs, btree inserts, HOT updates with one block and a short main dat
 everything that must leave it: records whose flags clear VM bits, an xid at or above nextXid,
 a block past its fork's end (or a fork that does not exist), a main data too short to hold the
 flags, two blocks, full-page images, XLOG records over several pages, Standby records; then
-feeds it in any chunking, optionally corrupted (one byte changed anywhere), optionally with the
+feeds it in any chunking, optionally corrupted (one byte changed anywhere, or one record
+CRC-valid but with a stale ``xl_prev`` or trailing bytes), optionally with the
 timeline already past some of it (the records that ends at or below ``last_record_lsn`` are
 skipped). Both paths run on timelines seeded alike, with layers rolling and write buffers
 filling inside batches; they must store the same values in the same order (key, LSN, bytes,
@@ -41,9 +42,10 @@ from pageserver.walingest import WalIngest
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn
+from protocol.wal import encoder as encoder_mod
 from protocol.wal.encoder import BlockSpec, WalEncoder
 from protocol.wal.reader import EndOfWal, WalStreamDecoder
-from protocol.wal.record import DecodedRecord, RelFileNode
+from protocol.wal.record import DecodedRecord, RelFileNode, record_crc
 from protocol.wal.rmgr import XLOG_FPI, XLOG_NOOP, RmgrId
 
 SEG = 16 * 1024 * 1024
@@ -237,13 +239,37 @@ def other_records(draw: st.DrawFn) -> dict[str, Any]:
             "main_data": bytes(draw(st.integers(0, 300)))}
 
 
-def encode(specs: list[dict[str, Any]]) -> tuple[bytes, list[tuple[Lsn, Lsn]]]:
+_BUILD = encoder_mod.build_record
+
+
+def _padded(**kw: Any) -> bytes:
+    raw = bytearray(_BUILD(**kw) + bytes(8))
+    struct.pack_into("<I", raw, 0, len(raw))
+    struct.pack_into("<I", raw, 20, record_crc(bytes(raw)))
+    return bytes(raw)
+
+
+def encode(
+    specs: list[dict[str, Any]], hostile: tuple[str, int] | None = None
+) -> tuple[bytes, list[tuple[Lsn, Lsn]]]:
+    """The WAL of ``specs``; ``hostile`` makes one record CRC-valid but wrong, as a writer
+    that is not PostgreSQL or an old record in a recycled segment would: ``stale_prev``
+    (``xl_prev`` not the record before: where PostgreSQL's WAL ends) or ``trailing``
+    (8 bytes after the main data, ``xl_tot_len`` and CRC to match: undecodable)."""
     enc = WalEncoder(WAL_START)
     spans = []
-    for spec in specs:
+    kind, at = hostile if hostile is not None else ("", -1)
+    at %= len(specs)
+    for i, spec in enumerate(specs):
         blocks = spec["blocks"]
         # (full-page images are built here: a failing example's repr stays readable)
-        spans.append(enc.append(**{**spec, "blocks": blocks() if callable(blocks) else blocks}))
+        spec = {**spec, "blocks": blocks() if callable(blocks) else blocks}
+        with pytest.MonkeyPatch.context() as m:
+            if i == at and kind == "stale_prev":
+                enc._prev ^= 0x10
+            elif i == at and kind == "trailing":
+                m.setattr(encoder_mod, "build_record", _padded)
+            spans.append(enc.append(**spec))
     return enc.take(), spans
 
 
@@ -286,15 +312,17 @@ def wal_specs(draw: st.DrawFn) -> list[dict[str, Any]]:
     specs=wal_specs(),
     sizes=st.lists(st.sampled_from([1, 61, 977, 8192, 20000, 131072]), min_size=1, max_size=4),
     corrupt=st.none() | st.none() | st.tuples(st.integers(0, 2**31), st.integers(1, 255)),
+    hostile=st.none() | st.tuples(st.sampled_from(["stale_prev", "trailing"]), st.integers(1, 2**31)),
     skip=st.none() | st.none() | st.integers(0, 2**31),
 )
 def test_fused_path_stores_what_the_batch_path_stores(
     specs: list[dict[str, Any]],
     sizes: list[int],
     corrupt: tuple[int, int] | None,
+    hostile: tuple[str, int] | None,
     skip: int | None,
 ) -> None:
-    wal, spans = encode(specs)
+    wal, spans = encode(specs, hostile)
     if corrupt is not None:
         where, flip = corrupt
         buf = bytearray(wal)
@@ -338,3 +366,17 @@ def test_fused_path_takes_the_bulk_load(monkeypatch: pytest.MonkeyPatch) -> None
     pages = len(wal) // 8192
     assert sum(general) <= pages + 2  # about one record per page: the one crossing into it
 
+
+
+@pytest.mark.parametrize("kind", ["stale_prev", "trailing"])
+def test_hostile_record_inside_a_bulk_load(kind: str) -> None:
+    """A CRC-valid record that is wrong in a way only its ``xl_prev`` or its length shows,
+    right after records of the same layout and block (the fused path's shortcut): both paths
+    stop at it, with the same end of WAL, having stored the same records before it."""
+    specs = _bulk_load(200, every=1000)
+    wal, spans = encode(specs, (kind, 120))
+    batch, fused = both(wal, chunking(len(wal), [131072]))
+    assert_same(batch, fused)
+    assert isinstance(batch.end, EndOfWal)
+    assert batch.end.lsn == spans[119][1]  # valid WAL ends before the hostile record
+    assert batch.last_record_lsn == spans[119][1]

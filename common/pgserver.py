@@ -66,7 +66,6 @@ from __future__ import annotations
 import errno
 import itertools
 import math
-import os
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -92,8 +91,6 @@ RECEIVE_MIN = 256 * 1024
 # A connection whose next receive waits this long releases its receive buffer until bytes
 # arrive (idle page service and libpq connections then hold no receive memory).
 IDLE_RELEASE_S = 1.0
-# readv(2) into one buffer: recv(2) without flags, on the socket's descriptor.
-_readv = os.readv
 
 
 @attrs.frozen
@@ -256,67 +253,48 @@ class PgConnection:
     async def _receive_more(self) -> None:
         """Feed the decoder what the client sends next (EOF included).
 
-        On a socket the kernel copies straight into the decoder's buffer (``readv`` into the
-        receive window): no ``bytes`` object per receive and no copy into the buffer
-        afterwards. Other streams (memory streams in tests) go through ``receive_some``."""
+        On a socket the kernel copies straight into the decoder's buffer (``recv_into``):
+        no ``bytes`` object per receive and no copy into the buffer afterwards. Other
+        streams (memory streams in tests) go through ``receive_some``."""
         stream = self._stream
         if type(stream) is not trio.SocketStream:
             self._decoder.receive_data(await self._receive_some())
             return
-        # First one non-blocking receive with neither trio's socket wrapper nor a cancel
-        # scope: the idle deadline only matters once the socket has nothing to give, and a
-        # streaming client usually has bytes queued (docs/bench-safekeeper.md, round 3 S2).
-        n = self._try_receive(stream.socket.fileno())
-        if n < 0:
-            n = await self._wait_and_receive(stream)
-        else:
-            # As trio's recv_into: a receive that did not wait is still a checkpoint (other
-            # tasks run, a cancellation lands; the bytes are already in the decoder).
-            await trio.lowlevel.checkpoint()
-        if n == 0:
-            self._decoder.receive_data(b"")
-
-    def _try_receive(self, fd: int) -> int:
-        """One non-blocking receive into the decoder's window: the bytes received, 0 at EOF,
-        -1 if none were queued. Socket errors map to what ``SocketStream`` raises."""
-        window = self._decoder.receive_window(RECEIVE_MIN)
-        n = -1
-        try:
-            n = _readv(fd, (window,))
-        except BlockingIOError:
-            pass
-        except OSError as exc:
-            if exc.errno in (errno.EBADF, errno.ENOTSOCK):
-                raise trio.ClosedResourceError("this socket was already closed") from None
-            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-        finally:
-            del window
-            self._decoder.receive_commit(max(n - 1, 0))
-        return n
-
-    async def _wait_and_receive(self, stream: trio.SocketStream) -> int:
-        """Wait until the client sends something, then receive it; ``IdleTimeout`` after
-        ``idle_timeout_s`` of silence. A wait longer than ``IDLE_RELEASE_S`` first gives back
-        the receive memory (idle connections hold none)."""
         timeout = self.server.config.idle_timeout_s
         now = trio.current_time()
         deadline = now + (math.inf if timeout is None else timeout)
-        sock = stream.socket
-        with trio.move_on_at(min(deadline, now + IDLE_RELEASE_S)):
-            await trio.lowlevel.wait_readable(sock)
         while True:
-            n = self._try_receive(sock.fileno())
+            window = self._decoder.receive_window(RECEIVE_MIN)
+            n = -1
+            try:
+                # A receive that waits longer than IDLE_RELEASE_S gives up its window (below).
+                with trio.move_on_at(min(deadline, now + IDLE_RELEASE_S)):
+                    try:
+                        n = await stream.socket.recv_into(window)
+                    except OSError as exc:
+                        # What trio.SocketStream.receive_some raises for the same failures.
+                        if exc.errno in (errno.EBADF, errno.ENOTSOCK):
+                            raise trio.ClosedResourceError(
+                                "this socket was already closed"
+                            ) from None
+                        raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+            finally:
+                del window
+                self._decoder.receive_commit(max(n, 0))
             if n >= 0:
-                return n
+                break
             if trio.current_time() >= deadline:
                 raise IdleTimeout(f"no message from the client for {timeout} s")
-            # Nothing yet after the short wait (or a spurious wake-up): hold no receive
-            # memory (~RECEIVE_MIN, or the 2 MiB arrays of a zero-copy stream) while waiting.
+            # Idle: hold no receive memory (~RECEIVE_MIN, or the 2 MiB arrays of a zero-copy
+            # stream) while waiting; it is allocated again when bytes arrive.
             self._decoder.release_idle_memory()
             with trio.move_on_at(deadline) as idle:
-                await trio.lowlevel.wait_readable(sock)
+                await trio.lowlevel.wait_readable(stream.socket)
             if idle.cancelled_caught:
                 raise IdleTimeout(f"no message from the client for {timeout} s")
+            now = trio.current_time()
+        if n == 0:
+            self._decoder.receive_data(b"")
 
     def take_receive_buffer(self) -> bytes:
         """Remove and return the bytes received but not yet decoded.

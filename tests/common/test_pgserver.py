@@ -628,7 +628,8 @@ async def _socket_connection() -> tuple[PgConnection, trio.socket.SocketType]:
     server_sock, client = trio.socket.socketpair()
     conn = PgConnection(PgServer(Handler()), trio.SocketStream(server_sock), 1, "socketpair")
     await client.send(m.encode(m.StartupMessage({"user": "fast"})))
-    assert isinstance(await conn.receive_message(), m.StartupMessage)
+    with trio.fail_after(5):
+        assert isinstance(await conn.receive_message(), m.StartupMessage)
     return conn, client
 
 
@@ -692,7 +693,7 @@ async def test_a_receive_that_does_not_wait_is_still_a_checkpoint() -> None:
     copy = await conn.enter_copy_both()
     await client.send(m.encode(m.CopyData(b"queued")))
     await trio.testing.wait_all_tasks_blocked()
-    with trio.testing.assert_checkpoints():
+    with trio.testing.assert_checkpoints(), trio.fail_after(5):
         views = await conn.copy_receive_views(copy)
     assert views is not None and [bytes(v) for v in views] == [b"queued"]
     await client.send(m.encode(m.CopyData(b"more")))

@@ -23,6 +23,7 @@ from protocol.wal.page import (
     XLOG_PAGE_MAGIC,
     XLP_ALL_FLAGS,
     XLP_FIRST_IS_CONTRECORD,
+    XLP_FIRST_IS_OVERWRITE_CONTRECORD,
     XLP_LONG_HEADER,
 )
 from protocol.wal.rmgr import XLOG_SWITCH, RmgrId
@@ -307,7 +308,19 @@ class RecordTracker:
                     f"segment size {seg_size} / block size {blcksz} on {_where(page_lsn)}"
                 )
         resume = self._after_page
-        if resume == _REC_BODY or (resume == _REC_HDR and self._rhdr):
+        in_record = resume == _REC_BODY or (resume == _REC_HDR and bool(self._rhdr))
+        if in_record and info & XLP_FIRST_IS_OVERWRITE_CONTRECORD:
+            # PostgreSQL crashed with this record only partly flushed; its recovery kept the
+            # bytes before this page and wrote an OVERWRITE_CONTRECORD record here instead of
+            # the rest. Drop the unfinished record (it was never counted in record_end) and
+            # read a new record header after this page header, as PostgreSQL's reader does.
+            self._rhdr = bytearray()
+            self._tot_len = 0
+            self._body_left = 0
+            self._crc = 0
+            self._state = _REC_HDR
+            return
+        if in_record:
             left = self._tot_len - len(self._rhdr) if resume == _REC_HDR else self._body_left
             if not self._tot_len:
                 # Only part of xl_tot_len was on the previous page: PostgreSQL never does that.

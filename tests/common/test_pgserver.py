@@ -603,7 +603,7 @@ async def test_an_idle_socket_connection_releases_its_receive_buffer(
             await stream.aclose()
 
 
-# -- the socket receive fast path (readv without a cancel scope, then a checkpoint) --------
+# -- the socket receive path (recv_into the decoder's window) -----------------------------
 
 
 def _general_copy_payloads(wire: bytes) -> list[bytes]:

@@ -326,12 +326,6 @@ def overwrite_contrecord_wal(page: Lsn, aborted: Lsn, prev: Lsn) -> bytes:
     return bytes(wal)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="safekeeper/record_tracker.py refuses a page flagged XLP_FIRST_IS_OVERWRITE_CONTRECORD "
-    "in the middle of a record ('missing continuation'), so every append after the crash is "
-    "refused and commits hang; the safekeeper room owns the fix",
-)
 async def test_postgres_crash_inside_a_record(setup: Setup) -> None:
     """PostgreSQL flushed (and streamed) WAL up to a page boundary inside a record, crashed,
     and came back: recovery keeps the WAL before the boundary and writes an

@@ -8,13 +8,18 @@ anywhere in a record, any record size and any chunking.
 from __future__ import annotations
 
 import random
+import struct
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.lsn import Lsn
+from protocol.lsn import XLOG_BLCKSZ, Lsn
+from protocol.wal.encoder import WalEncoder
+from protocol.wal.page import XLP_FIRST_IS_OVERWRITE_CONTRECORD
 from protocol.wal.reader import WalStreamDecoder
+from protocol.wal.record import DecodedRecord
+from protocol.wal.rmgr import XLOG_NOOP, XLOG_OVERWRITE_CONTRECORD, RmgrId
 from safekeeper.record_tracker import InvalidWal, RecordTracker
 from safekeeper.testing import synthetic_wal
 
@@ -137,3 +142,80 @@ def test_a_damaged_page_header_inside_a_record_is_caught(
     tracker, raised = _feed(bytes(damaged), seed, max_chunk)
     assert raised
     assert tracker.record_end <= start
+
+
+def _crash_recovered_wal(record_size: int, page_no: int) -> tuple[bytes, Lsn]:
+    """WAL as PostgreSQL 15 leaves it after crashing with a record cut at a page boundary:
+    the bytes before the boundary kept, then (``CreateOverwriteContrecordRecord``) the page
+    flagged XLP_FIRST_IS_OVERWRITE_CONTRECORD, starting with an OVERWRITE_CONTRECORD record
+    that names the aborted one, then new records. Also the end of the last record."""
+    start = Lsn(0x2000000)
+    enc = WalEncoder(start, system_identifier=1)
+    body = bytes(range(256)) * (record_size // 256 + 1)
+    spans: list[tuple[int, int]] = []
+    while enc.insert_lsn <= start + (page_no + 8) * XLOG_BLCKSZ:
+        enc.append(RmgrId.XLOG, XLOG_NOOP, main_data=body[: record_size - 26])
+        spans.append((enc.prev_lsn, enc.insert_lsn))
+    # The first page boundary from ``page_no`` on that cuts a record with one before it.
+    page, k = next(
+        (p, k)
+        for p in range(start + page_no * XLOG_BLCKSZ, enc.insert_lsn, XLOG_BLCKSZ)
+        for k, (b, e) in enumerate(spans)
+        if k and b < p < e
+    )
+    page = Lsn(page)
+    before = enc.take()[: page - start]
+    after = WalEncoder(page, prev_lsn=spans[k - 1][0], system_identifier=1)
+    after.append(
+        RmgrId.XLOG, XLOG_OVERWRITE_CONTRECORD, main_data=struct.pack("<Qq", spans[k][0], 0)
+    )
+    for _ in range(5):
+        after.append(RmgrId.XLOG, XLOG_NOOP, main_data=body[:100])
+    end = after.insert_lsn
+    tail = bytearray(after.take())
+    (info,) = struct.unpack_from("<H", tail, 2)
+    struct.pack_into("<H", tail, 2, info | XLP_FIRST_IS_OVERWRITE_CONTRECORD)
+    return before + bytes(tail), end
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    record_size=st.sampled_from([60, 5000, 8000, 20_000]),
+    page_no=st.integers(min_value=1, max_value=6),
+    seed=st.integers(0, 2**32 - 1),
+    max_chunk=st.sampled_from([7, 300, 9000, 1 << 20]),
+)
+def test_an_overwrite_contrecord_page_drops_the_unfinished_record(
+    record_size: int, page_no: int, seed: int, max_chunk: int
+) -> None:
+    """After a crash of PostgreSQL inside a record, the tracker reads on past the aborted
+    record, as PostgreSQL's reader and our decoder do: the acceptor keeps accepting the
+    compute's WAL (before, every append after such a crash was refused and commits hung)."""
+    data, end = _crash_recovered_wal(record_size, page_no)
+    decoder = WalStreamDecoder(Lsn(0x2000000))
+    decoder.feed(data)
+    decoded_end = [rec.end_lsn for rec in decoder.records()][-1]
+    assert (decoded_end + 7) & ~7 == (end + 7) & ~7
+    tracker, failed = _feed(data, seed, max_chunk)
+    assert not failed
+    assert tracker.record_end == (end + 7) & ~7
+
+
+def test_an_overwrite_flag_without_a_record_in_progress_changes_nothing() -> None:
+    """PostgreSQL only looks at the flag while it is reading a continuation; so do we."""
+    data = bytearray(synthetic_wal(Lsn(0x2000000), 40_000, record_size=100))
+    ends = [rec.end_lsn for rec in _decoded(bytes(data))]
+    page = next(
+        p for p in range(XLOG_BLCKSZ, len(data), XLOG_BLCKSZ) if not data[p + 2] & 0x1
+    )  # a page whose first record starts right after its header
+    (info,) = struct.unpack_from("<H", data, page + 2)
+    struct.pack_into("<H", data, page + 2, info | XLP_FIRST_IS_OVERWRITE_CONTRECORD)
+    tracker, failed = _feed(bytes(data), 1, 1 << 20)
+    assert not failed
+    assert tracker.record_end == (ends[-1] + 7) & ~7
+
+
+def _decoded(data: bytes) -> list[DecodedRecord]:
+    decoder = WalStreamDecoder(Lsn(0x2000000))
+    decoder.feed(data)
+    return list(decoder.records())

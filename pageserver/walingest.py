@@ -2,7 +2,9 @@
 
 ``WalIngest(timeline).ingest_record(rec)`` is the whole interface (plus ``ingest_wal_dir``
 for WAL in segment files, and ``TimelineWalIngest`` which connects engineer W's
-``WalReceiver`` to a timeline). What each record writes (docs/ingest.md has the table):
+``WalReceiver`` to a timeline). ``ingest_records`` (a batch) and ``ingest_decoder`` (the fused
+path: the commonest records straight from the decoder's bytes, no record objects) give the
+same values for less CPU; docs/ingest.md describes both. What each record writes (docs/ingest.md has the table):
 
 - every block reference: an XLOG/FPI or FPI_FOR_HINT block with an applied, uncompressed image
   becomes an ``Image`` (hole restored, pd_lsn = end LSN unless the page is new); any other

@@ -14,12 +14,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import tomli_w
+import trio
 
 from common.pgclient import PgClientConnection, connect
 from common.pgcopy import CopyBothStream
@@ -45,6 +47,8 @@ from protocol.safekeeper import (
 from protocol.wal.encoder import WalEncoder
 from protocol.wal.rmgr import XLOG_NOOP as XLOG_NOOP  # re-exported for bench/wal_acceptor.py
 from protocol.wal.rmgr import RmgrId
+from safekeeper.config import SafekeeperConfig
+from safekeeper.node import SafekeeperNode
 
 PG_VERSION = 150000
 
@@ -57,6 +61,25 @@ def synthetic_wal(start: Lsn, total: int, record_size: int = 200, system_id: int
     while enc.buffered < total:
         enc.append(RmgrId.XLOG, XLOG_NOOP, main_data=body)
     return enc.take()
+
+
+@asynccontextmanager
+async def running_node(data_dir: Path, **settings: Any) -> AsyncIterator[SafekeeperNode]:
+    """An in-process safekeeper on free loopback ports, fsync off unless ``no_sync=False``;
+    ``settings`` are further ``SafekeeperConfig`` fields. Stopped on exit."""
+    cfg = SafekeeperConfig(
+        data_dir=str(data_dir),
+        listen_pg="127.0.0.1:0",
+        listen_http="127.0.0.1:0",
+        **{"no_sync": True, **settings},
+    )
+    sk = SafekeeperNode(cfg)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sk.run)
+        try:
+            yield sk
+        finally:
+            sk.stop()
 
 
 class TestProposer:

@@ -15,25 +15,15 @@ import trio
 from protocol.lsn import WAL_SEGMENT_SIZE, Lsn
 from protocol.pgwire.errors import PgError
 from protocol.safekeeper import AppendRequest, AppendResponse, encode_message
-from safekeeper.config import SafekeeperConfig
 from safekeeper.node import SafekeeperNode
-from safekeeper.testing import TestProposer, synthetic_wal
+from safekeeper.testing import TestProposer, running_node, synthetic_wal
 from tests.safekeeper.test_node_inprocess import TENANT, TIMELINE
 
 
 @pytest.fixture
 async def node(tmp_path: Path) -> AsyncIterator[SafekeeperNode]:
-    cfg = SafekeeperConfig(
-        data_dir=str(tmp_path / "sk"),
-        listen_pg="127.0.0.1:0",
-        listen_http="127.0.0.1:0",
-        no_sync=True,
-    )
-    sk = SafekeeperNode(cfg)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sk.run)
+    async with running_node(tmp_path / "sk") as sk:
         yield sk
-        sk.stop()
 
 
 def _frame(tag: bytes, body: bytes) -> bytes:

@@ -24,7 +24,7 @@ from protocol.replication import (
 from protocol.safekeeper import AppendResponse, PageserverFeedback, ProposerGreeting
 from safekeeper.config import SafekeeperConfig
 from safekeeper.node import SafekeeperNode
-from safekeeper.testing import TestProposer, synthetic_wal
+from safekeeper.testing import TestProposer, running_node, synthetic_wal
 
 TENANT = TenantId(bytes(range(16)))
 TIMELINE = TimelineId(bytes(range(16, 32)))
@@ -32,17 +32,8 @@ TIMELINE = TimelineId(bytes(range(16, 32)))
 
 @pytest.fixture
 async def node(tmp_path: Path) -> AsyncIterator[SafekeeperNode]:
-    cfg = SafekeeperConfig(
-        data_dir=str(tmp_path / "sk"),
-        listen_pg="127.0.0.1:0",
-        listen_http="127.0.0.1:0",
-        no_sync=True,
-    )
-    sk = SafekeeperNode(cfg)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sk.run)
+    async with running_node(tmp_path / "sk") as sk:
         yield sk
-        sk.stop()
 
 
 async def proposer(sk: SafekeeperNode, **kw: object) -> TestProposer:

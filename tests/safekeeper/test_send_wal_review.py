@@ -26,9 +26,8 @@ from protocol.replication import (
 )
 from protocol.safekeeper import ProposerElected, TermSwitchEntry
 from safekeeper import send_wal
-from safekeeper.config import SafekeeperConfig
 from safekeeper.node import SafekeeperNode
-from safekeeper.testing import SafekeeperProcess, TestProposer, synthetic_wal
+from safekeeper.testing import SafekeeperProcess, TestProposer, running_node, synthetic_wal
 
 TENANT = TenantId(bytes(range(16)))
 TIMELINE = TimelineId(bytes(range(16, 32)))
@@ -36,18 +35,8 @@ TIMELINE = TimelineId(bytes(range(16, 32)))
 
 @pytest.fixture
 async def node(tmp_path: Path) -> AsyncIterator[SafekeeperNode]:
-    cfg = SafekeeperConfig(
-        data_dir=str(tmp_path / "sk"),
-        listen_pg="127.0.0.1:0",
-        listen_http="127.0.0.1:0",
-        no_sync=True,
-        wal_removal_period_s=0,
-    )
-    sk = SafekeeperNode(cfg)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sk.run)
+    async with running_node(tmp_path / "sk", wal_removal_period_s=0) as sk:
         yield sk
-        sk.stop()
 
 
 async def proposer(sk: SafekeeperNode) -> TestProposer:

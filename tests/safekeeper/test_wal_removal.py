@@ -21,9 +21,8 @@ from protocol.replication import (
     decode_server_copy_data,
     encode_copy_message,
 )
-from safekeeper.config import SafekeeperConfig
 from safekeeper.node import SafekeeperNode
-from safekeeper.testing import TestProposer, synthetic_wal
+from safekeeper.testing import TestProposer, running_node, synthetic_wal
 from safekeeper.timeline import Timeline
 from safekeeper.wal_removal import removal_horizon, segments_to_remove
 from safekeeper.wal_storage import WalStorage, WalStorageError
@@ -89,18 +88,8 @@ def test_storage_refuses_to_remove_at_or_above_the_flushed_end(tmp_path: Path) -
 
 @pytest.fixture
 async def node(tmp_path: Path) -> AsyncIterator[SafekeeperNode]:
-    cfg = SafekeeperConfig(
-        data_dir=str(tmp_path / "sk"),
-        listen_pg="127.0.0.1:0",
-        listen_http="127.0.0.1:0",
-        no_sync=True,
-        wal_removal_period_s=0.05,
-    )
-    sk = SafekeeperNode(cfg)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sk.run)
+    async with running_node(tmp_path / "sk", wal_removal_period_s=0.05) as sk:
         yield sk
-        sk.stop()
 
 
 async def replication(sk: SafekeeperNode, name: str) -> PgClientConnection:

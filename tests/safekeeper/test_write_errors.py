@@ -39,7 +39,7 @@ from safekeeper.config import SafekeeperConfig
 from safekeeper.node import SafekeeperNode
 from safekeeper.receive_wal import _ByteBudget, _write_stage
 from safekeeper.record_tracker import InvalidWal, RecordTracker
-from safekeeper.testing import TestProposer, synthetic_wal
+from safekeeper.testing import TestProposer, running_node, synthetic_wal
 from safekeeper.timeline import Timeline
 from safekeeper.wal_storage import WalStorage, WalStorageBroken
 
@@ -336,15 +336,8 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
 
 @pytest.fixture
 async def synced_node(tmp_path: Path) -> AsyncIterator[SafekeeperNode]:
-    cfg = SafekeeperConfig(
-        data_dir=str(tmp_path / "sk"), listen_pg="127.0.0.1:0", listen_http="127.0.0.1:0",
-        no_sync=False,
-    )
-    sk = SafekeeperNode(cfg)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sk.run)
+    async with running_node(tmp_path / "sk", no_sync=False) as sk:
         yield sk
-        sk.stop()
 
 
 async def test_node_ends_the_push_with_58030_and_refuses_until_restart(

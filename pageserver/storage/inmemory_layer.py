@@ -16,10 +16,12 @@ same data one value at a time (the oracle the batch path is tested against).
 
 from __future__ import annotations
 
+import struct
 import time
 from array import array
 from collections.abc import AsyncIterator, Iterable, Sequence
-from itertools import repeat
+from functools import lru_cache
+from itertools import islice, repeat
 from operator import add, and_, rshift
 from operator import sub as sub_
 from pathlib import Path
@@ -41,6 +43,32 @@ _READ_BATCH = 2048
 _SPAN_SLACK = 64 * 1024
 # ... and at most about this many bytes read per batch.
 _READ_BATCH_BYTES = 8 * 1024 * 1024
+# Values of one size cut by one struct call (``_values``; bounds the cached structs' size).
+_SAME_SIZE_RUN = 64
+
+
+@lru_cache(maxsize=256)
+def _same_size_values(size: int, count: int) -> struct.Struct:
+    return struct.Struct(f"{size}s" * count)
+
+
+def _values(buf: bytes, offs: list[int], lens: array[int]) -> Iterable[bytes]:
+    """The values at ``offs`` of ``lens`` bytes in ``buf``, as ``bytes`` (``_l0_batches``).
+
+    When they are all of one size and back to back (a heap block's inserts of a bulk load),
+    one ``struct`` call cuts up to ``_SAME_SIZE_RUN`` of them (~0.04 µs per value, against
+    ~0.14 for a slice object and a slice each)."""
+    n = len(offs)
+    size = lens[0] if n else 0
+    if n < 4 or size == 0 or lens.count(size) != n or offs != list(range(offs[0], offs[0] + n * size, size)):
+        return map(buf.__getitem__, map(slice, offs, map(add, offs, lens)))
+    out: list[bytes] = []
+    at = offs[0]
+    for first in range(0, n, _SAME_SIZE_RUN):
+        count = min(_SAME_SIZE_RUN, n - first)
+        out += _same_size_values(size, count).unpack_from(buf, at)
+        at += count * size
+    return out
 
 
 class InMemoryLayer:
@@ -98,41 +126,48 @@ class InMemoryLayer:
         if self.end_lsn is not None or start >= n or items[start][1] < self.start_lsn:
             return start
         file = self.file
-        room = file.room(max_size)
         offset = base = file.length
+        limit = base + file.room(max_size)
         index = self.index
         blobs: list[bytes] = []
         add_blob = blobs.append
         last_key: Key | None = None
-        entries: array[int] | None = None
-        i = start
-        lsn = 0
-        while i < n:
-            key, lsn, blob, will_init = items[i]
-            size = len(blob)
-            if offset - base + size > room:
+        entries: array[int] = array("Q")
+        append = entries.append
+        last_lsn = 0  # of last_key in the index
+        # A for loop, the count from len(blobs), and the key's array, its append and its last
+        # LSN kept while the key repeats (a heap block's inserts): ~0.1 µs per value less than
+        # indexing ``items`` and reading ``entries[-3]`` per value.
+        for key, lsn, blob, will_init in islice(items, start, None):
+            end = offset + len(blob)
+            if end > limit:
                 break
             if key != last_key:
-                entries = index.get(key)
-                last_key = key
-            if entries is None:
-                entries = index[key] = array("Q", (lsn, (offset << 1) | will_init, size))
-            else:
-                prev = entries[-3]
-                if prev < lsn:
-                    # three appends cost half of one extend with a tuple
-                    append = entries.append
-                    append(lsn)
-                    append((offset << 1) | will_init)
-                    append(size)
-                elif prev == lsn:
-                    entries[-2] = (offset << 1) | will_init
-                    entries[-1] = size
+                found = index.get(key)
+                if found is None:
+                    # (created only now that the value is known to go in: no empty array is
+                    # left behind by a break)
+                    found = index[key] = array("Q")
+                    last_lsn = -1
                 else:
-                    break  # below an earlier put: put() raises
+                    last_lsn = found[-3]
+                entries = found
+                append = entries.append
+                last_key = key
+            if lsn > last_lsn:
+                # three appends cost half of one extend with a tuple
+                append(lsn)
+                append((offset << 1) | will_init)
+                append(end - offset)
+                last_lsn = lsn
+            elif lsn == last_lsn:
+                entries[-2] = (offset << 1) | will_init
+                entries[-1] = end - offset
+            else:
+                break  # below an earlier put: put() raises
             add_blob(blob)
-            offset += size
-            i += 1
+            offset = end
+        i = start + len(blobs)
         if i == start:
             return start
         # No await since the room was measured: the append cannot decline.
@@ -291,7 +326,6 @@ class InMemoryLayer:
         batch = _READ_BATCH
         if self.size <= _READ_WHOLE_MAX:
             whole = await self.file.read_all()
-            getitem = whole.__getitem__
             runs: list[tuple[Key, int]] = []
             lsns = array("Q")
             blobs: list[bytes] = []
@@ -304,7 +338,7 @@ class InMemoryLayer:
                 pos = entries[1::3]
                 offs = list(map(rshift, pos, repeat(1)))
                 wills += map(and_, pos, repeat(1))
-                blobs += map(getitem, map(slice, offs, map(add, offs, entries[2::3])))
+                blobs += _values(whole, offs, entries[2::3])
                 if len(lsns) >= batch:
                     yield runs, lsns, blobs, wills
                     runs, lsns, blobs, wills = [], array("Q"), [], []
@@ -360,7 +394,7 @@ class InMemoryLayer:
             if offs is None:
                 blobs += data[at : at + len(lens)]
             else:
-                blobs += map(data[at].__getitem__, map(slice, offs, map(add, offs, lens)))
+                blobs += _values(data[at], offs, lens)
         return blobs
 
     async def write_l0(self, engine: IoEngine, directory: Path, opts: WriteOptions) -> Path | None:

@@ -199,19 +199,31 @@ async def test_put_many_refuses_will_init_flags_other_than_0_1(tmp_path: Path) -
 @hst.composite
 def layer_puts(draw: hst.DrawFn) -> list[tuple[Key, int, bytes, bool]]:
     """Puts in LSN order over a few keys, interleaved (so a key's values are scattered in the
-    ephemeral file) or in streaks (back to back), some at an LSN already put (replaced)."""
+    ephemeral file) or in streaks (back to back), some at an LSN already put (replaced); in
+    half the cases nearly all of one size (a bulk load's inserts: cut by ``_values``' struct
+    path, in streaks longer than ``_SAME_SIZE_RUN`` too)."""
     n_keys = draw(hst.integers(1, 12))
     n = draw(hst.integers(1, 700))
     streaky = draw(hst.booleans())
+    one_size = draw(hst.sampled_from([None, 0, 1, 140, 9000]))
+    streak = draw(hst.sampled_from([3, 60, 64, 65, 129, 129]))
+    keys_return = draw(hst.booleans())
     rng = random.Random(draw(hst.integers(0, 2**32)))  # (see entries_and_cuts)
     puts: list[tuple[Key, int, bytes, bool]] = []
     lsn = 100
     key_id = 0
-    for _ in range(n):
-        if not streaky or rng.randrange(30) == 0:
+    for i in range(n):
+        if one_size is not None:
+            # keys in turn, ``streak`` values each (maybe coming back after ``n_keys`` streaks)
+            key_id = i // streak % n_keys if keys_return else i // streak
+        elif not streaky or rng.randrange(30) == 0:
             key_id = rng.randrange(n_keys)
-        lsn += rng.choice((0, 1, 1, 1, 8))
-        size = rng.choice((0, 1, 60, 140, 200, 9000))
+        # (a replaced value leaves its old bytes between its key's values: rare in a bulk load)
+        lsn += rng.choice((0, 1, 1, 1, 8) if one_size is None or rng.randrange(500) == 0 else (1, 8))
+        if one_size is not None and rng.randrange(500):
+            size = one_size
+        else:
+            size = rng.choice((0, 1, 60, 140, 200, 9000))
         puts.append((k(key_id), lsn, rng.randbytes(size), rng.random() < 0.3))
     return puts
 
@@ -255,6 +267,26 @@ def _same_l0_both_ways(puts: list[tuple[Key, int, bytes, bool]], big: bool) -> N
         shutil.rmtree(root)
 
 
+def _bulk_load_puts() -> list[tuple[Key, int, bytes, bool]]:
+    """A bulk load's shape: 130 inserts of one size per heap block, back to back (cut by
+    ``_values``' struct path in several calls), and a relation-size key put once per block
+    (scattered: cut value by value)."""
+    rng = random.Random(7)
+    puts: list[tuple[Key, int, bytes, bool]] = []
+    lsn = 100
+    for block in range(1, 6):
+        puts.append((k(0), lsn, rng.randbytes(12), True))
+        for i in range(130):
+            lsn += 1
+            puts.append((k(block), lsn, rng.randbytes(140), i == 0))
+    return puts
+
+
+def test_write_l0_of_a_bulk_load_writes_the_same_file_as_put() -> None:
+    for big in (False, True):
+        _same_l0_both_ways(_bulk_load_puts(), big)
+
+
 @settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(puts=layer_puts(), big=hst.booleans())
 def test_write_l0_writes_the_same_file_as_put(puts: list[tuple[Key, int, bytes, bool]], big: bool) -> None:
@@ -289,8 +321,8 @@ def _quick(check: Callable[..., None], **strategies: hst.SearchStrategy[Any]) ->
         run()
 
 
-def _mutate(mp: pytest.MonkeyPatch, owner: type, name: str, old: str, new: str) -> None:
-    """Replace method ``name`` of ``owner`` by its source with the first ``old`` replaced by
+def _mutate(mp: pytest.MonkeyPatch, owner: object, name: str, old: str, new: str) -> None:
+    """Replace method (or module function) ``name`` of ``owner`` by its source with the first ``old`` replaced by
     ``new`` (every ``old`` when it starts with ``*``), compiled in the method's module."""
     source = textwrap.dedent(inspect.getsource(getattr(owner, name)))
     every = old.startswith("*")
@@ -329,8 +361,12 @@ def test_a_writer_mutant_is_caught(old: str, new: str, monkeypatch: pytest.Monke
 _L0_MUTANTS: list[tuple[str, str, str]] = [
     # a key read value by value gets its neighbour's value
     ("_cut", "blobs += data[at : at + len(lens)]", "blobs += data[at + 1 : at + 1 + len(lens)] or data[at : at + len(lens)]"),
-    # a key read as one span is cut one byte late
-    ("_cut", "map(slice, offs, map(add, offs, lens))", "map(slice, map(add, offs, repeat(1)), map(add, offs, lens))"),
+    # a key read as one span (or a whole layer's key) is cut one byte late
+    ("_values", "map(slice, offs, map(add, offs, lens))", "map(slice, map(add, offs, repeat(1)), map(add, offs, lens))"),
+    # values of one size cut by struct without checking they are back to back
+    ("_values", " or offs != list(range(offs[0], offs[0] + n * size, size))", ""),
+    # every struct call of a long run cuts from the run's start
+    ("_values", ".unpack_from(buf, at)", ".unpack_from(buf, offs[0])"),
     # the whole-layer path loses the will_init bit
     ("_l0_batches", "wills += map(and_, pos, repeat(1))", "wills += repeat(0, count)"),
 ]
@@ -339,6 +375,8 @@ _L0_MUTANTS: list[tuple[str, str, str]] = [
 @pytest.mark.parametrize(("name", "old", "new"), _L0_MUTANTS)
 def test_a_write_l0_mutant_is_caught(name: str, old: str, new: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as m:
-        _mutate(m, InMemoryLayer, name, old, new)
+        _mutate(m, inmemory_layer if name == "_values" else InMemoryLayer, name, old, new)
         with pytest.raises((AssertionError, ValueError)):  # a wrong file, or a refused batch
+            _same_l0_both_ways(_bulk_load_puts(), big=False)
+            _same_l0_both_ways(_bulk_load_puts(), big=True)
             _quick(_same_l0_both_ways, puts=layer_puts(), big=hst.booleans())

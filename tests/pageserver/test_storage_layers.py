@@ -458,3 +458,53 @@ async def test_writer_index_memory_is_bounded(tmp_path: Path) -> None:
             assert state.records == [(150, TestRecord.wal_append("x"))]
     finally:
         await layer.aclose()
+
+
+_PUT_STEPS = hst.lists(
+    # (key, LSN step (LSNs never fall: the caller's contract; 0 repeats a key's LSN, which
+    # replaces its value), blob size, will_init)
+    hst.tuples(hst.integers(0, 3), hst.integers(0, 3), hst.integers(0, 300), hst.booleans()),
+    max_size=150,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=_PUT_STEPS,
+    buffer_size=hst.sampled_from([512, 2048, 1 << 16]),
+    max_size=hst.sampled_from([1 << 62, 3000, 20_000]),
+)
+def test_try_put_many_stores_what_put_stores(
+    steps: list[tuple[int, int, int, bool]], buffer_size: int, max_size: int
+) -> None:
+    """``InMemoryLayer.try_put_many`` driven like the WAL ingest (the item it does not take goes
+    through ``put``) leaves the same index, file bytes and ``max_lsn`` as ``put`` per item:
+    runs of one key, a key coming back, a repeated LSN (replaced), a full buffer and the
+    ``max_size`` limit included."""
+    from pageserver.storage.ephemeral_file import EphemeralFile
+    from pageserver.storage.inmemory_layer import InMemoryLayer
+
+    items: list[tuple[Key, Lsn, bytes, bool]] = []
+    lsn = 100
+    for n, (key, step, size, will_init) in enumerate(steps):
+        lsn += step
+        items.append((k(key), Lsn(lsn), bytes([n % 251]) * size, will_init))
+
+    async def run(fast: bool, directory: str) -> tuple[object, ...]:
+        engine = BlockingIoEngine()
+        file = await EphemeralFile.create(
+            engine, directory, write_buffer_size=buffer_size, double_buffering=False
+        )
+        layer = InMemoryLayer(file, Lsn(100))
+        i = layer.try_put_many(items, 0, max_size) if fast else 0
+        while i < len(items):
+            await layer.put(*items[i])
+            i = layer.try_put_many(items, i + 1, max_size) if fast else i + 1
+        index = {key: list(entries) for key, entries in layer.index.items()}
+        await layer.freeze(Lsn(1 << 40))
+        data = await file.read_all()
+        await layer.aclose()
+        return index, data, layer.max_lsn
+
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        assert trio.run(run, True, a) == trio.run(run, False, b)

@@ -4,6 +4,7 @@ group that wrote it ended in a proposer error."""
 from __future__ import annotations
 
 import os
+import itertools
 import threading
 from pathlib import Path
 
@@ -158,15 +159,27 @@ async def test_syncs_in_flight_are_bounded_and_acks_follow_their_own_fsync(
     started: list[int] = []
     finished: list[int] = []
     real_fdatasync = tl.storage.fdatasync
+    real_sync_handle = tl.storage.sync_handle
+    # Which group each sync descriptor belongs to (opened in group order, under the
+    # timeline's lock): the worker threads may call fdatasync in any order on a loaded
+    # machine, so the call order does not tell the group.
+    group_of: dict[int, int] = {}
+    numbers = itertools.count(1)
+
+    def numbered_sync_handle() -> int:
+        fd = real_sync_handle()
+        group_of[fd] = next(numbers)
+        return fd
 
     def slow_first_fdatasync(fd: int) -> None:
-        me = len(started) + 1
+        me = group_of[fd]
         started.append(me)
         if me == 1:
             assert gate.wait(10)
         real_fdatasync(fd)
         finished.append(me)
 
+    monkeypatch.setattr(tl.storage, "sync_handle", numbered_sync_handle)
     monkeypatch.setattr(tl.storage, "fdatasync", slow_first_fdatasync)
 
     acks: list[tuple[Lsn, list[int]]] = []

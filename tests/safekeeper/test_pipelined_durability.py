@@ -3,8 +3,8 @@ group that wrote it ended in a proposer error."""
 
 from __future__ import annotations
 
-import os
 import itertools
+import os
 import threading
 from pathlib import Path
 

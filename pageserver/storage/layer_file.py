@@ -488,31 +488,27 @@ class LayerFileReader:
         self.check_blob(offset, length, crc, data)
         return data
 
-    async def read_blob_copies(self, offset: int, lengths: Sequence[int]) -> list[bytes]:
-        """``read_blobs`` as ``bytes`` (compaction keeps them): one ``preadv``, then the
-        blobs cut out by C loops (a ``bytes`` per blob either way; no view in between)."""
-        total = sum(lengths)
+    async def _read_span(self, offset: int, total: int) -> bytearray:
+        """``total`` bytes of adjacent blobs at ``offset``, in one ``preadv``."""
         self.check_entry(offset, total)
         self._check_open()
         buffer = bytearray(total)
         got = await self.engine.preadv(self.file.fd, [buffer], offset)
         if got != total:
             raise LayerCorruptionError(self.path, f"short read at {offset}: {got} of {total} bytes")
-        data = bytes(buffer)
+        return buffer
+
+    async def read_blob_copies(self, offset: int, lengths: Sequence[int]) -> list[bytes]:
+        """``read_blobs`` as ``bytes`` (compaction keeps them): one ``preadv``, then the
+        blobs cut out by C loops (a ``bytes`` per blob either way; no view in between)."""
+        data = bytes(await self._read_span(offset, sum(lengths)))
         ends = list(accumulate(lengths))
         return list(map(data.__getitem__, map(slice, [0, *ends[:-1]], ends)))
 
     async def read_blobs(self, offset: int, lengths: Sequence[int]) -> list[memoryview]:
         """Physically adjacent blobs starting at ``offset``: one ``preadv`` into one buffer,
         returned as one view per blob (one iovec keeps the syscall and its setup cheap)."""
-        total = sum(lengths)
-        self.check_entry(offset, total)
-        self._check_open()
-        buffer = bytearray(total)
-        got = await self.engine.preadv(self.file.fd, [buffer], offset)
-        if got != total:
-            raise LayerCorruptionError(self.path, f"short read at {offset}: {got} of {total} bytes")
-        view = memoryview(buffer)
+        view = memoryview(await self._read_span(offset, sum(lengths)))
         out: list[memoryview] = []
         pos = 0
         for n in lengths:

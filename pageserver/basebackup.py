@@ -49,7 +49,8 @@ from __future__ import annotations
 import tarfile
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Final, Protocol
 
@@ -104,6 +105,7 @@ from protocol.lsn import (
     segment_file_name,
 )
 from protocol.pagestream import RelTag as PagestreamRelTag
+from protocol.pgwire import sqlstate
 from protocol.pgwire.errors import PgError
 from protocol.wal.encoder import WalEncoder
 from protocol.wal.page import (
@@ -624,6 +626,44 @@ def parse_backup_command(name: str, args: Sequence[str]) -> BackupCommand:
     return BackupCommand(False, tenant_id, timeline_id, lsn, None, "--gzip" in flags, "--replica" in flags)
 
 
+def gc_refusal(tl: Timeline, lsn: Lsn) -> str | None:
+    """Why a read of ``tl`` at ``lsn`` could need what GC removed (``None``: it cannot).
+
+    A read at or below a branch point goes on to the ancestor at that LSN; the ancestor keeps
+    everything at or above its own GC cutoff, and its children's branch points, nothing else.
+    Call with no await between it and ``hold_lsn`` (GC moves cutoffs)."""
+    if lsn < tl.latest_gc_cutoff_lsn:
+        return f"{format_lsn(lsn)} is below the GC cutoff {format_lsn(tl.latest_gc_cutoff_lsn)}"
+    t = tl
+    while t.ancestor is not None and lsn <= t.ancestor_lsn:
+        anc = t.ancestor
+        if lsn != t.ancestor_lsn and lsn < anc.latest_gc_cutoff_lsn:
+            return (
+                f"{format_lsn(lsn)} is below the branch point {format_lsn(t.ancestor_lsn)} of timeline "
+                f"{t.timeline_id.hex} and below the GC cutoff {format_lsn(anc.latest_gc_cutoff_lsn)} "
+                f"of its ancestor {anc.timeline_id.hex}"
+            )
+        t = anc
+    return None
+
+
+@contextmanager
+def hold_lsn(tl: Timeline, lsn: Lsn) -> Iterator[None]:
+    """Keep GC of ``tl`` and of every ancestor a read at ``lsn`` reaches from moving its
+    cutoff above ``lsn`` while the block runs (a basebackup reads for a long time)."""
+    held: list[tuple[Timeline, list[int]]] = []
+    try:
+        t: Timeline | None = tl
+        while t is not None:
+            # the timeline's own read registry: GC keeps its cutoff at or below every entry
+            held.append((t, t._admit((lsn,))))
+            t = t.ancestor if t.ancestor is not None and lsn <= t.ancestor_lsn else None
+        yield
+    finally:
+        for t, admitted in held:
+            t._release(admitted)
+
+
 TimelineGetter = Callable[[TenantId, TimelineId], Timeline]
 PrevLsnLookup = Callable[[Timeline, Lsn], "Lsn | None"]
 
@@ -663,10 +703,13 @@ class BackupCommandHandler:
                 await tl.wait_lsn(lsn, self.wait_lsn_timeout_s)
             except TimeoutError as exc:
                 raise PgError(f"basebackup at {format_lsn(lsn)}: {exc}") from None
-        if lsn < tl.latest_gc_cutoff_lsn:
-            raise PgError(
-                f"basebackup at {format_lsn(lsn)} is below the GC cutoff {format_lsn(tl.latest_gc_cutoff_lsn)}"
-            )
+        refusal = gc_refusal(tl, lsn)
+        if refusal is not None:
+            raise PgError(f"basebackup at {refusal}: GC removed what it needs", sqlstate.INVALID_PARAMETER_VALUE)
+        with hold_lsn(tl, lsn):
+            await self._send(conn, cmd, tl, lsn)
+
+    async def _send(self, conn: PgConnection, cmd: BackupCommand, tl: Timeline, lsn: Lsn) -> None:
         prev = cmd.prev_lsn
         if prev is None and self._prev_record_lsn is not None:
             prev = self._prev_record_lsn(tl, lsn)

@@ -258,6 +258,15 @@ def build_router(manager: TenantManager, registry: CollectorRegistry) -> Router:
         start_lsn = _lsn(body.ancestor_start_lsn, "ancestor_start_lsn") if body.ancestor_start_lsn else None
         if body.ancestor_timeline_id and start_lsn is not None and start_lsn % 8 == 0:
             ancestor = manager.get_timeline(tenant_id, _timeline_id(body.ancestor_timeline_id))
+            if ancestor.ancestor is not None and start_lsn < ancestor.ancestor_lsn:
+                # The new branch would read the grandparent there, whose GC keeps only its own
+                # children's branch points below its cutoff: the pages could go at any time.
+                raise HttpError(
+                    400,
+                    f"ancestor_start_lsn {format_lsn(start_lsn)} is below the branch point "
+                    f"{format_lsn(ancestor.ancestor_lsn)} of timeline {ancestor.timeline_id.hex} "
+                    f"(branch from its ancestor {ancestor.ancestor.timeline_id.hex} instead)",
+                )
             # Points above the end or below the GC cutoff are the tenant manager's to refuse.
             if ancestor.latest_gc_cutoff_lsn <= start_lsn <= ancestor.last_record_lsn:
                 await _require_datadir(ancestor, start_lsn, "ancestor_start_lsn")

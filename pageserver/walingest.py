@@ -448,8 +448,8 @@ class WalIngest:
                     if rnode is not last_rnode or blkno != last_blkno or forknum != last_fork:
                         rel = (rnode.spc, rnode.db, rnode.rel, forknum)
                         n = sizes.get(rel)
-                        if n is None or blkno >= n:
-                            if blkno != n or len(blocks) != 1:
+                        if n is None or blkno >= n or forknum > INIT_FORKNUM:
+                            if blkno != n or len(blocks) != 1 or forknum > INIT_FORKNUM:
                                 fast = False
                                 break
                             grown = rel
@@ -589,6 +589,8 @@ class WalIngest:
                             else:
                                 vm_at = -1  # decided for this record only
                         fork = flags & BKPBLOCK_FORK_MASK
+                        if fork > INIT_FORKNUM:
+                            break  # the general path refuses it
                         grown = None
                         relkey = (spc, db, rel, fork)
                         n = sizes.get(relkey)
@@ -737,7 +739,7 @@ class WalIngest:
         for blk in blocks:
             rnode = blk.rnode
             n = sizes.get((rnode.spc, rnode.db, rnode.rel, blk.forknum))
-            if n is None or blk.blkno >= n:
+            if n is None or blk.blkno >= n or blk.forknum > INIT_FORKNUM:
                 return -1
         put_nowait = self.tl.put_nowait
         raw = rec.raw
@@ -765,6 +767,11 @@ class WalIngest:
             )
 
     async def _ingest(self, rec: DecodedRecord, mod: DatadirModification) -> None:
+        # The decoder takes any 4-bit fork number; PostgreSQL has four forks. Refused before
+        # anything is put, so a bad record leaves no value of its other blocks behind.
+        for blk in rec.blocks:
+            if blk.forknum > INIT_FORKNUM:
+                raise _bad(rec, f"block reference {blk.block_id} names fork number {blk.forknum}")
         rmid = rec.xl_rmid
         info = rec.xl_info & 0xF0
         if rec.xl_xid:

@@ -195,6 +195,28 @@ def parse_size(text: str) -> int:
     raise RemoteProtocolError(f"cannot parse size {text!r}")
 
 
+@attrs.define
+class Backoff:
+    """Delays between the attempts of one retry loop: ``MIN_BACKOFF_S`` doubling up to ``cap``
+    while attempts keep failing; ``reset()`` once one made progress, so a new failure after an
+    old outage is retried at once. ``attempt`` counts the failures in a row (for the logs)."""
+
+    cap: float
+    delay: float = MIN_BACKOFF_S
+    attempt: int = 0
+
+    def reset(self) -> None:
+        self.delay = MIN_BACKOFF_S
+        self.attempt = 0
+
+    def next_delay(self) -> float:
+        """Count a failure; the delay to wait before the next attempt."""
+        delay = self.delay
+        self.delay = min(delay * 2, self.cap)
+        self.attempt += 1
+        return delay
+
+
 class _Signal:
     """An edge-triggered wakeup: a waiter takes ``event`` *before* checking the state it waits
     on, then awaits it, so a ``fire()`` in between is never lost."""
@@ -249,6 +271,11 @@ class Bridge:
         # sync-safekeepers: the donor safekeeper is the WAL source instead of PostgreSQL.
         self._sync_donor: int | None = None
         self._pg_progress = False
+        # Whether the current term moved commit_lsn (the term loop's back-off resets then).
+        self._term_progress = False
+        # The last failure of the PostgreSQL stream and of a term, for statistics() and tests.
+        self.last_postgres_error: BaseException | None = None
+        self.last_term_error: BaseException | None = None
 
     # -- public --------------------------------------------------------------------------------
 
@@ -261,6 +288,11 @@ class Bridge:
             "reported_flush_lsn": format_lsn(self.reported_flush_lsn),
             "slot_lsn": format_lsn(self.slot_lsn),
             "buffer": [format_lsn(self.buffer.start), format_lsn(self.buffer.end)],
+            "terms_run": self.terms_run,
+            "last_term_error": None if self.last_term_error is None else repr(self.last_term_error),
+            "last_postgres_error": (
+                None if self.last_postgres_error is None else repr(self.last_postgres_error)
+            ),
             "safekeepers": [
                 {
                     "addr": str(self.cfg.safekeepers[i]),
@@ -296,19 +328,44 @@ class Bridge:
         )
         task_status.started()
         min_term = 0
+        term_backoff = Backoff(self.cfg.max_backoff_s)
         while True:
+            started = trio.current_time()
+            self._term_progress = False
             try:
                 await self._run_term(self.info, min_term)
             except* ProposerRejected as eg:
                 rejected = [e for e in _leaves(eg) if isinstance(e, ProposerRejected)]
                 min_term = max(min_term, *(e.seen_term for e in rejected))
-                log.warning("term lost, starting over", reason=str(rejected[0]), min_term=min_term)
+                delay = self._term_backoff(term_backoff, started)
+                self.last_term_error = rejected[0]
+                log.warning("term lost, starting over", reason=str(rejected[0]), min_term=min_term,
+                            **self._term_context(term_backoff, delay))
             except* Exception as eg:
                 # A bug in one session must not leave PostgreSQL without its synchronous standby
-                # for good: report it loudly, then start a new term (a new election).
-                log.error("term failed, starting over", exc_info=eg)
+                # for good: report it loudly, then start a new term (a new election). Backing off:
+                # a bug that fails every term must not turn into an election storm.
+                delay = self._term_backoff(term_backoff, started)
+                self.last_term_error = next(_leaves(eg))
+                log.error("term failed, starting over", exc_info=eg,
+                          **self._term_context(term_backoff, delay))
                 min_term = max(min_term, self.proposer.term)
-            await trio.sleep(0.2)
+            await trio.sleep(delay)
+
+    def _term_backoff(self, backoff: Backoff, started: float) -> float:
+        if self._term_progress or trio.current_time() - started >= self.cfg.max_backoff_s:
+            backoff.reset()  # the term worked (commits, or it lived a while): a new failure
+        return backoff.next_delay()
+
+    def _term_context(self, backoff: Backoff, delay: float) -> dict[str, object]:
+        p = self.proposer
+        return {
+            "term": p.term,
+            "elected": p.elected,
+            "commit_lsn": format_lsn(p.commit_lsn),
+            "failures_in_a_row": backoff.attempt,
+            "retry_in_s": delay,
+        }
 
     async def sync_safekeepers(self, info: PostgresInfo) -> Lsn:
         """Neon's ``--sync-safekeepers``, before a compute starts: win a term without PostgreSQL
@@ -326,14 +383,19 @@ class Bridge:
         """
         self.info = info
         min_term = 0
+        backoff = Backoff(self.cfg.max_backoff_s)
         while True:
             try:
                 return await self._sync_term(info, min_term)
             except* ProposerRejected as eg:
                 rejected = [e for e in _leaves(eg) if isinstance(e, ProposerRejected)]
                 min_term = max(min_term, *(e.seen_term for e in rejected))
-                log.warning("term lost, starting over", reason=str(rejected[0]), min_term=min_term)
-            await trio.sleep(0.2)
+                # A rival proposer: backing off gives one of us the chance to finish.
+                delay = backoff.next_delay()
+                self.last_term_error = rejected[0]
+                log.warning("term lost, starting over", reason=str(rejected[0]), min_term=min_term,
+                            failures_in_a_row=backoff.attempt, retry_in_s=delay)
+            await trio.sleep(delay)
 
     async def _sync_term(self, info: PostgresInfo, min_term: int) -> Lsn:
         n = len(self.cfg.safekeepers)
@@ -516,6 +578,7 @@ class Bridge:
         self._elected.set()
 
     def _on_commit(self) -> None:
+        self._term_progress = True
         for w in self._wake:
             w.fire()
         self._commit_changed.fire()
@@ -633,6 +696,11 @@ class Bridge:
                     while True:
                         msg = decode_server_copy_data(await receive_payload(copy))
                         if isinstance(msg, XLogData):
+                            if msg.wal_start > self.buffer.end:
+                                raise RemoteProtocolError(
+                                    f"donor safekeeper sent WAL at {format_lsn(msg.wal_start)}, "
+                                    f"a gap after {format_lsn(self.buffer.end)}"
+                                )
                             self.buffer.append(msg.wal_start, msg.data)
                             backoff = MIN_BACKOFF_S
                             for w in self._wake:
@@ -729,18 +797,26 @@ class Bridge:
 
     async def _postgres_loop(self) -> None:
         await self._elected.wait()
-        backoff = MIN_BACKOFF_S
+        backoff = Backoff(self.cfg.max_backoff_s)
         while True:
             started = trio.current_time()
             self._pg_progress = False
             try:
                 await self._postgres_session()
             except* CONNECTION_ERRORS as eg:
-                log.warning("postgres replication stream lost", error=repr(next(_leaves(eg))))
-            if self._pg_progress or trio.current_time() - started >= self.cfg.max_backoff_s:
-                backoff = MIN_BACKOFF_S  # it worked: a new failure, reconnect quickly
-            await trio.sleep(backoff)
-            backoff = min(backoff * 2, self.cfg.max_backoff_s)
+                if self._pg_progress or trio.current_time() - started >= self.cfg.max_backoff_s:
+                    backoff.reset()  # it worked: a new failure, reconnect quickly
+                delay = backoff.next_delay()
+                self.last_postgres_error = error = next(_leaves(eg))
+                log.warning(
+                    "postgres replication stream lost",
+                    error=repr(error),
+                    window_end=format_lsn(self.buffer.end),
+                    term=self.proposer.term,
+                    failures_in_a_row=backoff.attempt,
+                    retry_in_s=delay,
+                )
+            await trio.sleep(delay)
 
     async def _postgres_session(self) -> None:
         conn = await self._pg_connect(self.cfg.application_name)
@@ -767,6 +843,16 @@ class Bridge:
                 while True:
                     msg = decode_server_copy_data(await receive_payload(copy))
                     if isinstance(msg, XLogData):
+                        # One stream carries WAL from ``start`` on, each message continuing
+                        # the last: anything else is PostgreSQL's fault (or a proxy's), and
+                        # must not reach the safekeepers.
+                        if msg.wal_start != self.buffer.end:
+                            raise RemoteProtocolError(
+                                f"postgres sent WAL at {format_lsn(msg.wal_start)} where its "
+                                f"stream is at {format_lsn(self.buffer.end)} (a "
+                                f"{'gap' if msg.wal_start > self.buffer.end else 'overlap'} "
+                                f"in its XLogData)"
+                            )
                         self.buffer.append(msg.wal_start, msg.data)
                         self._pg_progress = True
                         for w in self._wake:

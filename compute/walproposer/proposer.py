@@ -212,7 +212,7 @@ class Proposer:
     # -- greeting and vote -----------------------------------------------------------------------
 
     def on_greeting(self, i: int, msg: AcceptorGreeting) -> Outgoing:
-        slot = self._expect(i, Phase.HANDSHAKE, "AcceptorGreeting")
+        slot = self._expect_received(i, Phase.HANDSHAKE, "AcceptorGreeting")
         slot.greeting_term = msg.term
         slot.node_id = msg.node_id
         slot.phase = Phase.VOTING
@@ -243,7 +243,7 @@ class Proposer:
         return out
 
     def on_vote(self, i: int, msg: VoteResponse) -> Outgoing:
-        slot = self._expect(i, Phase.WAIT_VERDICT, "VoteResponse")
+        slot = self._expect_received(i, Phase.WAIT_VERDICT, "VoteResponse")
         if msg.term > self.term:
             raise ProposerRejected(
                 f"safekeeper {i} refused term {self.term}: it is in term {msg.term}",
@@ -307,7 +307,7 @@ class Proposer:
 
     def on_append_response(self, i: int, msg: AppendResponse) -> bool:
         """Record an acknowledgement; True when ``commit_lsn`` advanced."""
-        slot = self._expect(i, Phase.ACTIVE, "AppendResponse")
+        slot = self._expect_received(i, Phase.ACTIVE, "AppendResponse")
         if msg.term > self.term:
             raise ProposerRejected(
                 f"safekeeper {i} moved to term {msg.term} while we stream in {self.term}",
@@ -351,7 +351,21 @@ class Proposer:
         return Lsn(min(positions)) if positions else None
 
     def _expect(self, i: int, phase: Phase, what: str) -> SafekeeperSlot:
+        """For what we do ourselves: a wrong phase is our bug."""
         slot = self.slots[i]
         if slot.phase is not phase:
             raise LocalProtocolError(f"{what} for safekeeper {i} in phase {slot.phase.value}")
+        return slot
+
+    def _expect_received(self, i: int, phase: Phase, what: str) -> SafekeeperSlot:
+        """For a message safekeeper ``i`` sent: on an open connection, one that does not fit the
+        conversation is the safekeeper's fault (the caller drops that connection); with no
+        connection at all, feeding it to us is our bug."""
+        slot = self.slots[i]
+        if slot.phase is Phase.OFFLINE:
+            raise LocalProtocolError(f"{what} for safekeeper {i} that is not connected")
+        if slot.phase is not phase:
+            raise RemoteProtocolError(
+                f"safekeeper {i} sent {what} in phase {slot.phase.value}, expected {phase.value}"
+            )
         return slot

@@ -169,12 +169,14 @@ def test_refusals_reject_the_proposer() -> None:
         p2.on_greeting(2, AcceptorGreeting(2, 8))
 
 
-def test_messages_out_of_phase_are_our_bug() -> None:
+def test_messages_out_of_phase() -> None:
+    """A message for a safekeeper that is not connected can only come from our own bug; one
+    that does not fit an open connection's conversation is that safekeeper's fault."""
     p = Proposer(3, bootstrap_lsn=BOOT)
     with pytest.raises(LocalProtocolError):
         p.on_greeting(0, AcceptorGreeting(0, 1))
     p.connected(0)
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(RemoteProtocolError, match="sent VoteResponse in phase handshake"):
         p.on_vote(0, _vote(1, 0, ()))
 
 

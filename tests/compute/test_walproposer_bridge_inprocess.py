@@ -6,11 +6,13 @@ protocol the bridge speaks and can do what a real one does at awkward moments, o
 - crash with its flushed WAL ending at a page boundary inside a record, then come back as
   PostgreSQL 15's crash recovery does: the WAL before the boundary kept, an
   XLOG_OVERWRITE_CONTRECORD record on the next page (flag XLP_FIRST_IS_OVERWRITE_CONTRECORD);
-- lose the bridge's physical slot (dropped by hand, or a data directory restored without it).
+- lose the bridge's physical slot (dropped by hand, or a data directory restored without it);
+- misbehave: skip bytes in its stream (a WAL gap in its XLogData).
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import struct
 from collections.abc import AsyncIterator
@@ -19,6 +21,7 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+from structlog.testing import capture_logs
 
 from common import pgclient
 from compute.walproposer.bridge import (
@@ -28,6 +31,7 @@ from compute.walproposer.bridge import (
     PostgresInfo,
     SafekeeperAddr,
 )
+from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn, format_lsn
 from protocol.pgwire import sqlstate
@@ -78,6 +82,8 @@ class ScriptedPostgres:
     removed_before: Lsn = START
     # Seconds before each message of a replication stream (a real server is not in-process).
     latency: float = 0.0
+    # A fault: every stream that reaches this LSN skips 8 bytes there (a gap in its XLogData).
+    gap_at: Lsn | None = None
 
     def _notify(self) -> None:
         self.changed.set()
@@ -175,7 +181,11 @@ class ScriptedStream:
         while True:
             self.conn._check_alive()
             if self.pos < pg.flush:
+                if self.pos == pg.gap_at:
+                    self.pos = Lsn(self.pos + 8)
                 end = Lsn(min(pg.flush, self.pos + 20_000))
+                if pg.gap_at is not None and self.pos < pg.gap_at:
+                    end = Lsn(min(end, pg.gap_at))
                 msg = XLogData(self.pos, pg.flush, pg_now(), pg.read(self.pos, end))
                 self.pos = end
                 return encode_copy_message(msg)
@@ -206,6 +216,8 @@ class Links:
 
     attempts: dict[int | str, list[float]] = attrs.field(factory=dict)
     refused: set[int] = attrs.field(factory=set)
+    # PostgreSQL application_names whose connection attempt raises a bug-like RuntimeError.
+    buggy: set[str] = attrs.field(factory=set)
     conns: dict[int, pgclient.PgClientConnection] = attrs.field(factory=dict)
 
     def count(self, key: int | str) -> int:
@@ -250,6 +262,8 @@ async def setup(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator
         links.attempts.setdefault(key, []).append(trio.current_time())
         if port in links.refused:
             raise ConnectionRefusedError(f"{host}:{port} refused (test)")
+        if key in links.buggy:
+            raise RuntimeError(f"injected bug connecting {key}")
         if port == PG_PORT:
             return pg.connect()
         conn = await pgclient.connect_with_params(host, port, params)
@@ -458,6 +472,107 @@ async def test_safekeeper_that_cannot_catch_up_keeps_backing_off(setup: Setup) -
         # 0.4 + 0.8 + 1.6 s of back-off fit in 3 s, plus the sessions themselves.
         assert links.count(port) - n <= 6, links.count(port) - n
         assert bridge.proposer.commit_lsn == ends[60]  # the quorum went on
+
+
+def spacing(times: list[float]) -> list[float]:
+    return [round(b - a, 3) for a, b in itertools.pairwise(times)]
+
+
+async def test_wal_gap_from_postgres_backs_off_in_the_same_term(setup: Setup) -> None:
+    """PostgreSQL's stream skips bytes: that is PostgreSQL's fault (RemoteProtocolError naming
+    the gap), it ends the stream, not the term, and as long as the fault persists the stream is
+    retried with growing delays (not restarted every 0.2 s with a new election each time).
+    Once the fault goes away the stream resumes where the window ends and commits go on."""
+    pg, bridge, links = setup.pg, setup.bridge, setup.links
+    ends = record_ends(pg.wal)
+    stream = "walproposer"
+    gap_at = Lsn(ends[20] + 100)
+    with trio.fail_after(30), capture_logs() as logs:
+        pg.flush = ends[10]
+        pg._notify()
+        await wait_commit(bridge, ends[10])
+        n = links.count(stream)
+        pg.gap_at = gap_at
+        pg.flush = ends[40]
+        pg._notify()
+        await wait_commit(bridge, ends[20])  # the WAL before the gap is committed
+        while links.count(stream) < n + 2:
+            await trio.sleep(0.01)
+        first_retry = links.attempts[stream][n + 1]
+        await trio.sleep(2.0)
+        retries = [t for t in links.attempts[stream][n + 1 :] if t - first_retry <= 2.0]
+        # 0.1 + 0.2 + 0.4 + 0.8 s of back-off: five attempts in 2 s.
+        assert len(retries) <= 6, spacing(retries)
+        gaps = spacing(retries)
+        assert gaps[-1] >= 0.35 and gaps[-1] > 2 * gaps[0], gaps
+        assert bridge.terms_run == 1
+        err = bridge.last_postgres_error
+        assert isinstance(err, RemoteProtocolError), repr(err)
+        assert f"where its stream is at {format_lsn(gap_at)} (a gap" in str(err)
+        assert bridge.proposer.commit_lsn == ends[20]
+        # The cause, once per attempt, with where the stream stood and when it retries.
+        lost = [e for e in logs if e["event"] == "postgres replication stream lost"]
+        assert len(lost) - (links.count(stream) - n) in (0, 1)  # (the last may still wait)
+        assert all("a gap in its XLogData" in e["error"] for e in lost)
+        assert lost[-1]["window_end"] == format_lsn(gap_at)
+        delays = [e["retry_in_s"] for e in lost]
+        assert delays == sorted(delays) and delays[-1] >= 0.8, delays
+
+        pg.gap_at = None
+        await wait_commit(bridge, ends[40])
+        assert bridge.terms_run == 1
+        assert await safekeeper_wal(setup.nodes[0], ends[40]) == pg.read(START, ends[40])
+
+
+async def test_failing_terms_back_off(setup: Setup) -> None:
+    """A bug that ends every term (here: connecting the replication stream raises) starts
+    terms over with growing delays, not an election every 0.2 s forever. After it goes away
+    commits resume; a later failure of a term that committed is retried at once."""
+    pg, bridge, links = setup.pg, setup.bridge, setup.links
+    ends = record_ends(pg.wal)
+    stream = "walproposer"
+    with trio.fail_after(30), capture_logs() as logs:
+        pg.flush = ends[10]
+        pg._notify()
+        await wait_commit(bridge, ends[10])
+        n = links.count(stream)
+        links.buggy.add(stream)
+        pg.break_connections()
+        while links.count(stream) < n + 2:
+            await trio.sleep(0.01)
+        first_retry = links.attempts[stream][n + 1]  # the first failing term's
+        await trio.sleep(2.0)
+        attempts = [t for t in links.attempts[stream][n + 1 :] if t - first_retry <= 2.0]
+        assert len(attempts) <= 6, spacing(attempts)
+        gaps = spacing(attempts)
+        assert gaps[-1] >= 0.35 and gaps[-1] > 2 * gaps[0], gaps
+        assert isinstance(bridge.last_term_error, RuntimeError)
+        assert "injected bug" in str(bridge.last_term_error)
+        failed = [e for e in logs if e["event"] == "term failed, starting over"]
+        assert [e["term"] for e in failed] == list(range(1, len(failed) + 1))
+        assert len(failed) in (bridge.terms_run - 1, bridge.terms_run)
+        assert all(e["exc_info"] for e in failed)
+        delays = [e["retry_in_s"] for e in failed]
+        assert delays == sorted(delays) and delays[-1] >= 0.8, delays
+
+        links.buggy.clear()
+        pg.flush = ends[20]
+        pg._notify()
+        await wait_commit(bridge, ends[20])
+
+        # That term committed: its failure is a new one, the next term starts at once.
+        n = links.count(stream)
+        links.buggy.add(stream)
+        pg.break_connections()
+        while links.count(stream) == n:
+            await trio.sleep(0.01)
+        links.buggy.clear()
+        while links.count(stream) < n + 2:
+            await trio.sleep(0.01)
+        assert links.attempts[stream][n + 1] - links.attempts[stream][n] < 0.5
+        pg.flush = ends[30]
+        pg._notify()
+        await wait_commit(bridge, ends[30])
 
 
 @pytest.fixture

@@ -46,6 +46,7 @@ the real timeline through ``pageserver.pgdatadir``.
 
 from __future__ import annotations
 
+import contextlib
 import tarfile
 import time
 import zlib
@@ -651,17 +652,12 @@ def gc_refusal(tl: Timeline, lsn: Lsn) -> str | None:
 def hold_lsn(tl: Timeline, lsn: Lsn) -> Iterator[None]:
     """Keep GC of ``tl`` and of every ancestor a read at ``lsn`` reaches from moving its
     cutoff above ``lsn`` while the block runs (a basebackup reads for a long time)."""
-    held: list[tuple[Timeline, list[int]]] = []
-    try:
+    with contextlib.ExitStack() as stack:
         t: Timeline | None = tl
         while t is not None:
-            # the timeline's own read registry: GC keeps its cutoff at or below every entry
-            held.append((t, t._admit((lsn,))))
+            stack.enter_context(t.reads_held_at(lsn))
             t = t.ancestor if t.ancestor is not None and lsn <= t.ancestor_lsn else None
         yield
-    finally:
-        for t, admitted in held:
-            t._release(admitted)
 
 
 TimelineGetter = Callable[[TenantId, TimelineId], Timeline]

@@ -659,6 +659,16 @@ class Timeline:
             else:
                 del flight[lsn]
 
+    @contextlib.contextmanager
+    def reads_held_at(self, lsn: int) -> Iterator[None]:
+        """Count the block as a read at ``lsn`` in flight, so that GC keeps its cutoff at or
+        below ``lsn`` until it ends (a long reader: a basebackup)."""
+        admitted = self._admit((lsn,))
+        try:
+            yield
+        finally:
+            self._release(admitted)
+
     def _raise_if_layers_closed(self) -> None:
         if self._layers_closed:
             raise TimelineShutdownError(

@@ -504,7 +504,7 @@ async def test_wal_gap_from_postgres_backs_off_in_the_same_term(setup: Setup) ->
         # 0.1 + 0.2 + 0.4 + 0.8 s of back-off: five attempts in 2 s.
         assert len(retries) <= 6, spacing(retries)
         gaps = spacing(retries)
-        assert gaps[-1] >= 0.35 and gaps[-1] > 2 * gaps[0], gaps
+        assert gaps[-1] >= 0.35 and gaps[-1] - gaps[0] >= 0.25, gaps
         assert bridge.terms_run == 1
         err = bridge.last_postgres_error
         assert isinstance(err, RemoteProtocolError), repr(err)
@@ -545,7 +545,7 @@ async def test_failing_terms_back_off(setup: Setup) -> None:
         attempts = [t for t in links.attempts[stream][n + 1 :] if t - first_retry <= 2.0]
         assert len(attempts) <= 6, spacing(attempts)
         gaps = spacing(attempts)
-        assert gaps[-1] >= 0.35 and gaps[-1] > 2 * gaps[0], gaps
+        assert gaps[-1] >= 0.35 and gaps[-1] - gaps[0] >= 0.25, gaps
         assert isinstance(bridge.last_term_error, RuntimeError)
         assert "injected bug" in str(bridge.last_term_error)
         failed = [e for e in logs if e["event"] == "term failed, starting over"]

@@ -79,6 +79,7 @@ from protocol.wal.encoder import WalEncoder
 from protocol.wal.rmgr import RmgrId
 from safekeeper.record_tracker import RecordTracker
 from safekeeper.testing import XLOG_NOOP, SafekeeperProcess, TestProposer
+from safekeeper.wal_storage import split_at_segments
 
 SIZES = {"1KiB": 1024, "8KiB": 8192, "128KiB": 128 * 1024, "1MiB": 1 << 20}
 _COPY_HEAD = struct.Struct(">cI")
@@ -321,19 +322,7 @@ class _FloorWriter:
         return self.fd
 
     def write(self, views: list[memoryview]) -> None:
-        data = deque(views)
-        while data:
-            segno, off = divmod(self.pos, WAL_SEGMENT_SIZE)
-            room = WAL_SEGMENT_SIZE - off
-            iov: list[memoryview] = []
-            size = 0
-            while data and size < room:
-                v = data.popleft()
-                if size + len(v) > room:
-                    data.appendleft(v[room - size :])
-                    v = v[: room - size]
-                iov.append(v)
-                size += len(v)
+        for segno, off, iov, size in split_at_segments(self.pos, views, WAL_SEGMENT_SIZE):
             fd = self.segment(segno)
             done = 0
             while done < size:

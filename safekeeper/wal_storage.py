@@ -31,7 +31,7 @@ from __future__ import annotations
 import errno
 import os
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,6 +59,32 @@ class TrackedGroup:
     record_end: Lsn
     error: InvalidWal | None
 
+
+
+def split_at_segments(
+    pos: int, views: Iterable[memoryview], seg_size: int
+) -> Iterator[tuple[int, int, list[memoryview], int]]:
+    """The bytes of ``views`` (consecutive, starting at WAL position ``pos``) one segment at a
+    time: (segment number, offset in it, the views or parts of views that fall in it, size)."""
+    queue = deque(v for v in views if len(v))
+    while queue:
+        segno, offset = divmod(pos, seg_size)
+        room = seg_size - offset
+        iov: list[memoryview] = []
+        size = 0
+        while queue and size < room:
+            buf = queue.popleft()
+            if size + len(buf) > room:
+                # This buffer crosses the segment end: the rest goes to the next segment.
+                cut = room - size
+                iov.append(buf[:cut])
+                queue.appendleft(buf[cut:])
+                size = room
+            else:
+                iov.append(buf)
+                size += len(buf)
+        yield segno, offset, iov, size
+        pos += size
 
 class WalStorageError(Exception):
     """The WAL on disk is not what this node wrote (a bug or outside interference)."""
@@ -313,28 +339,12 @@ class WalStorage:
 
     def _pwrite_group(self, begin: Lsn, views: list[memoryview]) -> None:
         pos = begin
-        queue = deque(v for v in views if len(v))
-        while queue:
-            seg_end = (pos // self.seg_size + 1) * self.seg_size
-            room = seg_end - pos
-            iov: list[memoryview] = []
-            size = 0
-            while queue and size < room:
-                buf = queue.popleft()
-                if size + len(buf) > room:
-                    # This buffer crosses the segment end: the rest goes to the next segment.
-                    cut = room - size
-                    iov.append(buf[:cut])
-                    queue.appendleft(buf[cut:])
-                    size = room
-                else:
-                    iov.append(buf)
-                    size += len(buf)
-            fd = self._open_segment(pos // self.seg_size)
-            self._pwritev_all(fd, iov, pos % self.seg_size, size)
+        for segno, offset, iov, size in split_at_segments(begin, views, self.seg_size):
+            fd = self._open_segment(segno)
+            self._pwritev_all(fd, iov, offset, size)
             pos = Lsn(pos + size)
             self.write_lsn = pos
-            if pos == seg_end:
+            if offset + size == self.seg_size:
                 # Durable now; flush_record_lsn follows in flush(), because the tracker has
                 # already seen the whole group and cannot say which record ended here.
                 self._complete_segment()

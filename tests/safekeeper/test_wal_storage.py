@@ -8,12 +8,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from compute.postgres import pg_binary
 from protocol.lsn import WAL_SEGMENT_SIZE, Lsn, format_lsn, segment_file_name
 from protocol.wal.reader import WalStreamDecoder
 from safekeeper.record_tracker import InvalidWal, RecordTracker
-from safekeeper.wal_storage import WalStorage, WalStorageError
+from safekeeper.wal_storage import WalStorage, WalStorageError, split_at_segments
 from tests.safekeeper.conftest import RealWal
 
 SEG = WAL_SEGMENT_SIZE
@@ -169,3 +171,26 @@ def test_tracker_agrees_with_the_wal_decoder(real_wal: RealWal) -> None:
     assert decoder.finish().lsn == tracker.record_end == real_wal.end
     # The tracker reports the latest end per chunk: each must be one of the decoder's.
     assert set(tracker_ends) <= set(decoded_ends)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pos=st.integers(0, 10_000),
+    sizes=st.lists(st.integers(0, 300), max_size=12),
+    seg_size=st.sampled_from([64, 100, 512]),
+)
+def test_split_at_segments_cuts_views_at_segment_ends(
+    pos: int, sizes: list[int], seg_size: int
+) -> None:
+    data = bytes(i % 251 for i in range(sum(sizes)))
+    views, at = [], 0
+    for n in sizes:
+        views.append(memoryview(data)[at : at + n])
+        at += n
+    out = list(split_at_segments(pos, views, seg_size))
+    assert b"".join(b"".join(iov) for _, _, iov, _ in out) == data
+    for segno, offset, iov, size in out:
+        assert segno * seg_size + offset == pos
+        assert size == sum(len(v) for v in iov) > 0
+        assert offset + size <= seg_size
+        pos += size

@@ -17,6 +17,7 @@ from control_plane.local_env import LocalEnv, LocalEnvError, port_free
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
+PORT_GRACE_S = 5.0
 
 
 class ClusterError(Exception):
@@ -44,6 +45,17 @@ def _node_ports(env: LocalEnv, name: str) -> list[int]:
     return [ports.pg, ports.http]
 
 
+def _busy_ports(ports: list[int], grace_s: float = PORT_GRACE_S) -> list[int]:
+    """The ports still in use after ``grace_s``: a node killed a moment ago holds its ports
+    until its last thread has exited, which can be after its pid already shows as a zombie."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        busy = [p for p in ports if not port_free(p)]
+        if not busy or time.monotonic() >= deadline:
+            return busy
+        time.sleep(0.05)
+
+
 def start(env: LocalEnv, *, log: Any = print) -> None:
     """Start every node that is not running; wait until each one's HTTP port answers.
 
@@ -63,7 +75,7 @@ def start(env: LocalEnv, *, log: Any = print) -> None:
                 continue
             # Another process on a node's port would fail the node's bind, and if it speaks
             # HTTP it would even answer the readiness check in the node's place.
-            busy = [p for p in _node_ports(env, name) if not port_free(p)]
+            busy = _busy_ports(_node_ports(env, name))
             if busy:
                 raise ClusterError(
                     f"cannot start {name}: port {', '.join(map(str, busy))} is in use by another "

@@ -506,10 +506,19 @@ class WalStorage:
         """Up to ``size`` bytes at ``lsn``, never crossing a segment end."""
         segno = lsn // self.seg_size
         size = min(size, (segno + 1) * self.seg_size - lsn)
-        path = self.segment_path(segno)
-        if path is None:
+        full = self.directory / self.segment_name(segno)
+        # The .partial name first: the writer (another thread) renames a completed segment
+        # from .partial to its full name, never back, so a .partial gone between the two
+        # opens is found under the full name; looking in the other order (or checking before
+        # opening) could miss the segment during the rename.
+        for path in (full.with_name(full.name + ".partial"), full):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                break
+            except FileNotFoundError:
+                continue
+        else:
             raise WalStorageError(f"WAL segment {self.segment_name(segno)} is not here")
-        fd = os.open(path, os.O_RDONLY)
         try:
             return os.pread(fd, size, lsn % self.seg_size)
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import subprocess
@@ -194,3 +195,25 @@ def test_split_at_segments_cuts_views_at_segment_ends(
         assert size == sum(len(v) for v in iov) > 0
         assert offset + size <= seg_size
         pos += size
+
+
+def test_read_finds_a_segment_renamed_while_it_looks(
+    real_wal: RealWal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer renames a completed segment from ``.partial`` to its full name in another
+    thread while a walsender reads it: the read must find it under either name (it answered
+    "WAL segment ... is not here" to pg_receivewal when the rename fell between its looks)."""
+    storage = WalStorage(tmp_path)
+    storage.truncate(real_wal.start)
+    _write_all(storage, real_wal.start, real_wal.data[:100_000], seed=5)
+    partial = tmp_path / (segment_file_name(1) + ".partial")
+    assert partial.exists()
+    real_open = os.open
+
+    def open_racing_the_rename(path: str | os.PathLike[str], flags: int, *args: int) -> int:
+        if Path(path) == partial and partial.exists():
+            os.rename(partial, tmp_path / segment_file_name(1))  # the writer completes it now
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_racing_the_rename)
+    assert storage.read(real_wal.start, 4096) == real_wal.data[:4096]

@@ -92,7 +92,16 @@ def is_alive(pid: int) -> bool:
         return False
     # The state follows the parenthesised command name, which may itself contain ") ".
     state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3]
-    return state not in (b"Z", b"X")
+    if state == b"X":
+        return False
+    if state == b"Z":
+        # A zombie thread-group leader whose other threads are still exiting: the process
+        # still holds its descriptors (its listening ports) until the last thread is gone.
+        try:
+            return len(os.listdir(f"/proc/{pid}/task")) > 1
+        except OSError:
+            return False
+    return True
 
 
 def running_pid(pid_path: Path) -> int | None:

@@ -132,14 +132,20 @@ class WalStorage:
         return _seg_name(segno, segment_size=self.seg_size)
 
     def segment_path(self, segno: int) -> Path | None:
-        """The file holding ``segno``, complete or ``.partial``; None if there is none."""
-        full = self.directory / self.segment_name(segno)
-        if full.exists():
-            return full
-        partial = full.with_name(full.name + ".partial")
-        if partial.exists():
-            return partial
+        """The file holding ``segno``, complete or ``.partial``; None if there is none.
+
+        The ``.partial`` name is looked at first: while WAL is written, a completed segment is
+        renamed (in another thread) from ``.partial`` to its full name, so a segment renamed
+        between the two looks is still found (the other order can miss it). The way back, a
+        truncation at an election, bumps the epoch, and reads across it are dropped."""
+        for path in self._segment_names(segno):
+            if path.exists():
+                return path
         return None
+
+    def _segment_names(self, segno: int) -> tuple[Path, Path]:
+        full = self.directory / self.segment_name(segno)
+        return full.with_name(full.name + ".partial"), full
 
     def segments(self) -> list[int]:
         out = []
@@ -506,12 +512,9 @@ class WalStorage:
         """Up to ``size`` bytes at ``lsn``, never crossing a segment end."""
         segno = lsn // self.seg_size
         size = min(size, (segno + 1) * self.seg_size - lsn)
-        full = self.directory / self.segment_name(segno)
-        # The .partial name first: the writer (another thread) renames a completed segment
-        # from .partial to its full name, never back, so a .partial gone between the two
-        # opens is found under the full name; looking in the other order (or checking before
-        # opening) could miss the segment during the rename.
-        for path in (full.with_name(full.name + ".partial"), full):
+        # Opened by name in segment_path's order, not looked up and then opened: the rename
+        # could fall between the look and the open.
+        for path in self._segment_names(segno):
             try:
                 fd = os.open(path, os.O_RDONLY)
                 break

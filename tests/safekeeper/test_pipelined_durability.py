@@ -37,9 +37,9 @@ TIMELINE = TimelineId(bytes(range(16, 32)))
 START = Lsn(WAL_SEGMENT_SIZE + 40)
 
 
-async def test_error_after_valid_appends_still_syncs_before_the_ack(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+
+async def _elected_timeline(tmp_path: Path) -> Timeline:
+    """A timeline with fsync on, greeted and elected in term 1 at ``START``."""
     tl = Timeline.create(tmp_path / "tl", 1, TENANT, TIMELINE, no_sync=False)
     greeting = ProposerGreeting(
         tenant_id=TENANT, timeline_id=TIMELINE, pg_version=150000, system_id=7,
@@ -48,6 +48,12 @@ async def test_error_after_valid_appends_still_syncs_before_the_ack(
     elected = ProposerElected(1, START, (TermSwitchEntry(1, START),))
     _, error = await tl.process_batch([greeting, VoteRequest(1), elected])
     assert error is None
+    return tl
+
+async def test_error_after_valid_appends_still_syncs_before_the_ack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tl = await _elected_timeline(tmp_path)
     flushed_before = tl.acceptor.flush_lsn
 
     # Every fdatasync from here on, with the file size it covered.
@@ -100,14 +106,7 @@ async def test_a_failed_fdatasync_is_never_retried_into_an_acknowledgement(
 ) -> None:
     """After EIO from fdatasync Linux may have dropped the dirty pages; a second fdatasync can
     then succeed although the WAL is gone. The timeline must refuse to go on, not ack."""
-    tl = Timeline.create(tmp_path / "tl", 1, TENANT, TIMELINE, no_sync=False)
-    greeting = ProposerGreeting(
-        tenant_id=TENANT, timeline_id=TIMELINE, pg_version=150000, system_id=7,
-        wal_seg_size=WAL_SEGMENT_SIZE,
-    )
-    elected = ProposerElected(1, START, (TermSwitchEntry(1, START),))
-    _, error = await tl.process_batch([greeting, VoteRequest(1), elected])
-    assert error is None
+    tl = await _elected_timeline(tmp_path)
     flushed_before = tl.acceptor.flush_lsn
     real_fdatasync = os.fdatasync
     failures = [OSError(5, "Input/output error")]
@@ -146,14 +145,7 @@ async def test_syncs_in_flight_are_bounded_and_acks_follow_their_own_fsync(
     """The writer starts group N+1's fdatasync before N's returned (at most
     SYNCS_IN_FLIGHT at once), yet every AppendResponse leaves after its own group's
     fdatasync, in group order."""
-    tl = Timeline.create(tmp_path / "tl", 1, TENANT, TIMELINE, no_sync=False)
-    greeting = ProposerGreeting(
-        tenant_id=TENANT, timeline_id=TIMELINE, pg_version=150000, system_id=7,
-        wal_seg_size=WAL_SEGMENT_SIZE,
-    )
-    elected = ProposerElected(1, START, (TermSwitchEntry(1, START),))
-    _, error = await tl.process_batch([greeting, VoteRequest(1), elected])
-    assert error is None
+    tl = await _elected_timeline(tmp_path)
 
     gate = threading.Event()  # holds the first group's fdatasync until the test opens it
     started: list[int] = []
@@ -228,14 +220,7 @@ async def test_each_sync_in_flight_has_its_own_open_file_description(tmp_path: P
     in flight shared one (``dup``), group 2's could consume the EIO of group 1's pages and
     group 1 would be acknowledged. Each pending sync must therefore open the segment anew
     (a shared description shows as a shared file offset)."""
-    tl = Timeline.create(tmp_path / "tl", 1, TENANT, TIMELINE, no_sync=False)
-    greeting = ProposerGreeting(
-        tenant_id=TENANT, timeline_id=TIMELINE, pg_version=150000, system_id=7,
-        wal_seg_size=WAL_SEGMENT_SIZE,
-    )
-    elected = ProposerElected(1, START, (TermSwitchEntry(1, START),))
-    _, error = await tl.process_batch([greeting, VoteRequest(1), elected])
-    assert error is None
+    tl = await _elected_timeline(tmp_path)
     wal = synthetic_wal(START, 16384, system_id=7)
     half = len(wal) // 2
     pendings = []

@@ -42,6 +42,18 @@ time, CPU per record and its ratio to ``pg_recovery_s``:
 
 ``--floor-runs N`` repeats each floor (the line reports the median run); ``--floor-runs 0``
 skips them.
+
+The L0 writer (``--l0-writer inline,process``, ``--rounds N``): the ingest phase runs once
+per configuration and round, interleaved (A, B, A, B, ...), each into a fresh tenant, over
+the same recovered PostgreSQL; one result line per run (``l0_writer``, ``round``), then one
+``bulk_ingest_summary`` line per configuration with the medians. With ``process`` the rolled
+layer's L0 is written by the timeline's worker process in the background: ``l0_worker_cpu_s``
+is that process's CPU time from the start to the end of the ingest (``_final``: to the end of
+the final flush),
+``l0_pending_at_ingest_end`` whether the rolled layer was still being written when
+``last_record_lsn`` reached the end, and ``background_flush_wait_s`` how long after that it
+was done (the final ``flush_s`` excludes it). ``--l0-worker-nice N`` sets the worker's
+niceness (default ``WORKER_NICE``).
 """
 
 from __future__ import annotations
@@ -50,17 +62,19 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import trio
 
 from compute.postgres import PostgresInstance, chown_to_postgres
 from pageserver.import_datadir import import_datadir, run_initdb
 from pageserver.storage.config import StorageConfig
+from pageserver.storage.l0_worker import WORKER_NICE, L0Worker
 from pageserver.tenant import Tenant
 from pageserver.wal_receiver import WalReceiverConfig
 from pageserver.walingest import TimelineWalIngest
@@ -100,6 +114,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--io-engine", choices=("blocking", "threadpool"), default="blocking")
     parser.add_argument("--floor-runs", type=int, default=1,
                         help="runs of each floor configuration (median reported; 0: none)")
+    parser.add_argument("--l0-writer", default=StorageConfig().l0_writer,
+                        help="comma-separated L0 writers to compare (inline, process)")
+    parser.add_argument("--l0-worker-nice", type=int, default=WORKER_NICE,
+                        help=f"niceness of the L0 worker process (default {WORKER_NICE})")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="ingest runs per L0 writer, interleaved (default 1)")
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -176,12 +196,33 @@ def _prepare(root: Path, args: argparse.Namespace) -> tuple[PostgresInstance, Ls
     return pg, start, end, recovery_s
 
 
-async def _ingest(root: Path, pg: PostgresInstance, end: Lsn, args: argparse.Namespace) -> dict[str, Any]:
-    config = StorageConfig(io_engine=args.io_engine, compaction_period_s=0, gc_period_s=0)
+def _l0_writers(text: str) -> list[Literal["inline", "process"]]:
+    out: list[Literal["inline", "process"]] = []
+    for name in text.split(","):
+        if name == "inline":
+            out.append("inline")
+        elif name == "process":
+            out.append("process")
+        else:
+            raise SystemExit(f"--l0-writer: unknown writer {name!r} (inline, process)")
+    return out
+
+
+def _worker_cpu_s(pid: int | None) -> float:
+    return 0.0 if pid is None else _proc_cpu_s(pid)
+
+
+async def _ingest(
+    root: Path, pg: PostgresInstance, end: Lsn, args: argparse.Namespace,
+    l0_writer: Literal["inline", "process"] = "process", tenant_dir: str = "tenant",
+) -> dict[str, Any]:
+    config = StorageConfig(io_engine=args.io_engine, compaction_period_s=0, gc_period_s=0,
+                           l0_writer=l0_writer)
     async with trio.open_nursery() as nursery:
-        tenant = Tenant(root / "tenant", TenantId.generate(), config, redo=PostgresRedoManager(),
+        tenant = Tenant(root / tenant_dir, TenantId.generate(), config, redo=PostgresRedoManager(),
                         nursery=nursery)
         tl = await tenant.create_timeline(TimelineId.generate())
+        tl.l0_worker = L0Worker(nice=args.l0_worker_nice)
         imported = await import_datadir(tl, root / "init")
         await tl.flush()
         cfg = WalReceiverConfig(safekeepers=(("127.0.0.1", pg.port),), idle_timeout_s=60)
@@ -192,17 +233,26 @@ async def _ingest(root: Path, pg: PostgresInstance, end: Lsn, args: argparse.Nam
         t0 = time.perf_counter()
         c0 = time.process_time()
         w0 = _runq_wait_s()
+        worker0 = _worker_cpu_s(tl.l0_worker.pid)  # (started by the import's flush, or not yet)
         nursery.start_soon(ing.run)
         await tl.wait_lsn(end, timeout_s=3600)
         ingest_s = time.perf_counter() - t0
         ingest_cpu_s = time.process_time() - c0
         runq_s = _runq_wait_s() - w0
         load1 = os.getloadavg()[0]
+        worker_cpu_s = _worker_cpu_s(tl.l0_worker.pid) - worker0
+        pending = bool(tl.frozen_layers)
+        t1 = time.perf_counter()
+        await tl.wait_background_flush()
+        background_wait_s = time.perf_counter() - t1
         # the walsender started with this ingest, so its whole CPU time counts
         pids = await trio.to_thread.run_sync(pg.psql, "SELECT pid FROM pg_stat_replication")
         walsender_cpu_s = sum(_proc_cpu_s(int(p)) for p in pids.split())
+        t1 = time.perf_counter()
         await ing.flush()
-        flush_s = time.perf_counter() - t0 - ingest_s
+        flush_s = time.perf_counter() - t1
+        worker_cpu_final_s = _worker_cpu_s(tl.l0_worker.pid) - worker0
+        worker_jobs = tl.l0_worker.jobs
         peak_rss = _status_mib("VmHWM")
         nursery.cancel_scope.cancel()
     stats = ing.ingest.stats
@@ -217,6 +267,13 @@ async def _ingest(root: Path, pg: PostgresInstance, end: Lsn, args: argparse.Nam
         "walsender_cpu_s": round(walsender_cpu_s, 2),
         "loadavg": [round(load0, 1), round(load1, 1)],
         "flush_s": round(flush_s, 2),
+        "l0_writer": l0_writer,
+        "l0_worker_nice": args.l0_worker_nice,
+        "l0_worker_cpu_s": round(worker_cpu_s, 2),
+        "l0_worker_cpu_final_s": round(worker_cpu_final_s, 2),
+        "l0_worker_jobs": worker_jobs,
+        "l0_pending_at_ingest_end": pending,
+        "background_flush_wait_s": round(background_wait_s, 2),
         "records": stats.records,
         "values": stats.values,
         "ingest_mb_per_s": round(wal_bytes / MB / ingest_s, 2),
@@ -311,18 +368,36 @@ def run(args: argparse.Namespace) -> int:
     try:
         trio.run(run_initdb, root / "init")
         pg, start, end, recovery_s = _prepare(root, args)
-        result = trio.run(_ingest, root, pg, end, args)
+        writers = _l0_writers(args.l0_writer)
+        runs: dict[str, list[dict[str, Any]]] = {w: [] for w in writers}
+        for round_no in range(max(1, args.rounds)):
+            for writer in writers:
+                tenant_dir = f"tenant-{writer}-{round_no}"
+                result = trio.run(_ingest, root, pg, end, args, writer, tenant_dir)
+                shutil.rmtree(root / tenant_dir, ignore_errors=True)
+                result = {
+                    "bench": "bulk_ingest",
+                    "wal_mb": round((end - start) / MB, 1),
+                    "pg_recovery_s": round(recovery_s, 2),
+                    "pg_us_per_record": round(recovery_s / max(1, result["records"]) * 1e6, 3),
+                    **result,
+                    "ratio": round(result["ingest_s"] / recovery_s, 2),
+                    "io_engine": args.io_engine,
+                    "round": round_no,
+                }
+                runs[writer].append(result)
+                _emit(result)
         if args.floor_runs > 0:
-            _floors(root, parse_lsn(result["ingest_start"]), end, recovery_s, args.floor_runs)
-        _emit({
-            "bench": "bulk_ingest",
-            "wal_mb": round((end - start) / MB, 1),
-            "pg_recovery_s": round(recovery_s, 2),
-            "pg_us_per_record": round(recovery_s / max(1, result["records"]) * 1e6, 3),
-            **result,
-            "ratio": round(result["ingest_s"] / recovery_s, 2),
-            "io_engine": args.io_engine,
-        })
+            first = runs[writers[0]][0]
+            _floors(root, parse_lsn(first["ingest_start"]), end, recovery_s, args.floor_runs)
+        for name, results in runs.items():
+            summary: dict[str, Any] = {"bench": "bulk_ingest_summary", "l0_writer": name, "runs": len(results),
+                                       "pg_recovery_s": round(recovery_s, 2)}
+            for field in ("ingest_s", "ingest_cpu_s", "us_per_record_cpu", "l0_worker_cpu_s",
+                          "l0_worker_cpu_final_s", "background_flush_wait_s", "flush_s", "ratio"):
+                summary[field] = statistics.median(r[field] for r in results)
+            summary["loadavg"] = [r["loadavg"] for r in results]
+            _emit(summary)
     finally:
         if pg is not None:
             pg.stop("immediate")

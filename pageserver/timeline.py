@@ -37,11 +37,21 @@ which needs it, never waits for a compaction's reading and writing. Readers don'
 layers replaced while a read may still hold them are closed and deleted only when no read is
 in progress (``LayerGraveyard``). ``shutdown`` cancels a running background round and waits
 for it to unwind before closing the layers.
+
+The L0 writer (``l0_writer``): with ``"process"``, a layer of at least ``l0_writer_min_bytes``
+is written by the timeline's worker process (``storage/l0_worker.py``), off the WAL ingest's
+core; the writer's roll freezes the layer and hands it to a background flush task, which holds
+the layers lock while the worker writes and then publishes the L0 exactly as an inline flush
+does (index_part first, then layer map and ``disk_consistent_lsn``); the next roll waits for
+it (one rolled layer in flight). ``flush`` (and so checkpoint and shutdown's flush) waits for a
+background flush and returns with every frozen layer durable. ``shutdown`` cancels a background
+flush (the worker is killed) and stops the worker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import heapq
 import struct
 import time
@@ -58,9 +68,10 @@ from pageserver.storage.config import StorageConfig
 from pageserver.storage.delta_layer import PersistentLayer, ReadContext
 from pageserver.storage.ephemeral_file import EphemeralFile
 from pageserver.storage.index_part import IndexPart, write_index_part
-from pageserver.storage.inmemory_layer import InMemoryLayer
+from pageserver.storage.inmemory_layer import InMemoryLayer, PutItem
 from pageserver.storage.io_engine import IoEngine
 from pageserver.storage.key import Key, KeySpace, key_hex, rel_size_key
+from pageserver.storage.l0_worker import L0Worker
 from pageserver.storage.layer_file import IndexBlockCache, LayerClosedError, WriteOptions
 from pageserver.storage.layer_map import LayerMap
 from pageserver.storage.page_cache import PageCache
@@ -83,6 +94,10 @@ log = structlog.get_logger(__name__)
 GET_VALIDATION_MISMATCHES = Counter(
     "pageserver_get_validation_mismatches",
     "reads where the vectored and the legacy path disagreed (validate_get)",
+)
+BACKGROUND_FLUSH_FAILURES = Counter(
+    "pageserver_background_flush_failures",
+    "background L0 flushes of a rolled layer that failed (the frozen layer stays for the next flush)",
 )
 
 Result = bytes | PageReconstructError
@@ -196,6 +211,12 @@ class Timeline:
         self._lsn_times: list[tuple[float, Lsn]] = []
         self.last_image_check_lsn = INVALID_LSN
         self._key = timeline_id.raw
+        # The L0 writer process (``l0_writer = "process"``): started on its first job, stopped
+        # by ``shutdown``. Tests may replace it (before its first job) with one that has fault flags.
+        self.l0_worker = L0Worker()
+        # The writer's roll hands the frozen layer to a background flush (its scope, its end)
+        self._background_flush: tuple[trio.CancelScope, trio.Event] | None = None
+        self.background_flush_failures = 0
 
     # -- ReadableTimeline ------------------------------------------------------------------
 
@@ -382,6 +403,43 @@ class Timeline:
             self._max_put_lsn = items[done - 1][1]
         return done
 
+    def put_mixed_nowait(self, items: Sequence[PutItem], start: int = 0, sub: int = 0) -> tuple[int, int]:
+        """``put_many_nowait`` of items that are values or runs of values of one key
+        (``InMemoryLayer.try_put_mixed``: the fused WAL ingest's runs of like records), from
+        value ``sub`` of ``items[start]`` on, with the same tests (LSNs, open layer, put
+        lock, roll); returns ``(i, v)``, the first value not stored (value ``v`` of
+        ``items[i]``), which the caller stores with ``put_encoded`` before it continues."""
+        n = len(items)
+        if start >= n:
+            return start, sub
+        item = items[start]
+        if len(item) != 4 and not item[3]:
+            raise ValueError("a run of no values")
+        lsn = item[1] if len(item) == 4 else item[1][sub]
+        if lsn <= self._last_record_lsn or lsn < self._max_put_lsn or lsn < self._next_layer_start:
+            return start, sub
+        layer = self.open_layer
+        lock = self._put_lock_obj
+        if layer is None or (lock is not None and lock.locked()):
+            return start, sub
+        cfg = self.config
+        item = items[-1]
+        last = item[1] if len(item) == 4 else item[1][-1]
+        max_size = 1 << 62
+        if last > self._max_put_lsn:
+            # put_many_nowait's roll test, for the highest LSN
+            if (
+                last - layer.start_lsn >= cfg.checkpoint_distance
+                or time.monotonic() - layer.opened_at >= cfg.checkpoint_timeout_s
+            ):
+                return start, sub
+            max_size = cfg.checkpoint_distance
+        i, v = layer.try_put_mixed(items, start, sub, max_size)
+        if (i, v) != (start, sub):
+            item = items[i - 1] if v == 0 else items[i]
+            self._max_put_lsn = Lsn(item[1] if len(item) == 4 else item[1][v - 1])
+        return i, v
+
     def _should_roll(self, layer: InMemoryLayer, lsn: Lsn, size: int) -> bool:
         cfg = self.config
         return (
@@ -458,6 +516,9 @@ class Timeline:
         and, once durable, have a restart skip the record with values missing. A record the
         writer abandoned (failed, cancelled) is never finished: then ``LsnTimeoutError`` after
         ``wait_lsn_timeout_s``, and ``disk_consistent_lsn`` stays below it (re-ingested whole).
+        A background flush of a rolled layer holds the layers lock: this waits for it, then
+        writes whatever is still frozen (a layer it failed on too), so every layer frozen
+        before the call is durable when it returns.
         """
         async with self._lock:
             # The writer needs ``_lock`` only to roll, between two records: no deadlock.
@@ -474,17 +535,102 @@ class Timeline:
 
     async def _flush(self) -> None:
         """The writer's roll (``put_encoded``): it is between two records (the put that rolls
-        is above every earlier put, so each record put so far is whole, finished or not)."""
+        is above every earlier put, so each record put so far is whole, finished or not).
+
+        With the process L0 writer the frozen layer's L0 is written in the background (the
+        writer goes on into a new open layer; readers read the frozen layer meanwhile). The
+        background flush holds the layers lock while it writes, so the next roll waits here
+        for it: at most one rolled layer is in flight (bounded memory and disk). A layer left
+        frozen by a failed background flush is written by the roll itself, before anything
+        newer, and its error then reaches the writer as an inline failure would."""
         async with self._lock:
             await self._freeze(whole_records=False)
-            await self._write_frozen()
+            started = self._start_background_flush()
+            if started is None:
+                await self._write_frozen()
+                return
+        # The task takes the layers lock as soon as the roll lets it go; the writer waits for
+        # that (a few µs) so the flush runs now even if the writer does not yield for long.
+        await started.wait()
+
+    async def wait_background_flush(self) -> None:
+        """Return once no background flush of a rolled layer is running (it may have failed:
+        then the layer is still in ``frozen_layers``; ``flush`` writes it)."""
+        while self._background_flush is not None:
+            await self._background_flush[1].wait()
+
+    def _start_background_flush(self) -> trio.Event | None:
+        """Hand the one frozen layer to ``_run_background_flush`` if the config says so;
+        ``None`` if not (caller holds the layers lock, which the task takes when the caller
+        lets it go: the returned event is set once it holds it)."""
+        frozen = self.frozen_layers
+        cfg = self.config
+        if (
+            cfg.l0_writer != "process"
+            or self.nursery is None
+            or self._shut_down
+            or len(frozen) != 1
+            or frozen[0].size < cfg.l0_writer_min_bytes
+        ):
+            return None
+        scope, started, done = trio.CancelScope(), trio.Event(), trio.Event()
+        try:
+            self.nursery.start_soon(self._run_background_flush, scope, started, done, name="timeline.l0_flush")
+        except RuntimeError:
+            return None  # the nursery is closing: the roll writes it itself
+        self._background_flush = (scope, done)
+        return started
+
+    async def _run_background_flush(self, scope: trio.CancelScope, started: trio.Event, done: trio.Event) -> None:
+        """Write the rolled layer's L0 and publish it, as ``flush`` does. A failure leaves the
+        frozen layer in place (nothing advanced) for the next roll or flush; it is logged and
+        counted, not raised into the tenant's nursery. ``shutdown`` cancels it."""
+        try:
+            with scope:
+                async with self._lock:
+                    started.set()
+                    if not self._layers_closed:
+                        await self._write_frozen()
+        except Exception:
+            self.background_flush_failures += 1
+            BACKGROUND_FLUSH_FAILURES.inc()
+            log.error(
+                "background L0 flush failed; the frozen layer stays for the next flush",
+                tenant_id=self.tenant_id.hex,
+                timeline_id=self.timeline_id.hex,
+                exc_info=True,
+            )
+        finally:
+            if self._background_flush is not None and self._background_flush[1] is done:
+                self._background_flush = None
+            started.set()
+            done.set()
+
+    async def _write_l0(self, layer: InMemoryLayer) -> Path | None:
+        """``layer``'s L0 file, written as the config says (``l0_writer``)."""
+        cfg = self.config
+        if cfg.l0_writer == "inline" or layer.size < cfg.l0_writer_min_bytes:
+            return await layer.write_l0(self.engine, self.path, self.write_options())
+        if not layer.file.writer.closed:
+            # A ``freeze`` in another task is still writing the layer's tail; it holds the put
+            # lock until it is done (the worker reads the tail from the file).
+            async with self._put_lock:
+                pass
+            if not layer.file.writer.closed:
+                raise OSError(
+                    errno.EIO, f"{layer}: its tail was not written to {layer.file.path} (the freeze failed)"
+                )
+        self._raise_if_layers_closed()
+        return await self.l0_worker.write_l0(
+            layer, self.path, buffer_size=cfg.write_buffer_size, write_sync_mode=self.engine.write_sync_mode
+        )
 
     async def _write_frozen(self) -> None:
         """Write every frozen layer to an L0 file and record it (caller holds ``_lock``)."""
         while self.frozen_layers:
             layer = self.frozen_layers[0]
             assert layer.end_lsn is not None
-            path = await layer.write_l0(self.engine, self.path, self.write_options())
+            path = await self._write_l0(layer)
             added: list[PersistentLayer] = []
             if path is not None:
                 added.append(await PersistentLayer.open(self.engine, path, self.index_cache))
@@ -885,6 +1031,13 @@ class Timeline:
         self._shut_down = True
         if self._background_scope is not None:
             self._background_scope.cancel()
+        background_flush = self._background_flush
+        if background_flush is not None:
+            # a rolled layer's L0 still being written: cancelled (the worker is killed), the
+            # layer's WAL is re-ingested after a restart like any in-memory layer's
+            background_flush[0].cancel()
+            with trio.CancelScope(shield=True):
+                await background_flush[1].wait()
         lock = self._background_lock
         try:
             lock.acquire_nowait()  # no checkpoint: callers shut down from cancelled scopes too
@@ -895,6 +1048,7 @@ class Timeline:
             await self._close_layers()
         finally:
             lock.release()
+            await self.l0_worker.aclose()  # (shielded inside: no process outlives its timeline)
 
     async def _close_layers(self) -> None:
         self._layers_closed = True

@@ -16,9 +16,24 @@ per list, when its last record has been handed over. Standby status updates tell
 pageserver got: write = last record received, flush = ``disk_consistent_lsn``, apply =
 ``remote_consistent_lsn`` (both from the injected ``progress`` callable).
 
+Which safekeeper: before each session the receiver asks every safekeeper not in backoff
+for its position (``IDENTIFY_SYSTEM``: a safekeeper answers its ``commit_lsn``, the end of
+what it would stream; a vanilla PostgreSQL its flush position) and streams from the most
+advanced one (ties: the next one in the list after the last used), on the connection it
+probed. The safekeepers' commit positions differ: a commit position rides on the next
+AppendRequest, so when the proposer goes away (a compute killed, or sync-safekeepers, which
+stops once a quorum has the new commit position) one safekeeper can keep a lower
+``commit_lsn`` for good, and streaming from it waits forever, with keepalives, for WAL that
+the others would send. So, like Neon's ``lagging_wal_timeout``, a session that received no
+WAL for ``lagging_wal_timeout_s`` asks the other safekeepers again and ends
+(``SafekeeperLagging``) when one of them has committed past what this one sent; the next
+session resumes at ``last_record_lsn`` on the more advanced one.
+
 On any failure (refused connection, a stream that ends, a safekeeper silent for
-``idle_timeout_s``, WAL that does not decode) it moves on to the next safekeeper in the list,
-with exponential backoff once every safekeeper has failed in a row. A record the callee
+``idle_timeout_s``, WAL that does not decode) the safekeeper goes into an exponential backoff
+of its own (reset by a session that hands over records) and the receiver chooses again among
+the others; when every safekeeper is in backoff it sleeps until the first one is out of it.
+A record the callee
 rejects as malformed (``RemoteProtocolError`` from it) is not such a failure: every safekeeper
 sends the same WAL, so the receiver stops with ``WalIngestError``. Cancellation stops it
 at once: the connection is closed under a short shielded deadline.
@@ -29,6 +44,7 @@ as well (tests use that).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -37,10 +53,11 @@ import structlog
 import trio
 
 from common import pgclient
-from protocol.errors import RemoteProtocolError
+from protocol.errors import PROTOCOL_VIOLATION, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
-from protocol.lsn import Lsn, format_lsn
+from protocol.lsn import Lsn, format_lsn, parse_lsn
 from protocol.replication import (
+    IdentifySystem,
     PrimaryKeepalive,
     StandbyStatusUpdate,
     StartReplication,
@@ -64,11 +81,14 @@ class CopyStream(Protocol):
 class PgConnection(Protocol):
     """The part of ``common.pgclient.PgClientConnection`` the receiver drives."""
 
+    async def query(self, sql: str) -> list[tuple[str | None, ...]]: ...
+
     async def copy_both(self, sql: str) -> CopyStream: ...
 
     async def aclose(self) -> None: ...
 
 
+Addr = tuple[str, int]
 # (host, port, startup parameters: user, options, replication, application_name)
 Connector = Callable[[str, int, dict[str, str]], Awaitable[PgConnection]]
 OnRecord = Callable[[DecodedRecord], Awaitable[None]]
@@ -105,9 +125,22 @@ class WalIngestError(Exception):
     error), and its owner records the failure."""
 
 
+class SafekeeperLagging(Exception):
+    """The current safekeeper sent no WAL for ``lagging_wal_timeout_s`` while ``better`` has
+    committed WAL past what it sent: the session ends and the receiver moves on."""
+
+    def __init__(self, current: Addr, better: Addr, position: Lsn, received: Lsn) -> None:
+        super().__init__(
+            f"{_addr(current)} sent nothing past {format_lsn(received)}, while {_addr(better)} "
+            f"has committed up to {format_lsn(position)}"
+        )
+        self.better = better
+        self.position = position
+
+
 @attrs.frozen
 class WalReceiverConfig:
-    safekeepers: tuple[tuple[str, int], ...]
+    safekeepers: tuple[Addr, ...]
     tenant_id: TenantId | None = None
     timeline_id: TimelineId | None = None
     application_name: str = "pageserver"
@@ -115,6 +148,9 @@ class WalReceiverConfig:
     status_interval_s: float = 1.0
     idle_timeout_s: float = 10.0
     connect_timeout_s: float = 5.0
+    # No WAL for this long while another safekeeper has committed more: move there (Neon's
+    # lagging_wal_timeout; also the interval of the look at the others while no WAL comes).
+    lagging_wal_timeout_s: float = 3.0
     min_backoff_s: float = 0.05
     max_backoff_s: float = 5.0
 
@@ -133,6 +169,23 @@ class _Wakeup:
     def consume(self) -> None:
         if self.event.is_set():
             self.event = trio.Event()
+
+
+@attrs.define
+class _Backoff:
+    """One safekeeper's retry state: failed sessions in a row push ``retry_at`` out."""
+
+    delay: float
+    retry_at: float
+
+
+@attrs.frozen
+class _Probed:
+    """A connection to a safekeeper that answered IDENTIFY_SYSTEM, and its position."""
+
+    addr: Addr
+    conn: PgConnection
+    position: Lsn
 
 
 class WalReceiver:
@@ -163,9 +216,15 @@ class WalReceiver:
         self.last_record_lsn = start_lsn
         self.records_received = 0
         self.sessions = 0
-        self.current: tuple[str, int] | None = None
+        # Sessions ended because another safekeeper was ahead (SafekeeperLagging).
+        self.lagging_switches = 0
+        self.current: Addr | None = None
+        # The last failure seen (a session's or a probe's), for the timeline's status.
         self.last_error: str | None = None
         self._advanced = trio.Event()
+        self._backoff: dict[Addr, _Backoff] = {}
+        # Index in cfg.safekeepers after the last one used: ties go there first (round robin).
+        self._next = 0
 
     async def wait_for_lsn(self, lsn: Lsn) -> None:
         """Wait until a record ending at or after ``lsn`` has been handed over."""
@@ -173,34 +232,96 @@ class WalReceiver:
             await self._advanced.wait()
 
     async def run(self) -> None:
-        """Receive forever (until cancelled), switching safekeepers on failure."""
-        n = len(self.cfg.safekeepers)
-        index = 0
-        failures_in_row = 0
-        backoff = self.cfg.min_backoff_s
+        """Receive forever (until cancelled), from the most advanced safekeeper at hand."""
         while True:
-            addr = self.cfg.safekeepers[index % n]
+            chosen = await self._choose()
+            if chosen is None:
+                # Every safekeeper failed lately: wait for the first one out of backoff.
+                await trio.sleep_until(min(b.retry_at for b in self._backoff.values()))
+                continue
+            addr = chosen.addr
+            self._next = (self.cfg.safekeepers.index(addr) + 1) % len(self.cfg.safekeepers)
             before = self.records_received
+            failed = False
             try:
-                await self._session(addr)
+                await self._session(chosen)
+            except* SafekeeperLagging as eg:
+                exc = _first_leaf(eg)
+                self.lagging_switches += 1
+                log.info("wal receiver leaving a lagging safekeeper", safekeeper=_addr(addr),
+                         reason=str(exc), at=format_lsn(self.last_record_lsn))
             except* CONNECTION_ERRORS as eg:
-                exc = eg.exceptions[0]
-                while isinstance(exc, BaseExceptionGroup):
-                    exc = exc.exceptions[0]
-                self.last_error = f"{addr[0]}:{addr[1]}: {exc!r}"
-                log.info("wal receiver session ended", safekeeper=f"{addr[0]}:{addr[1]}",
-                         error=repr(exc), at=format_lsn(self.last_record_lsn))
+                failed = True
+                self._failed(addr, _first_leaf(eg), "wal receiver session ended")
             finally:
                 self.current = None
             if self.records_received > before:
-                failures_in_row = 0
-                backoff = self.cfg.min_backoff_s
-            else:
-                failures_in_row += 1
-            index += 1
-            if failures_in_row >= n:
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, self.cfg.max_backoff_s)
+                self._backoff.pop(addr, None)
+            elif failed:
+                self._penalise(addr)
+
+    def _failed(self, addr: Addr, exc: BaseException, event: str) -> None:
+        self.last_error = f"{_addr(addr)}: {exc!r}"
+        log.info(event, safekeeper=_addr(addr), error=repr(exc), at=format_lsn(self.last_record_lsn))
+
+    def _penalise(self, addr: Addr) -> None:
+        b = self._backoff.get(addr)
+        delay = self.cfg.min_backoff_s if b is None else min(b.delay * 2, self.cfg.max_backoff_s)
+        self._backoff[addr] = _Backoff(delay, trio.current_time() + delay)
+
+    def _ready(self, addr: Addr) -> bool:
+        b = self._backoff.get(addr)
+        return b is None or b.retry_at <= trio.current_time()
+
+    async def _choose(self) -> _Probed | None:
+        """Probe the safekeepers out of backoff; the most advanced one's connection (the
+        others are closed), or None when none answered."""
+        n = len(self.cfg.safekeepers)
+        candidates = [a for a in self.cfg.safekeepers if self._ready(a)]
+        if not candidates:
+            return None
+        probed = await self._probe_all(candidates)
+        if not probed:
+            return None
+
+        def rank(p: _Probed) -> tuple[Lsn, int]:
+            # The highest position; among equals the first at or after _next (round robin).
+            return p.position, -((self.cfg.safekeepers.index(p.addr) - self._next) % n)
+
+        best = max(probed, key=rank)
+        await _close_all([p.conn for p in probed if p is not best])
+        return best
+
+    async def _probe_all(self, addrs: Sequence[Addr]) -> list[_Probed]:
+        """IDENTIFY_SYSTEM on each of ``addrs`` at once; a safekeeper that fails is logged,
+        recorded as ``last_error`` and put in backoff."""
+        probed: list[_Probed] = []
+
+        async def probe(addr: Addr) -> None:
+            try:
+                probed.append(await self._probe(addr))
+            except* CONNECTION_ERRORS as eg:
+                self._failed(addr, _first_leaf(eg), "wal receiver probe failed")
+                self._penalise(addr)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for addr in addrs:
+                    nursery.start_soon(probe, addr)
+        except BaseException:
+            await _close_all([p.conn for p in probed])
+            raise
+        return probed
+
+    async def _probe(self, addr: Addr) -> _Probed:
+        with trio.fail_after(self.cfg.connect_timeout_s):
+            conn = await self._connect(addr[0], addr[1], self._params())
+            try:
+                rows = await conn.query(IdentifySystem().to_sql())
+                return _Probed(addr, conn, _identify_position(rows))
+            except BaseException:
+                await _close_all([conn])
+                raise
 
     def _params(self) -> dict[str, str]:
         params = {"user": self.cfg.user, "replication": "true",
@@ -211,30 +332,46 @@ class WalReceiver:
             )
         return params
 
-    async def _session(self, addr: tuple[str, int]) -> None:
-        with trio.fail_after(self.cfg.connect_timeout_s):
-            conn = await self._connect(addr[0], addr[1], self._params())
+    async def _session(self, chosen: _Probed) -> None:
+        addr, conn = chosen.addr, chosen.conn
         self.sessions += 1
         self.current = addr
         try:
             start = self.last_record_lsn
             with trio.fail_after(self.cfg.connect_timeout_s):
                 copy = await conn.copy_both(StartReplication(start).to_sql())
-            log.info("receiving WAL", safekeeper=f"{addr[0]}:{addr[1]}", start=format_lsn(start))
+            log.info("receiving WAL", safekeeper=_addr(addr), start=format_lsn(start),
+                     safekeeper_position=format_lsn(chosen.position))
             decoder = WalStreamDecoder(start)
             reply = _Wakeup()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._status_sender, copy, reply)
-                await self._receive(copy, decoder, reply)
+                await self._receive(addr, copy, decoder, reply)
         finally:
-            with trio.move_on_after(1) as cleanup:
-                cleanup.shield = True
-                await conn.aclose()
+            await _close_all([conn])
 
-    async def _receive(self, copy: CopyStream, decoder: WalStreamDecoder, reply: _Wakeup) -> None:
+    async def _receive(
+        self, addr: Addr, copy: CopyStream, decoder: WalStreamDecoder, reply: _Wakeup
+    ) -> None:
+        lag_timeout = self.cfg.lagging_wal_timeout_s if len(self.cfg.safekeepers) > 1 else math.inf
+        last_message = trio.current_time()
+        look_around_at = last_message + lag_timeout
         while True:
-            with trio.fail_after(self.cfg.idle_timeout_s):
+            if trio.current_time() >= look_around_at:
+                # No WAL for lagging_wal_timeout_s: is another safekeeper ahead of this one?
+                await self._leave_if_lagging(addr, decoder.fed_lsn)
+                look_around_at = trio.current_time() + lag_timeout
+            silent_at = last_message + self.cfg.idle_timeout_s
+            # (A cancelled receive loses nothing: the client's buffer keeps partial messages.)
+            with trio.move_on_at(min(silent_at, look_around_at)) as waiting:
                 payload = await copy.receive()
+            if waiting.cancelled_caught:
+                if trio.current_time() >= silent_at:
+                    raise trio.TooSlowError(
+                        f"the safekeeper sent nothing for {self.cfg.idle_timeout_s:g} s"
+                    )
+                continue
+            last_message = trio.current_time()
             if payload is None:
                 raise EOFError("the safekeeper ended the stream")
             msg = decode_server_copy_data(payload)
@@ -259,6 +396,20 @@ class WalReceiver:
                 raise WalDecodeError(
                     f"WAL stopped decoding at {format_lsn(stop.error_lsn)}: {stop.reason}"
                 )
+            # Time spent handing WAL over is neither silence nor lag.
+            last_message = trio.current_time()
+            look_around_at = last_message + lag_timeout
+
+    async def _leave_if_lagging(self, current: Addr, received: Lsn) -> None:
+        others = [a for a in self.cfg.safekeepers if a != current and self._ready(a)]
+        if not others:
+            return
+        probed = await self._probe_all(others)
+        await _close_all([p.conn for p in probed])
+        ahead = [p for p in probed if p.position > received]
+        if ahead:
+            best = max(ahead, key=lambda p: p.position)
+            raise SafekeeperLagging(current, best.addr, best.position, received)
 
     async def _take(self, on_wal: OnWal, decoder: WalStreamDecoder) -> NeedData | EndOfWal:
         try:
@@ -313,7 +464,39 @@ class WalReceiver:
         return StandbyStatusUpdate(received, flush, apply, pg_now(), False)
 
 
-def parse_safekeepers(text: str | Sequence[str]) -> tuple[tuple[str, int], ...]:
+def _addr(addr: Addr) -> str:
+    return f"{addr[0]}:{addr[1]}"
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _identify_position(rows: list[tuple[str | None, ...]]) -> Lsn:
+    """``xlogpos`` of an IDENTIFY_SYSTEM answer (systemid, timeline, xlogpos, dbname)."""
+    if len(rows) != 1 or len(rows[0]) < 3 or rows[0][2] is None:
+        raise RemoteProtocolError(
+            f"IDENTIFY_SYSTEM answered {rows!r}, not one row with xlogpos",
+            sqlstate=PROTOCOL_VIOLATION,
+        )
+    return parse_lsn(rows[0][2])
+
+
+async def _close_all(conns: Sequence[PgConnection]) -> None:
+    # Shielded with a short deadline each: closing must happen even when we are cancelled, and
+    # a connection we are done with that fails to close has nothing left to lose.
+    for conn in conns:
+        with trio.move_on_after(1) as cleanup:
+            cleanup.shield = True
+            try:
+                await conn.aclose()
+            except CONNECTION_ERRORS as exc:
+                log.debug("closing a replication connection failed", error=repr(exc))
+
+
+def parse_safekeepers(text: str | Sequence[str]) -> tuple[Addr, ...]:
     """``host:port,host:port`` (or a list of ``host:port``)."""
     items = text.split(",") if isinstance(text, str) else list(text)
     out = []

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from pageserver.pgdatadir import (
     DatadirWriter,
     RelKey,
 )
+from pageserver.storage.inmemory_layer import PutItem
 from pageserver.storage.key import (
     FSM_FORKNUM,
     INIT_FORKNUM,
@@ -207,6 +209,76 @@ _REL_SIZE = struct.Struct("<I")  # a relation size value, as DatadirModification
 # encode_postgres_record(will_init, raw) == _PG_RECORD_HEADS[will_init] + raw
 _PG_RECORD_HEADS = (encode_postgres_record(False, b""), encode_postgres_record(True, b""))
 _PD_LSN = struct.Struct("<II")
+
+
+# Runs of like records (``_same_run``): a record taken by the fused path through the "same
+# as the one before" shortcut is checked together with up to the rest of its page's records
+# when at least this many more could follow on the page.
+_RUN_MIN = 4
+# per record of a run: (xl_tot_len, xl_xid), xl_prev, (xl_info, xl_rmid, padding), xl_crc, and
+# the 22 layout bytes (SIMPLE_HEADERS)
+_RUN_HEAD = "8sQ4sI22s"
+_RUN_ONE = struct.Struct("<" + _RUN_HEAD)
+_EVEN_BYTES = bytes(range(0, 256, 2))
+
+
+@lru_cache(maxsize=1024)
+def _run_struct(one: str, gap: int, count: int) -> struct.Struct:
+    """``count`` times ``one``, ``gap`` pad bytes between two (none after the last, so an
+    unpack never reads past the last record)."""
+    return struct.Struct("<" + f"{gap}x".join([one] * count))
+
+
+def _same_prefix(got: Sequence[object], want: object) -> int:
+    """How many items at the start of ``got`` equal ``want``."""
+    for i, x in enumerate(got):
+        if x != want:
+            return i
+    return len(got)
+
+
+def _first_difference(a: Sequence[object], b: Sequence[object]) -> int:
+    """The first index where two sequences of one length (that differ) differ."""
+    return next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+
+
+def _same_run(
+    buf: bytes, o: int, pos: int, tot_len: int, stride: int, k: int, vm_at: int
+) -> tuple[int, tuple[bytes, ...]]:
+    """The fused path's run of like records: of the ``k`` records that would start at
+    ``o + stride``, ``o + 2 * stride``... (all inside the page and the input), how many in a
+    row are like the record at ``o`` (LSN ``pos``, already checked and taken through the
+    shortcut, so its layout, block, xid and VM test are decided) -- the same ``xl_tot_len``,
+    ``xl_xid``, ``xl_info``, ``xl_rmid`` (and header padding) and 22 layout bytes, ``xl_prev``
+    the start of the record before, the INSERT's flags byte at ``vm_at`` (when > 0) without
+    the VM bit, CRC-32C right -- so each passes every test the per-record loop would make.
+    Returns that count ``m`` and the raw bytes of the record at ``o`` and of those ``m``.
+    A few C calls per run instead of a loop iteration per record: struct unpacks of every
+    record's header fields and of its two CRC pieces, tuple compares, one ``crc32c`` map."""
+    h8, _prev, irp, _crc, sig = _RUN_ONE.unpack_from(buf, o)
+    first = o + stride
+    heads = _run_struct(_RUN_HEAD, stride - _RUN_ONE.size, k).unpack_from(buf, first)
+    m = k
+    for col, want in ((heads[0::5], h8), (heads[2::5], irp), (heads[4::5], sig)):
+        if col.count(want) != k:
+            m = min(m, _same_prefix(col, want))
+    if m:
+        prevs = heads[1 : 5 * m : 5]
+        chain = tuple(range(pos, pos + m * stride, stride))
+        if prevs != chain:
+            m = _first_difference(prevs, chain)
+    if m and vm_at > 0:
+        flags = buf[first + vm_at : first + (m - 1) * stride + vm_at + 1 : stride]
+        if flags.translate(None, _EVEN_BYTES):
+            m = next(i for i, f in enumerate(flags) if f & 0x01)
+    if m:
+        crc32c = _crcmod.crc32c
+        pieces = _run_struct(f"20s4x{tot_len - SIZE_OF_XLOG_RECORD}s", stride - tot_len, m).unpack_from(buf, first)
+        crcs = tuple(map(crc32c, pieces[0::2], map(crc32c, pieces[1::2])))
+        want_crcs = heads[3 : 5 * m : 5]
+        if crcs != want_crcs:
+            m = _first_difference(crcs, want_crcs)
+    return m, _run_struct(f"{tot_len}s", stride - tot_len, m + 1).unpack_from(buf, o)
 
 
 # 1 GiB of zero pages: far beyond any bulk extension PostgreSQL does without WAL.
@@ -510,8 +582,12 @@ class WalIngest:
         comes from ``dec.next_record()`` (which checks it again and reports the end of WAL
         exactly as before) and goes, with the records after it up to the next fused one,
         through ``ingest_records``, after the fused values collected so far are stored and
-        finished. ``last_record_lsn`` advances as in ``ingest_records``: before every await,
-        at the end, and only over records whose values are all stored."""
+        finished (a record ``next_record`` gave whole that is of the fused kind, such as a bulk
+        load's record crossing into the next page, is collected like a fused one:
+        ``_fused_whole``). Records like the one just taken that follow it on the page are
+        checked together (``_same_run``) and collected as one run item, stored with the values
+        by ``_store_mixed``. ``last_record_lsn`` advances as in ``ingest_records``: before
+        every await, at the end, and only over records whose values are all stored."""
         tl = self.tl
         w = self.w
         sizes = w.rel_sizes
@@ -523,7 +599,9 @@ class WalIngest:
         unpack_layout = _SIMPLE_LAYOUT.unpack
         payload_at = SIMPLE_PAYLOAD_AT
         not_simple = BKPBLOCK_HAS_IMAGE | BKPBLOCK_SAME_REL
-        items: list[tuple[Key, Lsn, bytes, bool]] = []
+        # values (key, end, value, will_init) and runs of like records (key, ends, head, raws,
+        # will_init), in LSN order (Timeline.put_mixed_nowait)
+        items: list[PutItem] = []
         add: Callable[..., None] = items.append  # (end is a plain int here)
         slow: list[DecodedRecord] = []
         last: int = tl.last_record_lsn  # end of the last record taken
@@ -628,6 +706,23 @@ class WalIngest:
                     raw = buf[o : o + tot_len]
                     if crc32c(raw[:20], crc32c(raw[SIZE_OF_XLOG_RECORD:])) != crc:
                         break  # next_record reports it
+                    if (
+                        grown is None
+                        and vm_at >= 0
+                        and (k := (bound - end - tot_len) // (end - pos) + 1) >= _RUN_MIN
+                        and buf[end - base + SIZE_OF_XLOG_RECORD : end - base + payload_at] == sig
+                    ):
+                        # like records after this one (a bulk load's INSERTs into one heap
+                        # page): checked together, collected as one run (no value per record)
+                        stride = end - pos
+                        m, raws = _same_run(buf, o, pos, tot_len, stride, k, vm_at)
+                        if m:
+                            top = end + m * stride
+                            add((key, range(end, top + 1, stride), head, raws, will_init))
+                            last_start = prev = pos + m * stride
+                            last = pos = top
+                            n_fast += m + 1
+                            continue
                     add((key, end, head + raw, will_init))
                     if grown is not None:
                         size = blkno + 1
@@ -648,13 +743,20 @@ class WalIngest:
             if not pending:
                 item = dec.next_record()
                 if isinstance(item, DecodedRecord):
-                    slow.append(item)
                     taken += 1
+                    if not slow and self._fused_whole(item, last, add):
+                        # (a bulk load's record crossing into the next page)
+                        last_start, last = item.lsn, item.end_lsn
+                        stats.records += 1
+                        stats.values += 1
+                        stats.wal_records += 1
+                        continue
+                    slow.append(item)
                     continue
                 stop = item
             # store the fused values, finish their records, then the slow records
             if items:
-                await self._store(items)
+                await self._store_mixed(items)
                 items.clear()
             if last > tl.last_record_lsn:
                 tl.finish_write(Lsn(last))
@@ -667,6 +769,51 @@ class WalIngest:
             if not pending:
                 end_lsn = self.last_record[1] if taken and self.last_record is not None else 0
                 return taken, Lsn(end_lsn), stop
+
+    def _fused_whole(self, rec: DecodedRecord, last: int, add: Callable[..., None]) -> bool:
+        """The fused path for a record the decoder gave whole (``next_record``: one that
+        crosses into the next page, already checked there): if it is of the fused kind --
+        ending above ``last``, one block without image in a fork up to INIT, a resource
+        manager of ``_FAST_RMGRS`` clearing no VM bit, an xid below nextXid, the block inside
+        its fork or the one just past its end -- ``add`` its values as ``ingest_records``
+        would collect them (the raw record under the block's key, and the new size) and say
+        ``True``; else change nothing. Saves the batch call for one record."""
+        end = rec.end_lsn
+        blocks = rec.blocks
+        if end <= last or rec.xl_rmid not in _FAST_RMGRS or len(blocks) != 1:
+            return False
+        blk = blocks[0]
+        flags = blk.fork_flags
+        forknum = blk.forknum
+        if flags & BKPBLOCK_HAS_IMAGE or forknum > INIT_FORKNUM:
+            return False
+        xid = rec.xl_xid
+        if xid:
+            cp = self.w.checkpoint
+            if cp is None:
+                return False
+            nxt = cp.next_xid & 0xFFFF_FFFF
+            if xid >= FIRST_NORMAL_XID and nxt >= FIRST_NORMAL_XID:
+                if ((xid - nxt) & 0xFFFF_FFFF) < 0x8000_0000:
+                    return False
+            elif xid >= nxt:
+                return False
+        if rec.xl_rmid <= _RM_HEAP and _may_clear_vm(rec):
+            return False
+        rnode = blk.rnode
+        blkno = blk.blkno
+        rel = (rnode.spc, rnode.db, rnode.rel, forknum)
+        sizes = self.w.rel_sizes
+        n = sizes.get(rel)
+        grown = n is None or blkno >= n
+        if grown and blkno != n:
+            return False
+        will_init = flags & BKPBLOCK_WILL_INIT != 0
+        add((rel_block_key(rnode.spc, rnode.db, rnode.rel, forknum, blkno), end, _PG_RECORD_HEADS[will_init] + rec.raw, will_init))
+        if grown:
+            add((rel_size_key(*rel), end, encode_value(Image(_REL_SIZE.pack(blkno + 1))), True))
+            sizes[rel] = blkno + 1
+        return True
 
     async def _store(self, items: list[tuple[Key, Lsn, bytes, bool]]) -> None:
         """Store the values ``ingest_records`` collected: as many at a time as the write
@@ -686,6 +833,36 @@ class WalIngest:
                 tl.finish_write(items[j][1])
             await tl.put_encoded(key, lsn, blob, will_init)
             i = put_many(items, i + 1)
+
+    async def _store_mixed(self, items: list[PutItem]) -> None:
+        """``_store`` of the fused path's items: values and runs of like records (one value
+        per record, ``head + raws[v]`` at ``lsns[v]``), through ``Timeline.put_mixed_nowait``."""
+        tl = self.tl
+        put_mixed = tl.put_mixed_nowait
+        n = len(items)
+        i, v = put_mixed(items, 0, 0)
+        while i < n:
+            item = items[i]
+            if len(item) == 4:
+                key, lsn, blob, will_init = item
+                nxt = (i + 1, 0)
+            else:
+                key, lsns, head, raws, will_init = item
+                lsn, blob = lsns[v], head + raws[v]
+                nxt = (i, v + 1) if v + 1 < len(raws) else (i + 1, 0)
+            # the end of the last record whose values are all stored
+            done = lsns[v - 1] if len(item) != 4 and v else 0
+            j = i - 1
+            while not done and j >= 0:
+                prior = items[j]
+                end = prior[1] if len(prior) == 4 else prior[1][-1]
+                if end != lsn:  # (else the record at ``lsn`` is partly stored)
+                    done = end
+                j -= 1
+            if done > tl.last_record_lsn:
+                tl.finish_write(Lsn(done))
+            await tl.put_encoded(key, Lsn(lsn), blob, will_init)
+            i, v = put_mixed(items, *nxt)
 
     async def ingest_record(self, rec: DecodedRecord) -> bool:
         """Ingest one record; ``False`` if it was already in (end LSN <= last_record_lsn)."""

@@ -68,3 +68,12 @@ class StorageConfig:
         default="none", validator=attrs.validators.in_(("none", "dsync", "direct"))
     )
     wait_lsn_timeout_s: float = attrs.field(default=60.0, validator=_non_negative)
+    # Who writes a frozen layer's L0 file (pageserver/storage/l0_worker.py, docs/ingest.md):
+    # "process": a worker process, and the writer's roll hands the layer over and goes on
+    # (the flush runs in the background on the other core); "inline": the flushing task
+    # itself, the writer's roll waits for it. Layers below ``l0_writer_min_bytes`` are always
+    # written inline (a hand-off costs a few ms: worth it for a rolled 256 MiB layer only).
+    l0_writer: Literal["inline", "process"] = attrs.field(
+        default="process", validator=attrs.validators.in_(("inline", "process"))
+    )
+    l0_writer_min_bytes: int = attrs.field(default=16 * MiB, validator=_non_negative)

@@ -27,7 +27,7 @@ from pageserver.wal_receiver import (
     parse_safekeepers,
 )
 from protocol.errors import RemoteProtocolError
-from protocol.lsn import Lsn
+from protocol.lsn import Lsn, format_lsn
 from protocol.replication import (
     PrimaryKeepalive,
     StandbyStatusUpdate,
@@ -57,12 +57,17 @@ def make_wal(n_records: int, seed: int) -> tuple[bytes, list[tuple[Lsn, Lsn]]]:
 
 @attrs.define
 class FakeSafekeeper:
-    """Serves ``wal`` (which starts at START); cuts each stream after ``cut`` bytes if set."""
+    """Serves ``wal`` (which starts at START) up to ``commit`` (all of it if None); cuts each
+    stream after ``cut`` bytes if set. Caught up, it sends one keepalive and then nothing, or,
+    with ``keepalive_s``, a keepalive every ``keepalive_s`` as a real safekeeper does."""
 
     wal: bytes
     rng: random.Random
     cut: int | None = None
     refuse: bool = False
+    commit: Lsn | None = None
+    keepalive_s: float | None = None
+    identified: int = 0
     starts: list[Lsn] = attrs.field(factory=list)
     statuses: list[StandbyStatusUpdate] = attrs.field(factory=list)
     options: list[str] = attrs.field(factory=list)
@@ -75,6 +80,17 @@ class FakeConn:
         self.sent = 0
         self.closed = False
         self.keepalive_sent = False
+
+    @property
+    def end(self) -> Lsn:
+        end = Lsn(START + len(self.sk.wal))
+        return end if self.sk.commit is None else min(end, self.sk.commit)
+
+    async def query(self, sql: str) -> list[tuple[str | None, ...]]:
+        await trio.lowlevel.checkpoint()
+        assert sql == "IDENTIFY_SYSTEM"
+        self.sk.identified += 1
+        return [("1", "1", format_lsn(self.end), None)]
 
     async def copy_both(self, sql: str) -> FakeConn:
         await trio.lowlevel.checkpoint()
@@ -92,19 +108,21 @@ class FakeConn:
 
     async def receive(self) -> bytes | None:
         await trio.sleep(0.001)
-        end = START + len(self.sk.wal)
+        end = self.end
         if self.sk.cut is not None and self.sent >= self.sk.cut:
             raise EOFError("stream cut")
         if self.pos >= end:
-            if not self.keepalive_sent:
-                self.keepalive_sent = True
-                return encode_copy_message(PrimaryKeepalive(Lsn(end), 0, True))
-            await trio.sleep_forever()
+            if self.keepalive_sent:
+                if self.sk.keepalive_s is None:
+                    await trio.sleep_forever()
+                await trio.sleep(self.sk.keepalive_s)
+            self.keepalive_sent = True
+            return encode_copy_message(PrimaryKeepalive(Lsn(end), 0, True))
         n = self.sk.rng.choice([1, 7, 100, 8192, 131072])
         if self.sk.cut is not None:
             n = max(1, min(n, self.sk.cut - self.sent))
         off = self.pos - START
-        data = self.sk.wal[off : off + n]
+        data = self.sk.wal[off : min(off + n, end - START)]
         msg = XLogData(self.pos, Lsn(end), 0, data)
         self.pos = Lsn(self.pos + len(data))
         self.sent += len(data)

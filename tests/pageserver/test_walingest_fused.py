@@ -86,10 +86,28 @@ def capture_puts() -> Iterator[list[Put]]:
             puts.append((bytes(key), lsn, bytes(blob), will_init, self.start_lsn))
         return done
 
+    def try_put_mixed_(self: InMemoryLayer, items: Any, start: int, sub: int, *a: Any) -> tuple[int, int]:
+        i, v = try_put_mixed(self, items, start, sub, *a)
+        # the values from (start, sub) up to (i, v): single values and runs of values
+        for at in range(start, min(i + 1, len(items))):
+            item = items[at]
+            first = sub if at == start else 0
+            if len(item) == 4:
+                if at < i:
+                    key, lsn, blob, will_init = item
+                    puts.append((bytes(key), lsn, bytes(blob), will_init, self.start_lsn))
+                continue
+            key, lsns, head, raws, will_init = item
+            for x in range(first, len(raws) if at < i else v):
+                puts.append((bytes(key), lsns[x], head + raws[x], will_init, self.start_lsn))
+        return i, v
+
+    try_put_mixed = InMemoryLayer.try_put_mixed
     with pytest.MonkeyPatch.context() as m:
         m.setattr(InMemoryLayer, "put", put_)
         m.setattr(InMemoryLayer, "try_put", try_put_)
         m.setattr(InMemoryLayer, "try_put_many", try_put_many_)
+        m.setattr(InMemoryLayer, "try_put_mixed", try_put_mixed_)
         yield puts
 
 

@@ -1,0 +1,495 @@
+"""The background L0 writer: a worker process that writes a frozen in-memory layer's L0 file.
+
+Writing the L0 of a rolled in-memory layer (``InMemoryLayer.write_l0``: cut the values out of
+the ephemeral file, CRC them, build the index, fsync, rename) costs ~0.85 µs of CPU per value,
+and pure Python holds the GIL, so a thread cannot take it off the WAL ingest's core. A worker
+*process* can (Neon's flush is a background task too; here it is a process because of the
+GIL). ``Timeline`` decides when (``l0_writer = "process"``, layers of at least
+``l0_writer_min_bytes``); this module only does the hand-off:
+
+- ``L0Worker`` (pageserver side): one long-lived ``python -m pageserver.storage.l0_worker``
+  child, started on first use, one job at a time. A job is the frozen layer's ephemeral file
+  (its path: the tail must already be written, ``freeze`` does that) and its index, sent
+  compactly: the keys joined, the per-key triple counts as one ``array('Q')``, then the index
+  arrays' own bytes (no per-value pickling). The answer is the L0's path once it is durable
+  (the worker ran ``write_l0`` itself, so the file is the one the in-process writer writes, byte
+  for byte), or the worker's error.
+- Failure: an error the worker reports (an ``OSError`` such as EIO: the worker aborted its temp
+  files) becomes ``L0WorkerError`` with the worker's errno and message; a worker that dies or
+  is killed mid-job, a broken pipe or a cancelled job (the process is then killed and reaped,
+  so it never writes behind the caller's back) becomes ``L0WorkerError`` too, and the next job
+  starts a new worker. The caller keeps its frozen layer (nothing advanced) either way.
+- Priority: the worker runs at niceness ``WORKER_NICE`` (background work: when the two compete
+  for a core, the WAL ingest wins; the roll's backpressure bounds how far the worker lags).
+- Shutdown: ``aclose`` closes the pipe (the worker exits on EOF), waits a moment, then kills;
+  a worker whose parent dies without that sees EOF on its stdin too and exits, and a watchdog
+  thread ends it within ``_WATCHDOG_S`` if the parent dies in the middle of a job (a restarted
+  pageserver must not find a left-over writer renaming files into its timeline directory).
+
+Wire format (little-endian, same machine: the arrays travel in native order):
+request ``"L0Rq" u32 meta_len u64 body_len``, JSON meta, body (``iter_index_body``); answer
+``"L0Rs" u32 len``, JSON ``{"path": str | null}`` or ``{"error", "errno", "message"}``.
+
+Test seams (worker command-line flags, ``L0Worker(worker_args=...)``): ``--stall-s S`` sleeps
+before every job's write; ``--eio-jobs N`` makes the first N jobs' second write fail with EIO;
+``--big-layer-path`` writes small layers through the big-layer path (read per batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from array import array
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from pageserver.storage.inmemory_layer import InMemoryLayer
+from pageserver.storage.io_engine import BlockingIoEngine, IoFile
+from pageserver.storage.key import KEY_SIZE, Key
+from pageserver.storage.layer_file import WriteOptions
+from protocol.errors import INTERNAL_ERROR, RemoteProtocolError
+from protocol.lsn import Lsn
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from pageserver.storage.io_engine import SyncMode
+
+REQUEST_MAGIC = b"L0Rq"
+ANSWER_MAGIC = b"L0Rs"
+_REQUEST = struct.Struct("<4sIQ")
+_ANSWER = struct.Struct("<4sI")
+# Index arrays are sent in pieces of about this many bytes (one join, one send each).
+_SEND_CHUNK = 1 << 20
+# The pipe's capacity (Linux default max): fewer wake-ups per MiB of index sent.
+_PIPE_SIZE = 1 << 20
+# The worker's niceness: background work, below the WAL ingest when they compete for a core
+# (on a busy machine the ingest keeps its core; the worker catches up when the writer waits
+# for it at the next roll). A/B in docs/bench-ingest.md, round 4.
+WORKER_NICE = 10
+# A worker asked to stop (its pipe closed) gets this long before it is killed.
+_EXIT_GRACE_S = 2.0
+_MAX_META = 1 << 20
+# How often the worker checks that its pageserver is still there.
+_WATCHDOG_S = 0.1
+
+if array("Q").itemsize != 8:  # pragma: no cover - every platform we run on
+    raise ImportError("array('Q') is not 8 bytes here: the L0 worker's index format needs it")
+
+
+class L0WorkerError(OSError):
+    """The L0 worker did not write the layer: its own error (errno kept), or it died."""
+
+
+class L0WorkerProtocolError(RemoteProtocolError):
+    """A malformed request or answer from the other side of the pageserver / L0 worker pipe
+    (one of our own processes: a bug, hence SQLSTATE XX000)."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg, sqlstate=INTERNAL_ERROR)
+
+
+# -- the index on the wire -----------------------------------------------------------------
+
+
+def index_body_size(index: dict[Key, array[int]]) -> int:
+    """The length of ``iter_index_body(index)``'s pieces together."""
+    return len(index) * (KEY_SIZE + 8) + 8 * sum(map(len, index.values()))
+
+
+def iter_index_body(index: dict[Key, array[int]]) -> Iterator[bytes]:
+    """The body: keys joined, the per-key counts, then the arrays' bytes, in pieces of about
+    ``_SEND_CHUNK`` bytes made one at a time (C loops, no per-value object; the sender never
+    holds more than a piece besides the index itself). ``index`` must not change meanwhile."""
+    yield b"".join(index)
+    arrays = list(index.values())
+    yield array("Q", map(len, arrays)).tobytes()
+    group: list[array[int]] = []
+    size = 0
+    for entries in arrays:
+        group.append(entries)
+        size += len(entries)
+        if size * 8 >= _SEND_CHUNK:
+            yield b"".join(group)
+            group = []
+            size = 0
+    if group:
+        yield b"".join(group)
+
+
+def encode_index(index: dict[Key, array[int]]) -> tuple[int, list[bytes]]:
+    """``(number of keys, body pieces)``: ``iter_index_body`` as a list."""
+    return len(index), list(iter_index_body(index))
+
+
+def decode_index(n_keys: int, body: bytes | bytearray | memoryview) -> dict[Key, array[int]]:
+    """The inverse of ``encode_index``; ``L0WorkerProtocolError`` for a body that does not
+    add up (wrong length, a count not a positive multiple of three, a repeated key)."""
+    view = memoryview(body)
+    keys_end = n_keys * KEY_SIZE
+    at = keys_end + 8 * n_keys
+    if n_keys < 0 or len(view) < at:
+        raise L0WorkerProtocolError(f"index body of {len(view)} bytes is too short for {n_keys} keys")
+    counts: array[int] = array("Q")
+    counts.frombytes(view[keys_end:at])
+    if sum(counts) * 8 != len(view) - at:
+        raise L0WorkerProtocolError(
+            f"index body of {len(view)} bytes does not hold the {sum(counts)} entries its counts say"
+        )
+    index: dict[Key, array[int]] = {}
+    for i, count in enumerate(counts):
+        if count == 0 or count % 3:
+            raise L0WorkerProtocolError(f"index key {i} has {count} entries, not triples")
+        entries: array[int] = array("Q")
+        entries.frombytes(view[at : at + 8 * count])
+        at += 8 * count
+        index[Key(bytes(view[i * KEY_SIZE : (i + 1) * KEY_SIZE]))] = entries
+    if len(index) != n_keys:
+        raise L0WorkerProtocolError(f"index of {n_keys} keys repeats a key")
+    return index
+
+
+def _answer(obj: dict[str, Any]) -> bytes:
+    payload = json.dumps(obj).encode()
+    return _ANSWER.pack(ANSWER_MAGIC, len(payload)) + payload
+
+
+# -- the pageserver side -------------------------------------------------------------------
+
+
+class L0Worker:
+    """A long-lived L0 writer process (started on first use; see the module docstring)."""
+
+    def __init__(self, *, worker_args: Sequence[str] = (), nice: int = WORKER_NICE) -> None:
+        self._args = (f"--nice={nice}", *worker_args)
+        self._proc: trio.Process | None = None
+        self._lock: trio.Lock | None = None
+        self._closed = False
+        self.jobs = 0  # answered jobs (for tests and benchmarks)
+        self.starts = 0  # processes started
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def busy(self) -> bool:
+        """A job is being sent or written."""
+        return self._lock is not None and self._lock.locked()
+
+    async def write_l0(
+        self,
+        layer: InMemoryLayer,
+        directory: Path,
+        *,
+        buffer_size: int,
+        write_sync_mode: SyncMode,
+    ) -> Path | None:
+        """What ``layer.write_l0(engine, directory, WriteOptions(buffer_size))`` returns, the
+        file written by the worker (durable: fsynced, renamed, directory fsynced). ``layer``
+        must be frozen with its tail in the file (``InMemoryLayer.freeze`` returned)."""
+        if layer.end_lsn is None or not layer.file.writer.closed:
+            raise AssertionError(f"{layer}: only a frozen layer whose tail is written goes to the L0 worker")
+        if not layer.index:
+            return None  # (write_l0's answer for a layer without values; no process needed)
+        if self._lock is None:
+            self._lock = trio.Lock()
+        async with self._lock:
+            index = layer.index  # (frozen: it does not change while it is sent)
+            meta = json.dumps({
+                "ephemeral": os.fspath(layer.file.path),
+                "length": layer.size,
+                "start_lsn": layer.start_lsn,
+                "end_lsn": layer.end_lsn,
+                "directory": os.fspath(directory),
+                "buffer_size": buffer_size,
+                "write_sync_mode": write_sync_mode,
+                "n_keys": len(index),
+            }).encode()
+            header = _REQUEST.pack(REQUEST_MAGIC, len(meta), index_body_size(index))
+            proc = await self._start()
+            answer: dict[str, Any] | None = None
+            try:
+                assert proc.stdin is not None and proc.stdout is not None
+                await proc.stdin.send_all(header + meta)
+                for piece in iter_index_body(index):
+                    await proc.stdin.send_all(piece)
+                answer = await self._receive(proc.stdout)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, L0WorkerProtocolError) as exc:
+                died = await self._kill()
+                raise L0WorkerError(
+                    errno.EIO, f"the L0 worker (pid {proc.pid}) failed while writing {layer} to "
+                    f"{directory}: {died}; {type(exc).__name__}: {exc}",
+                ) from exc
+            finally:
+                if answer is None:
+                    # cancelled, or failed above: the worker may still be writing this layer;
+                    # it must not do so behind our back (the next job restarts it)
+                    await self._kill()
+            self.jobs += 1
+        if "error" in answer:
+            code = answer.get("errno") or errno.EIO
+            raise L0WorkerError(
+                code, f"the L0 worker failed writing {layer} to {directory}: "
+                f"{answer['error']}: {answer.get('message')}",
+            )
+        path = answer.get("path")
+        return None if path is None else Path(path)
+
+    async def _start(self) -> trio.Process:
+        self._check_open()
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            return proc
+        if proc is not None:
+            # it ended between jobs: nothing was lost, a new one takes the next job
+            self._proc = None
+            await _reap(proc)
+        root = Path(__file__).resolve().parents[2]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "pageserver.storage.l0_worker", *self._args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+        )
+        try:
+            self._check_open()  # closed while it started: it must not outlive its owner
+        except L0WorkerError:
+            await _reap(proc)
+            raise
+        self._proc = proc
+        self.starts += 1
+        assert isinstance(proc.stdin, trio.lowlevel.FdStream)
+        try:
+            fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
+        except OSError:
+            pass  # a smaller pipe only costs more wake-ups per job
+        return proc
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise L0WorkerError(errno.ESHUTDOWN, "the L0 worker is closed (its timeline is shut down)")
+
+    async def _receive(self, stream: trio.abc.ReceiveStream) -> dict[str, Any]:
+        buf = bytearray()
+        need = _ANSWER.size
+        header_done = False
+        while True:
+            while len(buf) < need:
+                data = await stream.receive_some()
+                if not data:
+                    raise trio.BrokenResourceError("the L0 worker closed its answer pipe")
+                buf += data
+            if header_done:
+                break
+            magic, length = _ANSWER.unpack_from(buf)
+            if magic != ANSWER_MAGIC or length > _MAX_META:
+                raise L0WorkerProtocolError(f"bad answer header {bytes(buf[: _ANSWER.size])!r}")
+            need += length
+            header_done = True
+        if len(buf) != need:
+            raise L0WorkerProtocolError(f"{len(buf) - need} unexpected bytes after the answer")
+        try:
+            answer = json.loads(bytes(buf[_ANSWER.size :]))
+        except ValueError as exc:
+            raise L0WorkerProtocolError(f"answer is not JSON: {exc}") from None
+        if not isinstance(answer, dict):
+            raise L0WorkerProtocolError(f"answer is not an object: {answer!r}")
+        return answer
+
+    async def _kill(self) -> str:
+        """Kill and reap the worker; says how it ended."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return "no worker"
+        await _reap(proc)
+        rc = proc.returncode
+        return f"exit status {rc}" if rc is None or rc >= 0 else f"killed by signal {-rc}"
+
+    async def aclose(self) -> None:
+        """Stop the worker for good (timeline shutdown): EOF on its pipe, then kill after
+        ``_EXIT_GRACE_S``; reaped before this returns. Later jobs are refused."""
+        self._closed = True
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with trio.CancelScope(shield=True):
+            if proc.stdin is not None:
+                await proc.stdin.aclose()
+            with trio.move_on_after(_EXIT_GRACE_S):
+                await proc.wait()
+        await _reap(proc)
+
+
+async def _reap(proc: trio.Process) -> None:
+    """Kill ``proc`` if it still runs, wait for it, close our ends of its pipes (shielded:
+    also from a cancelled scope, a worker must never be left running or unreaped)."""
+    with trio.CancelScope(shield=True):
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                await stream.aclose()
+
+
+# -- the worker process --------------------------------------------------------------------
+
+
+class _FrozenFile:
+    """The read side of a frozen ephemeral file, what ``write_l0`` reads (``FrozenData``)."""
+
+    def __init__(self, file: IoFile, length: int) -> None:
+        self._file = file
+        self.length = length
+
+    async def read_all(self) -> bytes:
+        return await self._file.read_exact_at(0, self.length)
+
+    async def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        for offset, size in ranges:
+            if offset < 0 or size < 0 or offset + size > self.length:
+                raise ValueError(f"read of {size} bytes at {offset} outside the layer's {self.length} bytes")
+        return await self._file.read_many_exact_at(ranges)
+
+
+class _EioEngine(BlockingIoEngine):
+    """``--eio-jobs``: from the job's second write on, writes fail as on a dying disk."""
+
+    def __init__(self, write_sync_mode: SyncMode) -> None:
+        super().__init__(write_sync_mode=write_sync_mode)
+        self.writes = 0
+
+    def _maybe_fail(self) -> None:
+        self.writes += 1
+        if self.writes >= 2:
+            raise OSError(errno.EIO, "injected EIO (--eio-jobs)")
+
+    async def pwrite(self, fd: int, data: Buffer, offset: int) -> None:
+        self._maybe_fail()
+        await super().pwrite(fd, data, offset)
+
+    async def pwritev(self, fd: int, buffers: Sequence[Buffer], offset: int) -> None:
+        self._maybe_fail()
+        await super().pwritev(fd, buffers, offset)
+
+
+async def _write_job(meta: dict[str, Any], index: dict[Key, array[int]], eio: bool) -> str | None:
+    sync_mode: SyncMode = meta["write_sync_mode"]
+    engine = _EioEngine(sync_mode) if eio else BlockingIoEngine(write_sync_mode=sync_mode)
+    file = await engine.open_file(Path(meta["ephemeral"]), "r")
+    try:
+        if await file.size() < meta["length"]:
+            raise OSError(errno.EIO, f"{meta['ephemeral']} is shorter than the layer's {meta['length']} bytes")
+        layer = InMemoryLayer.frozen_view(
+            _FrozenFile(file, meta["length"]), index, Lsn(meta["start_lsn"]), Lsn(meta["end_lsn"])
+        )
+        path = await layer.write_l0(engine, Path(meta["directory"]), WriteOptions(buffer_size=meta["buffer_size"]))
+    finally:
+        await file.aclose()
+    return None if path is None else os.fspath(path)
+
+
+def _read_exact(stream: Any, size: int) -> bytearray | None:
+    """``size`` bytes from ``stream``; ``None`` at EOF before the first byte."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = stream.readinto(view[got:])
+        if not n:
+            if got == 0:
+                return None
+            raise EOFError(f"the pageserver closed the pipe {got} bytes into a {size}-byte read")
+        got += n
+    return buf
+
+
+def _watch_parent(parent: int) -> None:
+    """End the process as soon as it is orphaned (its parent died mid-job: no EOF until the
+    job is done, and the job must not go on writing into the timeline directory)."""
+    while True:
+        time.sleep(_WATCHDOG_S)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), name="l0-watchdog", daemon=True).start()
+    # The answers go to a private copy of stdout; anything else printed lands on stderr.
+    out = os.dup(1)
+    os.dup2(2, 1)
+    stdin = open(0, "rb", buffering=0)  # noqa: SIM115 - lives as long as the process
+    jobs = 0
+    while True:
+        header = _read_exact(stdin, _REQUEST.size)
+        if header is None:
+            return 0  # the pageserver closed the pipe: done
+        magic, meta_len, body_len = _REQUEST.unpack(header)
+        if magic != REQUEST_MAGIC or meta_len > _MAX_META:
+            print(f"l0_worker: bad request header {bytes(header)!r}", file=sys.stderr)
+            return 2
+        raw_meta = _read_exact(stdin, meta_len)
+        body = _read_exact(stdin, body_len) if body_len else bytearray()
+        if raw_meta is None or body is None:
+            return 1
+        jobs += 1
+        try:
+            meta = json.loads(bytes(raw_meta))
+            index = decode_index(meta["n_keys"], body)
+            del body
+            if args.stall_s:
+                time.sleep(args.stall_s)
+            path = trio.run(_write_job, meta, index, jobs <= args.eio_jobs)
+            answer = _answer({"path": path})
+        except Exception as exc:  # every failure of a job is the caller's failed flush
+            answer = _answer({
+                "error": type(exc).__name__,
+                "errno": exc.errno if isinstance(exc, OSError) else None,
+                "message": str(exc),
+            })
+        view = memoryview(answer)
+        while view:
+            view = view[os.write(out, view) :]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pageserver.storage.l0_worker")
+    parser.add_argument("--nice", type=int, default=0, help="niceness increment (below the WAL ingest)")
+    parser.add_argument("--stall-s", type=float, default=0.0, help="test seam: sleep before each write")
+    parser.add_argument("--eio-jobs", type=int, default=0, help="test seam: the first N jobs fail with EIO")
+    parser.add_argument("--big-layer-path", action="store_true",
+                        help="test seam: write every layer through the big-layer path, in small batches")
+    args = parser.parse_args(argv)
+    if args.nice:
+        os.nice(args.nice)
+    if args.big_layer_path:
+        from pageserver.storage import inmemory_layer
+
+        inmemory_layer._READ_WHOLE_MAX = 0
+        inmemory_layer._READ_BATCH = 37
+        inmemory_layer._SPAN_SLACK = 300
+        inmemory_layer._READ_BATCH_BYTES = 20_000
+    try:
+        return _serve(args)
+    except (BrokenPipeError, EOFError, KeyboardInterrupt):
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

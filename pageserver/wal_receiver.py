@@ -33,10 +33,9 @@ On any failure (refused connection, a stream that ends, a safekeeper silent for
 ``idle_timeout_s``, WAL that does not decode) the safekeeper goes into an exponential backoff
 of its own (reset by a session that hands over records) and the receiver chooses again among
 the others; when every safekeeper is in backoff it sleeps until the first one is out of it.
-A record the callee
-rejects as malformed (``RemoteProtocolError`` from it) is not such a failure: every safekeeper
-sends the same WAL, so the receiver stops with ``WalIngestError``. Cancellation stops it
-at once: the connection is closed under a short shielded deadline.
+A record the callee rejects as malformed (``RemoteProtocolError`` from it) is not such a
+failure: every safekeeper sends the same WAL, so the receiver stops with ``WalIngestError``.
+Cancellation stops it at once: connections are closed under a short shielded deadline.
 
 A vanilla PostgreSQL speaks the same replication protocol, so ``WalReceiver`` can pull from it
 as well (tests use that).

@@ -744,7 +744,7 @@ class WalIngest:
                 item = dec.next_record()
                 if isinstance(item, DecodedRecord):
                     taken += 1
-                    if not slow and self._fused_whole(item, last, add):
+                    if not slow and item.xl_rmid in fast_rmgrs and self._fused_whole(item, last, add):
                         # (a bulk load's record crossing into the next page)
                         last_start, last = item.lsn, item.end_lsn
                         stats.records += 1

@@ -325,3 +325,27 @@ async def test_put_mixed_nowait_keeps_the_timelines_put_rules(tmp_path: Any) -> 
         ]
     finally:
         await tenant.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["insert", "hot_update"])
+@pytest.mark.parametrize("at", [3, 20, 47, 48, 70])
+def test_vm_bit_inside_a_run(kind: str, at: int) -> None:
+    """A record that clears a VM bit among like records (an INSERT's flags byte, a HOT
+    update's flags at byte 7): neither a run nor the shortcut may take it."""
+    wal, _spans = _bulk_with_change(90, at, "vm", 0, kind)
+    batch, fused = fz.both(wal, fz.chunking(len(wal), [131072]))
+    fz.assert_same(batch, fused)
+
+
+@pytest.mark.parametrize("change", ["xid_general", "vm", "btree", "xid_fused", "none"])
+def test_record_crossing_a_page_changed(change: str) -> None:
+    """The record crossing into the next page (``next_record`` gives it whole; the fused path
+    takes it when no general record waits: ``_fused_whole``) with an xid at nextXid, a VM bit,
+    another resource manager: the same values as the batch path."""
+    _wal, spans = fz.encode(fz._bulk_load(200, every=10_000))
+    crossing = [i for i, (a, b) in enumerate(spans) if a // 8192 != (b - 1) // 8192]
+    assert len(crossing) >= 2
+    for at in crossing[:3]:
+        wal, _ = _bulk_with_change(200, at, change, 0)
+        batch, fused = fz.both(wal, fz.chunking(len(wal), [131072]))
+        fz.assert_same(batch, fused)

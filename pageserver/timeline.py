@@ -403,7 +403,9 @@ class Timeline:
             self._max_put_lsn = items[done - 1][1]
         return done
 
-    def put_mixed_nowait(self, items: Sequence[PutItem], start: int = 0, sub: int = 0) -> tuple[int, int]:
+    def put_mixed_nowait(
+        self, items: Sequence[PutItem], start: int = 0, sub: int = 0
+    ) -> tuple[int, int]:
         """``put_many_nowait`` of items that are values or runs of values of one key
         (``InMemoryLayer.try_put_mixed``: the fused WAL ingest's runs of like records), from
         value ``sub`` of ``items[start]`` on, with the same tests (LSNs, open layer, put

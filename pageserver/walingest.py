@@ -273,7 +273,8 @@ def _same_run(
             m = next(i for i, f in enumerate(flags) if f & 0x01)
     if m:
         crc32c = _crcmod.crc32c
-        pieces = _run_struct(f"20s4x{tot_len - SIZE_OF_XLOG_RECORD}s", stride - tot_len, m).unpack_from(buf, first)
+        crc_pieces = _run_struct(f"20s4x{tot_len - SIZE_OF_XLOG_RECORD}s", stride - tot_len, m)
+        pieces = crc_pieces.unpack_from(buf, first)
         crcs = tuple(map(crc32c, pieces[0::2], map(crc32c, pieces[1::2])))
         want_crcs = heads[3 : 5 * m : 5]
         if crcs != want_crcs:
@@ -809,7 +810,8 @@ class WalIngest:
         if grown and blkno != n:
             return False
         will_init = flags & BKPBLOCK_WILL_INIT != 0
-        add((rel_block_key(rnode.spc, rnode.db, rnode.rel, forknum, blkno), end, _PG_RECORD_HEADS[will_init] + rec.raw, will_init))
+        key = rel_block_key(rnode.spc, rnode.db, rnode.rel, forknum, blkno)
+        add((key, end, _PG_RECORD_HEADS[will_init] + rec.raw, will_init))
         if grown:
             add((rel_size_key(*rel), end, encode_value(Image(_REL_SIZE.pack(blkno + 1))), True))
             sizes[rel] = blkno + 1

@@ -298,7 +298,8 @@ class InMemoryLayer:
             triples = [vlen] * (3 * count)
             triples[0::3] = lsns[v:stop]
             at = (offset << 1) | will_init
-            triples[1::3] = range(at, (offset + count * vlen) << 1, vlen << 1) if vlen else [at] * count
+            step = vlen << 1
+            triples[1::3] = range(at, at + count * step, step) if vlen else [at] * count
             entries.fromlist(triples)
             last_lsn = lsns[stop - 1]
             add_piece(head)

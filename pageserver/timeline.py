@@ -375,33 +375,8 @@ class Timeline:
         returns the index of the first item not stored. The caller stores that one with
         ``put_encoded`` (which rolls the layer or waits for the buffer, and raises the errors)
         and then continues here. The WAL ingest's batch path: one buffer append and no call
-        per value."""
-        n = len(items)
-        if start >= n:
-            return start
-        lsn = items[start][1]
-        if lsn <= self._last_record_lsn or lsn < self._max_put_lsn or lsn < self._next_layer_start:
-            return start
-        layer = self.open_layer
-        lock = self._put_lock_obj
-        if layer is None or (lock is not None and lock.locked()):
-            return start
-        cfg = self.config
-        last = items[-1][1]
-        max_size = 1 << 62
-        if last > self._max_put_lsn:
-            # put_nowait's roll test, for the highest LSN: when a roll is due somewhere in
-            # ``items``, put_encoded finds where, value by value (once per layer).
-            if (
-                last - layer.start_lsn >= cfg.checkpoint_distance
-                or time.monotonic() - layer.opened_at >= cfg.checkpoint_timeout_s
-            ):
-                return start
-            max_size = cfg.checkpoint_distance
-        done = layer.try_put_many(items, start, max_size)
-        if done > start:
-            self._max_put_lsn = items[done - 1][1]
-        return done
+        per value (``put_mixed_nowait`` with single values only)."""
+        return self.put_mixed_nowait(items, start)[0]
 
     def put_mixed_nowait(
         self, items: Sequence[PutItem], start: int = 0, sub: int = 0

@@ -151,65 +151,9 @@ class InMemoryLayer:
         long as they fit in the write buffer: one append of the joined blobs, index entries
         without a call per value. Returns the index of the first item not put (``start`` when
         none was); the caller puts that one the slow way (``put``), which also reports any
-        error (an item the fast loop does not handle is simply left to it)."""
-        n = len(items)
-        if self.end_lsn is not None or start >= n or items[start][1] < self.start_lsn:
-            return start
-        file = self.file
-        offset = base = file.length
-        limit = base + file.room(max_size)
-        index = self.index
-        blobs: list[bytes] = []
-        add_blob = blobs.append
-        last_key: Key | None = None
-        entries: array[int] = array("Q")
-        append = entries.append
-        last_lsn = 0  # of last_key in the index
-        # A for loop, the count from len(blobs), and the key's array, its append and its last
-        # LSN kept while the key repeats (a heap block's inserts): ~0.1 µs per value less than
-        # indexing ``items`` and reading ``entries[-3]`` per value.
-        for key, lsn, blob, will_init in islice(items, start, None):
-            end = offset + len(blob)
-            if end > limit:
-                break
-            if key != last_key:
-                found = index.get(key)
-                if found is None:
-                    # (created only now that the value is known to go in: no empty array is
-                    # left behind by a break)
-                    found = index[key] = array("Q")
-                    last_lsn = -1
-                else:
-                    last_lsn = found[-3]
-                entries = found
-                append = entries.append
-                last_key = key
-            if lsn > last_lsn:
-                # three appends cost half of one extend with a tuple
-                append(lsn)
-                append((offset << 1) | will_init)
-                append(end - offset)
-                last_lsn = lsn
-            elif lsn == last_lsn:
-                entries[-2] = (offset << 1) | will_init
-                entries[-1] = end - offset
-            else:
-                break  # below an earlier put: put() raises
-            add_blob(blob)
-            offset = end
-        i = start + len(blobs)
-        if i == start:
-            return start
-        # No await since the room was measured: the append cannot decline. (Empty values
-        # only: nothing to append; try_append would decline once the file is past max_size.)
-        data = b"".join(blobs)
-        at = file.try_append(data, max_size) if data else base
-        if at != base:
-            raise AssertionError(f"in-memory layer append at {at}, expected {base}")
-        lsn = items[i - 1][1]
-        if self.max_lsn is None or lsn > self.max_lsn:
-            self.max_lsn = Lsn(lsn)
-        return i
+        error (an item the fast loop does not handle is simply left to it). ``try_put_mixed``
+        with single values only."""
+        return self.try_put_mixed(items, start, 0, max_size)[0]
 
     def try_put_mixed(
         self, items: Sequence[PutItem], start: int, sub: int = 0, max_size: int = 1 << 62

@@ -68,7 +68,8 @@ Put = tuple[bytes, int, bytes, bool, int]  # key, lsn, value, will_init, layer s
 def capture_puts() -> Iterator[list[Put]]:
     """Every value stored in an in-memory layer, in order, however it got there."""
     puts: list[Put] = []
-    put, try_put, try_put_many = InMemoryLayer.put, InMemoryLayer.try_put, InMemoryLayer.try_put_many
+    # (``try_put_many`` stores through ``try_put_mixed``: captured there)
+    put, try_put = InMemoryLayer.put, InMemoryLayer.try_put
 
     async def put_(self: InMemoryLayer, key: Key, lsn: Lsn, blob: bytes, will_init: bool) -> None:
         await put(self, key, lsn, blob, will_init)
@@ -79,12 +80,6 @@ def capture_puts() -> Iterator[list[Put]]:
         if ok:
             puts.append((bytes(key), lsn, bytes(blob), will_init, self.start_lsn))
         return ok
-
-    def try_put_many_(self: InMemoryLayer, items: Any, start: int, *a: Any) -> int:
-        done = try_put_many(self, items, start, *a)
-        for key, lsn, blob, will_init in items[start:done]:
-            puts.append((bytes(key), lsn, bytes(blob), will_init, self.start_lsn))
-        return done
 
     def try_put_mixed_(self: InMemoryLayer, items: Any, start: int, sub: int, *a: Any) -> tuple[int, int]:
         i, v = try_put_mixed(self, items, start, sub, *a)
@@ -106,7 +101,6 @@ def capture_puts() -> Iterator[list[Put]]:
     with pytest.MonkeyPatch.context() as m:
         m.setattr(InMemoryLayer, "put", put_)
         m.setattr(InMemoryLayer, "try_put", try_put_)
-        m.setattr(InMemoryLayer, "try_put_many", try_put_many_)
         m.setattr(InMemoryLayer, "try_put_mixed", try_put_mixed_)
         yield puts
 

@@ -28,7 +28,8 @@ import sys
 import textwrap
 import time
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import attrs
@@ -257,11 +258,20 @@ async def _until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> 
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def test_the_roll_goes_on_while_the_worker_writes(tmp_path: Path) -> None:
+@asynccontextmanager
+async def _background_timeline(root: Path, worker_args: list[str]) -> AsyncIterator[tuple[Tenant, Timeline]]:
+    """A tenant whose timeline's rolls flush in the background (a nursery), through a worker
+    started with ``worker_args``; the nursery is cancelled on the way out."""
     async with trio.open_nursery() as nursery:
-        tenant = Tenant(tmp_path, TenantId.generate(), CFG, nursery=nursery)
+        tenant = Tenant(root, TenantId.generate(), CFG, nursery=nursery)
         tl = await tenant.create_timeline(TimelineId.generate())
-        tl.l0_worker = L0Worker(worker_args=["--stall-s", "1.0"])
+        tl.l0_worker = L0Worker(worker_args=worker_args)
+        yield tenant, tl
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_roll_goes_on_while_the_worker_writes(tmp_path: Path) -> None:
+    async with _background_timeline(tmp_path, ["--stall-s", "1.0"]) as (tenant, tl):
         lsn = 0x100
         before = tl.disk_consistent_lsn
         while not tl.frozen_layers:
@@ -288,14 +298,10 @@ async def test_the_roll_goes_on_while_the_worker_writes(tmp_path: Path) -> None:
         await tl.flush()
         assert tl.disk_consistent_lsn == lsn and not tl.frozen_layers
         await tenant.shutdown()
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_second_roll_waits_for_the_first_flush(tmp_path: Path) -> None:
-    async with trio.open_nursery() as nursery:
-        tenant = Tenant(tmp_path, TenantId.generate(), CFG, nursery=nursery)
-        tl = await tenant.create_timeline(TimelineId.generate())
-        tl.l0_worker = L0Worker(worker_args=["--stall-s", "0.5"])
+    async with _background_timeline(tmp_path, ["--stall-s", "0.5"]) as (tenant, tl):
         lsn = 0x100
         rolls = 0
         waited: list[float] = []
@@ -315,7 +321,6 @@ async def test_a_second_roll_waits_for_the_first_flush(tmp_path: Path) -> None:
         assert waited and max(waited) > 0.2  # (it really waited for the stalled worker)
         assert tl.background_flush_failures == 0
         await tenant.shutdown()
-        nursery.cancel_scope.cancel()
 
 
 async def test_an_eio_in_the_worker_is_a_failed_flush(tmp_path: Path) -> None:
@@ -396,10 +401,7 @@ async def test_a_worker_that_died_while_idle_is_replaced(tmp_path: Path) -> None
 
 
 async def test_a_failed_background_flush_keeps_the_layer_for_the_next(tmp_path: Path) -> None:
-    async with trio.open_nursery() as nursery:
-        tenant = Tenant(tmp_path, TenantId.generate(), CFG, nursery=nursery)
-        tl = await tenant.create_timeline(TimelineId.generate())
-        tl.l0_worker = L0Worker(worker_args=["--eio-jobs", "1"])
+    async with _background_timeline(tmp_path, ["--eio-jobs", "1"]) as (tenant, tl):
         lsn = 0x100
         while not tl.frozen_layers:
             lsn += 0x10
@@ -411,14 +413,10 @@ async def test_a_failed_background_flush_keeps_the_layer_for_the_next(tmp_path: 
         await tl.flush()  # writes the kept layer, then the open one
         assert tl.disk_consistent_lsn == lsn and not tl.frozen_layers
         await tenant.shutdown()
-        nursery.cancel_scope.cancel()
 
 
 async def test_shutdown_stops_the_worker_even_mid_flush(tmp_path: Path) -> None:
-    async with trio.open_nursery() as nursery:
-        tenant = Tenant(tmp_path, TenantId.generate(), CFG, nursery=nursery)
-        tl = await tenant.create_timeline(TimelineId.generate())
-        tl.l0_worker = L0Worker(worker_args=["--stall-s", "30"])
+    async with _background_timeline(tmp_path, ["--stall-s", "30"]) as (tenant, tl):
         lsn = 0x100
         while not tl.frozen_layers:
             lsn += 0x10
@@ -432,7 +430,6 @@ async def test_shutdown_stops_the_worker_even_mid_flush(tmp_path: Path) -> None:
         assert time.monotonic() - t0 < 10  # the stalled job was not waited for
         assert _gone(pid) and tl.l0_worker.pid is None and tl.l0_worker.closed
         assert tl.disk_consistent_lsn == before
-        nursery.cancel_scope.cancel()
 
 
 async def test_shutdown_stops_an_idle_worker(tmp_path: Path) -> None:

@@ -327,7 +327,8 @@ def wait_for_lsn(env: LocalEnv, tenant_id: str, timeline_id: str, lsn: int, *,
         if time.monotonic() > deadline:
             raise ClusterError(
                 f"the pageserver's timeline {timeline_id} is at {info['last_record_lsn']} after "
-                f"{timeout:.0f} s, waiting for {format_lsn(lsn)} (WAL receiver error: "
-                f"{info.get('wal_receiver_error')})"
+                f"{timeout:.0f} s, waiting for {format_lsn(lsn)} (streaming from "
+                f"{info.get('wal_receiver_safekeeper')}; its receiver's last error, possibly "
+                f"from an earlier session: {info.get('wal_receiver_error')})"
             )
         time.sleep(0.1)

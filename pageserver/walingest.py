@@ -97,6 +97,7 @@ from protocol.wal import crc as _crcmod
 from protocol.wal.reader import (
     SIMPLE_HEADERS,
     SIMPLE_PAYLOAD_AT,
+    SIMPLE_RECORD,
     EndOfWal,
     NeedData,
     WalStreamDecoder,
@@ -621,6 +622,7 @@ class WalIngest:
         stop: NeedData | EndOfWal
         while True:
             pending = False  # a fused record waits for the slow records before it
+            at_end = False  # the in-page walk stopped at the page's (or the input's) end
             cursor = dec.in_page_cursor()
             if cursor is not None:
                 buf, base, pos, prev = cursor
@@ -634,7 +636,10 @@ class WalIngest:
                     o = pos - base
                     tot_len, xid, xprev, info, rmid, crc, sig = unpack_head(buf, o)
                     # decode_into's checks (prev None: never equal)
-                    if xprev != prev or pos + tot_len > bound:
+                    if xprev != prev:
+                        break
+                    if pos + tot_len > bound:
+                        at_end = True
                         break
                     if sig != same_sig or tot_len != same_len or info != same_info or rmid != same_rmid:
                         # not the layout and block of the fused record just before: every test
@@ -732,6 +737,8 @@ class WalIngest:
                     last_start = prev = pos
                     last = pos = end
                     n_fast += 1
+                else:
+                    at_end = True
                 same_sig = b""  # the next record goes through every test
                 if pos != first:
                     assert prev is not None
@@ -742,6 +749,17 @@ class WalIngest:
                     stats.wal_records += n_fast
                     n_fast = 0
             if not pending:
+                if at_end and not slow:
+                    # the record crossing into the next page, from the decoder's bytes
+                    cross = dec.crossing_record()
+                    if cross is not None and self._fused_crossing(*cross, last, add):
+                        dec.take_crossing()
+                        last_start, last = cross[1], cross[2]
+                        taken += 1
+                        stats.records += 1
+                        stats.values += 1
+                        stats.wal_records += 1
+                        continue
                 item = dec.next_record()
                 if isinstance(item, DecodedRecord):
                     taken += 1
@@ -773,22 +791,74 @@ class WalIngest:
 
     def _fused_whole(self, rec: DecodedRecord, last: int, add: Callable[..., None]) -> bool:
         """The fused path for a record the decoder gave whole (``next_record``: one that
-        crosses into the next page, already checked there): if it is of the fused kind --
-        ending above ``last``, one block without image in a fork up to INIT, a resource
-        manager of ``_FAST_RMGRS`` clearing no VM bit, an xid below nextXid, the block inside
-        its fork or the one just past its end -- ``add`` its values as ``ingest_records``
-        would collect them (the raw record under the block's key, and the new size) and say
-        ``True``; else change nothing. Saves the batch call for one record."""
-        end = rec.end_lsn
+        crosses pages and that ``crossing_record`` did not give, already checked there): if
+        it has one block, ``_fused_one`` decides."""
         blocks = rec.blocks
-        if end <= last or rec.xl_rmid not in _FAST_RMGRS or len(blocks) != 1:
+        if len(blocks) != 1:
             return False
         blk = blocks[0]
-        flags = blk.fork_flags
-        forknum = blk.forknum
-        if flags & BKPBLOCK_HAS_IMAGE or forknum > INIT_FORKNUM:
+        rnode = blk.rnode
+        return self._fused_one(
+            rec.end_lsn, rec.xl_rmid, rec.xl_info, rec.xl_xid, rec.main_data, rnode.spc,
+            rnode.db, rnode.rel, blk.fork_flags, blk.blkno, rec.raw, last, add,
+        )
+
+    def _fused_crossing(
+        self, raw: bytes, lsn: int, end: int, prev: int, last: int, add: Callable[..., None]
+    ) -> bool:
+        """The fused path for the record crossing into the next page that the decoder gave
+        as bytes (``WalStreamDecoder.crossing_record``, which checked the page header between
+        its pieces): the checks of an in-page fused record -- ``xl_prev`` equal to ``prev``,
+        the simple layout (so the body decodes, as ``decode_body`` would parse it), CRC-32C --
+        then ``_fused_one``. ``False``: nothing changed, ``next_record`` reads it."""
+        if len(raw) < SIMPLE_PAYLOAD_AT:
             return False
-        xid = rec.xl_xid
+        (
+            tot_len, xid, xprev, info, rmid, crc,
+            block_id, flags, data_len, spc, db, rel, blkno, main_id, main_len,
+        ) = SIMPLE_RECORD.unpack_from(raw)
+        if (
+            xprev != prev
+            or block_id != 0
+            or main_id != XLR_BLOCK_ID_DATA_SHORT
+            or flags & (BKPBLOCK_HAS_IMAGE | BKPBLOCK_SAME_REL)
+            or SIMPLE_PAYLOAD_AT + data_len + main_len != tot_len
+            or tot_len != len(raw)
+            or (data_len != 0) != (flags & BKPBLOCK_HAS_DATA != 0)
+        ):
+            return False
+        crc32c = _crcmod.crc32c
+        if crc32c(raw[:20], crc32c(raw[SIZE_OF_XLOG_RECORD:])) != crc:
+            return False
+        main = raw[SIMPLE_PAYLOAD_AT + data_len :]
+        return self._fused_one(end, rmid, info, xid, main, spc, db, rel, flags, blkno, raw, last, add)
+
+    def _fused_one(
+        self,
+        end: int,
+        rmid: int,
+        info: int,
+        xid: int,
+        main: bytes,
+        spc: int,
+        db: int,
+        rel: int,
+        flags: int,
+        blkno: int,
+        raw: bytes,
+        last: int,
+        add: Callable[..., None],
+    ) -> bool:
+        """A checked record with one block and no image (``raw``; its block's relation,
+        fork flags and number; its main data), taken outside the in-page loop: if it is of
+        the fused kind -- ending above ``last``, a fork up to INIT, a resource manager of
+        ``_FAST_RMGRS`` clearing no VM bit, an xid below nextXid, the block inside its fork
+        or the one just past its end -- ``add`` its values as ``ingest_records`` would
+        collect them (the raw record under the block's key, and the new size) and say
+        ``True``; else change nothing. Saves the batch call for one record."""
+        forknum = flags & BKPBLOCK_FORK_MASK
+        if end <= last or rmid not in _FAST_RMGRS or flags & BKPBLOCK_HAS_IMAGE or forknum > INIT_FORKNUM:
+            return False
         if xid:
             cp = self.w.checkpoint
             if cp is None:
@@ -799,22 +869,20 @@ class WalIngest:
                     return False
             elif xid >= nxt:
                 return False
-        if rec.xl_rmid <= _RM_HEAP and _may_clear_vm(rec):
+        if rmid <= _RM_HEAP and _may_clear_vm_main(rmid, info, main):
             return False
-        rnode = blk.rnode
-        blkno = blk.blkno
-        rel = (rnode.spc, rnode.db, rnode.rel, forknum)
+        relkey = (spc, db, rel, forknum)
         sizes = self.w.rel_sizes
-        n = sizes.get(rel)
+        n = sizes.get(relkey)
         grown = n is None or blkno >= n
         if grown and blkno != n:
             return False
         will_init = flags & BKPBLOCK_WILL_INIT != 0
-        key = rel_block_key(rnode.spc, rnode.db, rnode.rel, forknum, blkno)
-        add((key, end, _PG_RECORD_HEADS[will_init] + rec.raw, will_init))
+        key = rel_block_key(spc, db, rel, forknum, blkno)
+        add((key, end, _PG_RECORD_HEADS[will_init] + raw, will_init))
         if grown:
-            add((rel_size_key(*rel), end, encode_value(Image(_REL_SIZE.pack(blkno + 1))), True))
-            sizes[rel] = blkno + 1
+            add((rel_size_key(*relkey), end, encode_value(Image(_REL_SIZE.pack(blkno + 1))), True))
+            sizes[relkey] = blkno + 1
         return True
 
     async def _store(self, items: list[tuple[Key, Lsn, bytes, bool]]) -> None:

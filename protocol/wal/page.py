@@ -87,23 +87,46 @@ def page_header_error(
     Returns pg_waldump's message for the first violated rule, or ``None`` if the header is
     acceptable. (The timeline-sequence check needs reader state and lives in the reader.)
     """
-    seg_off = pageaddr % segment_size
-    where = f"log segment {segment_file_name(pageaddr // segment_size, timeline, segment_size)}, offset {seg_off}"
-    if hdr.magic != XLOG_PAGE_MAGIC:
-        return f"invalid magic number {hdr.magic:04X} in {where}"
-    if hdr.info & ~XLP_ALL_FLAGS:
-        return f"invalid info bits {hdr.info:04X} in {where}"
-    if hdr.info & XLP_LONG_HEADER:
-        if hdr.seg_size != segment_size:
+    return page_fields_error(
+        hdr.magic, hdr.info, hdr.pageaddr, hdr.seg_size, hdr.xlog_blcksz, pageaddr,
+        segment_size, timeline,
+    )
+
+
+def page_fields_error(
+    magic: int,
+    info: int,
+    addr: int,
+    seg_size: int | None,
+    xlog_blcksz: int | None,
+    pageaddr: int,
+    segment_size: int,
+    timeline: int,
+) -> str | None:
+    """``page_header_error`` from the header's fields (``seg_size`` and ``xlog_blcksz``:
+    ``None`` on a short header), for readers that do not build an ``XLogPageHeader``.
+    The message's location is formatted only when a rule is violated: a page that passes
+    costs a few integer compares."""
+    if magic != XLOG_PAGE_MAGIC:
+        return f"invalid magic number {magic:04X} in {_where(pageaddr, segment_size, timeline)}"
+    if info & ~XLP_ALL_FLAGS:
+        return f"invalid info bits {info:04X} in {_where(pageaddr, segment_size, timeline)}"
+    if info & XLP_LONG_HEADER:
+        if seg_size != segment_size:
             return "WAL file is from different database system: incorrect segment size in page header"
-        if hdr.xlog_blcksz != XLOG_BLCKSZ:
+        if xlog_blcksz != XLOG_BLCKSZ:
             return "WAL file is from different database system: incorrect XLOG_BLCKSZ in page header"
-    elif seg_off == 0:
+    elif pageaddr % segment_size == 0:
         # The first page of a segment must carry the long header.
-        return f"invalid info bits {hdr.info:04X} in {where}"
-    if hdr.pageaddr != pageaddr:
-        return f"unexpected pageaddr {format_lsn(hdr.pageaddr)} in {where}"
+        return f"invalid info bits {info:04X} in {_where(pageaddr, segment_size, timeline)}"
+    if addr != pageaddr:
+        return f"unexpected pageaddr {format_lsn(addr)} in {_where(pageaddr, segment_size, timeline)}"
     return None
+
+
+def _where(pageaddr: int, segment_size: int, timeline: int) -> str:
+    name = segment_file_name(pageaddr // segment_size, timeline, segment_size)
+    return f"log segment {name}, offset {pageaddr % segment_size}"
 
 
 def encode_page_header(

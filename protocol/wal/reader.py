@@ -46,11 +46,12 @@ from protocol.wal.page import (
     SHORT_PHD,
     SIZE_OF_LONG_PHD,
     SIZE_OF_SHORT_PHD,
+    XLOG_PAGE_MAGIC,
     XLP_FIRST_IS_CONTRECORD,
     XLP_FIRST_IS_OVERWRITE_CONTRECORD,
     XLP_LONG_HEADER,
     XLogPageHeader,
-    page_header_error,
+    page_fields_error,
 )
 from protocol.wal.record import (
     _RNODE_CACHE,
@@ -75,6 +76,7 @@ from protocol.wal.rmgr import RM_MAX_BUILTIN_ID, XLOG_SWITCH, RmgrId, rmgr_id_is
 __all__ = ["NEED_DATA", "SIMPLE_HEADERS", "SIMPLE_PAYLOAD_AT", "SIMPLE_RECORD", "EndOfWal", "NeedData", "WalStreamDecoder"]
 
 _PAGE_MASK = XLOG_BLCKSZ - 1
+_U32 = struct.Struct("<I")
 _RM_XLOG = int(RmgrId.XLOG)  # an enum member lookup per record costs more than the compare
 # Records are built from trusted ints: going around the ``Lsn`` NewType's call (a Python-level
 # function call per field) saves about 0.2 us per record.
@@ -174,6 +176,8 @@ class WalStreamDecoder:
         self._latest_page: int = 0
         self._latest_tli: int = 0
         self._ended: EndOfWal | None = None
+        # what crossing_record last gave: (end, lsn, next page, its timeline, its sysid)
+        self._crossing: tuple[int, int, int, int, int | None] | None = None
         self.system_identifier: int | None = None
 
     # -- input ---------------------------------------------------------------------------
@@ -360,6 +364,80 @@ class WalStreamDecoder:
         self._pos = self._last_end = pos
         self._prev = self._last_lsn = prev
 
+    def crossing_record(self) -> tuple[bytes, int, int, int] | None:
+        """For the caller of ``in_page_cursor`` whose in-page walk stopped at the page's end:
+        the record at ``pos`` if it crosses into the next page and ends there, as
+        ``(raw, lsn, end_lsn, prev)`` -- its two pieces joined (without the page header
+        between them), where it starts and ends (as ``DecodedRecord``), and the start of the
+        record before it -- without building a ``DecodedRecord`` or a page header object.
+        The decoder's checks of the general path are made here: all of the first piece and
+        the next page's header and second piece at hand, ``xl_tot_len`` at least a record
+        header and at most ``MAX_RECORD_LENGTH``, the next page's header as
+        ``_read_page_header`` checks it (the same code: magic, info bits, long header at a
+        segment start, ``xlp_pageaddr``, timeline sequence), ``XLP_FIRST_IS_CONTRECORD``
+        without ``XLP_FIRST_IS_OVERWRITE_CONTRECORD``, ``xlp_rem_len`` equal to the bytes still
+        to come, which all fit on that page. The caller checks the rest from ``raw`` as for an
+        in-page record (``xl_prev`` equal to ``prev``, length, resource manager -- never an
+        XLOG record here, whose XLOG_SWITCH would move the end --, CRC-32C, a body it can
+        decode) and, if it takes the record, says so with ``take_crossing()``; nothing changes
+        until then. Anything else -- unusual, invalid, incomplete, or more than one page
+        boundary -- is ``None``: ``next_record`` then reads the record (or reports the end of
+        WAL, or needs data) exactly as before."""
+        if self._pending:
+            self._merge()
+        if (
+            self._partial is not None
+            or self._check_page_at is not None
+            or self._ended is not None
+            or self._prev is None
+        ):
+            return None
+        pos = self._pos
+        in_page = pos & _PAGE_MASK
+        if not in_page:
+            return None
+        buf = self._buf
+        o = pos - self._buf_lsn
+        first = XLOG_BLCKSZ - in_page  # the first piece: the rest of this page
+        if len(buf) - o < first:
+            return None
+        tot_len = _U32.unpack_from(buf, o)[0]
+        rest = tot_len - first
+        if rest <= 0 or tot_len < SIZE_OF_XLOG_RECORD or tot_len > MAX_RECORD_LENGTH:
+            return None
+        pageaddr = pos + first
+        checked = self._check_page_header(pageaddr)
+        if not isinstance(checked, tuple):
+            return None
+        info, tli, rem_len, size, sysid = checked
+        if (
+            info & (XLP_FIRST_IS_CONTRECORD | XLP_FIRST_IS_OVERWRITE_CONTRECORD)
+            != XLP_FIRST_IS_CONTRECORD
+            or rem_len != rest
+            or rest > XLOG_BLCKSZ - size
+        ):
+            return None
+        at = o + first + size
+        if len(buf) - at < rest:
+            return None
+        raw = buf[o : o + first] + buf[at : at + rest]
+        if raw[17] == _RM_XLOG:  # xl_rmid
+            return None
+        end = (pageaddr + size + rest + 7) & ~7
+        self._crossing = (end, pos, pageaddr, tli, sysid)
+        return raw, pos, end, self._prev
+
+    def take_crossing(self) -> None:
+        """The caller took the record ``crossing_record`` just gave: go on after it."""
+        crossing = self._crossing
+        self._crossing = None
+        if crossing is None or crossing[1] != self._pos:
+            raise LocalProtocolError("take_crossing without crossing_record just before")
+        end, lsn, pageaddr, tli, sysid = crossing
+        self._page_header_read(pageaddr, tli, sysid)
+        self._pos = self._last_end = end
+        self._prev = self._last_lsn = lsn
+
     def finish(self) -> EndOfWal:
         """No more input will come: where does valid WAL end?"""
         if self._ended is not None:
@@ -410,7 +488,14 @@ class WalStreamDecoder:
         name = segment_file_name(seg, self._timeline, self._segment_size)
         return f"log segment {name}, offset {pageaddr % self._segment_size}"
 
-    def _read_page_header(self, pageaddr: int) -> XLogPageHeader | NeedData | EndOfWal:
+    def _check_page_header(
+        self, pageaddr: int
+    ) -> tuple[int, int, int, int, int | None] | NeedData | str:
+        """Read and check the page header at ``pageaddr`` without changing any state:
+        ``(info, tli, rem_len, header size, sysid or None)``, ``NEED_DATA``, or the message of
+        the first failed check (``page_fields_error``, then the timeline sequence). The one
+        page header check: ``_read_page_header`` (the general path) and ``crossing_record``
+        both use it."""
         o = pageaddr - self._buf_lsn
         buf = self._buf
         if len(buf) - o < SIZE_OF_SHORT_PHD:
@@ -420,25 +505,46 @@ class WalStreamDecoder:
             if len(buf) - o < SIZE_OF_LONG_PHD:
                 return NEED_DATA
             sysid, seg_size, blcksz = LONG_PHD_TAIL.unpack_from(buf, o + 24)
-            hdr = XLogPageHeader(magic, info, tli, addr, rem_len, sysid, seg_size, blcksz)
-        else:
-            hdr = XLogPageHeader(magic, info, tli, addr, rem_len)
-        err = page_header_error(
-            hdr, pageaddr, segment_size=self._segment_size, timeline=self._timeline
-        )
-        if err is not None:
-            return self._end(pageaddr, err)
-        if pageaddr > self._latest_page and tli < self._latest_tli:
-            return self._end(
-                pageaddr,
-                f"out-of-sequence timeline ID {tli} (after {self._latest_tli}) in "
-                + self._where(pageaddr),
+            err = page_fields_error(
+                magic, info, addr, seg_size, blcksz, pageaddr, self._segment_size, self._timeline
             )
+            size = SIZE_OF_LONG_PHD
+        else:
+            sysid = None
+            err = page_fields_error(
+                magic, info, addr, None, None, pageaddr, self._segment_size, self._timeline
+            )
+            size = SIZE_OF_SHORT_PHD
+        if err is not None:
+            return err
+        if pageaddr > self._latest_page and tli < self._latest_tli:
+            return (
+                f"out-of-sequence timeline ID {tli} (after {self._latest_tli}) in "
+                + self._where(pageaddr)
+            )
+        return info, tli, rem_len, size, sysid
+
+    def _page_header_read(self, pageaddr: int, tli: int, sysid: int | None) -> None:
+        """Record that the page header at ``pageaddr`` passed ``_check_page_header``."""
         self._latest_page = pageaddr
         self._latest_tli = tli
-        if hdr.sysid is not None and self.system_identifier is None:
-            self.system_identifier = hdr.sysid
-        return hdr
+        if sysid is not None and self.system_identifier is None:
+            self.system_identifier = sysid
+
+    def _read_page_header(self, pageaddr: int) -> XLogPageHeader | NeedData | EndOfWal:
+        checked = self._check_page_header(pageaddr)
+        if isinstance(checked, str):
+            return self._end(pageaddr, checked)
+        if not isinstance(checked, tuple):
+            return checked
+        info, tli, rem_len, _size, sysid = checked
+        self._page_header_read(pageaddr, tli, sysid)
+        if sysid is not None:
+            return XLogPageHeader(
+                XLOG_PAGE_MAGIC, info, tli, pageaddr, rem_len, sysid, self._segment_size,
+                XLOG_BLCKSZ,
+            )
+        return XLogPageHeader(XLOG_PAGE_MAGIC, info, tli, pageaddr, rem_len)
 
     def _page_boundary(self, pos: int) -> NeedData | EndOfWal | DecodedRecord | None:
         """Handle the page header at ``pos`` (or the page being checked on a mid-page start)."""

@@ -395,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
                                        "pg_recovery_s": round(recovery_s, 2)}
             for field in ("ingest_s", "ingest_cpu_s", "us_per_record_cpu", "l0_worker_cpu_s",
                           "l0_worker_cpu_final_s", "background_flush_wait_s", "flush_s", "ratio"):
-                summary[field] = statistics.median(r[field] for r in results)
+                summary[field] = round(statistics.median(r[field] for r in results), 3)
             summary["loadavg"] = [r["loadavg"] for r in results]
             _emit(summary)
     finally:

@@ -493,5 +493,11 @@ class InMemoryLayer:
             async for runs, lsns, blobs, wills in self._l0_batches():
                 await writer.put_many(runs, lsns, blobs, wills)
 
-        desc = LayerDesc(KeyRange.full(), self.start_lsn, self.end_lsn, True)
-        return await write_layer_file(engine, directory, desc, opts, fill)
+        return await write_layer_file(engine, directory, self.l0_desc(), opts, fill)
+
+    def l0_desc(self) -> LayerDesc:
+        """What the frozen layer's L0 covers (its file name: the L0 worker's answer must name
+        exactly that file in the timeline directory)."""
+        if self.end_lsn is None:
+            raise AssertionError("only a frozen in-memory layer has an L0")
+        return LayerDesc(KeyRange.full(), self.start_lsn, self.end_lsn, True)

@@ -13,7 +13,8 @@ GIL). ``Timeline`` decides when (``l0_writer = "process"``, layers of at least
   compactly: the keys joined, the per-key triple counts as one ``array('Q')``, then the index
   arrays' own bytes (no per-value pickling). The answer is the L0's path once it is durable
   (the worker ran ``write_l0`` itself, so the file is the one the in-process writer writes, byte
-  for byte), or the worker's error.
+  for byte), or the worker's error. An answer that names anything but this job's L0 in the
+  job's directory (``_check_answer``) is a protocol error: nothing is published from it.
 - Failure: an error the worker reports (an ``OSError`` such as EIO: the worker aborted its temp
   files) becomes ``L0WorkerError`` with the worker's errno and message; a worker that dies or
   is killed mid-job, a broken pipe or a cancelled job (the process is then killed and reaped,
@@ -160,6 +161,27 @@ def decode_index(n_keys: int, body: bytes | bytearray | memoryview) -> dict[Key,
     return index
 
 
+def _check_answer(answer: dict[str, Any], layer: InMemoryLayer, directory: Path) -> Path | L0WorkerError:
+    """The L0 the answer names, or the worker's own error (to raise once the job is done);
+    ``L0WorkerProtocolError`` for an answer that is neither exactly this job's L0 in
+    ``directory`` (as the worker builds it from the request) nor a well-formed error. Only
+    this keeps ``disk_consistent_lsn`` from passing a layer whose file is elsewhere, someone
+    else's (an earlier job's), or missing."""
+    if "error" in answer:
+        error, code, message = answer["error"], answer.get("errno"), answer.get("message")
+        if not isinstance(error, str) or not isinstance(message, str) or not (code is None or type(code) is int):
+            raise L0WorkerProtocolError(f"malformed error answer {answer!r}")
+        return L0WorkerError(
+            code or errno.EIO, f"the L0 worker failed writing {layer} to {directory}: {error}: {message}"
+        )
+    path = answer.get("path")
+    want = os.fspath(directory / layer.l0_desc().file_name())
+    if path != want:
+        # (a layer with values always has an L0: ``write_l0`` returns None only without any)
+        raise L0WorkerProtocolError(f"the answer names {path!r}, not this job's L0 {want!r}")
+    return Path(want)
+
+
 def _answer(obj: dict[str, Any]) -> bytes:
     payload = json.dumps(obj).encode()
     return _ANSWER.pack(ANSWER_MAGIC, len(payload)) + payload
@@ -230,6 +252,8 @@ class L0Worker:
                 for piece in iter_index_body(index):
                     await proc.stdin.send_all(piece)
                 answer = await self._receive(proc.stdout)
+                # (a malformed answer is a protocol error: the worker is killed below)
+                result = _check_answer(answer, layer, directory)
             except (trio.BrokenResourceError, trio.ClosedResourceError, L0WorkerProtocolError) as exc:
                 died = await self._kill()
                 raise L0WorkerError(
@@ -242,14 +266,9 @@ class L0Worker:
                     # it must not do so behind our back (the next job restarts it)
                     await self._kill()
             self.jobs += 1
-        if "error" in answer:
-            code = answer.get("errno") or errno.EIO
-            raise L0WorkerError(
-                code, f"the L0 worker failed writing {layer} to {directory}: "
-                f"{answer['error']}: {answer.get('message')}",
-            )
-        path = answer.get("path")
-        return None if path is None else Path(path)
+        if isinstance(result, L0WorkerError):
+            raise result
+        return result
 
     async def _start(self) -> trio.Process:
         self._check_open()
@@ -306,7 +325,7 @@ class L0Worker:
             raise L0WorkerProtocolError(f"{len(buf) - need} unexpected bytes after the answer")
         try:
             answer = json.loads(bytes(buf[_ANSWER.size :]))
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # (hostile nesting: RecursionError)
             raise L0WorkerProtocolError(f"answer is not JSON: {exc}") from None
         if not isinstance(answer, dict):
             raise L0WorkerProtocolError(f"answer is not an object: {answer!r}")

@@ -9,8 +9,10 @@ fed with the message, to ``on_wal``, which decodes and applies what it can in on
 ingest's fused path, ``WalIngest.ingest_decoder``) and says how many records it took and where
 the last one ended. ``X/Y`` is the end of the last
 record handed over, so a reconnection neither skips nor repeats a record handed over
-completely; when ``on_records`` fails part-way through a list, the next session starts at the
-beginning of that list again, so the callee must skip records it already has (the ingest does:
+completely, and the next session's first record must name the start of that record as its
+``xl_prev`` (a safekeeper whose WAL diverged before it fails the session); when
+``on_records`` fails part-way through a list, the next session starts at the beginning of
+that list again, so the callee must skip records it already has (the ingest does:
 records ending at or below ``last_record_lsn`` are skipped). ``wait_for_lsn`` waiters wake once
 per list, when its last record has been handed over. Standby status updates tell the safekeeper how far the
 pageserver got: write = last record received, flush = ``disk_consistent_lsn``, apply =
@@ -27,7 +29,9 @@ stops once a quorum has the new commit position) one safekeeper can keep a lower
 the others would send. So, like Neon's ``lagging_wal_timeout``, a session that received no
 WAL for ``lagging_wal_timeout_s`` asks the other safekeepers again and ends
 (``SafekeeperLagging``) when one of them has committed past what this one sent; the next
-session resumes at ``last_record_lsn`` on the more advanced one.
+session resumes at ``last_record_lsn`` on the more advanced one. A safekeeper left so
+after it claimed a position it never sent a record towards goes into backoff like a failed
+one: its claim would otherwise win every choice and starve the receiver.
 
 On any failure (refused connection, a stream that ends, a safekeeper silent for
 ``idle_timeout_s``, WAL that does not decode) the safekeeper goes into an exponential backoff
@@ -213,6 +217,9 @@ class WalReceiver:
         self._progress = progress
         # End of the last record handed to on_record: where the next session starts.
         self.last_record_lsn = start_lsn
+        # Where that record starts, once one was handed over: the next session's first record
+        # must name it as xl_prev (a safekeeper whose WAL diverged before it is refused).
+        self._last_record_start: Lsn | None = None
         self.records_received = 0
         self.sessions = 0
         # Sessions ended because another safekeeper was ahead (SafekeeperLagging).
@@ -249,6 +256,15 @@ class WalReceiver:
                 self.lagging_switches += 1
                 log.info("wal receiver leaving a lagging safekeeper", safekeeper=_addr(addr),
                          reason=str(exc), at=format_lsn(self.last_record_lsn))
+                if self.records_received == before and chosen.position > self.last_record_lsn:
+                    # It claimed WAL it never sent (garbage, or a commit_lsn ahead of its own
+                    # WAL): left unpenalised, its claim would win every choice and starve us.
+                    failed = True
+                    self._failed(addr, RemoteProtocolError(
+                        f"answered IDENTIFY_SYSTEM {format_lsn(chosen.position)} but sent no "
+                        f"record past {format_lsn(self.last_record_lsn)}",
+                        sqlstate=PROTOCOL_VIOLATION,
+                    ), "wal receiver distrusts a safekeeper")
             except* CONNECTION_ERRORS as eg:
                 failed = True
                 self._failed(addr, _first_leaf(eg), "wal receiver session ended")
@@ -341,7 +357,7 @@ class WalReceiver:
                 copy = await conn.copy_both(StartReplication(start).to_sql())
             log.info("receiving WAL", safekeeper=_addr(addr), start=format_lsn(start),
                      safekeeper_position=format_lsn(chosen.position))
-            decoder = WalStreamDecoder(start)
+            decoder = WalStreamDecoder(start, prev_lsn=self._last_record_start)
             reply = _Wakeup()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._status_sender, copy, reply)
@@ -419,6 +435,9 @@ class WalReceiver:
             ) from exc
         if n:
             self.last_record_lsn = end
+            self._last_record_start = (
+                decoder.last_record_start if decoder.position == end else None
+            )
             self.records_received += n
             self._advanced.set()
             self._advanced = trio.Event()
@@ -429,6 +448,7 @@ class WalReceiver:
             if self._on_records is not None:
                 await self._on_records(batch)
                 self.last_record_lsn = batch[-1].end_lsn
+                self._last_record_start = batch[-1].lsn
                 self.records_received += len(batch)
             else:
                 on_record = self._on_record
@@ -436,6 +456,7 @@ class WalReceiver:
                 for rec in batch:
                     await on_record(rec)
                     self.last_record_lsn = rec.end_lsn
+                    self._last_record_start = rec.lsn
                     self.records_received += 1
         except RemoteProtocolError as exc:
             # (RemoteProtocolError is one of CONNECTION_ERRORS: it must not be retried here.)

@@ -193,6 +193,11 @@ class WalStreamDecoder:
         return Lsn(self._last_end)
 
     @property
+    def last_record_start(self) -> Lsn | None:
+        """Where the last decoded record (the one ending at ``position``) starts, if any."""
+        return None if self._last_lsn is None else Lsn(self._last_lsn)
+
+    @property
     def ended(self) -> EndOfWal | None:
         return self._ended
 
@@ -517,6 +522,13 @@ class WalStreamDecoder:
             size = SIZE_OF_SHORT_PHD
         if err is not None:
             return err
+        if sysid is not None and self.system_identifier not in (None, sysid):
+            # (XLogReaderValidatePageHeader: WAL of another cluster spliced in)
+            return (
+                "WAL file is from different database system: WAL file database system "
+                f"identifier is {sysid}, pg_control database system identifier is "
+                f"{self.system_identifier}"
+            )
         if pageaddr > self._latest_page and tli < self._latest_tli:
             return (
                 f"out-of-sequence timeline ID {tli} (after {self._latest_tli}) in "

@@ -237,10 +237,13 @@ def _index_part(tl: Timeline) -> dict[str, object]:
 
 
 def _gone(pid: int) -> bool:
-    """The process no longer runs (reaped, or a zombie nobody reaped yet)."""
+    """The process no longer runs (reaped, or a zombie nobody reaped yet whose threads have all
+    exited: the worker has a watchdog thread, and until it is gone too the leader shows "Z"
+    while ``waitpid`` still says running)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        return zombie and len(os.listdir(f"/proc/{pid}/task")) <= 1
     except FileNotFoundError:
         return True
 

@@ -347,22 +347,10 @@ class Timeline:
         no put or freeze holding the put lock. ``False``: nothing was stored, call ``put``
         (which also raises the errors). The WAL ingest's hot path: a put without the lock
         and coroutine layers costs about half as much."""
-        if lsn <= self._last_record_lsn or lsn < self._max_put_lsn or lsn < self._next_layer_start:
+        room = self._nowait_room(lsn, lsn)
+        if room is None:
             return False
-        layer = self.open_layer
-        lock = self._put_lock_obj
-        if layer is None or (lock is not None and lock.locked()):
-            return False
-        cfg = self.config
-        max_size = 1 << 62
-        if lsn > self._max_put_lsn:
-            # _should_roll, its size test left to try_put (layer.size costs three properties)
-            if (
-                lsn - layer.start_lsn >= cfg.checkpoint_distance
-                or time.monotonic() - layer.opened_at >= cfg.checkpoint_timeout_s
-            ):
-                return False
-            max_size = cfg.checkpoint_distance
+        layer, max_size = room
         # No await from here on: a freeze cannot come between the append and the index entry.
         if not layer.try_put(key, lsn, blob, will_init, max_size):
             return False
@@ -393,37 +381,45 @@ class Timeline:
         if len(item) != 4 and not item[3]:
             raise ValueError("a run of no values")
         lsn = item[1] if len(item) == 4 else item[1][sub]
-        if lsn <= self._last_record_lsn or lsn < self._max_put_lsn or lsn < self._next_layer_start:
-            return start, sub
-        layer = self.open_layer
-        lock = self._put_lock_obj
-        if layer is None or (lock is not None and lock.locked()):
-            return start, sub
-        cfg = self.config
         item = items[-1]
-        last = item[1] if len(item) == 4 else item[1][-1]
-        max_size = 1 << 62
-        if last > self._max_put_lsn:
-            # put_many_nowait's roll test, for the highest LSN
-            if (
-                last - layer.start_lsn >= cfg.checkpoint_distance
-                or time.monotonic() - layer.opened_at >= cfg.checkpoint_timeout_s
-            ):
-                return start, sub
-            max_size = cfg.checkpoint_distance
+        room = self._nowait_room(lsn, item[1] if len(item) == 4 else item[1][-1])
+        if room is None:
+            return start, sub
+        layer, max_size = room
         i, v = layer.try_put_mixed(items, start, sub, max_size)
         if (i, v) != (start, sub):
             item = items[i - 1] if v == 0 else items[i]
             self._max_put_lsn = Lsn(item[1] if len(item) == 4 else item[1][v - 1])
         return i, v
 
-    def _should_roll(self, layer: InMemoryLayer, lsn: Lsn, size: int) -> bool:
+    def _nowait_room(self, first: int, last: int) -> tuple[InMemoryLayer, int] | None:
+        """The open layer and the size it may grow to for puts without an await of values at
+        LSNs ``first`` .. ``last``; ``None`` when such puts must not be made (an LSN not above
+        what was put, no open layer, the put lock taken, a roll due at ``last``): then
+        ``put_encoded`` stores the value (rolling, waiting, or raising the error). When a roll
+        is due somewhere before ``last``, put_encoded finds where, value by value (once per
+        layer). The size test of ``_should_roll`` is left to the layer's ``try_put*``."""
+        if first <= self._last_record_lsn or first < self._max_put_lsn or first < self._next_layer_start:
+            return None
+        layer = self.open_layer
+        lock = self._put_lock_obj
+        if layer is None or (lock is not None and lock.locked()):
+            return None
+        if last <= self._max_put_lsn:
+            return layer, 1 << 62  # (no new LSN: within the record that was let in)
+        if self._roll_due(layer, last):
+            return None
+        return layer, self.config.checkpoint_distance
+
+    def _roll_due(self, layer: InMemoryLayer, lsn: int) -> bool:
         cfg = self.config
         return (
-            layer.size + size > cfg.checkpoint_distance
-            or lsn - layer.start_lsn >= cfg.checkpoint_distance
+            lsn - layer.start_lsn >= cfg.checkpoint_distance
             or time.monotonic() - layer.opened_at >= cfg.checkpoint_timeout_s
         )
+
+    def _should_roll(self, layer: InMemoryLayer, lsn: Lsn, size: int) -> bool:
+        return layer.size + size > self.config.checkpoint_distance or self._roll_due(layer, lsn)
 
     async def _open_new_layer(self) -> InMemoryLayer:
         cfg = self.config

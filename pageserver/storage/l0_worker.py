@@ -129,13 +129,8 @@ def iter_index_body(index: dict[Key, array[int]]) -> Iterator[bytes]:
         yield b"".join(group)
 
 
-def encode_index(index: dict[Key, array[int]]) -> tuple[int, list[bytes]]:
-    """``(number of keys, body pieces)``: ``iter_index_body`` as a list."""
-    return len(index), list(iter_index_body(index))
-
-
 def decode_index(n_keys: int, body: bytes | bytearray | memoryview) -> dict[Key, array[int]]:
-    """The inverse of ``encode_index``; ``L0WorkerProtocolError`` for a body that does not
+    """The inverse of ``iter_index_body`` (for ``n_keys`` keys); ``L0WorkerProtocolError`` for a body that does not
     add up (wrong length, a count not a positive multiple of three, a repeated key)."""
     view = memoryview(body)
     keys_end = n_keys * KEY_SIZE

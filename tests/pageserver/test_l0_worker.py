@@ -2,7 +2,7 @@
 
 - The worker writes the L0 file the in-process ``write_l0`` writes, byte for byte (random
   layers, a bulk load's shape, values still in the write buffer at the freeze), and a hand-off
-  that garbles the index (a mutant of ``encode_index``) is caught.
+  that garbles the index (a mutant of ``iter_index_body``) is caught.
 - The index codec round-trips (hypothesis) and refuses bodies that do not add up; a garbled
   answer from the worker is an ``L0WorkerProtocolError`` (XX000).
 - The writer's roll returns before the rolled layer's L0 is written; readers read the frozen
@@ -50,7 +50,6 @@ from pageserver.storage.l0_worker import (
     L0WorkerError,
     L0WorkerProtocolError,
     decode_index,
-    encode_index,
 )
 from pageserver.storage.layer_file import WriteOptions
 from pageserver.storage.value import Image
@@ -194,7 +193,7 @@ async def test_an_unfrozen_layer_is_refused(tmp_path: Path) -> None:
 ))
 def test_the_index_codec_round_trips(raw: dict[bytes, list[tuple[int, int, int]]]) -> None:
     index = {Key(key): array("Q", [x for t in triples for x in t]) for key, triples in raw.items()}
-    n_keys, pieces = encode_index(index)
+    n_keys, pieces = len(index), list(l0_worker.iter_index_body(index))
     assert decode_index(n_keys, b"".join(pieces)) == index
 
 
@@ -204,12 +203,13 @@ def test_a_body_that_does_not_add_up_is_refused(body: bytes, n_keys: int) -> Non
         index = decode_index(n_keys, body)
     except L0WorkerProtocolError:
         return
-    n, pieces = encode_index(index)  # what was accepted is a well-formed index
+    n, pieces = len(index), list(l0_worker.iter_index_body(index))  # what was accepted is a well-formed index
     assert n == n_keys and b"".join(pieces) == body
 
 
 def test_a_truncated_or_padded_body_is_refused() -> None:
-    n, pieces = encode_index({k(1): array("Q", [1, 2, 3]), k(2): array("Q", [4, 5, 6, 7, 8, 9])})
+    index = {k(1): array("Q", [1, 2, 3]), k(2): array("Q", [4, 5, 6, 7, 8, 9])}
+    n, pieces = len(index), list(l0_worker.iter_index_body(index))
     body = b"".join(pieces)
     for bad in (body[:-8], body + bytes(8), body[:-1]):
         with pytest.raises(L0WorkerProtocolError):

@@ -889,22 +889,10 @@ class WalIngest:
         """Store the values ``ingest_records`` collected: as many at a time as the write
         buffer takes, the one it does not take the slow way (``put_encoded`` rolls the layer
         or hands the full buffer over). Before that await, the records whose values are all
-        stored are finished."""
-        tl = self.tl
-        put_many = tl.put_many_nowait
-        n = len(items)
-        i = put_many(items, 0)
-        while i < n:
-            key, lsn, blob, will_init = items[i]
-            j = i - 1
-            while j >= 0 and items[j][1] == lsn:
-                j -= 1  # the record at ``lsn`` is partly stored
-            if j >= 0 and items[j][1] > tl.last_record_lsn:
-                tl.finish_write(items[j][1])
-            await tl.put_encoded(key, lsn, blob, will_init)
-            i = put_many(items, i + 1)
+        stored are finished. (``_store_mixed`` with single values only.)"""
+        await self._store_mixed(items)
 
-    async def _store_mixed(self, items: list[PutItem]) -> None:
+    async def _store_mixed(self, items: Sequence[PutItem]) -> None:
         """``_store`` of the fused path's items: values and runs of like records (one value
         per record, ``head + raws[v]`` at ``lsns[v]``), through ``Timeline.put_mixed_nowait``."""
         tl = self.tl

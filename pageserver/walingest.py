@@ -37,7 +37,7 @@ import struct
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import structlog
@@ -221,6 +221,7 @@ _RUN_MIN = 4
 _RUN_HEAD = "8sQ4sI22s"
 _RUN_ONE = struct.Struct("<" + _RUN_HEAD)
 _EVEN_BYTES = bytes(range(0, 256, 2))
+_NO_CLAIMS: Sequence[int] = ()
 
 
 @lru_cache(maxsize=1024)
@@ -255,7 +256,9 @@ def _same_run(
     the VM bit, CRC-32C right -- so each passes every test the per-record loop would make.
     Returns that count ``m`` and the raw bytes of the record at ``o`` and of those ``m``.
     A few C calls per run instead of a loop iteration per record: struct unpacks of every
-    record's header fields and of its two CRC pieces, tuple compares, one ``crc32c`` map."""
+    record's header fields and of its two CRC pieces, tuple compares, one ``crc32c`` map.
+    (``pageserver.wal_precheck`` makes the same byte checks ahead, in another process:
+    ``_claimed_run`` then does the rest.)"""
     h8, _prev, irp, _crc, sig = _RUN_ONE.unpack_from(buf, o)
     first = o + stride
     heads = _run_struct(_RUN_HEAD, stride - _RUN_ONE.size, k).unpack_from(buf, first)
@@ -269,9 +272,7 @@ def _same_run(
         if prevs != chain:
             m = _first_difference(prevs, chain)
     if m and vm_at > 0:
-        flags = buf[first + vm_at : first + (m - 1) * stride + vm_at + 1 : stride]
-        if flags.translate(None, _EVEN_BYTES):
-            m = next(i for i, f in enumerate(flags) if f & 0x01)
+        m = _vm_kept(buf, first + vm_at, stride, m)
     if m:
         crc32c = _crcmod.crc32c
         crc_pieces = _run_struct(f"20s4x{tot_len - SIZE_OF_XLOG_RECORD}s", stride - tot_len, m)
@@ -281,6 +282,44 @@ def _same_run(
         if crcs != want_crcs:
             m = _first_difference(crcs, want_crcs)
     return m, _run_struct(f"{tot_len}s", stride - tot_len, m + 1).unpack_from(buf, o)
+
+
+def _claimed_run(
+    buf: bytes, o: int, tot_len: int, stride: int, m: int, vm_at: int
+) -> tuple[int, tuple[bytes, ...]]:
+    """``_same_run`` for ``m`` records after the one at ``o`` that a pre-check claim
+    (``pageserver.wal_precheck``) says are like it, chained and CRC-checked: what the claim
+    does not cover -- the INSERT's flags byte at ``vm_at`` without the VM bit -- then the raw
+    bytes of the record at ``o`` and of the ``m`` that passed."""
+    if vm_at > 0:
+        m = _vm_kept(buf, o + stride + vm_at, stride, m)
+    return m, _run_struct(f"{tot_len}s", stride - tot_len, m + 1).unpack_from(buf, o)
+
+
+def _vm_kept(buf: bytes, at: int, stride: int, m: int) -> int:
+    """How many of the ``m`` flags bytes at ``at``, ``at + stride``... in a row have no VM
+    bit (0x01: the INSERT clears a VM bit, which the per-record path handles)."""
+    flags = buf[at : at + (m - 1) * stride + 1 : stride]
+    if flags.translate(None, _EVEN_BYTES):
+        return next(i for i, f in enumerate(flags) if f & 0x01)
+    return m
+
+
+class ClaimedRuns(Protocol):
+    """Runs of like records whose bytes were checked ahead of the ingest, sorted by start
+    (``pageserver.wal_precheck.RunClaims``): run ``i`` is the records at ``starts[i]``,
+    ``starts[i] + strides[i]``, ... ``lasts[i]``, each with the header fields and layout
+    bytes of the first, ``xl_prev`` the record before (from the second on), CRC-32C right,
+    all inside one WAL page: ``_same_run``'s checks."""
+
+    @property
+    def starts(self) -> Sequence[int]: ...
+
+    @property
+    def lasts(self) -> Sequence[int]: ...
+
+    @property
+    def strides(self) -> Sequence[int]: ...
 
 
 # 1 GiB of zero pages: far beyond any bulk extension PostgreSQL does without WAL.
@@ -566,7 +605,9 @@ class WalIngest:
         final = recs[-1]
         self.last_record = (final.lsn, final.end_lsn)
 
-    async def ingest_decoder(self, dec: WalStreamDecoder) -> tuple[int, Lsn, NeedData | EndOfWal]:
+    async def ingest_decoder(
+        self, dec: WalStreamDecoder, runs: ClaimedRuns | None = None
+    ) -> tuple[int, Lsn, NeedData | EndOfWal]:
         """Decode and ingest every record ``dec`` can give from the bytes fed so far, in LSN
         order; returns (records taken, end LSN of the last one or 0, what stopped the
         decoder). The same values, statistics and ``last_record_lsn`` as ``decode_into``
@@ -619,6 +660,14 @@ class WalIngest:
         will_init = False
         blkno = 0
         xid_ok = -1  # an xid that passed the nextXid test (while nxt holds)
+        # the pre-check's claims (sorted runs of like records whose bytes it checked) and the
+        # first one that may cover the record at hand
+        if runs is None:
+            claim_starts = claim_lasts = claim_strides = _NO_CLAIMS
+        else:
+            claim_starts, claim_lasts, claim_strides = runs.starts, runs.lasts, runs.strides
+        n_claims = len(claim_starts)
+        ci = 0
         stop: NeedData | EndOfWal
         while True:
             pending = False  # a fused record waits for the slow records before it
@@ -709,26 +758,46 @@ class WalIngest:
                             elif xid >= nxt:
                                 break
                         xid_ok = xid
-                    raw = buf[o : o + tot_len]
-                    if crc32c(raw[:20], crc32c(raw[SIZE_OF_XLOG_RECORD:])) != crc:
-                        break  # next_record reports it
-                    if (
-                        grown is None
-                        and vm_at >= 0
-                        and (k := (bound - end - tot_len) // (end - pos) + 1) >= _RUN_MIN
-                        and buf[end - base + SIZE_OF_XLOG_RECORD : end - base + payload_at] == sig
-                    ):
-                        # like records after this one (a bulk load's INSERTs into one heap
-                        # page): checked together, collected as one run (no value per record)
-                        stride = end - pos
-                        m, raws = _same_run(buf, o, pos, tot_len, stride, k, vm_at)
-                        if m:
-                            top = end + m * stride
-                            add((key, range(end, top + 1, stride), head, raws, will_init))
-                            last_start = prev = pos + m * stride
-                            last = pos = top
-                            n_fast += m + 1
-                            continue
+                    stride = end - pos
+                    m = 0  # like records after this one, taken with it as one run
+                    claimed = -1  # how many of them a pre-check claim covers (-1: no claim)
+                    if n_claims:
+                        while ci < n_claims and claim_lasts[ci] < pos:
+                            ci += 1
+                        if (
+                            ci < n_claims
+                            and claim_starts[ci] <= pos
+                            and claim_strides[ci] == stride
+                            and not (pos - claim_starts[ci]) % stride
+                        ):
+                            # (never past the page or the input: as the claim says, but cheap)
+                            claimed = min((claim_lasts[ci] - pos) // stride, (bound - pos - tot_len) // stride)
+                    if claimed < 0:
+                        raw = buf[o : o + tot_len]
+                        if crc32c(raw[:20], crc32c(raw[SIZE_OF_XLOG_RECORD:])) != crc:
+                            break  # next_record reports it
+                        if (
+                            grown is None
+                            and vm_at >= 0
+                            and (k := (bound - end - tot_len) // stride + 1) >= _RUN_MIN
+                            and buf[end - base + SIZE_OF_XLOG_RECORD : end - base + payload_at] == sig
+                        ):
+                            # like records after this one (a bulk load's INSERTs into one heap
+                            # page): checked together, collected as one run (no value per record)
+                            m, raws = _same_run(buf, o, pos, tot_len, stride, k, vm_at)
+                    elif claimed and grown is None and vm_at >= 0:
+                        # the claim checked this record's CRC and the run's bytes already
+                        m, raws = _claimed_run(buf, o, tot_len, stride, claimed, vm_at)
+                        raw = raws[0]
+                    else:
+                        raw = buf[o : o + tot_len]  # (its CRC: checked by the claim)
+                    if m:
+                        top = end + m * stride
+                        add((key, range(end, top + 1, stride), head, raws, will_init))
+                        last_start = prev = pos + m * stride
+                        last = pos = top
+                        n_fast += m + 1
+                        continue
                     add((key, end, head + raw, will_init))
                     if grown is not None:
                         size = blkno + 1

@@ -76,6 +76,7 @@ from pageserver.import_datadir import import_datadir, run_initdb
 from pageserver.storage.config import StorageConfig
 from pageserver.storage.l0_worker import WORKER_NICE, L0Worker
 from pageserver.tenant import Tenant
+from pageserver.wal_precheck import WalPrecheck
 from pageserver.wal_receiver import WalReceiverConfig
 from pageserver.walingest import TimelineWalIngest
 from pageserver.walredo.manager import PostgresRedoManager
@@ -119,7 +120,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--l0-worker-nice", type=int, default=WORKER_NICE,
                         help=f"niceness of the L0 worker process (default {WORKER_NICE})")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="ingest runs per L0 writer, interleaved (default 1)")
+                        help="ingest runs per configuration, interleaved (default 1)")
+    parser.add_argument("--precheck", default="on",
+                        help="comma-separated WAL pre-check settings to compare (on, off)")
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -208,13 +211,37 @@ def _l0_writers(text: str) -> list[Literal["inline", "process"]]:
     return out
 
 
+def _prechecks(text: str) -> list[bool]:
+    out = []
+    for name in text.split(","):
+        if name not in ("on", "off"):
+            raise SystemExit(f"--precheck: unknown setting {name!r} (on, off)")
+        out.append(name == "on")
+    return out
+
+
 def _worker_cpu_s(pid: int | None) -> float:
     return 0.0 if pid is None else _proc_cpu_s(pid)
+
+
+class _Prechecks:
+    """The receiver's pre-check factory, keeping every session's handle for its child's CPU."""
+
+    def __init__(self) -> None:
+        self.made: list[WalPrecheck] = []
+
+    def __call__(self) -> WalPrecheck:
+        self.made.append(WalPrecheck())
+        return self.made[-1]
+
+    def cpu_s(self) -> float:
+        return sum(_worker_cpu_s(p.pid) for p in self.made)
 
 
 async def _ingest(
     root: Path, pg: PostgresInstance, end: Lsn, args: argparse.Namespace,
     l0_writer: Literal["inline", "process"] = "process", tenant_dir: str = "tenant",
+    precheck: bool = True,
 ) -> dict[str, Any]:
     config = StorageConfig(io_engine=args.io_engine, compaction_period_s=0, gc_period_s=0,
                            l0_writer=l0_writer)
@@ -225,8 +252,10 @@ async def _ingest(
         tl.l0_worker = L0Worker(nice=args.l0_worker_nice)
         imported = await import_datadir(tl, root / "init")
         await tl.flush()
-        cfg = WalReceiverConfig(safekeepers=(("127.0.0.1", pg.port),), idle_timeout_s=60)
-        ing = TimelineWalIngest(tl, cfg)
+        cfg = WalReceiverConfig(safekeepers=(("127.0.0.1", pg.port),), idle_timeout_s=60,
+                                precheck_min_bytes=WalReceiverConfig.precheck_min_bytes if precheck else 0)
+        prechecks = _Prechecks()
+        ing = TimelineWalIngest(tl, cfg, precheck=prechecks)
         load0 = os.getloadavg()[0]
         _reset_peak_rss()
         rss0 = _status_mib("VmRSS")
@@ -241,6 +270,7 @@ async def _ingest(
         runq_s = _runq_wait_s() - w0
         load1 = os.getloadavg()[0]
         worker_cpu_s = _worker_cpu_s(tl.l0_worker.pid) - worker0
+        precheck_cpu_s = prechecks.cpu_s()
         pending = bool(tl.frozen_layers)
         t1 = time.perf_counter()
         await tl.wait_background_flush()
@@ -268,6 +298,8 @@ async def _ingest(
         "loadavg": [round(load0, 1), round(load1, 1)],
         "flush_s": round(flush_s, 2),
         "l0_writer": l0_writer,
+        "precheck": "on" if precheck else "off",
+        "precheck_cpu_s": round(precheck_cpu_s, 2),
         "l0_worker_nice": args.l0_worker_nice,
         "l0_worker_cpu_s": round(worker_cpu_s, 2),
         "l0_worker_cpu_final_s": round(worker_cpu_final_s, 2),
@@ -368,12 +400,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         trio.run(run_initdb, root / "init")
         pg, start, end, recovery_s = _prepare(root, args)
-        writers = _l0_writers(args.l0_writer)
-        runs: dict[str, list[dict[str, Any]]] = {w: [] for w in writers}
+        configs = [(w, c) for w in _l0_writers(args.l0_writer) for c in _prechecks(args.precheck)]
+        runs: dict[tuple[str, bool], list[dict[str, Any]]] = {c: [] for c in configs}
         for round_no in range(max(1, args.rounds)):
-            for writer in writers:
-                tenant_dir = f"tenant-{writer}-{round_no}"
-                result = trio.run(_ingest, root, pg, end, args, writer, tenant_dir)
+            for writer, precheck in configs:
+                tenant_dir = f"tenant-{writer}-{precheck}-{round_no}"
+                result = trio.run(_ingest, root, pg, end, args, writer, tenant_dir, precheck)
                 shutil.rmtree(root / tenant_dir, ignore_errors=True)
                 result = {
                     "bench": "bulk_ingest",
@@ -385,16 +417,18 @@ def run(args: argparse.Namespace) -> int:
                     "io_engine": args.io_engine,
                     "round": round_no,
                 }
-                runs[writer].append(result)
+                runs[writer, precheck].append(result)
                 _emit(result)
         if args.floor_runs > 0:
-            first = runs[writers[0]][0]
+            first = runs[configs[0]][0]
             _floors(root, parse_lsn(first["ingest_start"]), end, recovery_s, args.floor_runs)
-        for name, results in runs.items():
-            summary: dict[str, Any] = {"bench": "bulk_ingest_summary", "l0_writer": name, "runs": len(results),
+        for (name, precheck), results in runs.items():
+            summary: dict[str, Any] = {"bench": "bulk_ingest_summary", "l0_writer": name,
+                                       "precheck": "on" if precheck else "off", "runs": len(results),
                                        "pg_recovery_s": round(recovery_s, 2)}
-            for field in ("ingest_s", "ingest_cpu_s", "us_per_record_cpu", "l0_worker_cpu_s",
-                          "l0_worker_cpu_final_s", "background_flush_wait_s", "flush_s", "ratio"):
+            for field in ("ingest_s", "ingest_cpu_s", "us_per_record_cpu", "precheck_cpu_s",
+                          "l0_worker_cpu_s", "l0_worker_cpu_final_s", "background_flush_wait_s",
+                          "flush_s", "ratio"):
                 summary[field] = round(statistics.median(r[field] for r in results), 3)
             summary["loadavg"] = [r["loadavg"] for r in results]
             _emit(summary)

@@ -56,6 +56,7 @@ import structlog
 import trio
 
 from common import pgclient
+from pageserver.wal_precheck import WalPrecheck, WalPrecheckError
 from protocol.errors import PROTOCOL_VIOLATION, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn, parse_lsn
@@ -96,8 +97,42 @@ Addr = tuple[str, int]
 Connector = Callable[[str, int, dict[str, str]], Awaitable[PgConnection]]
 OnRecord = Callable[[DecodedRecord], Awaitable[None]]
 OnRecords = Callable[[list[DecodedRecord]], Awaitable[None]]
-# takes every record the decoder can give: (records taken, end of the last one, what stopped it)
-OnWal = Callable[[WalStreamDecoder], Awaitable[tuple[int, Lsn, NeedData | EndOfWal]]]
+class ClaimedRuns(Protocol):
+    """Runs of like records whose bytes were checked ahead of the ingest, sorted by start
+    (``pageserver.wal_precheck.RunClaims``): run ``i`` is the records at ``starts[i]``,
+    ``starts[i] + strides[i]``, ... ``lasts[i]``, each with the header fields and layout
+    bytes of the first, ``xl_prev`` the record before (from the second on), CRC-32C right,
+    all inside one WAL page: ``_same_run``'s checks."""
+
+    @property
+    def starts(self) -> Sequence[int]: ...
+
+    @property
+    def lasts(self) -> Sequence[int]: ...
+
+    @property
+    def strides(self) -> Sequence[int]: ...
+
+
+# takes every record the decoder can give, with the pre-check's claims for the message just
+# fed (None: not pre-checked): (records taken, end of the last one, what stopped it)
+OnWal = Callable[
+    [WalStreamDecoder, ClaimedRuns | None], Awaitable[tuple[int, Lsn, NeedData | EndOfWal]]
+]
+
+
+class Precheck(Protocol):
+    """The part of ``pageserver.wal_precheck.WalPrecheck`` the receiver drives: pieces in,
+    their claims out, in order."""
+
+    async def submit(self, base: int, data: bytes) -> None: ...
+
+    async def result(self) -> ClaimedRuns: ...
+
+    async def aclose(self) -> None: ...
+
+
+PrecheckFactory = Callable[[], Precheck]
 
 
 # The production connector.
@@ -156,6 +191,12 @@ class WalReceiverConfig:
     lagging_wal_timeout_s: float = 3.0
     min_backoff_s: float = 0.05
     max_backoff_s: float = 5.0
+    # With ``on_wal``: XLogData messages of at least this many bytes (a catch-up's 128 KiB
+    # pieces, not a live compute's few records) are pre-checked in a child process while the
+    # message before is ingested (``pageserver.wal_precheck``). 0: never.
+    precheck_min_bytes: int = 32 * 1024
+    # How many messages the reader may receive ahead of the ingest (pre-checked meanwhile).
+    read_ahead: int = 4
 
 
 class _Wakeup:
@@ -204,6 +245,7 @@ class WalReceiver:
         on_wal: OnWal | None = None,
         connect: Connector = pgclient_connect,
         progress: ProgressFn | None = None,
+        precheck: PrecheckFactory | None = None,
     ) -> None:
         if not cfg.safekeepers:
             raise ValueError("no safekeepers to receive WAL from")
@@ -215,6 +257,10 @@ class WalReceiver:
         self._on_records = on_records
         self._on_wal = on_wal
         self._progress = progress
+        # one pre-check per session (its child starts at the first big message)
+        self._precheck: PrecheckFactory | None = None
+        if on_wal is not None and cfg.precheck_min_bytes > 0:
+            self._precheck = precheck if precheck is not None else WalPrecheck
         # End of the last record handed to on_record: where the next session starts.
         self.last_record_lsn = start_lsn
         # Where that record starts, once one was handed over: the next session's first record
@@ -268,6 +314,14 @@ class WalReceiver:
             except* CONNECTION_ERRORS as eg:
                 failed = True
                 self._failed(addr, _first_leaf(eg), "wal receiver session ended")
+            except* WalPrecheckError as eg:
+                # Our own child process, not the safekeeper: loud, but retried like a failed
+                # session (with its backoff) with a new child; nothing was taken unchecked.
+                failed = True
+                exc = _first_leaf(eg)
+                self.last_error = f"{_addr(addr)}: {exc!r}"
+                log.error("wal pre-check failed", safekeeper=_addr(addr), error=repr(exc),
+                          at=format_lsn(self.last_record_lsn))
             finally:
                 self.current = None
             if self.records_received > before:
@@ -359,14 +413,25 @@ class WalReceiver:
                      safekeeper_position=format_lsn(chosen.position))
             decoder = WalStreamDecoder(start, prev_lsn=self._last_record_start)
             reply = _Wakeup()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._status_sender, copy, reply)
-                await self._receive(addr, copy, decoder, reply)
+            precheck = self._precheck() if self._precheck is not None else None
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._status_sender, copy, reply)
+                    if precheck is None:
+                        await self._receive(addr, _Unchecked(copy), decoder, reply)
+                    else:
+                        ahead = _ReadAhead(copy, precheck, self.cfg)
+                        nursery.start_soon(ahead.run)
+                        await self._receive(addr, ahead, decoder, reply)
+            finally:
+                if precheck is not None:
+                    with trio.CancelScope(shield=True):
+                        await precheck.aclose()
         finally:
             await _close_all([conn])
 
     async def _receive(
-        self, addr: Addr, copy: CopyStream, decoder: WalStreamDecoder, reply: _Wakeup
+        self, addr: Addr, messages: _Messages, decoder: WalStreamDecoder, reply: _Wakeup
     ) -> None:
         lag_timeout = self.cfg.lagging_wal_timeout_s if len(self.cfg.safekeepers) > 1 else math.inf
         last_message = trio.current_time()
@@ -379,7 +444,7 @@ class WalReceiver:
             silent_at = last_message + self.cfg.idle_timeout_s
             # (A cancelled receive loses nothing: the client's buffer keeps partial messages.)
             with trio.move_on_at(min(silent_at, look_around_at)) as waiting:
-                payload = await copy.receive()
+                msg, checked = await messages.receive()
             if waiting.cancelled_caught:
                 if trio.current_time() >= silent_at:
                     raise trio.TooSlowError(
@@ -387,21 +452,21 @@ class WalReceiver:
                     )
                 continue
             last_message = trio.current_time()
-            if payload is None:
+            if msg is None:
                 raise EOFError("the safekeeper ended the stream")
-            msg = decode_server_copy_data(payload)
             if isinstance(msg, PrimaryKeepalive):
                 if msg.reply_requested:
                     reply.fire()
                 continue
-            assert isinstance(msg, XLogData)
             if msg.wal_start != decoder.fed_lsn:
                 raise WalDecodeError(
                     f"XLogData at {format_lsn(msg.wal_start)}, expected {format_lsn(decoder.fed_lsn)}"
                 )
+            # (the claims come in message order: taken before the feed, whatever happens next)
+            runs = await messages.claims() if checked else None
             decoder.feed(msg.data)
             if self._on_wal is not None:
-                stop = await self._take(self._on_wal, decoder)
+                stop = await self._take(self._on_wal, decoder, runs)
             else:
                 batch: list[DecodedRecord] = []
                 stop = decoder.decode_into(batch)
@@ -426,9 +491,11 @@ class WalReceiver:
             best = max(ahead, key=lambda p: p.position)
             raise SafekeeperLagging(current, best.addr, best.position, received)
 
-    async def _take(self, on_wal: OnWal, decoder: WalStreamDecoder) -> NeedData | EndOfWal:
+    async def _take(
+        self, on_wal: OnWal, decoder: WalStreamDecoder, runs: ClaimedRuns | None
+    ) -> NeedData | EndOfWal:
         try:
-            n, end, stop = await on_wal(decoder)
+            n, end, stop = await on_wal(decoder, runs)
         except RemoteProtocolError as exc:
             raise WalIngestError(
                 f"ingest rejected WAL after {format_lsn(self.last_record_lsn)}: {exc}"
@@ -482,6 +549,72 @@ class WalReceiver:
         else:
             flush = apply = received
         return StandbyStatusUpdate(received, flush, apply, pg_now(), False)
+
+
+Message = XLogData | PrimaryKeepalive | None  # None: the stream ended
+
+
+class _Messages(Protocol):
+    async def receive(self) -> tuple[Message, bool]: ...
+
+    async def claims(self) -> ClaimedRuns: ...
+
+
+class _Unchecked:
+    """The stream's messages as they come, none pre-checked."""
+
+    def __init__(self, copy: CopyStream) -> None:
+        self._copy = copy
+
+    async def receive(self) -> tuple[Message, bool]:
+        payload = await self._copy.receive()
+        return (None if payload is None else _wal_message(payload)), False
+
+    async def claims(self) -> ClaimedRuns:
+        raise AssertionError("no message was pre-checked")
+
+
+class _ReadAhead:
+    """A task that receives up to ``cfg.read_ahead`` messages ahead of the ingest and hands
+    each XLogData of at least ``cfg.precheck_min_bytes`` to the pre-check on the way (so the
+    child checks the next piece while this process ingests the one before); ``receive`` and
+    ``claims`` give the messages and, for the checked ones, their claims, in order. Runs in
+    the session's nursery: an error of either side ends the session."""
+
+    def __init__(self, copy: CopyStream, precheck: Precheck, cfg: WalReceiverConfig) -> None:
+        self._copy = copy
+        self._precheck = precheck
+        self._min = cfg.precheck_min_bytes
+        self._send, self._recv = trio.open_memory_channel[tuple[Message, bool]](
+            max(0, cfg.read_ahead - 1)
+        )
+
+    async def run(self) -> None:
+        # (The channel is never closed: on an error the nursery cancels the reading side, which
+        # must see the error, not an end of messages.)
+        while True:
+            payload = await self._copy.receive()
+            if payload is None:
+                await self._send.send((None, False))
+                return
+            msg = _wal_message(payload)
+            checked = isinstance(msg, XLogData) and len(msg.data) >= self._min
+            if checked:
+                assert isinstance(msg, XLogData)
+                await self._precheck.submit(msg.wal_start, bytes(msg.data))
+            await self._send.send((msg, checked))
+
+    async def receive(self) -> tuple[Message, bool]:
+        return await self._recv.receive()
+
+    async def claims(self) -> ClaimedRuns:
+        return await self._precheck.result()
+
+
+def _wal_message(payload: bytes) -> XLogData | PrimaryKeepalive:
+    msg = decode_server_copy_data(payload)
+    assert isinstance(msg, XLogData | PrimaryKeepalive)
+    return msg
 
 
 def _addr(addr: Addr) -> str:

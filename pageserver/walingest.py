@@ -37,7 +37,7 @@ import struct
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import structlog
@@ -80,7 +80,9 @@ from pageserver.storage.value import (
 )
 from pageserver.timeline import Timeline
 from pageserver.wal_receiver import (
+    ClaimedRuns,
     Connector,
+    PrecheckFactory,
     Progress,
     WalReceiver,
     WalReceiverConfig,
@@ -303,23 +305,6 @@ def _vm_kept(buf: bytes, at: int, stride: int, m: int) -> int:
     if flags.translate(None, _EVEN_BYTES):
         return next(i for i, f in enumerate(flags) if f & 0x01)
     return m
-
-
-class ClaimedRuns(Protocol):
-    """Runs of like records whose bytes were checked ahead of the ingest, sorted by start
-    (``pageserver.wal_precheck.RunClaims``): run ``i`` is the records at ``starts[i]``,
-    ``starts[i] + strides[i]``, ... ``lasts[i]``, each with the header fields and layout
-    bytes of the first, ``xl_prev`` the record before (from the second on), CRC-32C right,
-    all inside one WAL page: ``_same_run``'s checks."""
-
-    @property
-    def starts(self) -> Sequence[int]: ...
-
-    @property
-    def lasts(self) -> Sequence[int]: ...
-
-    @property
-    def strides(self) -> Sequence[int]: ...
 
 
 # 1 GiB of zero pages: far beyond any bulk extension PostgreSQL does without WAL.
@@ -1535,11 +1520,13 @@ class TimelineWalIngest:
         *,
         connect: Connector = pgclient_connect,
         ingest: WalIngest | None = None,
+        precheck: PrecheckFactory | None = None,
     ) -> None:
         self.tl = timeline
         self.cfg = cfg
         self.ingest = ingest if ingest is not None else WalIngest(timeline)
         self._connect = connect
+        self._precheck = precheck
         self.receiver: WalReceiver | None = None
         self._in_record = False
         self._between: trio.Event | None = None  # set when the record in progress is done
@@ -1555,12 +1542,14 @@ class TimelineWalIngest:
         # a flush waits for the whole batch (a few ms of WAL)
         await self._applying(self.ingest.ingest_records(recs))
 
-    async def _on_wal(self, dec: WalStreamDecoder) -> tuple[int, Lsn, NeedData | EndOfWal]:
+    async def _on_wal(
+        self, dec: WalStreamDecoder, runs: ClaimedRuns | None
+    ) -> tuple[int, Lsn, NeedData | EndOfWal]:
         # the fused path (a flush waits for one XLogData message's records, like a batch)
         out: list[tuple[int, Lsn, NeedData | EndOfWal]] = []
 
         async def apply() -> None:
-            out.append(await self.ingest.ingest_decoder(dec))
+            out.append(await self.ingest.ingest_decoder(dec, runs))
 
         await self._applying(apply())
         return out[0]
@@ -1625,6 +1614,7 @@ class TimelineWalIngest:
             on_wal=self._on_wal,
             progress=self.progress,
             connect=self._connect,
+            precheck=self._precheck,
         )
         await self.receiver.run()
 

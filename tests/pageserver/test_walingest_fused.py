@@ -32,12 +32,14 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pageserver import walingest
 from pageserver.pg_control import CheckPoint
 from pageserver.storage.config import StorageConfig
 from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.key import SLRU_CLOG, Key
 from pageserver.storage.value import Image
 from pageserver.tenant import Tenant
+from pageserver.wal_precheck import RunFinder
 from pageserver.walingest import WalIngest
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
@@ -127,9 +129,11 @@ def _checkpoint() -> CheckPoint:
 
 
 async def ingest(
-    wal: bytes, pieces: list[int], fused: bool, skip_to: Lsn | None, root: Path
+    wal: bytes, pieces: list[int], fused: bool, skip_to: Lsn | None, root: Path,
+    claimed: bool = False,
 ) -> Run:
-    """Seed a timeline, then feed ``wal`` (from WAL_START) in ``pieces`` to one path."""
+    """Seed a timeline, then feed ``wal`` (from WAL_START) in ``pieces`` to one path (the
+    fused one ``claimed``: with each piece's pre-check claims, ``RunFinder`` in-process)."""
     tenant = Tenant(root, TenantId.generate(), CONFIG)
     try:
         tl = await tenant.create_timeline(TimelineId.generate())
@@ -150,15 +154,18 @@ async def ingest(
             tl.finish_write(skip_to)  # as if the timeline already had the WAL up to there
         with capture_puts() as puts:
             dec = WalStreamDecoder(WAL_START)
+            finder = RunFinder() if claimed else None
             per_piece: list[tuple[int, int]] = []
             end: object = None
             at = 0
             for size in pieces:
-                dec.feed(wal[at : at + size])
+                piece = wal[at : at + size]
+                runs = None if finder is None else finder.feed(WAL_START + at, piece)
+                dec.feed(piece)
                 at += size
                 try:
                     if fused:
-                        n, end_lsn, stop = await ing.ingest_decoder(dec)
+                        n, end_lsn, stop = await ing.ingest_decoder(dec, runs)
                         last = int(end_lsn)
                     else:
                         batch: list[DecodedRecord] = []
@@ -184,9 +191,13 @@ async def ingest(
 
 
 def both(wal: bytes, pieces: list[int], skip_to: Lsn | None = None) -> tuple[Run, Run]:
+    """The batch and the fused path's runs; the fused path with the pre-check's claims must
+    store what it stores without them (the callers compare fused with batch)."""
     with tempfile.TemporaryDirectory() as d:
         batch = trio.run(ingest, wal, pieces, False, skip_to, Path(d) / "batch")
         fused = trio.run(ingest, wal, pieces, True, skip_to, Path(d) / "fused")
+        claimed = trio.run(ingest, wal, pieces, True, skip_to, Path(d) / "claimed", True)
+    assert_same(fused, claimed)
     return batch, fused
 
 
@@ -377,6 +388,20 @@ def test_fused_path_takes_the_bulk_load(monkeypatch: pytest.MonkeyPatch) -> None
     assert len(batch.puts) == 3000 + 3000 // 50  # the records and the new sizes
     pages = len(wal) // 8192
     assert sum(general) <= pages + 2  # about one record per page: the one crossing into it
+    # with the claims, no run is checked here: the claims stand for _same_run
+    calls = {"_same_run": 0, "_claimed_run": 0}
+    for name in calls:
+        real_fn = getattr(walingest, name)
+
+        def counted(*a: Any, _name: str = name, _real: Any = real_fn) -> Any:
+            calls[_name] += 1
+            return _real(*a)
+
+        monkeypatch.setattr(walingest, name, counted)
+    with tempfile.TemporaryDirectory() as d:
+        claimed = trio.run(ingest, wal, chunking(len(wal), [131072]), True, None, Path(d), True)
+    assert_same(batch, claimed)
+    assert calls["_same_run"] == 0 and calls["_claimed_run"] >= pages
 
 
 

@@ -1,0 +1,653 @@
+"""The WAL run pre-check: "claims" about runs of like records, computed on the second core.
+
+A bulk load writes runs of like records on a WAL page (INSERTs into one heap page: the same
+``xl_tot_len``, ``xl_xid``, ``xl_info``, ``xl_rmid`` and 22 layout bytes); the ingest's
+fused path checks such a run in a few batched C calls (``walingest._same_run``). This module
+does those byte checks ahead of the ingest, in a child process, so the ingest's core only
+looks the answer up. It owns:
+
+- ``find_runs`` / ``RunFinder`` (pure, no IO): the claims about one buffer / a stream of
+  receiver pieces;
+- ``WalPrecheck`` (pageserver side, trio): one long-lived ``python -m pageserver.wal_precheck``
+  child, pieces in, claims out, in order, every answer checked against its piece;
+- ``main`` (the child).
+
+The claim (the ingest's correctness rests on it; docs/wal-precheck.md): ``(start, last,
+stride)`` with ``n = (last - start) // stride + 1 >= 2`` records R_i at ``start + i*stride``
+asserts about the bytes the child received: every R_i lies inside the 8 KiB WAL page holding
+``start`` and inside the bytes received; ``xl_tot_len(R_0) >= 46`` and ``stride ==
+MAXALIGN(xl_tot_len(R_0))``; bytes [0:8), [16:20) and [24:46) of each R_i equal R_0's;
+``xl_prev(R_i) == start + (i-1)*stride`` for i >= 1; every R_i's CRC-32C is right. Nothing
+about R_0's ``xl_prev``: a claim is a pure function of the bytes at those LSNs, whatever walk
+found ``start``. The walk over pages and records only decides where to look; hostile bytes
+give fewer claims, never a false one, never an exception.
+
+Wire format (little-endian): request ``"WPRq" u64 base u32 len`` then ``len`` bytes of WAL;
+answer ``"WPRs" u64 base u32 len u32 crc32c(data) u32 n`` then ``n`` u64 starts, ``n`` u64
+lasts, ``n`` u64 strides. The child answers every request in order.
+
+Test seams (child flags, ``WalPrecheck(worker_args=...)``): ``--stall-s S`` delays every
+answer; ``--garble N`` corrupts the Nth answer's magic; ``--misanswer N`` answers the Nth
+request with another base; ``--bad-claim N`` adds a malformed claim to the Nth answer;
+``--die-after N`` exits after answering N requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import fcntl
+import io
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from array import array
+from collections.abc import Sequence
+from functools import lru_cache
+from itertools import islice, repeat
+from operator import add, and_, ge, lt, mod, sub, xor
+from pathlib import Path
+
+import attrs
+import trio
+
+from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ
+from protocol.wal import crc as _crcmod
+from protocol.wal.page import XLOG_PAGE_MAGIC, XLP_FIRST_IS_CONTRECORD, XLP_LONG_HEADER
+from protocol.wal.record import SIZE_OF_XLOG_RECORD
+
+__all__ = [
+    "RUN_HEAD_SIZE",
+    "RunClaims",
+    "RunFinder",
+    "WalPrecheck",
+    "WalPrecheckError",
+    "find_runs",
+    "main",
+]
+
+_PAGE_MASK = XLOG_BLCKSZ - 1
+_SHORT_PHD, _LONG_PHD = 24, 40
+# The bytes a run's records share besides the header: walingest's SIMPLE_HEADERS (22 bytes).
+RUN_HEAD_SIZE = SIZE_OF_XLOG_RECORD + 22
+# The smallest stride a claim can have: MAXALIGN(46).
+MIN_STRIDE = (RUN_HEAD_SIZE + 7) & ~7
+# xlp_magic, xlp_info, (xlp_tli), xlp_pageaddr, xlp_rem_len
+_PAGE = struct.Struct("<HH4xQI")
+_U32 = struct.Struct("<I")
+# per record: (xl_tot_len, xl_xid), xl_prev, (xl_info, xl_rmid, pad), xl_crc, the 22 layout bytes
+_HEAD = "8sQ4sI22s"
+_ONE = struct.Struct("<" + _HEAD)
+_MAX_LSN = (1 << 64) - 1
+
+if array("Q").itemsize != 8:  # pragma: no cover - every platform we run on
+    raise ImportError("array('Q') is not 8 bytes here: the pre-check's answer format needs it")
+
+
+@lru_cache(maxsize=2048)
+def _batch(one: str, gap: int, count: int) -> struct.Struct:
+    """``count`` times ``one`` with ``gap`` pad bytes between two (none after the last: an
+    unpack never reads past the last record)."""
+    return struct.Struct("<" + f"{gap}x".join([one] * count))
+
+
+@attrs.frozen(slots=True)
+class RunClaims:
+    """The claims about one piece: claim ``j`` is ``(starts[j], lasts[j], strides[j])``
+    (absolute LSNs; sorted by start, non-overlapping; see the module docstring)."""
+
+    starts: array[int] = attrs.field(factory=lambda: array("Q"))
+    lasts: array[int] = attrs.field(factory=lambda: array("Q"))
+    strides: array[int] = attrs.field(factory=lambda: array("Q"))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def triples(self) -> list[tuple[int, int, int]]:
+        return list(zip(self.starts, self.lasts, self.strides, strict=True))
+
+    def records(self) -> int:
+        """How many records the claims cover."""
+        return sum((last - start) // stride + 1 for start, last, stride in self.triples())
+
+
+def find_runs(
+    buf: bytes, buf_lsn: int, segment_size: int = WAL_SEGMENT_SIZE, out: RunClaims | None = None
+) -> RunClaims:
+    """The claims about ``buf`` (WAL bytes from ``buf_lsn`` on): every run of >= 2 like
+    records on each page whose header is in ``buf`` (module docstring). Any bytes are
+    accepted: garbage gives no claims. ``segment_size`` must be a power of two >= 8 KiB."""
+    claims = RunClaims() if out is None else out
+    end = buf_lsn + len(buf)
+    if buf_lsn < 0 or end > _MAX_LSN:
+        return claims
+    seg_mask = segment_size - 1
+    page = (buf_lsn + _PAGE_MASK) & ~_PAGE_MASK
+    unpack_page = _PAGE.unpack_from
+    while page + _SHORT_PHD <= end:
+        at = page - buf_lsn
+        magic, info, addr, rem_len = unpack_page(buf, at)
+        long = not page & seg_mask
+        size = _LONG_PHD if long else _SHORT_PHD
+        if (
+            magic == XLOG_PAGE_MAGIC
+            and addr == page
+            and bool(info & XLP_LONG_HEADER) == long
+            and page + size <= end
+        ):
+            first = at + size
+            if info & XLP_FIRST_IS_CONTRECORD:
+                first += (rem_len + 7) & ~7
+            _walk_page(buf, buf_lsn, first, min(at + XLOG_BLCKSZ, len(buf)), claims)
+        page += XLOG_BLCKSZ
+    return claims
+
+
+def _walk_page(buf: bytes, buf_lsn: int, o: int, limit: int, claims: RunClaims) -> None:
+    """Claim the runs among the records from offset ``o`` on that end by ``limit`` (the page's
+    end or the buffer's, whichever comes first)."""
+    unpack_u32 = _U32.unpack_from
+    while o + RUN_HEAD_SIZE <= limit:
+        tot_len = unpack_u32(buf, o)[0]
+        if tot_len < SIZE_OF_XLOG_RECORD or o + tot_len > limit:
+            return
+        stride = (tot_len + 7) & ~7
+        # R_1..R_k fit: R_k ends at o + k*stride + tot_len <= limit
+        k = (limit - o - tot_len) // stride
+        nxt = o + stride
+        if (
+            k
+            and tot_len >= RUN_HEAD_SIZE
+            and buf[o : o + 8] == buf[nxt : nxt + 8]
+            and buf[o + 24 : o + RUN_HEAD_SIZE] == buf[nxt + 24 : nxt + RUN_HEAD_SIZE]
+        ):
+            o += _claim_runs(buf, buf_lsn, o, tot_len, stride, k, claims) * stride
+        else:
+            o += stride
+
+
+def _claim_runs(
+    buf: bytes, buf_lsn: int, o: int, tot_len: int, stride: int, k: int, claims: RunClaims
+) -> int:
+    """Claim the runs among R_0 (at offset ``o``) and the ``k`` record slots after it at
+    ``stride`` (they fit the page), run after run while the next run's first record has the
+    same ``xl_tot_len``; returns how many records were dealt with (the walk goes on after them).
+
+    Batched as ``walingest._same_run``, but once for all the runs of a page: one struct unpack
+    of every slot's header fields, the ``xl_prev`` chain as one tuple compare, per run the
+    prefix of like layouts by ``tuple.count``, one ``crc32c`` map over the runs' records."""
+    n = k + 1
+    heads = _batch(_HEAD, stride - _ONE.size, n).unpack_from(buf, o)
+    start = buf_lsn + o
+    h8s, irps, sigs = heads[0::5], heads[2::5], heads[4::5]
+    # slots whose xl_prev is not the slot before (none in a well-formed page; a record there
+    # cannot extend a run)
+    prevs = heads[6::5]
+    chain = tuple(range(start, start + k * stride, stride))
+    unlinked = () if prevs == chain else tuple(i + 1 for i, (x, y) in enumerate(zip(prevs, chain, strict=True)) if x != y)
+    # columns that are alike over every slot need no per-run look (xl_xid and xl_info usually)
+    cols = [c for c in (h8s, irps) if c.count(c[0]) != n]
+    cols.append(sigs)
+    tot4 = h8s[0][:4]
+    runs: list[tuple[int, int]] = []
+    a = 0
+    while a < k:
+        if a and h8s[a][:4] != tot4:
+            break  # another length: the walk goes on from this record
+        m = k - a  # like records after R_a
+        for col in cols:
+            rest = col[a + 1 :]
+            want = col[a]
+            same = rest.count(want)
+            if same != len(rest) and rest[:same].count(want) != same:
+                same = _prefix(rest, want)
+            if same < m:
+                m = same
+        for i in unlinked:
+            if a < i <= a + m:
+                m = i - a - 1
+                break
+        if m:
+            runs.append((a, a + m))
+            a += m + 1
+        else:
+            a += 1
+    # (a == k: the last slot is left to the walk, its length unchecked; a == n: a run ended it)
+    if runs:
+        first, last = runs[0][0], runs[-1][1]
+        crc32c = _crcmod.crc32c
+        pieces = _crc_batch(tot_len, stride, last - first + 1).unpack_from(buf, o + first * stride)
+        crcs = list(map(crc32c, pieces[0::2], map(crc32c, pieces[1::2])))
+        want_crcs = heads[5 * first + 3 : 5 * last + 4 : 5]
+        ok = crcs == list(want_crcs)
+        for r0, r1 in runs:
+            if ok:
+                _add(claims, start + r0 * stride, start + r1 * stride, stride)
+                continue
+            # a bad CRC splits the run: claim each stretch of >= 2 good records
+            i = r0
+            while i <= r1:
+                j = i
+                while j <= r1 and crcs[j - first] == want_crcs[j - first]:
+                    j += 1
+                if j - i >= 2:
+                    _add(claims, start + i * stride, start + (j - 1) * stride, stride)
+                i = j + 1
+    return a
+
+
+def _add(claims: RunClaims, start: int, last: int, stride: int) -> None:
+    claims.starts.append(start)
+    claims.lasts.append(last)
+    claims.strides.append(stride)
+
+
+@lru_cache(maxsize=2048)
+def _crc_batch(tot_len: int, stride: int, count: int) -> struct.Struct:
+    """The two CRC pieces of ``count`` records: bytes [0:20) and [24:tot_len) of each."""
+    return _batch(f"20s4x{tot_len - SIZE_OF_XLOG_RECORD}s", stride - tot_len, count)
+
+
+def _prefix(col: Sequence[object], want: object) -> int:
+    for i, x in enumerate(col):
+        if x != want:
+            return i
+    return len(col)
+
+
+class RunFinder:
+    """``find_runs`` over the WAL receiver's pieces (any start and length): a piece that
+    continues the previous one (``base`` == its end) is walked together with the previous
+    piece's incomplete last page (claims about that page's records may repeat); any other
+    piece drops that carry, and a page it starts in the middle of is skipped (no header)."""
+
+    def __init__(self, segment_size: int = WAL_SEGMENT_SIZE) -> None:
+        if segment_size < XLOG_BLCKSZ or segment_size & (segment_size - 1):
+            raise ValueError(f"WAL segment size {segment_size} is not a power of two >= {XLOG_BLCKSZ}")
+        self.segment_size = segment_size
+        self._carry = b""
+        self._carry_lsn = 0
+        self._end: int | None = None
+
+    def walked_from(self, base: int) -> int:
+        """Where the buffer of a piece at ``base`` would start (its claims start there or
+        later): the carried page's start, or ``base``."""
+        return self._carry_lsn if self._carry and base == self._end else base
+
+    def feed(self, base: int, data: bytes) -> RunClaims:
+        if self._carry and base == self._end:
+            buf = self._carry + data
+            buf_lsn = self._carry_lsn
+        else:
+            buf = bytes(data)
+            buf_lsn = base
+        end = base + len(data)
+        self._end = end
+        claims = find_runs(buf, buf_lsn, self.segment_size)
+        last_page = end & ~_PAGE_MASK
+        if end & _PAGE_MASK and last_page >= buf_lsn:
+            self._carry = buf[last_page - buf_lsn :]
+            self._carry_lsn = last_page
+        else:
+            self._carry = b""
+        return claims
+
+
+# -- the wire ------------------------------------------------------------------------------
+
+REQUEST_MAGIC = b"WPRq"
+ANSWER_MAGIC = b"WPRs"
+_REQUEST = struct.Struct("<4sQI")
+_ANSWER = struct.Struct("<4sQIII")
+# The largest piece: the receiver's are <= 128 KiB; anything far bigger is a garbled header.
+MAX_PIECE = 16 << 20
+_PIPE_SIZE = 1 << 20
+_EXIT_GRACE_S = 2.0
+_WATCHDOG_S = 0.1
+
+
+def encode_answer(base: int, length: int, crc: int, claims: RunClaims) -> bytes:
+    return (
+        _ANSWER.pack(ANSWER_MAGIC, base, length, crc, len(claims.starts))
+        + claims.starts.tobytes()
+        + claims.lasts.tobytes()
+        + claims.strides.tobytes()
+    )
+
+
+class WalPrecheckError(Exception):
+    """The pre-check child failed (died, killed, garbled or mismatched answer, cancelled
+    mid-request) or the handle is closed: the handle is broken for good."""
+
+
+def check_claims(claims: RunClaims, low: int, high: int) -> str | None:
+    """Why ``claims`` are not well formed for a buffer of WAL [low, high), or ``None``.
+    Runs on the ingest's core for every answer: C loops (``map``) over the columns; the
+    first bad claim is looked for one by one only when a column is wrong."""
+    starts, lasts, strides = claims.starts, claims.lasts, claims.strides
+    if not (len(starts) == len(lasts) == len(strides)):
+        return "claim columns of different lengths"
+    if not starts:
+        return None
+    spans = list(map(sub, lasts, starts))
+    # R_last's end - 1 is at least last + stride - 8 (its length is > stride - 8)
+    tails = list(map(add, lasts, map(sub, strides, repeat(8))))
+    if (
+        min(strides) >= MIN_STRIDE
+        and max(strides) <= XLOG_BLCKSZ
+        and not any(map(and_, strides, repeat(7)))
+        and all(map(ge, spans, strides))
+        and not any(map(mod, spans, strides))
+        and all(map(lt, lasts, islice(starts, 1, None)))
+        and starts[0] >= low
+        and max(tails) < high
+        and max(map(xor, tails, starts)) <= _PAGE_MASK
+    ):
+        return None
+    prev_end = -1
+    for start, last, stride in zip(starts, lasts, strides, strict=True):
+        if stride < MIN_STRIDE or stride & 7 or stride > XLOG_BLCKSZ:
+            return f"claim {start:X}: bad stride {stride}"
+        if last < start + stride or (last - start) % stride:
+            return f"claim {start:X}..{last:X}: last is not start + k*stride, k >= 1"
+        if start <= prev_end:
+            return f"claim {start:X}: not after the previous claim (ends {prev_end:X})"
+        tail = last + stride - 8
+        if start < low or tail >= high or tail & ~_PAGE_MASK != start & ~_PAGE_MASK:
+            return f"claim {start:X}..{last:X}/{stride} outside the page or the piece [{low:X}, {high:X})"
+        prev_end = last
+    raise AssertionError("check_claims: the columns failed but no claim did")  # pragma: no cover
+
+
+@attrs.define(slots=True)
+class _Pending:
+    base: int
+    length: int
+    crc: int
+    low: int  # where the child's buffer for this piece starts (claims start there or later)
+
+
+class WalPrecheck:
+    """One pre-check child (started on the first ``submit``); see the module docstring.
+
+    ``submit`` (one task) and ``result`` (another) may run concurrently; answers come in
+    submit order. Any failure breaks the handle for good: that call and every later one
+    raise ``WalPrecheckError`` (the child is killed and reaped); make a new handle. A
+    ``submit`` cancelled before any byte was written, or a ``result`` cancelled at any point,
+    leaves the handle working (a partly read answer stays buffered for the next ``result``).
+    """
+
+    def __init__(self, *, segment_size: int = WAL_SEGMENT_SIZE, worker_args: Sequence[str] = ()) -> None:
+        RunFinder(segment_size)  # (validates)
+        self._args = (f"--segment-size={segment_size}", *worker_args)
+        self._proc: trio.Process | None = None
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._send_lock = trio.Lock()
+        self._receive_lock = trio.Lock()
+        self._inbuf = bytearray()
+        self._broken: str | None = None
+        self._last_end: int | None = None  # the end of the last piece submitted
+        self._last_page: int | None = None  # the start of the page the child may carry
+        self.submitted = 0
+        self.answered = 0
+
+    @property
+    def pending(self) -> int:
+        """Pieces submitted whose answer ``result`` has not returned yet."""
+        return len(self._pending)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def broken(self) -> str | None:
+        return self._broken
+
+    async def submit(self, base: int, data: bytes) -> None:
+        """Send one piece (``base``: the LSN of ``data[0]``) to the child."""
+        self._check()
+        if not (base >= 0 and base + len(data) <= _MAX_LSN and len(data) <= MAX_PIECE):
+            raise ValueError(f"piece of {len(data)} bytes at {base:X} is out of range")
+        async with self._send_lock:
+            self._check()
+            proc = await self._start()
+            assert isinstance(proc.stdin, trio.lowlevel.FdStream)
+            fd = proc.stdin.fileno()
+            entry = _Pending(base, len(data), _crcmod.crc32c(data), self._low(base))
+            frame = memoryview(_REQUEST.pack(REQUEST_MAGIC, base, len(data)) + data)
+            self._pending.append(entry)
+            sent = 0
+            try:
+                while sent < len(frame):
+                    try:
+                        sent += os.write(fd, frame[sent:])
+                    except BlockingIOError:
+                        await trio.lowlevel.wait_writable(fd)
+            except trio.Cancelled:
+                if sent:
+                    await self._break("submit was cancelled in the middle of a request")
+                else:
+                    self._pending.remove(entry)
+                raise
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                # EPIPE: the child is gone; Closed: result() broke the handle meanwhile
+                await self._break(f"writing a request failed: {exc}")
+                raise WalPrecheckError(self._broken) from exc
+            self._last_end = base + len(data)
+            self._last_page = self._last_end & ~_PAGE_MASK if self._last_end & _PAGE_MASK else None
+            self.submitted += 1
+            # (no checkpoint after the write: a Cancelled raised then would hide a sent piece)
+
+    def _low(self, base: int) -> int:
+        if base == self._last_end and self._last_page is not None:
+            return self._last_page
+        return base
+
+    async def result(self) -> RunClaims:
+        """The claims about the oldest piece not yet answered (waits for the child)."""
+        async with self._receive_lock:
+            self._check()
+            if not self._pending:
+                raise WalPrecheckError("result() without a submitted piece")
+            proc = self._proc
+            assert proc is not None and proc.stdout is not None
+            stream = proc.stdout
+            try:
+                header = await self._fill(stream, _ANSWER.size)
+                magic, base, length, crc, n = _ANSWER.unpack_from(header)
+                if magic != ANSWER_MAGIC or n > MAX_PIECE // MIN_STRIDE:
+                    raise WalPrecheckError(f"garbled answer header {bytes(header)!r}")
+                await self._fill(stream, _ANSWER.size + 24 * n)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, WalPrecheckError) as exc:
+                await self._break(f"reading an answer failed: {exc}")
+                raise WalPrecheckError(self._broken) from exc
+            body = bytes(self._inbuf[_ANSWER.size : _ANSWER.size + 24 * n])
+            del self._inbuf[: _ANSWER.size + 24 * n]
+            entry = self._pending.popleft()
+            problem: str | None = None
+            if (base, length, crc) != (entry.base, entry.length, entry.crc):
+                problem = (
+                    f"answer for the piece at {base:X} ({length} bytes, crc {crc:08X}); "
+                    f"expected {entry.base:X} ({entry.length} bytes, crc {entry.crc:08X})"
+                )
+            claims = RunClaims()
+            claims.starts.frombytes(body[: 8 * n])
+            claims.lasts.frombytes(body[8 * n : 16 * n])
+            claims.strides.frombytes(body[16 * n :])
+            problem = problem or check_claims(claims, entry.low, entry.base + entry.length)
+            if problem:
+                await self._break(f"bad answer: {problem}")
+                raise WalPrecheckError(self._broken)
+            self.answered += 1
+            return claims
+
+    async def _fill(self, stream: trio.abc.ReceiveStream, size: int) -> bytearray:
+        """Wait until ``size`` bytes are buffered (a cancelled wait loses nothing)."""
+        while len(self._inbuf) < size:
+            data = await stream.receive_some(1 << 20)
+            if not data:
+                raise WalPrecheckError(f"the child closed its answer pipe: {await self._ended()}")
+            self._inbuf += data
+        return self._inbuf
+
+    async def _ended(self) -> str:
+        proc = self._proc
+        if proc is None:
+            return "no child"
+        with trio.move_on_after(1.0):
+            await proc.wait()
+        rc = proc.returncode
+        return "still running" if rc is None else f"exit status {rc}" if rc >= 0 else f"killed by signal {-rc}"
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise WalPrecheckError(f"the WAL pre-check is broken: {self._broken}")
+
+    async def _start(self) -> trio.Process:
+        if self._proc is not None:
+            return self._proc
+        root = Path(__file__).resolve().parents[1]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "pageserver.wal_precheck", *self._args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+        )
+        assert isinstance(proc.stdin, trio.lowlevel.FdStream) and isinstance(proc.stdout, trio.lowlevel.FdStream)
+        for fd in (proc.stdin.fileno(), proc.stdout.fileno()):
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
+            except OSError:
+                pass  # a smaller pipe only costs more wake-ups per piece
+        if self._broken is not None:  # closed while it started: it must not outlive us
+            await _reap(proc)
+            self._check()
+        self._proc = proc
+        return proc
+
+    async def _break(self, why: str) -> None:
+        if self._broken is None:
+            self._broken = why
+        self._pending.clear()
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            await _reap(proc)
+
+    async def aclose(self) -> None:
+        """Stop the child: EOF on its stdin, kill after ``_EXIT_GRACE_S``; reaped before this
+        returns. Later calls raise ``WalPrecheckError``."""
+        if self._broken is None:
+            self._broken = "closed"
+        self._pending.clear()
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with trio.CancelScope(shield=True):
+            if proc.stdin is not None:
+                await proc.stdin.aclose()
+            with trio.move_on_after(_EXIT_GRACE_S):
+                await proc.wait()
+        await _reap(proc)
+
+
+async def _reap(proc: trio.Process) -> None:
+    """Kill ``proc`` if it still runs, wait for it, close our pipe ends (shielded: a child is
+    never left running or unreaped, also from a cancelled scope)."""
+    with trio.CancelScope(shield=True):
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                await stream.aclose()
+
+
+# -- the child -----------------------------------------------------------------------------
+
+
+def _read_exact(stream: io.FileIO, size: int) -> bytes | None:
+    """``size`` bytes from ``stream``; ``None`` at EOF before the first byte."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = stream.readinto(view[got:])
+        if not n:
+            if got == 0:
+                return None
+            raise EOFError(f"the pageserver closed the pipe {got} bytes into a {size}-byte read")
+        got += n
+    return bytes(buf)
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(_WATCHDOG_S)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), name="precheck-watchdog", daemon=True).start()
+    out = os.dup(1)
+    os.dup2(2, 1)  # stray prints go to stderr, never into the answers
+    try:
+        fcntl.fcntl(out, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
+    except OSError:
+        pass
+    stdin = open(0, "rb", buffering=0)  # noqa: SIM115 - lives as long as the process
+    finder = RunFinder(args.segment_size)
+    crc32c = _crcmod.crc32c
+    answered = 0
+    while True:
+        header = _read_exact(stdin, _REQUEST.size)
+        if header is None:
+            return 0  # the pageserver closed the pipe: done
+        magic, base, length = _REQUEST.unpack(header)
+        if magic != REQUEST_MAGIC or length > MAX_PIECE or base + length > _MAX_LSN:
+            print(f"wal_precheck: bad request header {header!r}", file=sys.stderr)
+            return 2
+        data = _read_exact(stdin, length) if length else b""
+        if data is None:
+            return 1
+        nth = answered + 1
+        claims = finder.feed(base, data)
+        if nth == args.bad_claim:
+            claims.starts.append(base)
+            claims.lasts.append(base + 40)
+            claims.strides.append(40)
+        if args.stall_s:
+            time.sleep(args.stall_s)
+        answer = encode_answer(base + 8192 if nth == args.misanswer else base, length, crc32c(data), claims)
+        if nth == args.garble:
+            answer = b"XXXX" + answer[4:]
+        view = memoryview(answer)
+        while view:
+            view = view[os.write(out, view) :]
+        answered += 1
+        if answered == args.die_after:
+            os._exit(4)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pageserver.wal_precheck")
+    parser.add_argument("--segment-size", type=int, default=WAL_SEGMENT_SIZE)
+    parser.add_argument("--stall-s", type=float, default=0.0, help="test seam: sleep before each answer")
+    parser.add_argument("--garble", type=int, default=0, help="test seam: corrupt the Nth answer's magic")
+    parser.add_argument("--misanswer", type=int, default=0, help="test seam: the Nth answer names another base")
+    parser.add_argument("--bad-claim", type=int, default=0, help="test seam: a malformed claim in the Nth answer")
+    parser.add_argument("--die-after", type=int, default=0, help="test seam: exit after N answers")
+    args = parser.parse_args(argv)
+    try:
+        return _serve(args)
+    except (BrokenPipeError, EOFError, KeyboardInterrupt):
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

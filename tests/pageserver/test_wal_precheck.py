@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pageserver.wal_precheck import (
+    RING_SIZE,
     RunClaims,
     RunFinder,
     WalPrecheck,
@@ -286,6 +287,22 @@ def test_every_single_byte_flip_on_a_page() -> None:
         assert_claims_hold(claims, data, start + lo, start + lo, start + hi)
 
 
+def test_every_cut_within_a_page() -> None:
+    """Exhaustive: the bytes received end at each offset of a page with runs in turn (a piece
+    cut anywhere); no claim may reach past the end, none is missed."""
+    groups: list[Group] = [(4, 3000, 3, 5, 0, 0), (10, 100, 3, 700, 1, 0), (12, 100, 3, 700, 2, 0), (30, 17, 5, 700, 2, 0)]
+    start, stream = make_wal(groups)
+    records = decoded(stream, start)
+    lo, hi = PAGE, 2 * PAGE
+    for cut in range(lo, hi):
+        claims = find_runs(stream[lo:cut], start + lo, SEG)
+        assert_claims_hold(claims, stream, start, start + lo, start + cut)
+        if cut % 61 == 0:  # (maximality: a sample, the reference is slow)
+            triples = claims.triples()
+            for a, b in like_pairs(records, [(start + lo, start + cut)]):
+                assert covered(triples, a, b)
+
+
 def test_crc_of_first_record_checked() -> None:
     start, clean = make_wal([(10, 100, 3, 700, 1, 0)])
     first = find_runs(clean, start, SEG).triples()
@@ -406,12 +423,15 @@ def live(pid: int | None) -> bool:
     return stat.split(") ")[1][0] != "Z"
 
 
-async def test_child_answers_like_runfinder() -> None:
+@pytest.mark.parametrize("ring_size", [RING_SIZE, 50_000, 0])
+async def test_child_answers_like_runfinder(ring_size: int) -> None:
+    """Through the shared ring, through a small one (it wraps, and pieces that do not fit go
+    on the pipe), without one."""
     start, stream = bulk_wal()
     pieces = pieces_of(stream, start)
     finder = RunFinder(SEG)
     want = [finder.feed(base, data).triples() for base, data in pieces]
-    handle = WalPrecheck(segment_size=SEG)
+    handle = WalPrecheck(segment_size=SEG, ring_size=ring_size)
     got: list[list[tuple[int, int, int]]] = []
     async with trio.open_nursery() as nursery:
 
@@ -428,6 +448,12 @@ async def test_child_answers_like_runfinder() -> None:
             got.append((await handle.result()).triples())
     assert got == want
     assert sum(map(len, got)) > 30
+    if ring_size == RING_SIZE:
+        assert handle.inline == 0
+    elif ring_size == 0:
+        assert handle.inline == len(pieces)
+    else:
+        assert 0 < handle.inline < len(pieces)
     pid = handle.pid
     assert live(pid)
     await handle.aclose()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from pageserver.storage.key import SLRU_CLOG, Key
 from pageserver.storage.value import Image
 from pageserver.tenant import Tenant
 from pageserver.wal_precheck import RunFinder
+from pageserver.wal_receiver import ClaimedRuns
 from pageserver.walingest import WalIngest
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
@@ -130,10 +131,10 @@ def _checkpoint() -> CheckPoint:
 
 async def ingest(
     wal: bytes, pieces: list[int], fused: bool, skip_to: Lsn | None, root: Path,
-    claimed: bool = False,
+    claims: Callable[[int, bytes], ClaimedRuns] | None = None,
 ) -> Run:
     """Seed a timeline, then feed ``wal`` (from WAL_START) in ``pieces`` to one path (the
-    fused one ``claimed``: with each piece's pre-check claims, ``RunFinder`` in-process)."""
+    fused one with ``claims(lsn, piece)`` for each piece, if given: the pre-check's)."""
     tenant = Tenant(root, TenantId.generate(), CONFIG)
     try:
         tl = await tenant.create_timeline(TimelineId.generate())
@@ -154,13 +155,12 @@ async def ingest(
             tl.finish_write(skip_to)  # as if the timeline already had the WAL up to there
         with capture_puts() as puts:
             dec = WalStreamDecoder(WAL_START)
-            finder = RunFinder() if claimed else None
             per_piece: list[tuple[int, int]] = []
             end: object = None
             at = 0
             for size in pieces:
                 piece = wal[at : at + size]
-                runs = None if finder is None else finder.feed(WAL_START + at, piece)
+                runs = None if claims is None else claims(WAL_START + at, piece)
                 dec.feed(piece)
                 at += size
                 try:
@@ -196,7 +196,7 @@ def both(wal: bytes, pieces: list[int], skip_to: Lsn | None = None) -> tuple[Run
     with tempfile.TemporaryDirectory() as d:
         batch = trio.run(ingest, wal, pieces, False, skip_to, Path(d) / "batch")
         fused = trio.run(ingest, wal, pieces, True, skip_to, Path(d) / "fused")
-        claimed = trio.run(ingest, wal, pieces, True, skip_to, Path(d) / "claimed", True)
+        claimed = trio.run(ingest, wal, pieces, True, skip_to, Path(d) / "claimed", RunFinder().feed)
     assert_same(fused, claimed)
     return batch, fused
 
@@ -399,7 +399,9 @@ def test_fused_path_takes_the_bulk_load(monkeypatch: pytest.MonkeyPatch) -> None
 
         monkeypatch.setattr(walingest, name, counted)
     with tempfile.TemporaryDirectory() as d:
-        claimed = trio.run(ingest, wal, chunking(len(wal), [131072]), True, None, Path(d), True)
+        claimed = trio.run(
+            ingest, wal, chunking(len(wal), [131072]), True, None, Path(d), RunFinder().feed
+        )
     assert_same(batch, claimed)
     assert calls["_same_run"] == 0 and calls["_claimed_run"] >= pages
 

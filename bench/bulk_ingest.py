@@ -69,6 +69,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import attrs
 import trio
 
 from compute.postgres import PostgresInstance, chown_to_postgres
@@ -252,8 +253,9 @@ async def _ingest(
         tl.l0_worker = L0Worker(nice=args.l0_worker_nice)
         imported = await import_datadir(tl, root / "init")
         await tl.flush()
-        cfg = WalReceiverConfig(safekeepers=(("127.0.0.1", pg.port),), idle_timeout_s=60,
-                                precheck_min_bytes=WalReceiverConfig.precheck_min_bytes if precheck else 0)
+        cfg = WalReceiverConfig(safekeepers=(("127.0.0.1", pg.port),), idle_timeout_s=60)
+        if not precheck:
+            cfg = attrs.evolve(cfg, precheck_min_bytes=0)
         prechecks = _Prechecks()
         ing = TimelineWalIngest(tl, cfg, precheck=prechecks)
         load0 = os.getloadavg()[0]

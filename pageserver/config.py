@@ -39,6 +39,7 @@ from pageserver.page_service.config import (
     register_hooks,
 )
 from pageserver.storage.config import StorageConfig
+from pageserver.wal_receiver import DEFAULT_PRECHECK_MIN_BYTES
 
 DEFAULT_PG_PORT = 64000
 DEFAULT_HTTP_PORT = 9898
@@ -85,6 +86,11 @@ class PageserverConfig:
     tenant_config: StorageConfig = attrs.field(factory=StorageConfig)
     # WAL receivers pull each timeline's WAL from these (host:port); empty = no WAL receivers.
     safekeepers: tuple[str, ...] = attrs.field(default=(), validator=_check_addrs)
+    # XLogData messages of at least this many bytes are pre-checked in a child process per
+    # receiving timeline (pageserver/wal_precheck.py; docs/wal-precheck.md); 0: never.
+    wal_precheck_min_bytes: int = attrs.field(
+        default=DEFAULT_PRECHECK_MIN_BYTES, validator=attrs.validators.ge(0)
+    )
     log_file: Path | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Seconds a stopping node gives open connections before cancelling them.

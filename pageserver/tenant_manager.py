@@ -177,6 +177,7 @@ class TenantManager:
             tenant_id=tl.tenant_id,
             timeline_id=tl.timeline_id,
             application_name=f"pageserver-{self.conf.id}",
+            precheck_min_bytes=self.conf.wal_precheck_min_bytes,
         )
         ingest = TimelineWalIngest(tl, cfg, ingest=WalIngest(tl))
         scope = trio.CancelScope()

@@ -22,9 +22,13 @@ about R_0's ``xl_prev``: a claim is a pure function of the bytes at those LSNs, 
 found ``start``. The walk over pages and records only decides where to look; hostile bytes
 give fewer claims, never a false one, never an exception.
 
-Wire format (little-endian): request ``"WPRq" u64 base u32 len`` then ``len`` bytes of WAL;
-answer ``"WPRs" u64 base u32 len u32 crc32c(data) u32 n`` then ``n`` u64 starts, ``n`` u64
-lasts, ``n`` u64 strides. The child answers every request in order.
+Wire format (little-endian, stdin/stdout pipes): request ``"WPRq" u64 base u32 len u32
+ring_offset``; the piece's ``len`` bytes are at ``ring_offset`` in a shared ring (a memfd the
+child maps: copying a piece there costs the ingest's core ~4 µs, a 128 KiB pipe write ~30),
+or, when ``ring_offset`` is ``0xFFFFFFFF`` (the ring is full of unanswered pieces), follow
+the header on the pipe. Answer ``"WPRs" u64 base u32 len u32 crc32c(data) u32 n`` then ``n``
+u64 starts, ``n`` u64 lasts, ``n`` u64 strides. The child answers every request in order; a
+piece's ring bytes are not reused before ``result`` has taken its answer.
 
 Test seams (child flags, ``WalPrecheck(worker_args=...)``): ``--stall-s S`` delays every
 answer; ``--garble N`` corrupts the Nth answer's magic; ``--misanswer N`` answers the Nth
@@ -80,8 +84,6 @@ MIN_STRIDE = (RUN_HEAD_SIZE + 7) & ~7
 _PAGE = struct.Struct("<HH4xQI")
 _U32 = struct.Struct("<I")
 # per record: (xl_tot_len, xl_xid), xl_prev, (xl_info, xl_rmid, pad), xl_crc, the 22 layout bytes
-_HEAD = "8sQ4sI22s"
-_ONE = struct.Struct("<" + _HEAD)
 _MAX_LSN = (1 << 64) - 1
 
 if array("Q").itemsize != 8:  # pragma: no cover - every platform we run on
@@ -127,6 +129,15 @@ def find_runs(
         return claims
     seg_mask = segment_size - 1
     page = (buf_lsn + _PAGE_MASK) & ~_PAGE_MASK
+    if page != buf_lsn:
+        # (nothing before the first page header can be walked; from there on, every record
+        # is 8-aligned in the buffer, so the u64/u32 views below see its fields)
+        if page >= end:
+            return claims
+        buf = bytes(buf[page - buf_lsn :])
+        buf_lsn = page
+    view = memoryview(buf)
+    words = view[: len(buf) & ~7].cast("Q"), view[: len(buf) & ~3].cast("I")
     unpack_page = _PAGE.unpack_from
     while page + _SHORT_PHD <= end:
         at = page - buf_lsn
@@ -142,12 +153,14 @@ def find_runs(
             first = at + size
             if info & XLP_FIRST_IS_CONTRECORD:
                 first += (rem_len + 7) & ~7
-            _walk_page(buf, buf_lsn, first, min(at + XLOG_BLCKSZ, len(buf)), claims)
+            _walk_page(buf, buf_lsn, first, min(at + XLOG_BLCKSZ, len(buf)), claims, words)
         page += XLOG_BLCKSZ
     return claims
 
 
-def _walk_page(buf: bytes, buf_lsn: int, o: int, limit: int, claims: RunClaims) -> None:
+def _walk_page(
+    buf: bytes, buf_lsn: int, o: int, limit: int, claims: RunClaims, words: tuple[memoryview, memoryview]
+) -> None:
     """Claim the runs among the records from offset ``o`` on that end by ``limit`` (the page's
     end or the buffer's, whichever comes first)."""
     unpack_u32 = _U32.unpack_from
@@ -165,38 +178,55 @@ def _walk_page(buf: bytes, buf_lsn: int, o: int, limit: int, claims: RunClaims) 
             and buf[o : o + 8] == buf[nxt : nxt + 8]
             and buf[o + 24 : o + RUN_HEAD_SIZE] == buf[nxt + 24 : nxt + RUN_HEAD_SIZE]
         ):
-            o += _claim_runs(buf, buf_lsn, o, tot_len, stride, k, claims) * stride
+            o += _claim_runs(buf, buf_lsn, o, tot_len, stride, k, claims, words) * stride
         else:
             o += stride
 
 
 def _claim_runs(
-    buf: bytes, buf_lsn: int, o: int, tot_len: int, stride: int, k: int, claims: RunClaims
+    buf: bytes,
+    buf_lsn: int,
+    o: int,
+    tot_len: int,
+    stride: int,
+    k: int,
+    claims: RunClaims,
+    words: tuple[memoryview, memoryview],
 ) -> int:
     """Claim the runs among R_0 (at offset ``o``) and the ``k`` record slots after it at
     ``stride`` (they fit the page), run after run while the next run's first record has the
     same ``xl_tot_len``; returns how many records were dealt with (the walk goes on after them).
 
-    Batched as ``walingest._same_run``, but once for all the runs of a page: one struct unpack
-    of every slot's header fields, the ``xl_prev`` chain as one tuple compare, per run the
-    prefix of like layouts by ``tuple.count``, one ``crc32c`` map over the runs' records."""
+    Batched as ``walingest._same_run``, but once for all the runs of a page, and with as few
+    Python objects per record as it takes: the fixed-size fields are strided columns of the
+    buffer's u64 / u32 views (``xl_prev`` against the chain, (xl_tot_len, xl_xid) and
+    (xl_info, xl_rmid, pad) against R_0's: C compares; objects per slot only when they
+    differ somewhere), the 22 layout bytes one struct unpack at the stride with the prefix of
+    like ones per run by ``tuple.count``, one ``crc32c`` map over the runs' records."""
+    q, w = words
     n = k + 1
-    heads = _batch(_HEAD, stride - _ONE.size, n).unpack_from(buf, o)
     start = buf_lsn + o
-    h8s, irps, sigs = heads[0::5], heads[2::5], heads[4::5]
+    s8, s4 = stride >> 3, stride >> 2
+    r8, r4 = o >> 3, o >> 2
+    # every slot's first 46 bytes are in the buffer: the last slot's record ends by ``limit``
+    cols: list[tuple[object, ...]] = [_batch("22s", stride - 22, n).unpack_from(buf, o + 24)]
+    h8 = q[r8 : r8 + n * s8 : s8]
+    if h8 != array("Q", (h8[0],)) * n:
+        cols.append(_batch("8s", stride - 8, n).unpack_from(buf, o))
+    irp = w[r4 + 4 : r4 + 4 + n * s4 : s4]
+    if irp != array("I", (irp[0],)) * n:
+        cols.append(_batch("4s", stride - 4, n).unpack_from(buf, o + 16))
     # slots whose xl_prev is not the slot before (none in a well-formed page; a record there
     # cannot extend a run)
-    prevs = heads[6::5]
-    chain = tuple(range(start, start + k * stride, stride))
-    unlinked = () if prevs == chain else tuple(i + 1 for i, (x, y) in enumerate(zip(prevs, chain, strict=True)) if x != y)
-    # columns that are alike over every slot need no per-run look (xl_xid and xl_info usually)
-    cols = [c for c in (h8s, irps) if c.count(c[0]) != n]
-    cols.append(sigs)
-    tot4 = h8s[0][:4]
+    prevs = q[r8 + 1 + s8 : r8 + 1 + n * s8 : s8]
+    chain = array("Q", range(start, start + k * stride, stride))
+    unlinked: tuple[int, ...] = ()
+    if prevs != chain:
+        unlinked = tuple(i + 1 for i, (x, y) in enumerate(zip(prevs.tolist(), chain, strict=True)) if x != y)
     runs: list[tuple[int, int]] = []
     a = 0
     while a < k:
-        if a and h8s[a][:4] != tot4:
+        if a and w[r4 + a * s4] != tot_len:
             break  # another length: the walk goes on from this record
         m = k - a  # like records after R_a
         for col in cols:
@@ -222,8 +252,8 @@ def _claim_runs(
         crc32c = _crcmod.crc32c
         pieces = _crc_batch(tot_len, stride, last - first + 1).unpack_from(buf, o + first * stride)
         crcs = list(map(crc32c, pieces[0::2], map(crc32c, pieces[1::2])))
-        want_crcs = heads[5 * first + 3 : 5 * last + 4 : 5]
-        ok = crcs == list(want_crcs)
+        want_crcs = w[r4 + 5 + first * s4 : r4 + 5 + (last + 1) * s4 : s4].tolist()
+        ok = crcs == want_crcs
         for r0, r1 in runs:
             if ok:
                 _add(claims, start + r0 * stride, start + r1 * stride, stride)
@@ -380,11 +410,18 @@ class _Pending:
 class WalPrecheck:
     """One pre-check child (started on the first ``submit``); see the module docstring.
 
-    ``submit`` (one task) and ``result`` (another) may run concurrently; answers come in
-    submit order. Any failure breaks the handle for good: that call and every later one
-    raise ``WalPrecheckError`` (the child is killed and reaped); make a new handle. A
-    ``submit`` cancelled before any byte was written, or a ``result`` cancelled at any point,
-    leaves the handle working (a partly read answer stays buffered for the next ``result``).
+    ``submit`` (one task) and ``result`` (another) may run concurrently, one caller each
+    (a second concurrent caller gets ``trio.BusyResourceError``); answers come in submit
+    order. Any failure breaks the handle for good: that call and every later one raise
+    ``WalPrecheckError`` (the child is killed and reaped, pending answers are dropped); make
+    a new handle (and a new ``RunFinder`` state: the child starts without a carry). A
+    ``submit`` cancelled before its header was written, or a ``result`` cancelled at any
+    point, leaves the handle working (a partly read answer stays buffered for the next
+    ``result``); a request cut in the middle breaks it.
+
+    Neither call is a trio checkpoint when it need not wait (the ring has room and the pipe
+    takes the header; the answer is already in the pipe): the ingest pays one ``write`` per
+    piece and one ``read`` per answer, not trips through the scheduler.
     """
 
     def __init__(
@@ -397,7 +434,7 @@ class WalPrecheck:
         RunFinder(segment_size)  # (validates)
         if not 0 <= ring_size < INLINE:
             raise ValueError(f"ring size {ring_size} out of range")
-        self._args = (f"--segment-size={segment_size}", *worker_args)
+        self._args = (f"--segment-size={segment_size}", f"--parent-pid={os.getpid()}", *worker_args)
         self._ring_size = ring_size
         self._ring: mmap.mmap | None = None
         self.inline = 0  # pieces that went through the pipe (the ring was full)
@@ -679,7 +716,10 @@ def _watch_parent(parent: int) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), name="precheck-watchdog", daemon=True).start()
+    # (the parent's pid from the command line: a parent that died while this process was
+    # still importing would otherwise be mistaken for init, the new parent)
+    parent = os.getppid() if args.parent_pid is None else args.parent_pid
+    threading.Thread(target=_watch_parent, args=(parent,), name="precheck-watchdog", daemon=True).start()
     out = os.dup(1)
     os.dup2(2, 1)  # stray prints go to stderr, never into the answers
     try:
@@ -797,6 +837,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the LSN of the first record")
     parser.add_argument("--segment-size", type=int, default=WAL_SEGMENT_SIZE)
     parser.add_argument("--ring-fd", type=int, default=None, help="the shared ring's memfd")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when no longer this process's child")
     parser.add_argument("--ring-size", type=int, default=0)
     parser.add_argument("--stall-s", type=float, default=0.0, help="test seam: sleep before each answer")
     parser.add_argument("--garble", type=int, default=0, help="test seam: corrupt the Nth answer's magic")

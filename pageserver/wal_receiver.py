@@ -176,6 +176,10 @@ class SafekeeperLagging(Exception):
         self.position = position
 
 
+# XLogData messages this big or bigger are pre-checked (a catch-up's, not a live compute's).
+DEFAULT_PRECHECK_MIN_BYTES = 32 * 1024
+
+
 @attrs.frozen
 class WalReceiverConfig:
     safekeepers: tuple[Addr, ...]
@@ -194,7 +198,7 @@ class WalReceiverConfig:
     # With ``on_wal``: XLogData messages of at least this many bytes (a catch-up's 128 KiB
     # pieces, not a live compute's few records) are pre-checked in a child process while the
     # message before is ingested (``pageserver.wal_precheck``). 0: never.
-    precheck_min_bytes: int = 32 * 1024
+    precheck_min_bytes: int = DEFAULT_PRECHECK_MIN_BYTES
     # How many messages the reader may receive ahead of the ingest (pre-checked meanwhile).
     read_ahead: int = 4
 

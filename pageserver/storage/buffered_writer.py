@@ -1,7 +1,7 @@
 """``BufferedWriter``: append-only, buffered, optionally double-buffered writes to one file.
 
 Used by the ephemeral file (in-memory layers) and the delta and image layer writers. Two knobs
-(pageserver config): ``write_buffer_size`` (default 64 KiB; 8 KiB reproduces the seed's
+(pageserver config): ``write_buffer_size`` (default 1 MiB; 8 KiB reproduces the seed's
 pathological ingest) and ``double_buffering``.
 
 How it works

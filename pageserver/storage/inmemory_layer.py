@@ -218,13 +218,17 @@ class InMemoryLayer:
                 continue
             key, lsns, head, raws, will_init = item
             m = len(raws)
-            if not m or len(lsns) != m or lsns.step <= 0 or sum(map(len, raws)) != m * len(raws[0]):
+            if not m or len(lsns) != m or lsns.step <= 0:
                 raise ValueError("a run needs one rising LSN per value and raws of one length")
             size = len(raws[0])
             vlen = len(head) + size
             count = min(m - v, (limit - offset) // vlen) if vlen else m - v
             if count <= 0:
                 break
+            stop = v + count
+            joined = head.join(raws[v:stop] if v or stop < m else raws)
+            if len(joined) != count * vlen - len(head):
+                raise ValueError("a run needs one rising LSN per value and raws of one length")
             if key != last_key:
                 found = index.get(key)
                 last_lsn = -1 if found is None else found[-3]
@@ -236,7 +240,6 @@ class InMemoryLayer:
                 entries = found
                 append = entries.append
                 last_key = key
-            stop = v + count
             # the triples (lsn, offset << 1 | will_init, length) by slice assignments into a
             # list (the cheapest interleave measured: ~0.07 µs per value)
             triples = [vlen] * (3 * count)
@@ -247,7 +250,7 @@ class InMemoryLayer:
             entries.fromlist(triples)
             last_lsn = lsns[stop - 1]
             add_piece(head)
-            add_piece(head.join(raws[v:stop] if v or stop < m else raws))
+            add_piece(joined)
             offset += count * vlen
             if stop < m:
                 v = stop

@@ -378,6 +378,18 @@ def test_mid_page_start_without_carry_skips_that_page() -> None:
     assert_claims_hold(more, stream, start, start + 3 * PAGE, start + 5 * PAGE)
 
 
+def test_a_piece_that_does_not_continue_drops_the_carry() -> None:
+    start, stream = bulk_wal()
+    for second in (3 * PAGE + 100, 2 * PAGE, PAGE + 5000 - 800, 0):  # later, aligned, overlapping, restart
+        finder = RunFinder(SEG)
+        finder.feed(start, stream[: PAGE + 5000])
+        assert finder.walked_from(start + PAGE + 5000) == start + PAGE
+        assert finder.walked_from(start + second) == start + second
+        claims = finder.feed(start + second, stream[second : 5 * PAGE])
+        assert_claims_hold(claims, stream, start, start + second, start + 5 * PAGE)
+        assert claims.triples() == RunFinder(SEG).feed(start + second, stream[second : 5 * PAGE]).triples()
+
+
 def test_segment_size_validated() -> None:
     with pytest.raises(ValueError):
         RunFinder(12345)
@@ -561,3 +573,30 @@ async def test_cancelled_submit_mid_write_breaks_the_handle() -> None:
     with pytest.raises(WalPrecheckError):
         await handle.result()
     await handle.aclose()
+
+
+def test_child_ends_when_its_parent_dies() -> None:
+    """A pageserver killed without aclose: the watchdog ends the child (stdin EOF might never
+    come if another process held the pipe)."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import os, sys, trio\n"
+        "from pageserver.wal_precheck import WalPrecheck\n"
+        "async def main():\n"
+        "    h = WalPrecheck(worker_args=['--stall-s', '30'])\n"
+        "    await h.submit(0, bytes(100))\n"
+        "    await trio.sleep(0.7)\n"  # (the child is up, stalled, not reading its stdin)
+        "    print(h.pid, flush=True)\n"
+        "    os._exit(0)\n"
+        "trio.run(main)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=root, timeout=30)
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 5
+    while live(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not live(pid)

@@ -125,6 +125,11 @@ class Precheck(Protocol):
     """The part of ``pageserver.wal_precheck.WalPrecheck`` the receiver drives: pieces in,
     their claims out, in order."""
 
+    @property
+    def ready(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
     async def submit(self, base: int, data: bytes) -> None: ...
 
     async def result(self) -> ClaimedRuns: ...
@@ -425,7 +430,7 @@ class WalReceiver:
                         await self._receive(addr, _Unchecked(copy), decoder, reply)
                     else:
                         ahead = _ReadAhead(copy, precheck, self.cfg)
-                        nursery.start_soon(ahead.run)
+                        nursery.start_soon(ahead.run, nursery)
                         await self._receive(addr, ahead, decoder, reply)
             finally:
                 if precheck is not None:
@@ -582,8 +587,10 @@ class _ReadAhead:
     """A task that receives up to ``cfg.read_ahead`` messages ahead of the ingest and hands
     each XLogData of at least ``cfg.precheck_min_bytes`` to the pre-check on the way (so the
     child checks the next piece while this process ingests the one before); ``receive`` and
-    ``claims`` give the messages and, for the checked ones, their claims, in order. Runs in
-    the session's nursery: an error of either side ends the session."""
+    ``claims`` give the messages and, for the checked ones, their claims, in order. The first
+    such message starts the child in a task of its own; until it is ready (~0.1 s) messages
+    go unchecked rather than wait. Runs in the session's nursery: an error of any of these
+    tasks ends the session."""
 
     def __init__(self, copy: CopyStream, precheck: Precheck, cfg: WalReceiverConfig) -> None:
         self._copy = copy
@@ -593,9 +600,10 @@ class _ReadAhead:
             max(0, cfg.read_ahead - 1)
         )
 
-    async def run(self) -> None:
+    async def run(self, nursery: trio.Nursery) -> None:
         # (The channel is never closed: on an error the nursery cancels the reading side, which
         # must see the error, not an end of messages.)
+        starting = False
         while True:
             payload = await self._copy.receive()
             if payload is None:
@@ -603,6 +611,11 @@ class _ReadAhead:
                 return
             msg = _wal_message(payload)
             checked = isinstance(msg, XLogData) and len(msg.data) >= self._min
+            if checked and not self._precheck.ready:
+                if not starting:
+                    nursery.start_soon(self._precheck.start)
+                    starting = True
+                checked = False
             if checked:
                 assert isinstance(msg, XLogData)
                 await self._precheck.submit(msg.wal_start, bytes(msg.data))

@@ -66,6 +66,7 @@ from protocol.wal.page import XLOG_PAGE_MAGIC, XLP_FIRST_IS_CONTRECORD, XLP_LONG
 from protocol.wal.record import SIZE_OF_XLOG_RECORD
 
 __all__ = [
+    "MAX_PIECE",
     "MIN_STRIDE",
     "RING_SIZE",
     "RUN_HEAD_SIZE",
@@ -666,6 +667,11 @@ class WalPrecheck:
         self._starting = trio.Event()
         try:
             return await self._spawn()
+        except OSError as exc:
+            # (no memory, no fds, no processes left: the pre-check's failure, like a child
+            # that dies; never the safekeeper's, which the receiver would blame)
+            await self._break(f"the child could not be started: {exc!r}")
+            raise WalPrecheckError(self._broken) from exc
         finally:
             self._starting.set()
             self._starting = None
@@ -676,21 +682,28 @@ class WalPrecheck:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
         args = list(self._args)
         ring_fd: int | None = None
-        if self._ring_size:
-            ring_fd = os.memfd_create("wal-precheck-ring", os.MFD_CLOEXEC)
-            os.ftruncate(ring_fd, self._ring_size)
-            args += [f"--ring-fd={ring_fd}", f"--ring-size={self._ring_size}"]
+        ring: mmap.mmap | None = None
         try:
+            if self._ring_size:
+                ring_fd = os.memfd_create("wal-precheck-ring", os.MFD_CLOEXEC)
+                os.ftruncate(ring_fd, self._ring_size)
+                # (mapped before the child exists: nothing may fail between its spawn and
+                # ``self._proc``, or it would be left running, unreaped)
+                ring = mmap.mmap(ring_fd, self._ring_size)
+                args += [f"--ring-fd={ring_fd}", f"--ring-size={self._ring_size}"]
             proc = await trio.lowlevel.open_process(
                 [sys.executable, "-m", "pageserver.wal_precheck", *args],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                 pass_fds=() if ring_fd is None else (ring_fd,),
             )
-            if ring_fd is not None:
-                self._ring = mmap.mmap(ring_fd, self._ring_size)
+        except BaseException:
+            if ring is not None:
+                ring.close()
+            raise
         finally:
             if ring_fd is not None:
                 os.close(ring_fd)  # (the mappings keep the memory)
+        self._ring = ring
         assert isinstance(proc.stdin, trio.lowlevel.FdStream) and isinstance(proc.stdout, trio.lowlevel.FdStream)
         for fd in (proc.stdin.fileno(), proc.stdout.fileno()):
             try:

@@ -56,7 +56,7 @@ import structlog
 import trio
 
 from common import pgclient
-from pageserver.wal_precheck import WalPrecheck, WalPrecheckError
+from pageserver.wal_precheck import MAX_PIECE, WalPrecheck, WalPrecheckError
 from protocol.errors import PROTOCOL_VIOLATION, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn, parse_lsn
@@ -183,6 +183,8 @@ class SafekeeperLagging(Exception):
 
 # XLogData messages this big or bigger are pre-checked (a catch-up's, not a live compute's).
 DEFAULT_PRECHECK_MIN_BYTES = 32 * 1024
+# Sessions in a row ending with a pre-check failure after which the receiver stops using it.
+PRECHECK_FAILURES_TO_DISABLE = 3
 
 
 @attrs.frozen
@@ -268,6 +270,8 @@ class WalReceiver:
         self._progress = progress
         # one pre-check per session (its child starts at the first big message)
         self._precheck: PrecheckFactory | None = None
+        self.precheck_failures = 0  # sessions in a row that ended with WalPrecheckError
+        self.precheck_disabled: str | None = None  # why it was turned off
         if on_wal is not None and cfg.precheck_min_bytes > 0:
             self._precheck = precheck if precheck is not None else WalPrecheck
         # End of the last record handed to on_record: where the next session starts.
@@ -303,7 +307,7 @@ class WalReceiver:
             addr = chosen.addr
             self._next = (self.cfg.safekeepers.index(addr) + 1) % len(self.cfg.safekeepers)
             before = self.records_received
-            failed = False
+            failed = precheck_failed = False
             try:
                 await self._session(chosen)
             except* SafekeeperLagging as eg:
@@ -324,15 +328,25 @@ class WalReceiver:
                 failed = True
                 self._failed(addr, _first_leaf(eg), "wal receiver session ended")
             except* WalPrecheckError as eg:
-                # Our own child process, not the safekeeper: loud, but retried like a failed
-                # session (with its backoff) with a new child; nothing was taken unchecked.
-                failed = True
+                # Our own child process, not the safekeeper (no backoff for it): the next
+                # session has a new child; nothing was taken unchecked. The ingest is complete
+                # without claims, so a pre-check that keeps failing is turned off, loudly,
+                # rather than stall catch-up session after session.
                 exc = _first_leaf(eg)
                 self.last_error = f"{_addr(addr)}: {exc!r}"
+                precheck_failed = True
+                self.precheck_failures += 1
                 log.error("wal pre-check failed", safekeeper=_addr(addr), error=repr(exc),
-                          at=format_lsn(self.last_record_lsn))
+                          at=format_lsn(self.last_record_lsn), failures=self.precheck_failures)
+                if self.precheck_failures >= PRECHECK_FAILURES_TO_DISABLE and self._precheck is not None:
+                    self._precheck = None
+                    self.precheck_disabled = f"after {self.precheck_failures} failures in a row: {exc!r}"
+                    log.error("wal pre-check turned off until restart; the ingest checks every "
+                              "record itself", reason=self.precheck_disabled)
             finally:
                 self.current = None
+            if not precheck_failed:
+                self.precheck_failures = 0
             if self.records_received > before:
                 self._backoff.pop(addr, None)
             elif failed:
@@ -429,7 +443,7 @@ class WalReceiver:
                     if precheck is None:
                         await self._receive(addr, _Unchecked(copy), decoder, reply)
                     else:
-                        ahead = _ReadAhead(copy, precheck, self.cfg)
+                        ahead = _ReadAhead(copy, precheck, self.cfg, start)
                         nursery.start_soon(ahead.run, nursery)
                         await self._receive(addr, ahead, decoder, reply)
             finally:
@@ -590,12 +604,18 @@ class _ReadAhead:
     ``claims`` give the messages and, for the checked ones, their claims, in order. The first
     such message starts the child in a task of its own; until it is ready (~0.1 s) messages
     go unchecked rather than wait. Runs in the session's nursery: an error of any of these
-    tasks ends the session."""
+    tasks ends the session. Only a message that continues the stream is checked (the
+    ingest ends the session at one whose ``wal_start`` lies: hostile input, never an error of
+    the pre-check's), and only one the pre-check takes (``MAX_PIECE``). An answer that does not
+    come within ``idle_timeout_s`` (a stuck child) ends the session (``WalPrecheckError``).
+    """
 
-    def __init__(self, copy: CopyStream, precheck: Precheck, cfg: WalReceiverConfig) -> None:
+    def __init__(self, copy: CopyStream, precheck: Precheck, cfg: WalReceiverConfig, start: Lsn) -> None:
         self._copy = copy
         self._precheck = precheck
         self._min = cfg.precheck_min_bytes
+        self._answer_timeout = cfg.idle_timeout_s
+        self._next = start  # where the next XLogData must start to continue the stream
         self._send, self._recv = trio.open_memory_channel[tuple[Message, bool]](
             max(0, cfg.read_ahead - 1)
         )
@@ -610,7 +630,10 @@ class _ReadAhead:
                 await self._send.send((None, False))
                 return
             msg = _wal_message(payload)
-            checked = isinstance(msg, XLogData) and len(msg.data) >= self._min
+            checked = False
+            if isinstance(msg, XLogData) and msg.wal_start == self._next:
+                self._next = Lsn(self._next + len(msg.data))
+                checked = self._min <= len(msg.data) <= MAX_PIECE
             if checked and not self._precheck.ready:
                 if not starting:
                     nursery.start_soon(self._precheck.start)
@@ -625,7 +648,10 @@ class _ReadAhead:
         return await self._recv.receive()
 
     async def claims(self) -> ClaimedRuns:
-        return await self._precheck.result()
+        # (a cancelled result() leaves the handle in step; the session ends anyway)
+        with trio.move_on_after(self._answer_timeout):
+            return await self._precheck.result()
+        raise WalPrecheckError(f"the pre-check gave no answer for {self._answer_timeout:g} s")
 
 
 def _wal_message(payload: bytes) -> XLogData | PrimaryKeepalive:

@@ -100,6 +100,8 @@ class TimelineInfo:
     state: Literal["Active"]
     wal_receiver_safekeeper: str | None
     wal_receiver_error: str | None
+    # why the WAL pre-check child was turned off (None: in use, or never needed)
+    wal_precheck_disabled: str | None = None
 
 
 @attrs.frozen
@@ -184,6 +186,7 @@ def timeline_info(tl: Timeline, manager: TenantManager) -> TimelineInfo:
         wal_receiver_error=manager.ingest_failures.get(
             (tl.tenant_id, tl.timeline_id), receiver.last_error if receiver is not None else None
         ),
+        wal_precheck_disabled=receiver.precheck_disabled if receiver is not None else None,
     )
 
 

@@ -54,6 +54,7 @@ from typing import Protocol
 import attrs
 import structlog
 import trio
+from prometheus_client import Counter
 
 from common import pgclient
 from pageserver.wal_precheck import MAX_PIECE, WalPrecheck, WalPrecheckError
@@ -74,6 +75,23 @@ from protocol.wal.reader import EndOfWal, NeedData, WalStreamDecoder
 from protocol.wal.record import DecodedRecord
 
 log = structlog.get_logger("wal_receiver")
+
+PRECHECK_MESSAGES = Counter(
+    "pageserver_wal_precheck_messages",
+    "XLogData messages big enough for the WAL pre-check, by whether the child checked them "
+    "(unchecked: the child was not ready yet, or the message did not continue the stream)",
+    ["result"],
+)
+_CHECKED = PRECHECK_MESSAGES.labels(result="checked")
+_UNCHECKED = PRECHECK_MESSAGES.labels(result="unchecked")
+PRECHECK_FAILURES = Counter(
+    "pageserver_wal_precheck_failures",
+    "WAL receiver sessions ended by a pre-check failure (child died, hung, garbled, no start)",
+)
+PRECHECK_DISABLED = Counter(
+    "pageserver_wal_precheck_disabled",
+    "WAL receivers that turned the pre-check off after failures in a row",
+)
 
 
 class CopyStream(Protocol):
@@ -336,11 +354,13 @@ class WalReceiver:
                 self.last_error = f"{_addr(addr)}: {exc!r}"
                 precheck_failed = True
                 self.precheck_failures += 1
+                PRECHECK_FAILURES.inc()
                 log.error("wal pre-check failed", safekeeper=_addr(addr), error=repr(exc),
                           at=format_lsn(self.last_record_lsn), failures=self.precheck_failures)
                 if self.precheck_failures >= PRECHECK_FAILURES_TO_DISABLE and self._precheck is not None:
                     self._precheck = None
                     self.precheck_disabled = f"after {self.precheck_failures} failures in a row: {exc!r}"
+                    PRECHECK_DISABLED.inc()
                     log.error("wal pre-check turned off until restart; the ingest checks every "
                               "record itself", reason=self.precheck_disabled)
             finally:
@@ -631,17 +651,20 @@ class _ReadAhead:
                 return
             msg = _wal_message(payload)
             checked = False
-            if isinstance(msg, XLogData) and msg.wal_start == self._next:
-                self._next = Lsn(self._next + len(msg.data))
-                checked = self._min <= len(msg.data) <= MAX_PIECE
-            if checked and not self._precheck.ready:
-                if not starting:
-                    nursery.start_soon(self._precheck.start)
-                    starting = True
-                checked = False
-            if checked:
-                assert isinstance(msg, XLogData)
-                await self._precheck.submit(msg.wal_start, bytes(msg.data))
+            if isinstance(msg, XLogData):
+                if msg.wal_start == self._next:
+                    self._next = Lsn(self._next + len(msg.data))
+                    checked = self._min <= len(msg.data) <= MAX_PIECE
+                if checked and not self._precheck.ready:
+                    if not starting:
+                        nursery.start_soon(self._precheck.start)
+                        starting = True
+                    checked = False
+                if checked:
+                    await self._precheck.submit(msg.wal_start, bytes(msg.data))
+                    _CHECKED.inc()
+                elif len(msg.data) >= self._min:
+                    _UNCHECKED.inc()
             await self._send.send((msg, checked))
 
     async def receive(self) -> tuple[Message, bool]:

@@ -27,6 +27,7 @@ import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 
 from pageserver.wal_precheck import MAX_PIECE, RunFinder, WalPrecheck, WalPrecheckError
 from pageserver.wal_receiver import (
@@ -140,6 +141,11 @@ async def test_a_precheck_that_keeps_failing_is_turned_off(
         made.append(HangingPrecheck(log))
         return made[-1]
 
+    def metric(name: str) -> float:
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    failures0 = metric("pageserver_wal_precheck_failures_total")
+    disabled0 = metric("pageserver_wal_precheck_disabled_total")
     applied = Applied()
     cfg = WalReceiverConfig(safekeepers=(("h", 1),), precheck_min_bytes=1, idle_timeout_s=10.0)
     recv = WalReceiver(cfg, start_lsn=START, on_wal=applied, connect=connector(sks), precheck=factory)
@@ -151,6 +157,8 @@ async def test_a_precheck_that_keeps_failing_is_turned_off(
                 await trio.sleep(1)
         nursery.cancel_scope.cancel()
     assert applied.records == want
+    assert metric("pageserver_wal_precheck_failures_total") - failures0 == PRECHECK_FAILURES_TO_DISABLE
+    assert metric("pageserver_wal_precheck_disabled_total") - disabled0 == 1
     assert len(made) == PRECHECK_FAILURES_TO_DISABLE  # none after it was turned off
     assert recv.precheck_disabled is not None and "failures in a row" in recv.precheck_disabled
     assert recv.sessions > PRECHECK_FAILURES_TO_DISABLE

@@ -1,40 +1,14 @@
-"""The WAL run pre-check: "claims" about runs of like records, computed on the second core.
+"""The WAL run pre-check, pageserver side: ``WalPrecheck`` runs the child that checks runs of
+like records ahead of the ingest (``pageserver.wal_runs``: the claims, their finder, the wire
+format and the child itself; docs/wal-precheck.md).
 
-A bulk load writes runs of like records on a WAL page (INSERTs into one heap page: the same
-``xl_tot_len``, ``xl_xid``, ``xl_info``, ``xl_rmid`` and 22 layout bytes); the ingest's
-fused path checks such a run in a few batched C calls (``walingest._same_run``). This module
-does those byte checks ahead of the ingest, in a child process, so the ingest's core only
-looks the answer up. It owns:
-
-- ``find_runs`` / ``RunFinder`` (pure, no IO): the claims about one buffer / a stream of
-  receiver pieces;
-- ``WalPrecheck`` (pageserver side, trio): one long-lived ``python -m pageserver.wal_precheck``
-  child, pieces in, claims out, in order, every answer checked against its piece;
-- ``main`` (the child).
-
-The claim (the ingest's correctness rests on it; docs/wal-precheck.md): ``(start, last,
-stride)`` with ``n = (last - start) // stride + 1 >= 2`` records R_i at ``start + i*stride``
-asserts about the bytes the child received: every R_i lies inside the 8 KiB WAL page holding
-``start`` and inside the bytes received; ``xl_tot_len(R_0) >= 46`` and ``stride ==
-MAXALIGN(xl_tot_len(R_0))``; bytes [0:8), [16:20) and [24:46) of each R_i equal R_0's;
-``xl_prev(R_i) == start + (i-1)*stride`` for i >= 1; every R_i's CRC-32C is right. Nothing
-about R_0's ``xl_prev``: a claim is a pure function of the bytes at those LSNs, whatever walk
-found ``start``; so any stretch of >= 2 of a claim's records is a claim too (the ingest may
-enter a run in the middle). The walk over pages and records only decides where to look;
-hostile bytes give fewer claims, never a false one, never an exception.
-
-Wire format (little-endian, stdin/stdout pipes): request ``"WPRq" u64 base u32 len u32
-ring_offset``; the piece's ``len`` bytes are at ``ring_offset`` in a shared ring (a memfd the
-child maps: copying a piece there costs the ingest's core ~4 µs, a 128 KiB pipe write ~30),
-or, when ``ring_offset`` is ``0xFFFFFFFF`` (the ring is full of unanswered pieces), follow
-the header on the pipe. Answer ``"WPRs" u64 base u32 len u32 crc32c(data) u32 n`` then ``n``
-u64 starts, ``n`` u64 lasts, ``n`` u64 strides. The child answers every request in order; a
-piece's ring bytes are not reused before ``result`` has taken its answer.
-
-Test seams (child flags, ``WalPrecheck(worker_args=...)``): ``--stall-s S`` delays every
-answer; ``--garble N`` corrupts the Nth answer's magic; ``--misanswer N`` answers the Nth
-request with another base; ``--bad-claim N`` adds a malformed claim to the Nth answer;
-``--die-after N`` exits after answering N requests.
+- ``WalPrecheck`` (trio): one ``python -m pageserver.wal_runs`` child per handle, started on
+  ``start()`` or the first ``submit``; pieces in (through a shared-memory ring), claims out, in
+  order, every answer checked against its piece (base, length, CRC-32C of the bytes) and for
+  well-formed claims (``check_claims``). Any failure breaks the handle for good
+  (``WalPrecheckError``; the child is killed and reaped).
+- ``bench`` / ``main``: ``python -m pageserver.wal_precheck --bench FILE`` measures the finder
+  and the round trip (not a test).
 """
 
 from __future__ import annotations
@@ -42,366 +16,46 @@ from __future__ import annotations
 import argparse
 import collections
 import fcntl
-import io
 import mmap
 import os
-import struct
 import subprocess
 import sys
-import threading
 import time
-from array import array
 from collections.abc import Sequence
-from functools import lru_cache
-from itertools import islice, repeat
-from operator import add, and_, ge, lt, mod, sub, xor
 from pathlib import Path
 
 import attrs
 import trio
 
-from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ
+from pageserver.wal_runs import (
+    ANSWER_HEADER,
+    ANSWER_MAGIC,
+    INLINE,
+    MAX_LSN,
+    MAX_PIECE,
+    MIN_STRIDE,
+    PAGE_MASK,
+    PIPE_SIZE,
+    READY_MAGIC,
+    REQUEST_HEADER,
+    REQUEST_MAGIC,
+    RING_SIZE,
+    RunClaims,
+    RunFinder,
+    check_claims,
+)
+from protocol.lsn import WAL_SEGMENT_SIZE
 from protocol.wal import crc as _crcmod
-from protocol.wal.page import XLOG_PAGE_MAGIC, XLP_FIRST_IS_CONTRECORD, XLP_LONG_HEADER
-from protocol.wal.record import SIZE_OF_XLOG_RECORD
 
-__all__ = [
-    "MAX_PIECE",
-    "MIN_STRIDE",
-    "RING_SIZE",
-    "RUN_HEAD_SIZE",
-    "RunClaims",
-    "RunFinder",
-    "WalPrecheck",
-    "WalPrecheckError",
-    "bench",
-    "check_claims",
-    "find_runs",
-    "main",
-]
+__all__ = ["WalPrecheck", "WalPrecheckError", "bench", "main"]
 
-_PAGE_MASK = XLOG_BLCKSZ - 1
-_SHORT_PHD, _LONG_PHD = 24, 40
-# The bytes a run's records share besides the header: walingest's SIMPLE_HEADERS (22 bytes).
-RUN_HEAD_SIZE = SIZE_OF_XLOG_RECORD + 22
-# The smallest stride a claim can have: MAXALIGN(46).
-MIN_STRIDE = (RUN_HEAD_SIZE + 7) & ~7
-# xlp_magic, xlp_info, (xlp_tli), xlp_pageaddr, xlp_rem_len
-_PAGE = struct.Struct("<HH4xQI")
-_U32 = struct.Struct("<I")
-_MAX_LSN = (1 << 64) - 1
-
-if array("Q").itemsize != 8:  # pragma: no cover - every platform we run on
-    raise ImportError("array('Q') is not 8 bytes here: the pre-check's answer format needs it")
-
-
-@lru_cache(maxsize=2048)
-def _batch(one: str, gap: int, count: int) -> struct.Struct:
-    """``count`` times ``one`` with ``gap`` pad bytes between two (none after the last: an
-    unpack never reads past the last record)."""
-    return struct.Struct("<" + f"{gap}x".join([one] * count))
-
-
-@attrs.frozen(slots=True)
-class RunClaims:
-    """The claims about one piece: claim ``j`` is ``(starts[j], lasts[j], strides[j])``
-    (absolute LSNs; sorted by start, non-overlapping; see the module docstring)."""
-
-    starts: array[int] = attrs.field(factory=lambda: array("Q"))
-    lasts: array[int] = attrs.field(factory=lambda: array("Q"))
-    strides: array[int] = attrs.field(factory=lambda: array("Q"))
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def triples(self) -> list[tuple[int, int, int]]:
-        return list(zip(self.starts, self.lasts, self.strides, strict=True))
-
-    def records(self) -> int:
-        """How many records the claims cover."""
-        return sum((last - start) // stride + 1 for start, last, stride in self.triples())
-
-
-def find_runs(
-    buf: bytes, buf_lsn: int, segment_size: int = WAL_SEGMENT_SIZE, out: RunClaims | None = None
-) -> RunClaims:
-    """The claims about ``buf`` (WAL bytes from ``buf_lsn`` on): every run of >= 2 like
-    records on each page whose header is in ``buf`` (module docstring). Any bytes are
-    accepted: garbage gives no claims. ``segment_size`` must be a power of two >= 8 KiB."""
-    claims = RunClaims() if out is None else out
-    end = buf_lsn + len(buf)
-    if buf_lsn < 0 or end > _MAX_LSN:
-        return claims
-    seg_mask = segment_size - 1
-    page = (buf_lsn + _PAGE_MASK) & ~_PAGE_MASK
-    if page != buf_lsn:
-        # (nothing before the first page header can be walked; from there on, every record
-        # is 8-aligned in the buffer, so the u64/u32 views below see its fields)
-        if page >= end:
-            return claims
-        buf = bytes(buf[page - buf_lsn :])
-        buf_lsn = page
-    view = memoryview(buf)
-    words = view[: len(buf) & ~7].cast("Q"), view[: len(buf) & ~3].cast("I")
-    unpack_page = _PAGE.unpack_from
-    while page + _SHORT_PHD <= end:
-        at = page - buf_lsn
-        magic, info, addr, rem_len = unpack_page(buf, at)
-        long = not page & seg_mask
-        size = _LONG_PHD if long else _SHORT_PHD
-        if (
-            magic == XLOG_PAGE_MAGIC
-            and addr == page
-            and bool(info & XLP_LONG_HEADER) == long
-            and page + size <= end
-        ):
-            first = at + size
-            if info & XLP_FIRST_IS_CONTRECORD:
-                first += (rem_len + 7) & ~7
-            _walk_page(buf, buf_lsn, first, min(at + XLOG_BLCKSZ, len(buf)), claims, words)
-        page += XLOG_BLCKSZ
-    return claims
-
-
-def _walk_page(
-    buf: bytes, buf_lsn: int, o: int, limit: int, claims: RunClaims, words: tuple[memoryview, memoryview]
-) -> None:
-    """Claim the runs among the records from offset ``o`` on that end by ``limit`` (the page's
-    end or the buffer's, whichever comes first)."""
-    unpack_u32 = _U32.unpack_from
-    while o + RUN_HEAD_SIZE <= limit:
-        tot_len = unpack_u32(buf, o)[0]
-        if tot_len < SIZE_OF_XLOG_RECORD or o + tot_len > limit:
-            return
-        stride = (tot_len + 7) & ~7
-        # R_1..R_k fit: R_k ends at o + k*stride + tot_len <= limit
-        k = (limit - o - tot_len) // stride
-        nxt = o + stride
-        if (
-            k
-            and tot_len >= RUN_HEAD_SIZE
-            and buf[o : o + 8] == buf[nxt : nxt + 8]
-            and buf[o + 24 : o + RUN_HEAD_SIZE] == buf[nxt + 24 : nxt + RUN_HEAD_SIZE]
-        ):
-            o += _claim_runs(buf, buf_lsn, o, tot_len, stride, k, claims, words) * stride
-        else:
-            o += stride
-
-
-def _claim_runs(
-    buf: bytes,
-    buf_lsn: int,
-    o: int,
-    tot_len: int,
-    stride: int,
-    k: int,
-    claims: RunClaims,
-    words: tuple[memoryview, memoryview],
-) -> int:
-    """Claim the runs among R_0 (at offset ``o``) and the ``k`` record slots after it at
-    ``stride`` (they fit the page), run after run while the next run's first record has the
-    same ``xl_tot_len``; returns how many records were dealt with (the walk goes on after them).
-
-    Batched as ``walingest._same_run``, but once for all the runs of a page, and with as few
-    Python objects per record as it takes: the fixed-size fields are strided columns of the
-    buffer's u64 / u32 views (``xl_prev`` against the chain, (xl_tot_len, xl_xid) and
-    (xl_info, xl_rmid, pad) against R_0's: C compares; objects per slot only when they
-    differ somewhere), the 22 layout bytes one struct unpack at the stride with the prefix of
-    like ones per run by ``tuple.count``, one ``crc32c`` map over the runs' records."""
-    q, w = words
-    n = k + 1
-    start = buf_lsn + o
-    s8, s4 = stride >> 3, stride >> 2
-    r8, r4 = o >> 3, o >> 2
-    # every slot's first 46 bytes are in the buffer: the last slot's record ends by ``limit``
-    cols: list[tuple[object, ...]] = [_batch("22s", stride - 22, n).unpack_from(buf, o + 24)]
-    h8 = q[r8 : r8 + n * s8 : s8]
-    if h8 != array("Q", (h8[0],)) * n:
-        cols.append(_batch("8s", stride - 8, n).unpack_from(buf, o))
-    irp = w[r4 + 4 : r4 + 4 + n * s4 : s4]
-    if irp != array("I", (irp[0],)) * n:
-        cols.append(_batch("4s", stride - 4, n).unpack_from(buf, o + 16))
-    # slots whose xl_prev is not the slot before (none in a well-formed page; a record there
-    # cannot extend a run)
-    prevs = q[r8 + 1 + s8 : r8 + 1 + n * s8 : s8]
-    chain = array("Q", range(start, start + k * stride, stride))
-    unlinked: tuple[int, ...] = ()
-    if prevs != chain:
-        unlinked = tuple(i + 1 for i, (x, y) in enumerate(zip(prevs.tolist(), chain, strict=True)) if x != y)
-    runs: list[tuple[int, int]] = []
-    a = 0
-    while a < k:
-        if a and w[r4 + a * s4] != tot_len:
-            break  # another length: the walk goes on from this record
-        m = k - a  # like records after R_a
-        for col in cols:
-            rest = col[a + 1 :]
-            want = col[a]
-            same = rest.count(want)
-            if same != len(rest) and rest[:same].count(want) != same:
-                same = _prefix(rest, want)
-            if same < m:
-                m = same
-        for i in unlinked:
-            if a < i <= a + m:
-                m = i - a - 1
-                break
-        if m:
-            runs.append((a, a + m))
-            a += m + 1
-        else:
-            a += 1
-    # (a == k: the last slot is left to the walk, its length unchecked; a == n: a run ended it)
-    if runs:
-        first, last = runs[0][0], runs[-1][1]
-        crc32c = _crcmod.crc32c
-        pieces = _crc_batch(tot_len, stride, last - first + 1).unpack_from(buf, o + first * stride)
-        crcs = list(map(crc32c, pieces[0::2], map(crc32c, pieces[1::2])))
-        want_crcs = w[r4 + 5 + first * s4 : r4 + 5 + (last + 1) * s4 : s4].tolist()
-        ok = crcs == want_crcs
-        for r0, r1 in runs:
-            if ok:
-                _add(claims, start + r0 * stride, start + r1 * stride, stride)
-                continue
-            # a bad CRC splits the run: claim each stretch of >= 2 good records
-            i = r0
-            while i <= r1:
-                j = i
-                while j <= r1 and crcs[j - first] == want_crcs[j - first]:
-                    j += 1
-                if j - i >= 2:
-                    _add(claims, start + i * stride, start + (j - 1) * stride, stride)
-                i = j + 1
-    return a
-
-
-def _add(claims: RunClaims, start: int, last: int, stride: int) -> None:
-    claims.starts.append(start)
-    claims.lasts.append(last)
-    claims.strides.append(stride)
-
-
-@lru_cache(maxsize=2048)
-def _crc_batch(tot_len: int, stride: int, count: int) -> struct.Struct:
-    """The two CRC pieces of ``count`` records: bytes [0:20) and [24:tot_len) of each."""
-    return _batch(f"20s4x{tot_len - SIZE_OF_XLOG_RECORD}s", stride - tot_len, count)
-
-
-def _prefix(col: Sequence[object], want: object) -> int:
-    for i, x in enumerate(col):
-        if x != want:
-            return i
-    return len(col)
-
-
-class RunFinder:
-    """``find_runs`` over the WAL receiver's pieces (any start and length): a piece that
-    continues the previous one (``base`` == its end) is walked together with the previous
-    piece's incomplete last page (claims about that page's records may repeat); any other
-    piece drops that carry, and a page it starts in the middle of is skipped (no header)."""
-
-    def __init__(self, segment_size: int = WAL_SEGMENT_SIZE) -> None:
-        if segment_size < XLOG_BLCKSZ or segment_size & (segment_size - 1):
-            raise ValueError(f"WAL segment size {segment_size} is not a power of two >= {XLOG_BLCKSZ}")
-        self.segment_size = segment_size
-        self._carry = b""
-        self._carry_lsn = 0
-        self._end: int | None = None
-
-    def walked_from(self, base: int) -> int:
-        """Where the buffer of a piece at ``base`` would start (its claims start there or
-        later): the carried page's start, or ``base``."""
-        return self._carry_lsn if self._carry and base == self._end else base
-
-    def feed(self, base: int, data: bytes) -> RunClaims:
-        if self._carry and base == self._end:
-            buf = self._carry + data
-            buf_lsn = self._carry_lsn
-        else:
-            buf = bytes(data)
-            buf_lsn = base
-        end = base + len(data)
-        self._end = end
-        claims = find_runs(buf, buf_lsn, self.segment_size)
-        last_page = end & ~_PAGE_MASK
-        if end & _PAGE_MASK and last_page >= buf_lsn:
-            self._carry = buf[last_page - buf_lsn :]
-            self._carry_lsn = last_page
-        else:
-            self._carry = b""
-        return claims
-
-
-# -- the wire ------------------------------------------------------------------------------
-
-REQUEST_MAGIC = b"WPRq"
-ANSWER_MAGIC = b"WPRs"
-READY_MAGIC = b"WPRy"  # the child's first 4 bytes: its imports are done, it reads requests
-_REQUEST = struct.Struct("<4sQII")
-# ``ring_offset`` of a request whose bytes follow on the pipe
-INLINE = 0xFFFF_FFFF
-# The shared ring the pieces travel through (a memfd both map): copying 128 KiB there costs
-# ~4 µs against ~30 µs for a pipe write of it, on the ingest's core.
-RING_SIZE = 4 << 20
-_ANSWER = struct.Struct("<4sQIII")
-# The largest piece: the receiver's are <= 128 KiB; anything far bigger is a garbled header.
-MAX_PIECE = 16 << 20
-_PIPE_SIZE = 1 << 20
+# (aclose: how long a child that got EOF may take to exit before it is killed)
 _EXIT_GRACE_S = 2.0
-_WATCHDOG_S = 0.1
-
-
-def encode_answer(base: int, length: int, crc: int, claims: RunClaims) -> bytes:
-    return (
-        _ANSWER.pack(ANSWER_MAGIC, base, length, crc, len(claims.starts))
-        + claims.starts.tobytes()
-        + claims.lasts.tobytes()
-        + claims.strides.tobytes()
-    )
 
 
 class WalPrecheckError(Exception):
     """The pre-check child failed (died, killed, garbled or mismatched answer, cancelled
     mid-request) or the handle is closed: the handle is broken for good."""
-
-
-def check_claims(claims: RunClaims, low: int, high: int) -> str | None:
-    """Why ``claims`` are not well formed for a buffer of WAL [low, high), or ``None``.
-    Runs on the ingest's core for every answer: C loops (``map``) over the columns; the
-    first bad claim is looked for one by one only when a column is wrong."""
-    starts, lasts, strides = claims.starts, claims.lasts, claims.strides
-    if not (len(starts) == len(lasts) == len(strides)):
-        return "claim columns of different lengths"
-    if not starts:
-        return None
-    spans = list(map(sub, lasts, starts))
-    # R_last's end - 1 is at least last + stride - 8 (its length is > stride - 8)
-    tails = list(map(add, lasts, map(sub, strides, repeat(8))))
-    if (
-        min(strides) >= MIN_STRIDE
-        and max(strides) <= XLOG_BLCKSZ
-        and not any(map(and_, strides, repeat(7)))
-        and all(map(ge, spans, strides))
-        and not any(map(mod, spans, strides))
-        and all(map(lt, lasts, islice(starts, 1, None)))
-        and starts[0] >= low
-        and max(tails) < high
-        and max(map(xor, tails, starts)) <= _PAGE_MASK
-    ):
-        return None
-    prev_end = -1
-    for start, last, stride in zip(starts, lasts, strides, strict=True):
-        if stride < MIN_STRIDE or stride & 7 or stride > XLOG_BLCKSZ:
-            return f"claim {start:X}: bad stride {stride}"
-        if last < start + stride or (last - start) % stride:
-            return f"claim {start:X}..{last:X}: last is not start + k*stride, k >= 1"
-        if start <= prev_end:
-            return f"claim {start:X}: not after the previous claim (ends {prev_end:X})"
-        tail = last + stride - 8
-        if start < low or tail >= high or tail & ~_PAGE_MASK != start & ~_PAGE_MASK:
-            return f"claim {start:X}..{last:X}/{stride} outside the page or the piece [{low:X}, {high:X})"
-        prev_end = last
-    raise AssertionError("check_claims: the columns failed but no claim did")  # pragma: no cover
 
 
 @attrs.define(slots=True)
@@ -512,7 +166,7 @@ class WalPrecheck:
     async def submit(self, base: int, data: bytes) -> None:
         """Send one piece (``base``: the LSN of ``data[0]``) to the child."""
         self._check()
-        if not (base >= 0 and base + len(data) <= _MAX_LSN and len(data) <= MAX_PIECE):
+        if not (base >= 0 and base + len(data) <= MAX_LSN and len(data) <= MAX_PIECE):
             raise ValueError(f"piece of {len(data)} bytes at {base:X} is out of range")
         if self._sending:
             raise trio.BusyResourceError("another task is in WalPrecheck.submit")
@@ -528,7 +182,7 @@ class WalPrecheck:
         fd = proc.stdin.fileno()
         at = self._ring_place(len(data))
         entry = _Pending(base, len(data), _crcmod.crc32c(data), self._low(base), at)
-        header = _REQUEST.pack(REQUEST_MAGIC, base, len(data), at)
+        header = REQUEST_HEADER.pack(REQUEST_MAGIC, base, len(data), at)
         if at == INLINE:
             frame = memoryview(header + data)
             self.inline += 1
@@ -556,7 +210,7 @@ class WalPrecheck:
             await self._break(f"writing a request failed: {exc}")
             raise WalPrecheckError(self._broken) from exc
         self._last_end = base + len(data)
-        self._last_page = self._last_end & ~_PAGE_MASK if self._last_end & _PAGE_MASK else None
+        self._last_page = self._last_end & ~PAGE_MASK if self._last_end & PAGE_MASK else None
         self.submitted += 1
         # (no checkpoint after the write: a Cancelled raised then would hide a sent piece)
 
@@ -600,16 +254,16 @@ class WalPrecheck:
         fd = proc.stdout.fileno()
         await self._await_ready(proc)
         try:
-            header = await self._fill(fd, _ANSWER.size)
-            magic, base, length, crc, n = _ANSWER.unpack_from(header)
+            header = await self._fill(fd, ANSWER_HEADER.size)
+            magic, base, length, crc, n = ANSWER_HEADER.unpack_from(header)
             if magic != ANSWER_MAGIC or n > MAX_PIECE // MIN_STRIDE:
                 raise WalPrecheckError(f"garbled answer header {bytes(header)!r}")
-            await self._fill(fd, _ANSWER.size + 24 * n)
+            await self._fill(fd, ANSWER_HEADER.size + 24 * n)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, WalPrecheckError) as exc:
             await self._break(f"reading an answer failed: {exc}")
             raise WalPrecheckError(self._broken) from exc
-        body = bytes(self._inbuf[_ANSWER.size : _ANSWER.size + 24 * n])
-        del self._inbuf[: _ANSWER.size + 24 * n]
+        body = bytes(self._inbuf[ANSWER_HEADER.size : ANSWER_HEADER.size + 24 * n])
+        del self._inbuf[: ANSWER_HEADER.size + 24 * n]
         entry = self._pending.popleft()
         problem: str | None = None
         if (base, length, crc) != (entry.base, entry.length, entry.crc):
@@ -634,7 +288,7 @@ class WalPrecheck:
         and no trip through trio's scheduler."""
         while len(self._inbuf) < size:
             try:
-                data = os.read(fd, _PIPE_SIZE)
+                data = os.read(fd, PIPE_SIZE)
             except BlockingIOError:
                 # (ClosedResourceError when the handle is broken meanwhile: the fd is closed)
                 await trio.lowlevel.wait_readable(fd)
@@ -692,7 +346,7 @@ class WalPrecheck:
                 ring = mmap.mmap(ring_fd, self._ring_size)
                 args += [f"--ring-fd={ring_fd}", f"--ring-size={self._ring_size}"]
             proc = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "pageserver.wal_precheck", *args],
+                [sys.executable, "-m", "pageserver.wal_runs", *args],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                 pass_fds=() if ring_fd is None else (ring_fd,),
             )
@@ -707,7 +361,7 @@ class WalPrecheck:
         assert isinstance(proc.stdin, trio.lowlevel.FdStream) and isinstance(proc.stdout, trio.lowlevel.FdStream)
         for fd in (proc.stdin.fileno(), proc.stdout.fileno()):
             try:
-                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
             except OSError:
                 pass  # a smaller pipe only costs more wake-ups per piece
         if self._broken is not None:  # closed while it started: it must not outlive us
@@ -760,87 +414,6 @@ async def _reap(proc: trio.Process) -> None:
                 await stream.aclose()
 
 
-# -- the child -----------------------------------------------------------------------------
-
-
-def _read_exact(stream: io.FileIO, size: int) -> bytes | None:
-    """``size`` bytes from ``stream``; ``None`` at EOF before the first byte."""
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = stream.readinto(view[got:])
-        if not n:
-            if got == 0:
-                return None
-            raise EOFError(f"the pageserver closed the pipe {got} bytes into a {size}-byte read")
-        got += n
-    return bytes(buf)
-
-
-def _watch_parent(parent: int) -> None:
-    while True:
-        time.sleep(_WATCHDOG_S)
-        if os.getppid() != parent:
-            os._exit(3)
-
-
-def _serve(args: argparse.Namespace) -> int:
-    # (the parent's pid from the command line: a parent that died while this process was
-    # still importing would otherwise be mistaken for init, the new parent)
-    parent = os.getppid() if args.parent_pid is None else args.parent_pid
-    threading.Thread(target=_watch_parent, args=(parent,), name="precheck-watchdog", daemon=True).start()
-    out = os.dup(1)
-    os.dup2(2, 1)  # stray prints go to stderr, never into the answers
-    try:
-        fcntl.fcntl(out, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
-    except OSError:
-        pass
-    stdin = open(0, "rb", buffering=0)  # noqa: SIM115 - lives as long as the process
-    finder = RunFinder(args.segment_size)
-    ring = mmap.mmap(args.ring_fd, args.ring_size) if args.ring_fd is not None else None
-    crc32c = _crcmod.crc32c
-    answered = 0
-    os.write(out, READY_MAGIC)
-    while True:
-        header = _read_exact(stdin, _REQUEST.size)
-        if header is None:
-            return 0  # the pageserver closed the pipe: done
-        magic, base, length, at = _REQUEST.unpack(header)
-        if (
-            magic != REQUEST_MAGIC
-            or length > MAX_PIECE
-            or base + length > _MAX_LSN
-            or (at != INLINE and (ring is None or at + length > len(ring)))
-        ):
-            print(f"wal_precheck: bad request header {header!r}", file=sys.stderr)
-            return 2
-        if at != INLINE:
-            assert ring is not None
-            data: bytes | None = ring[at : at + length]
-        else:
-            data = _read_exact(stdin, length) if length else b""
-        if data is None:
-            return 1
-        nth = answered + 1
-        claims = finder.feed(base, data)
-        if nth == args.bad_claim:
-            claims.starts.append(base)
-            claims.lasts.append(base + 40)
-            claims.strides.append(40)
-        if args.stall_s:
-            time.sleep(args.stall_s)
-        answer = encode_answer(base + 8192 if nth == args.misanswer else base, length, crc32c(data), claims)
-        if nth == args.garble:
-            answer = b"XXXX" + answer[4:]
-        view = memoryview(answer)
-        while view:
-            view = view[os.write(out, view) :]
-        answered += 1
-        if answered == args.die_after:
-            os._exit(4)
-
-
 # -- measuring it (not a test) -------------------------------------------------------------
 
 
@@ -856,7 +429,7 @@ def bench(path: Path, file_lsn: int, start_lsn: int, piece: int = 131072, rounds
     from protocol.wal.record import DecodedRecord
 
     wal = path.read_bytes()
-    page = start_lsn & ~_PAGE_MASK
+    page = start_lsn & ~PAGE_MASK
     pieces = [(file_lsn + at, wal[at : at + piece]) for at in range(page - file_lsn, len(wal), piece)]
     dec = WalStreamDecoder(start_lsn, data_start=page)
     records = 0
@@ -909,30 +482,15 @@ def bench(path: Path, file_lsn: int, start_lsn: int, piece: int = 131072, rounds
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pageserver.wal_precheck")
-    parser.add_argument("--bench", type=Path, help="measure over this WAL file instead of serving")
+    parser.add_argument("--bench", type=Path, required=True, help="measure over this WAL file")
     parser.add_argument("--bench-file-lsn", type=lambda v: int(v, 0), default=WAL_SEGMENT_SIZE,
                         help="the LSN of the WAL file's first byte")
     parser.add_argument("--bench-start", type=lambda v: int(v, 0), default=0x1500780,
                         help="the LSN of the first record")
-    parser.add_argument("--segment-size", type=int, default=WAL_SEGMENT_SIZE)
-    parser.add_argument("--ring-fd", type=int, default=None, help="the shared ring's memfd")
-    parser.add_argument("--parent-pid", type=int, default=None, help="exit when no longer this process's child")
-    parser.add_argument("--ring-size", type=int, default=0)
-    parser.add_argument("--stall-s", type=float, default=0.0, help="test seam: sleep before each answer")
-    parser.add_argument("--garble", type=int, default=0, help="test seam: corrupt the Nth answer's magic")
-    parser.add_argument("--misanswer", type=int, default=0, help="test seam: the Nth answer names another base")
-    parser.add_argument("--bad-claim", type=int, default=0, help="test seam: a malformed claim in the Nth answer")
-    parser.add_argument("--die-after", type=int, default=0, help="test seam: exit after N answers")
     args = parser.parse_args(argv)
-    if args.bench is not None:
-        bench(args.bench, args.bench_file_lsn, args.bench_start)
-        return 0
-    try:
-        return _serve(args)
-    except (BrokenPipeError, EOFError, KeyboardInterrupt):
-        return 1
+    bench(args.bench, args.bench_file_lsn, args.bench_start)
+    return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -57,7 +57,8 @@ import trio
 from prometheus_client import Counter
 
 from common import pgclient
-from pageserver.wal_precheck import MAX_PIECE, WalPrecheck, WalPrecheckError
+from pageserver.wal_precheck import WalPrecheck, WalPrecheckError
+from pageserver.wal_runs import MAX_PIECE
 from protocol.errors import PROTOCOL_VIOLATION, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn, parse_lsn
@@ -117,7 +118,7 @@ OnRecord = Callable[[DecodedRecord], Awaitable[None]]
 OnRecords = Callable[[list[DecodedRecord]], Awaitable[None]]
 class ClaimedRuns(Protocol):
     """Runs of like records whose bytes were checked ahead of the ingest, sorted by start
-    (``pageserver.wal_precheck.RunClaims``): run ``i`` is the records at ``starts[i]``,
+    (``pageserver.wal_runs.RunClaims``): run ``i`` is the records at ``starts[i]``,
     ``starts[i] + strides[i]``, ... ``lasts[i]``, each with the header fields and layout
     bytes of the first, ``xl_prev`` the record before (from the second on), CRC-32C right,
     all inside one WAL page: ``_same_run``'s checks."""

@@ -17,15 +17,8 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pageserver.wal_precheck import (
-    RING_SIZE,
-    RunClaims,
-    RunFinder,
-    WalPrecheck,
-    WalPrecheckError,
-    check_claims,
-    find_runs,
-)
+from pageserver.wal_precheck import WalPrecheck, WalPrecheckError
+from pageserver.wal_runs import RING_SIZE, RunClaims, RunFinder, check_claims, find_runs
 from protocol.lsn import XLOG_BLCKSZ
 from protocol.wal import crc as _crcmod
 from protocol.wal.encoder import BlockSpec, WalEncoder

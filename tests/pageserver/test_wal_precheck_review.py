@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from pageserver.wal_precheck import MAX_PIECE, RunFinder, WalPrecheck, WalPrecheckError
+from pageserver.wal_precheck import WalPrecheck, WalPrecheckError
 from pageserver.wal_receiver import (
     PRECHECK_FAILURES_TO_DISABLE,
     ClaimedRuns,
@@ -37,6 +37,7 @@ from pageserver.wal_receiver import (
     WalReceiver,
     WalReceiverConfig,
 )
+from pageserver.wal_runs import MAX_PIECE, RunFinder
 from protocol.lsn import Lsn
 from protocol.replication import XLogData, encode_copy_message
 from protocol.wal.encoder import BlockSpec

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from pageserver.wal_precheck import RunClaims, RunFinder
+from pageserver.wal_runs import RunClaims, RunFinder
 from protocol.lsn import Lsn
 from protocol.wal.reader import EndOfWal
 from tests.pageserver import test_walingest_fused as fz

@@ -39,8 +39,8 @@ from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.key import SLRU_CLOG, Key
 from pageserver.storage.value import Image
 from pageserver.tenant import Tenant
-from pageserver.wal_precheck import RunFinder
 from pageserver.wal_receiver import ClaimedRuns
+from pageserver.wal_runs import RunFinder
 from pageserver.walingest import WalIngest
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId

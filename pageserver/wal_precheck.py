@@ -27,6 +27,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from common.children import reap, stop
 from pageserver.wal_runs import (
     ANSWER_HEADER,
     ANSWER_MAGIC,
@@ -365,7 +366,7 @@ class WalPrecheck:
             except OSError:
                 pass  # a smaller pipe only costs more wake-ups per piece
         if self._broken is not None:  # closed while it started: it must not outlive us
-            await _reap(proc)
+            await reap(proc)
             self._close_ring()
             self._check()
         self._proc = proc
@@ -377,7 +378,7 @@ class WalPrecheck:
         self._pending.clear()
         proc, self._proc = self._proc, None
         if proc is not None:
-            await _reap(proc)
+            await reap(proc)
         self._close_ring()
 
     def _close_ring(self) -> None:
@@ -393,25 +394,8 @@ class WalPrecheck:
         self._pending.clear()
         proc, self._proc = self._proc, None
         if proc is not None:
-            with trio.CancelScope(shield=True):
-                if proc.stdin is not None:
-                    await proc.stdin.aclose()
-                with trio.move_on_after(_EXIT_GRACE_S):
-                    await proc.wait()
-            await _reap(proc)
+            await stop(proc, _EXIT_GRACE_S)
         self._close_ring()
-
-
-async def _reap(proc: trio.Process) -> None:
-    """Kill ``proc`` if it still runs, wait for it, close our pipe ends (shielded: a child is
-    never left running or unreaped, also from a cancelled scope)."""
-    with trio.CancelScope(shield=True):
-        if proc.returncode is None:
-            proc.kill()
-        await proc.wait()
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                await stream.aclose()
 
 
 # -- measuring it (not a test) -------------------------------------------------------------

@@ -42,12 +42,10 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import io
 import mmap
 import os
 import struct
 import sys
-import threading
 import time
 from array import array
 from collections.abc import Sequence
@@ -57,6 +55,7 @@ from operator import add, and_, ge, lt, mod, sub, xor
 
 import attrs
 
+from common.child_io import read_exact, start_watchdog
 from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ
 from protocol.wal import crc as _crcmod
 from protocol.wal.page import XLOG_PAGE_MAGIC, XLP_FIRST_IS_CONTRECORD, XLP_LONG_HEADER
@@ -351,7 +350,6 @@ ANSWER_HEADER = struct.Struct("<4sQIII")
 # The largest piece: the receiver's are <= 128 KiB; anything far bigger is a garbled header.
 MAX_PIECE = 16 << 20
 PIPE_SIZE = 1 << 20
-_WATCHDOG_S = 0.1
 
 
 def encode_answer(base: int, length: int, crc: int, claims: RunClaims) -> bytes:
@@ -405,33 +403,8 @@ def check_claims(claims: RunClaims, low: int, high: int) -> str | None:
 # -- the child -----------------------------------------------------------------------------
 
 
-def _read_exact(stream: io.FileIO, size: int) -> bytes | None:
-    """``size`` bytes from ``stream``; ``None`` at EOF before the first byte."""
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = stream.readinto(view[got:])
-        if not n:
-            if got == 0:
-                return None
-            raise EOFError(f"the pageserver closed the pipe {got} bytes into a {size}-byte read")
-        got += n
-    return bytes(buf)
-
-
-def _watch_parent(parent: int) -> None:
-    while True:
-        time.sleep(_WATCHDOG_S)
-        if os.getppid() != parent:
-            os._exit(3)
-
-
 def _serve(args: argparse.Namespace) -> int:
-    # (the parent's pid from the command line: a parent that died while this process was
-    # still importing would otherwise be mistaken for init, the new parent)
-    parent = os.getppid() if args.parent_pid is None else args.parent_pid
-    threading.Thread(target=_watch_parent, args=(parent,), name="precheck-watchdog", daemon=True).start()
+    start_watchdog(args.parent_pid, "precheck-watchdog")
     out = os.dup(1)
     os.dup2(2, 1)  # stray prints go to stderr, never into the answers
     try:
@@ -445,7 +418,7 @@ def _serve(args: argparse.Namespace) -> int:
     answered = 0
     os.write(out, READY_MAGIC)
     while True:
-        header = _read_exact(stdin, REQUEST_HEADER.size)
+        header = read_exact(stdin, REQUEST_HEADER.size)
         if header is None:
             return 0  # the pageserver closed the pipe: done
         magic, base, length, at = REQUEST_HEADER.unpack(header)
@@ -459,11 +432,12 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         if at != INLINE:
             assert ring is not None
-            data: bytes | None = ring[at : at + length]
+            data = ring[at : at + length]
         else:
-            data = _read_exact(stdin, length) if length else b""
-        if data is None:
-            return 1
+            got = read_exact(stdin, length) if length else b""
+            if got is None:
+                return 1
+            data = bytes(got)
         nth = answered + 1
         claims = finder.feed(base, data)
         if nth == args.bad_claim:

@@ -24,7 +24,7 @@ GIL). ``Timeline`` decides when (``l0_writer = "process"``, layers of at least
   for a core, the WAL ingest wins; the roll's backpressure bounds how far the worker lags).
 - Shutdown: ``aclose`` closes the pipe (the worker exits on EOF), waits a moment, then kills;
   a worker whose parent dies without that sees EOF on its stdin too and exits, and a watchdog
-  thread ends it within ``_WATCHDOG_S`` if the parent dies in the middle of a job (a restarted
+  thread ends it within ``WATCHDOG_S`` (``common.child_io``) if the parent dies in the middle of a job (a restarted
   pageserver must not find a left-over writer renaming files into its timeline directory).
 
 Wire format (little-endian, same machine: the arrays travel in native order):
@@ -46,7 +46,6 @@ import os
 import struct
 import subprocess
 import sys
-import threading
 import time
 from array import array
 from collections.abc import Iterator, Sequence
@@ -55,6 +54,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from common.child_io import read_exact, start_watchdog
+from common.children import reap, stop
 from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.io_engine import BlockingIoEngine, IoFile
 from pageserver.storage.key import KEY_SIZE, Key
@@ -83,7 +84,6 @@ WORKER_NICE = 10
 _EXIT_GRACE_S = 2.0
 _MAX_META = 1 << 20
 # How often the worker checks that its pageserver is still there.
-_WATCHDOG_S = 0.1
 
 if array("Q").itemsize != 8:  # pragma: no cover - every platform we run on
     raise ImportError("array('Q') is not 8 bytes here: the L0 worker's index format needs it")
@@ -273,18 +273,18 @@ class L0Worker:
         if proc is not None:
             # it ended between jobs: nothing was lost, a new one takes the next job
             self._proc = None
-            await _reap(proc)
+            await reap(proc)
         root = Path(__file__).resolve().parents[2]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
         proc = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "pageserver.storage.l0_worker", *self._args],
+            [sys.executable, "-m", "pageserver.storage.l0_worker", f"--parent-pid={os.getpid()}", *self._args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
         )
         try:
             self._check_open()  # closed while it started: it must not outlive its owner
         except L0WorkerError:
-            await _reap(proc)
+            await reap(proc)
             raise
         self._proc = proc
         self.starts += 1
@@ -331,7 +331,7 @@ class L0Worker:
         proc, self._proc = self._proc, None
         if proc is None:
             return "no worker"
-        await _reap(proc)
+        await reap(proc)
         rc = proc.returncode
         return f"exit status {rc}" if rc is None or rc >= 0 else f"killed by signal {-rc}"
 
@@ -340,26 +340,8 @@ class L0Worker:
         ``_EXIT_GRACE_S``; reaped before this returns. Later jobs are refused."""
         self._closed = True
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        with trio.CancelScope(shield=True):
-            if proc.stdin is not None:
-                await proc.stdin.aclose()
-            with trio.move_on_after(_EXIT_GRACE_S):
-                await proc.wait()
-        await _reap(proc)
-
-
-async def _reap(proc: trio.Process) -> None:
-    """Kill ``proc`` if it still runs, wait for it, close our ends of its pipes (shielded:
-    also from a cancelled scope, a worker must never be left running or unreaped)."""
-    with trio.CancelScope(shield=True):
-        if proc.returncode is None:
-            proc.kill()
-        await proc.wait()
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                await stream.aclose()
+        if proc is not None:
+            await stop(proc, _EXIT_GRACE_S)
 
 
 # -- the worker process --------------------------------------------------------------------
@@ -419,47 +401,23 @@ async def _write_job(meta: dict[str, Any], index: dict[Key, array[int]], eio: bo
     return None if path is None else os.fspath(path)
 
 
-def _read_exact(stream: Any, size: int) -> bytearray | None:
-    """``size`` bytes from ``stream``; ``None`` at EOF before the first byte."""
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = stream.readinto(view[got:])
-        if not n:
-            if got == 0:
-                return None
-            raise EOFError(f"the pageserver closed the pipe {got} bytes into a {size}-byte read")
-        got += n
-    return buf
-
-
-def _watch_parent(parent: int) -> None:
-    """End the process as soon as it is orphaned (its parent died mid-job: no EOF until the
-    job is done, and the job must not go on writing into the timeline directory)."""
-    while True:
-        time.sleep(_WATCHDOG_S)
-        if os.getppid() != parent:
-            os._exit(3)
-
-
 def _serve(args: argparse.Namespace) -> int:
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), name="l0-watchdog", daemon=True).start()
+    start_watchdog(args.parent_pid, "l0-watchdog")
     # The answers go to a private copy of stdout; anything else printed lands on stderr.
     out = os.dup(1)
     os.dup2(2, 1)
     stdin = open(0, "rb", buffering=0)  # noqa: SIM115 - lives as long as the process
     jobs = 0
     while True:
-        header = _read_exact(stdin, _REQUEST.size)
+        header = read_exact(stdin, _REQUEST.size)
         if header is None:
             return 0  # the pageserver closed the pipe: done
         magic, meta_len, body_len = _REQUEST.unpack(header)
         if magic != REQUEST_MAGIC or meta_len > _MAX_META:
             print(f"l0_worker: bad request header {bytes(header)!r}", file=sys.stderr)
             return 2
-        raw_meta = _read_exact(stdin, meta_len)
-        body = _read_exact(stdin, body_len) if body_len else bytearray()
+        raw_meta = read_exact(stdin, meta_len)
+        body = read_exact(stdin, body_len) if body_len else bytearray()
         if raw_meta is None or body is None:
             return 1
         jobs += 1
@@ -485,6 +443,7 @@ def _serve(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pageserver.storage.l0_worker")
     parser.add_argument("--nice", type=int, default=0, help="niceness increment (below the WAL ingest)")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when no longer this process's child")
     parser.add_argument("--stall-s", type=float, default=0.0, help="test seam: sleep before each write")
     parser.add_argument("--eio-jobs", type=int, default=0, help="test seam: the first N jobs fail with EIO")
     parser.add_argument("--big-layer-path", action="store_true",

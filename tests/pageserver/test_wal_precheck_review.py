@@ -19,6 +19,7 @@ import os
 import random
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -95,6 +96,25 @@ async def _until(pred: object, timeout: float) -> None:
             await trio.sleep(0.01)
 
 
+async def _receive_all(
+    wal: bytes, sks: dict[int, FakeSafekeeper], factory: Callable[[], Precheck]
+) -> WalReceiver:
+    """Run a receiver (every message pre-checked, 10 s to answer) until it took all of
+    ``wal``, exactly once and in order; returns it, stopped."""
+    applied = Applied()
+    cfg = WalReceiverConfig(safekeepers=(("h", 1),), precheck_min_bytes=1, idle_timeout_s=10.0)
+    recv = WalReceiver(cfg, start_lsn=START, on_wal=applied, connect=connector(sks), precheck=factory)
+    want = expected_records(wal, START)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(recv.run)
+        with trio.fail_after(600):  # (virtual time)
+            while applied.records != want:
+                await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    assert applied.records == want  # nothing lost or taken twice
+    return recv
+
+
 async def test_a_child_that_never_answers_ends_the_session(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -111,17 +131,7 @@ async def test_a_child_that_never_answers_ends_the_session(
         made.append(p)
         return p
 
-    applied = Applied()
-    cfg = WalReceiverConfig(safekeepers=(("h", 1),), precheck_min_bytes=1, idle_timeout_s=10.0)
-    recv = WalReceiver(cfg, start_lsn=START, on_wal=applied, connect=connector(sks), precheck=factory)
-    want = expected_records(wal, START)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(recv.run)
-        with trio.fail_after(600):  # (virtual time)
-            while applied.records != want:
-                await trio.sleep(1)
-        nursery.cancel_scope.cancel()
-    assert applied.records == want  # nothing lost or taken twice
+    recv = await _receive_all(wal, sks, factory)
     assert len(made) >= 2 and recv.sessions >= 2
     assert recv.last_error is not None and "pre-check" in recv.last_error
     assert log.count("new") == log.count("close")  # every session closed its pre-check
@@ -147,17 +157,7 @@ async def test_a_precheck_that_keeps_failing_is_turned_off(
 
     failures0 = metric("pageserver_wal_precheck_failures_total")
     disabled0 = metric("pageserver_wal_precheck_disabled_total")
-    applied = Applied()
-    cfg = WalReceiverConfig(safekeepers=(("h", 1),), precheck_min_bytes=1, idle_timeout_s=10.0)
-    recv = WalReceiver(cfg, start_lsn=START, on_wal=applied, connect=connector(sks), precheck=factory)
-    want = expected_records(wal, START)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(recv.run)
-        with trio.fail_after(600):  # (virtual time)
-            while applied.records != want:
-                await trio.sleep(1)
-        nursery.cancel_scope.cancel()
-    assert applied.records == want
+    recv = await _receive_all(wal, sks, factory)
     assert metric("pageserver_wal_precheck_failures_total") - failures0 == PRECHECK_FAILURES_TO_DISABLE
     assert metric("pageserver_wal_precheck_disabled_total") - disabled0 == 1
     assert len(made) == PRECHECK_FAILURES_TO_DISABLE  # none after it was turned off

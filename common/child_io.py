@@ -1,0 +1,52 @@
+"""What the pageserver's worker children (the L0 writer, the WAL pre-check) share on their side
+of the pipes: exact reads from the parent's pipe, and the watchdog that ends an orphan.
+
+Standard library only: a child importing this starts fast (the WAL pre-check's does not import
+trio at all). The parent side is ``common.children``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Protocol
+
+# How often the watchdog looks at the parent pid.
+WATCHDOG_S = 0.1
+
+
+class _Readable(Protocol):
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+
+def read_exact(stream: _Readable, size: int) -> bytearray | None:
+    """``size`` bytes from ``stream``; ``None`` at EOF before the first byte (the parent is
+    done), ``EOFError`` at EOF in the middle (it died mid-message)."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = stream.readinto(view[got:])
+        if not n:
+            if got == 0:
+                return None
+            raise EOFError(f"the pageserver closed the pipe {got} bytes into a {size}-byte read")
+        got += n
+    return buf
+
+
+def start_watchdog(parent: int | None, name: str) -> None:
+    """End this process (exit status 3) within ``WATCHDOG_S`` once it is orphaned: a parent
+    that died mid-job sends no EOF until the job is done, and the job must not go on. Pass
+    the parent's pid as the parent gave it on the command line: ``os.getppid()`` after the
+    imports would take a parent that died meanwhile for init, its successor."""
+    expected = os.getppid() if parent is None else parent
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != expected:
+                os._exit(3)
+            time.sleep(WATCHDOG_S)
+
+    threading.Thread(target=watch, name=name, daemon=True).start()

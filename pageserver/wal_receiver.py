@@ -41,6 +41,13 @@ A record the callee rejects as malformed (``RemoteProtocolError`` from it) is no
 failure: every safekeeper sends the same WAL, so the receiver stops with ``WalIngestError``.
 Cancellation stops it at once: connections are closed under a short shielded deadline.
 
+With ``on_wal``, a session reads up to ``read_ahead`` messages ahead in a task of its own
+(``_ReadAhead``) and hands every XLogData of at least ``precheck_min_bytes`` to the WAL
+pre-check (``pageserver.wal_precheck``: a child process that checks the runs of like records
+on the second core while this process ingests the message before); ``on_wal`` gets each
+message's claims with it. A pre-check failure ends the session (``WalPrecheckError``, not the
+safekeeper's fault: no backoff); three in a row turn the pre-check off until restart.
+
 A vanilla PostgreSQL speaks the same replication protocol, so ``WalReceiver`` can pull from it
 as well (tests use that).
 """
@@ -116,6 +123,8 @@ Addr = tuple[str, int]
 Connector = Callable[[str, int, dict[str, str]], Awaitable[PgConnection]]
 OnRecord = Callable[[DecodedRecord], Awaitable[None]]
 OnRecords = Callable[[list[DecodedRecord]], Awaitable[None]]
+
+
 class ClaimedRuns(Protocol):
     """Runs of like records whose bytes were checked ahead of the ingest, sorted by start
     (``pageserver.wal_runs.RunClaims``): run ``i`` is the records at ``starts[i]``,

@@ -259,7 +259,7 @@ def _same_run(
     Returns that count ``m`` and the raw bytes of the record at ``o`` and of those ``m``.
     A few C calls per run instead of a loop iteration per record: struct unpacks of every
     record's header fields and of its two CRC pieces, tuple compares, one ``crc32c`` map.
-    (``pageserver.wal_precheck`` makes the same byte checks ahead, in another process:
+    (``pageserver.wal_runs`` makes the same byte checks ahead, in another process:
     ``_claimed_run`` then does the rest.)"""
     h8, _prev, irp, _crc, sig = _RUN_ONE.unpack_from(buf, o)
     first = o + stride
@@ -290,7 +290,7 @@ def _claimed_run(
     buf: bytes, o: int, tot_len: int, stride: int, m: int, vm_at: int
 ) -> tuple[int, tuple[bytes, ...]]:
     """``_same_run`` for ``m`` records after the one at ``o`` that a pre-check claim
-    (``pageserver.wal_precheck``) says are like it, chained and CRC-checked: what the claim
+    (``pageserver.wal_runs``) says are like it, chained and CRC-checked: what the claim
     does not cover -- the INSERT's flags byte at ``vm_at`` without the VM bit -- then the raw
     bytes of the record at ``o`` and of the ``m`` that passed."""
     if vm_at > 0:
@@ -615,7 +615,13 @@ class WalIngest:
         ``_fused_whole``). Records like the one just taken that follow it on the page are
         checked together (``_same_run``) and collected as one run item, stored with the values
         by ``_store_mixed``. ``last_record_lsn`` advances as in ``ingest_records``: before
-        every await, at the end, and only over records whose values are all stored."""
+        every await, at the end, and only over records whose values are all stored.
+
+        ``runs``: the WAL pre-check's claims about the bytes just fed (docs/wal-precheck.md).
+        A record a claim covers -- on the claim's stride grid, with its stride, at or after its
+        start -- needs no CRC check here, and the like records after it in the claim (within
+        the page and the input) are taken as a run without ``_same_run``'s byte checks
+        (``_claimed_run``); every other test is made as without claims."""
         tl = self.tl
         w = self.w
         sizes = w.rel_sizes

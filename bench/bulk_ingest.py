@@ -54,6 +54,12 @@ the final flush),
 ``last_record_lsn`` reached the end, and ``background_flush_wait_s`` how long after that it
 was done (the final ``flush_s`` excludes it). ``--l0-worker-nice N`` sets the worker's
 niceness (default ``WORKER_NICE``).
+
+The WAL pre-check (``--precheck on,off``, default ``on``: the production setting): with
+``off`` the receiver's ``precheck_min_bytes`` is 0 and the ingest checks every record
+itself; the configurations are every L0 writer times every pre-check setting, interleaved in
+each round. ``precheck_cpu_s`` is the pre-check children's CPU time up to the end of the
+ingest (a child that already exited counts 0).
 """
 
 from __future__ import annotations

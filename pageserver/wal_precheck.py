@@ -130,7 +130,7 @@ class WalPrecheck:
     @property
     def ready(self) -> bool:
         """The child is up and has said so: a ``submit`` now is answered without waiting for
-        the child's start (about 0.1 s of imports)."""
+        the child's start (~70 ms of imports)."""
         return self._ready
 
     async def start(self) -> None:

@@ -86,8 +86,9 @@ log = structlog.get_logger("wal_receiver")
 
 PRECHECK_MESSAGES = Counter(
     "pageserver_wal_precheck_messages",
-    "XLogData messages big enough for the WAL pre-check, by whether the child checked them "
-    "(unchecked: the child was not ready yet, or the message did not continue the stream)",
+    "XLogData messages of at least precheck_min_bytes, by whether the child checked them "
+    "(unchecked: the child was not ready yet, the message did not continue the stream, or it "
+    "was bigger than a piece the pre-check takes)",
     ["result"],
 )
 _CHECKED = PRECHECK_MESSAGES.labels(result="checked")
@@ -299,6 +300,7 @@ class WalReceiver:
         # one pre-check per session (its child starts at the first big message)
         self._precheck: PrecheckFactory | None = None
         self.precheck_failures = 0  # sessions in a row that ended with WalPrecheckError
+        self._precheck_answered = False  # the last session's pre-check answered a piece
         self.precheck_disabled: str | None = None  # why it was turned off
         if on_wal is not None and cfg.precheck_min_bytes > 0:
             self._precheck = precheck if precheck is not None else WalPrecheck
@@ -375,7 +377,9 @@ class WalReceiver:
                               "record itself", reason=self.precheck_disabled)
             finally:
                 self.current = None
-            if not precheck_failed:
+            if self._precheck_answered and not precheck_failed:
+                # (only a session whose pre-check worked ends a run of failures: sessions that
+                # never got to use it, e.g. a stream that ended first, say nothing about it)
                 self.precheck_failures = 0
             if self.records_received > before:
                 self._backoff.pop(addr, None)
@@ -467,6 +471,7 @@ class WalReceiver:
             decoder = WalStreamDecoder(start, prev_lsn=self._last_record_start)
             reply = _Wakeup()
             precheck = self._precheck() if self._precheck is not None else None
+            self._precheck_answered = False
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._status_sender, copy, reply)
@@ -475,7 +480,10 @@ class WalReceiver:
                     else:
                         ahead = _ReadAhead(copy, precheck, self.cfg, start)
                         nursery.start_soon(ahead.run, nursery)
-                        await self._receive(addr, ahead, decoder, reply)
+                        try:
+                            await self._receive(addr, ahead, decoder, reply)
+                        finally:
+                            self._precheck_answered = ahead.answered > 0
             finally:
                 if precheck is not None:
                     with trio.CancelScope(shield=True):
@@ -632,7 +640,7 @@ class _ReadAhead:
     each XLogData of at least ``cfg.precheck_min_bytes`` to the pre-check on the way (so the
     child checks the next piece while this process ingests the one before); ``receive`` and
     ``claims`` give the messages and, for the checked ones, their claims, in order. The first
-    such message starts the child in a task of its own; until it is ready (~0.1 s) messages
+    such message starts the child in a task of its own; until it is ready (~70 ms) messages
     go unchecked rather than wait. Runs in the session's nursery: an error of any of these
     tasks ends the session. Only a message that continues the stream is checked (the
     ingest ends the session at one whose ``wal_start`` lies: hostile input, never an error of
@@ -646,6 +654,7 @@ class _ReadAhead:
         self._min = cfg.precheck_min_bytes
         self._answer_timeout = cfg.idle_timeout_s
         self._next = start  # where the next XLogData must start to continue the stream
+        self.answered = 0  # claims the pre-check gave
         self._send, self._recv = trio.open_memory_channel[tuple[Message, bool]](
             max(0, cfg.read_ahead - 1)
         )
@@ -683,7 +692,9 @@ class _ReadAhead:
     async def claims(self) -> ClaimedRuns:
         # (a cancelled result() leaves the handle in step; the session ends anyway)
         with trio.move_on_after(self._answer_timeout):
-            return await self._precheck.result()
+            runs = await self._precheck.result()
+            self.answered += 1
+            return runs
         raise WalPrecheckError(f"the pre-check gave no answer for {self._answer_timeout:g} s")
 
 

@@ -1,4 +1,4 @@
-"""The WAL run pre-check's claims and its child process (no trio: the child starts in ~60 ms).
+"""The WAL run pre-check's claims and its child process (no trio: the child starts in ~70 ms).
 
 A bulk load writes runs of like records on a WAL page (INSERTs into one heap page: the same
 ``xl_tot_len``, ``xl_xid``, ``xl_info``, ``xl_rmid`` and 22 layout bytes); the ingest's
@@ -428,7 +428,7 @@ def _serve(args: argparse.Namespace) -> int:
             or base + length > MAX_LSN
             or (at != INLINE and (ring is None or at + length > len(ring)))
         ):
-            print(f"wal_precheck: bad request header {header!r}", file=sys.stderr)
+            print(f"wal_runs: bad request header {bytes(header)!r}", file=sys.stderr)
             return 2
         if at != INLINE:
             assert ring is not None

@@ -83,7 +83,6 @@ WORKER_NICE = 10
 # A worker asked to stop (its pipe closed) gets this long before it is killed.
 _EXIT_GRACE_S = 2.0
 _MAX_META = 1 << 20
-# How often the worker checks that its pageserver is still there.
 
 if array("Q").itemsize != 8:  # pragma: no cover - every platform we run on
     raise ImportError("array('Q') is not 8 bytes here: the L0 worker's index format needs it")

@@ -300,7 +300,8 @@ async def test_a_stalled_real_child_is_given_up_and_reaped() -> None:
 
 
 def _precheck_children() -> list[int]:
-    """Our own ``pageserver.wal_precheck`` children that are still running or unreaped."""
+    """Our own pre-check children (``python -m pageserver.wal_runs``) still running, and our
+    unreaped children (zombies: their command line is gone)."""
     me = str(os.getpid())
     found = []
     for entry in os.listdir("/proc"):
@@ -311,7 +312,8 @@ def _precheck_children() -> list[int]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if stat.split(") ")[1].split()[1] == me and b"pageserver.wal_precheck" in cmdline:
+        state, ppid = stat.rsplit(") ", 1)[1].split()[:2]
+        if ppid == me and (state == "Z" or b"pageserver.wal_runs" in cmdline):
             found.append(int(entry))
     return found
 
@@ -462,3 +464,56 @@ async def test_small_live_messages_never_start_a_child() -> None:
         assert set(_precheck_children()) <= before
         nursery.cancel_scope.cancel()
     assert applied.with_claims == 0
+
+
+class FailingStart(FakePrecheck):
+    async def start(self) -> None:
+        await trio.lowlevel.checkpoint()
+        raise WalPrecheckError("the child did not start (injected)")
+
+
+async def test_sessions_that_never_used_the_precheck_do_not_reset_its_failures(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Found in review: every other session's stream ends before its first big message, every
+    pre-check fails to start; a session that never used the pre-check reset the count, so it
+    was never turned off."""
+    wal, _ = make_wal(120, 11)
+    sk = FakeSafekeeper(wal, random.Random(1))
+    made: list[Precheck] = []
+    log: list[str] = []
+    conns = 0
+
+    class Flaky(FakeConn):
+        def __init__(self, sk: FakeSafekeeper, dead: bool) -> None:
+            super().__init__(sk)
+            self.dead = dead
+
+        async def receive(self) -> bytes | None:
+            if self.dead:
+                await trio.sleep(0.001)
+                raise EOFError("stream ended (injected)")
+            return await super().receive()
+
+    async def connect(host: str, port: int, params: dict[str, str]) -> Flaky:
+        nonlocal conns
+        await trio.lowlevel.checkpoint()
+        conns += 1
+        return Flaky(sk, dead=conns % 2 == 0)
+
+    def factory() -> Precheck:
+        made.append(FailingStart(log))
+        return made[-1]
+
+    cfg = WalReceiverConfig(safekeepers=(("h", 1),), precheck_min_bytes=1, idle_timeout_s=10.0)
+    recv = WalReceiver(cfg, start_lsn=START, on_wal=Applied(), connect=connect, precheck=factory)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(recv.run)
+        with trio.move_on_after(300):
+            while recv.sessions < 40:
+                await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()
+    # every session that used the pre-check failed with it; it is never turned off
+    assert recv.precheck_disabled is not None, (
+        f"{recv.sessions} sessions, {len(made)} pre-checks made, all failing; never turned off"
+    )

@@ -1,4 +1,4 @@
-"""How the fused path uses the WAL pre-check's claims (``pageserver.wal_precheck``).
+"""How the fused path uses the WAL pre-check's claims (``pageserver.wal_runs``).
 
 A claim stands for ``_same_run``'s byte checks (and the CRC-32C of every record it covers),
 so the ingest must use one only where it speaks about the record at hand: the record is on

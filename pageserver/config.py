@@ -91,6 +91,9 @@ class PageserverConfig:
     wal_precheck_min_bytes: int = attrs.field(
         default=DEFAULT_PRECHECK_MIN_BYTES, validator=attrs.validators.ge(0)
     )
+    # At most this many pre-check children at a time, all timelines together (0: one per core
+    # beyond the first); a receiving session beyond it goes without.
+    wal_precheck_max_children: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     log_file: Path | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Seconds a stopping node gives open connections before cancelling them.

@@ -30,6 +30,7 @@ from pageserver.import_datadir import DatadirImportError, bootstrap_timeline, im
 from pageserver.storage.io_engine import fsync_dir
 from pageserver.tenant import Tenant, TimelineExistsError
 from pageserver.timeline import Timeline
+from pageserver.wal_precheck import PrecheckPool, default_children
 from pageserver.wal_receiver import WalReceiverConfig
 from pageserver.walingest import TimelineWalIngest, WalIngest
 from pageserver.walredo.manager import PostgresRedoManager
@@ -84,6 +85,7 @@ class TenantManager:
         self.ingest_failures: dict[tuple[TenantId, TimelineId], str] = {}
         self._nursery: trio.Nursery | None = None
         self.shutting_down = trio.Event()
+        self.precheck_pool = PrecheckPool(conf.wal_precheck_max_children or default_children())
 
     @property
     def tenants_dir(self) -> Path:
@@ -179,7 +181,7 @@ class TenantManager:
             application_name=f"pageserver-{self.conf.id}",
             precheck_min_bytes=self.conf.wal_precheck_min_bytes,
         )
-        ingest = TimelineWalIngest(tl, cfg, ingest=WalIngest(tl))
+        ingest = TimelineWalIngest(tl, cfg, ingest=WalIngest(tl), precheck=self.precheck_pool)
         scope = trio.CancelScope()
 
         key = (tl.tenant_id, tl.timeline_id)

@@ -48,7 +48,7 @@ from pageserver.wal_runs import (
 from protocol.lsn import WAL_SEGMENT_SIZE
 from protocol.wal import crc as _crcmod
 
-__all__ = ["WalPrecheck", "WalPrecheckError", "bench", "main"]
+__all__ = ["PrecheckPool", "WalPrecheck", "WalPrecheckError", "bench", "main"]
 
 # (aclose: how long a child that got EOF may take to exit before it is killed)
 _EXIT_GRACE_S = 2.0
@@ -396,6 +396,44 @@ class WalPrecheck:
         if proc is not None:
             await stop(proc, _EXIT_GRACE_S)
         self._close_ring()
+
+
+class PrecheckPool:
+    """A pageserver-wide limit on pre-check children: the WAL receivers' factory. A session
+    that finds ``limit`` children at work gets none (``None``) and its ingest checks every
+    record itself: on two cores, a third process checking WAL would only compete (and each
+    child holds a 4 MiB ring). A child's slot is free again when its handle is closed."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"a pre-check pool needs room for one child, got {limit}")
+        self.limit = limit
+        self.in_use = 0
+
+    def __call__(self) -> WalPrecheck | None:
+        if self.in_use >= self.limit:
+            return None
+        self.in_use += 1
+        return _Pooled(self)
+
+
+class _Pooled(WalPrecheck):
+    def __init__(self, pool: PrecheckPool) -> None:
+        super().__init__()
+        self._pool: PrecheckPool | None = pool
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.in_use -= 1
+
+
+def default_children() -> int:
+    """One pre-check child per core beyond the first (the ingest's own), at least one."""
+    return max(1, (os.cpu_count() or 2) - 1)
 
 
 # -- measuring it (not a test) -------------------------------------------------------------

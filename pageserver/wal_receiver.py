@@ -166,7 +166,8 @@ class Precheck(Protocol):
     async def aclose(self) -> None: ...
 
 
-PrecheckFactory = Callable[[], Precheck]
+# a session's pre-check (None: this session goes without, e.g. the pageserver's are all busy)
+PrecheckFactory = Callable[[], Precheck | None]
 
 
 # The production connector.

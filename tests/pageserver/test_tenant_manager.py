@@ -266,7 +266,7 @@ async def test_a_failed_wal_ingest_stops_that_timeline_only(
     failing: list[TimelineId] = []
 
     class FakeIngest:
-        def __init__(self, tl: Timeline, cfg: object, *, ingest: object) -> None:
+        def __init__(self, tl: Timeline, cfg: object, *, ingest: object, precheck: object) -> None:
             self.tl = tl
             self.receiver = None
 

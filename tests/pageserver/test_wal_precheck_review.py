@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from pageserver.wal_precheck import WalPrecheck, WalPrecheckError
+from pageserver.wal_precheck import PrecheckPool, WalPrecheck, WalPrecheckError
 from pageserver.wal_receiver import (
     PRECHECK_FAILURES_TO_DISABLE,
     ClaimedRuns,
@@ -97,7 +97,7 @@ async def _until(pred: object, timeout: float) -> None:
 
 
 async def _receive_all(
-    wal: bytes, sks: dict[int, FakeSafekeeper], factory: Callable[[], Precheck]
+    wal: bytes, sks: dict[int, FakeSafekeeper], factory: Callable[[], Precheck | None]
 ) -> WalReceiver:
     """Run a receiver (every message pre-checked, 10 s to answer) until it took all of
     ``wal``, exactly once and in order; returns it, stopped."""
@@ -517,3 +517,36 @@ async def test_sessions_that_never_used_the_precheck_do_not_reset_its_failures(
     assert recv.precheck_disabled is not None, (
         f"{recv.sessions} sessions, {len(made)} pre-checks made, all failing; never turned off"
     )
+
+
+async def test_the_pool_limits_children_and_frees_a_slot_at_close() -> None:
+    pool = PrecheckPool(1)
+    first = pool()
+    assert first is not None and pool() is None  # (the second session goes without)
+    await first.aclose()
+    await first.aclose()  # (a slot is freed once)
+    assert pool.in_use == 0
+    again = pool()
+    assert again is not None and pool.in_use == 1
+    await again.aclose()
+    with pytest.raises(ValueError, match="room for one child"):
+        PrecheckPool(0)
+
+
+async def test_a_session_without_a_precheck_slot_ingests_unchecked(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The factory says no (the pageserver's children are all at work): the session runs, every
+    message unchecked, and ends up with all the WAL."""
+    wal, _ = make_wal(60, 5)
+    sks = {1: FakeSafekeeper(wal, random.Random(5))}
+    asked = 0
+
+    def factory() -> Precheck | None:
+        nonlocal asked
+        asked += 1
+        return None
+
+    recv = await _receive_all(wal, sks, factory)
+    assert asked == recv.sessions >= 1
+    assert recv.precheck_failures == 0 and recv.precheck_disabled is None

@@ -1,5 +1,6 @@
 """What the pageserver's worker children (the L0 writer, the WAL pre-check) share on their side
-of the pipes: exact reads from the parent's pipe, and the watchdog that ends an orphan.
+of the pipes: setting the pipes up, exact reads from the parent's pipe, and the watchdog that
+ends an orphan.
 
 Standard library only: a child importing this starts fast (the WAL pre-check's does not import
 trio at all). The parent side is ``common.children``.
@@ -7,6 +8,8 @@ trio at all). The parent side is ``common.children``.
 
 from __future__ import annotations
 
+import fcntl
+import io
 import os
 import threading
 import time
@@ -14,6 +17,28 @@ from typing import Protocol
 
 # How often the watchdog looks at the parent pid.
 WATCHDOG_S = 0.1
+# Both sides raise their pipes to this (best effort): a request or an answer of up to this
+# size is one write, one wake-up.
+PIPE_SIZE = 1 << 20
+
+
+def raise_pipe_size(fd: int) -> None:
+    """``F_SETPIPE_SZ`` to ``PIPE_SIZE`` where the kernel allows it (a smaller pipe only costs
+    more wake-ups per message)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+    except OSError:
+        pass
+
+
+def open_pipes() -> tuple[io.FileIO, int]:
+    """The child's ends: its stdin, unbuffered, and a private copy of its stdout for the
+    answers (fd 1 then points to stderr, so that nothing printed by accident lands in an
+    answer), raised to ``PIPE_SIZE``."""
+    out = os.dup(1)
+    os.dup2(2, 1)
+    raise_pipe_size(out)
+    return open(0, "rb", buffering=0), out
 
 
 class _Readable(Protocol):

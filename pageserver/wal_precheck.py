@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import fcntl
 import mmap
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -27,7 +25,8 @@ from pathlib import Path
 import attrs
 import trio
 
-from common.children import reap, stop
+from common.child_io import PIPE_SIZE
+from common.children import reap, spawn, stop
 from pageserver.wal_runs import (
     ANSWER_HEADER,
     ANSWER_MAGIC,
@@ -36,7 +35,6 @@ from pageserver.wal_runs import (
     MAX_PIECE,
     MIN_STRIDE,
     PAGE_MASK,
-    PIPE_SIZE,
     READY_MAGIC,
     REQUEST_HEADER,
     REQUEST_MAGIC,
@@ -95,7 +93,7 @@ class WalPrecheck:
         RunFinder(segment_size)  # (validates)
         if not 0 <= ring_size < INLINE:
             raise ValueError(f"ring size {ring_size} out of range")
-        self._args = (f"--segment-size={segment_size}", f"--parent-pid={os.getpid()}", *worker_args)
+        self._args = (f"--segment-size={segment_size}", *worker_args)
         self._ring_size = ring_size
         self._ring: mmap.mmap | None = None
         self.inline = 0  # pieces that went through the pipe (the ring was full)
@@ -332,9 +330,6 @@ class WalPrecheck:
             self._starting = None
 
     async def _spawn(self) -> trio.Process:
-        root = Path(__file__).resolve().parents[1]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
         args = list(self._args)
         ring_fd: int | None = None
         ring: mmap.mmap | None = None
@@ -346,11 +341,7 @@ class WalPrecheck:
                 # ``self._proc``, or it would be left running, unreaped)
                 ring = mmap.mmap(ring_fd, self._ring_size)
                 args += [f"--ring-fd={ring_fd}", f"--ring-size={self._ring_size}"]
-            proc = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "pageserver.wal_runs", *args],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                pass_fds=() if ring_fd is None else (ring_fd,),
-            )
+            proc = await spawn("pageserver.wal_runs", args, pass_fds=() if ring_fd is None else (ring_fd,))
         except BaseException:
             if ring is not None:
                 ring.close()
@@ -359,12 +350,6 @@ class WalPrecheck:
             if ring_fd is not None:
                 os.close(ring_fd)  # (the mappings keep the memory)
         self._ring = ring
-        assert isinstance(proc.stdin, trio.lowlevel.FdStream) and isinstance(proc.stdout, trio.lowlevel.FdStream)
-        for fd in (proc.stdin.fileno(), proc.stdout.fileno()):
-            try:
-                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-            except OSError:
-                pass  # a smaller pipe only costs more wake-ups per piece
         if self._broken is not None:  # closed while it started: it must not outlive us
             await reap(proc)
             self._close_ring()

@@ -41,7 +41,6 @@ request with another base; ``--bad-claim N`` adds a malformed claim to the Nth a
 from __future__ import annotations
 
 import argparse
-import fcntl
 import mmap
 import os
 import struct
@@ -55,7 +54,7 @@ from operator import add, and_, ge, lt, mod, sub, xor
 
 import attrs
 
-from common.child_io import read_exact, start_watchdog
+from common.child_io import open_pipes, read_exact, start_watchdog
 from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ
 from protocol.wal import crc as _crcmod
 from protocol.wal.page import XLOG_PAGE_MAGIC, XLP_FIRST_IS_CONTRECORD, XLP_LONG_HEADER
@@ -69,7 +68,6 @@ __all__ = [
     "MAX_PIECE",
     "MIN_STRIDE",
     "PAGE_MASK",
-    "PIPE_SIZE",
     "READY_MAGIC",
     "REQUEST_HEADER",
     "REQUEST_MAGIC",
@@ -349,7 +347,6 @@ RING_SIZE = 4 << 20
 ANSWER_HEADER = struct.Struct("<4sQIII")
 # The largest piece: the receiver's are <= 128 KiB; anything far bigger is a garbled header.
 MAX_PIECE = 16 << 20
-PIPE_SIZE = 1 << 20
 
 
 def encode_answer(base: int, length: int, crc: int, claims: RunClaims) -> bytes:
@@ -405,13 +402,7 @@ def check_claims(claims: RunClaims, low: int, high: int) -> str | None:
 
 def _serve(args: argparse.Namespace) -> int:
     start_watchdog(args.parent_pid, "precheck-watchdog")
-    out = os.dup(1)
-    os.dup2(2, 1)  # stray prints go to stderr, never into the answers
-    try:
-        fcntl.fcntl(out, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-    except OSError:
-        pass
-    stdin = open(0, "rb", buffering=0)  # noqa: SIM115 - lives as long as the process
+    stdin, out = open_pipes()
     finder = RunFinder(args.segment_size)
     ring = mmap.mmap(args.ring_fd, args.ring_size) if args.ring_fd is not None else None
     crc32c = _crcmod.crc32c

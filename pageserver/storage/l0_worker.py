@@ -40,11 +40,9 @@ from __future__ import annotations
 
 import argparse
 import errno
-import fcntl
 import json
 import os
 import struct
-import subprocess
 import sys
 import time
 from array import array
@@ -54,8 +52,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from common.child_io import read_exact, start_watchdog
-from common.children import reap, stop
+from common.child_io import open_pipes, read_exact, start_watchdog
+from common.children import reap, spawn, stop
 from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.io_engine import BlockingIoEngine, IoFile
 from pageserver.storage.key import KEY_SIZE, Key
@@ -74,8 +72,6 @@ _REQUEST = struct.Struct("<4sIQ")
 _ANSWER = struct.Struct("<4sI")
 # Index arrays are sent in pieces of about this many bytes (one join, one send each).
 _SEND_CHUNK = 1 << 20
-# The pipe's capacity (Linux default max): fewer wake-ups per MiB of index sent.
-_PIPE_SIZE = 1 << 20
 # The worker's niceness: background work, below the WAL ingest when they compete for a core
 # (on a busy machine the ingest keeps its core; the worker catches up when the writer waits
 # for it at the next roll). A/B in docs/bench-ingest.md, round 4.
@@ -273,13 +269,7 @@ class L0Worker:
             # it ended between jobs: nothing was lost, a new one takes the next job
             self._proc = None
             await reap(proc)
-        root = Path(__file__).resolve().parents[2]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
-        proc = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "pageserver.storage.l0_worker", f"--parent-pid={os.getpid()}", *self._args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-        )
+        proc = await spawn("pageserver.storage.l0_worker", self._args)
         try:
             self._check_open()  # closed while it started: it must not outlive its owner
         except L0WorkerError:
@@ -287,11 +277,6 @@ class L0Worker:
             raise
         self._proc = proc
         self.starts += 1
-        assert isinstance(proc.stdin, trio.lowlevel.FdStream)
-        try:
-            fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
-        except OSError:
-            pass  # a smaller pipe only costs more wake-ups per job
         return proc
 
     def _check_open(self) -> None:
@@ -402,10 +387,7 @@ async def _write_job(meta: dict[str, Any], index: dict[Key, array[int]], eio: bo
 
 def _serve(args: argparse.Namespace) -> int:
     start_watchdog(args.parent_pid, "l0-watchdog")
-    # The answers go to a private copy of stdout; anything else printed lands on stderr.
-    out = os.dup(1)
-    os.dup2(2, 1)
-    stdin = open(0, "rb", buffering=0)  # noqa: SIM115 - lives as long as the process
+    stdin, out = open_pipes()
     jobs = 0
     while True:
         header = read_exact(stdin, _REQUEST.size)

@@ -162,7 +162,7 @@ class WalPrecheck:
         del self._inbuf[: len(READY_MAGIC)]
         self._ready = True
 
-    async def submit(self, base: int, data: bytes) -> None:
+    async def submit(self, base: int, data: bytes | memoryview) -> None:
         """Send one piece (``base``: the LSN of ``data[0]``) to the child."""
         self._check()
         if not (base >= 0 and base + len(data) <= MAX_LSN and len(data) <= MAX_PIECE):
@@ -175,7 +175,7 @@ class WalPrecheck:
         finally:
             self._sending = False
 
-    async def _send(self, base: int, data: bytes) -> None:
+    async def _send(self, base: int, data: bytes | memoryview) -> None:
         proc = self._proc if self._proc is not None else await self._start()
         assert isinstance(proc.stdin, trio.lowlevel.FdStream)
         fd = proc.stdin.fileno()

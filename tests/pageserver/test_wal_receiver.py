@@ -373,7 +373,7 @@ class FakePrecheck:
         await trio.lowlevel.checkpoint()
         self.ready = True
 
-    async def submit(self, base: int, data: bytes) -> None:
+    async def submit(self, base: int, data: bytes | memoryview) -> None:
         assert self.ready
         await trio.lowlevel.checkpoint()
         self.queue.append(TaggedClaims(base, base + len(data)))

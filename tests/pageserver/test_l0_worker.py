@@ -248,9 +248,25 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _image(lsn: int) -> bytes:
+    return lsn.to_bytes(4, "big") * (VALUE // 4)
+
+
 async def _put(tl: Timeline, lsn: int) -> None:
-    await tl.put(k(lsn % 50), Lsn(lsn), Image(lsn.to_bytes(4, "big") * (VALUE // 4)))
+    await tl.put(k(lsn % 50), Lsn(lsn), Image(_image(lsn)))
     tl.finish_write(Lsn(lsn))
+
+
+async def _filled(root: Path, worker_args: list[str] | None = None) -> tuple[Tenant, Timeline]:
+    """A tenant at ``root`` with one timeline holding 15 images at 0x110..0x1F0 (the open
+    layer: nothing flushed), with an L0 worker started with ``worker_args`` if given."""
+    tenant = Tenant(root, TenantId.generate(), CFG)
+    tl = await tenant.create_timeline(TimelineId.generate())
+    if worker_args is not None:
+        tl.l0_worker = L0Worker(worker_args=worker_args)
+    for lsn in range(0x110, 0x200, 0x10):
+        await _put(tl, lsn)
+    return tenant, tl
 
 
 async def _until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -327,11 +343,7 @@ async def test_a_second_roll_waits_for_the_first_flush(tmp_path: Path) -> None:
 
 
 async def test_an_eio_in_the_worker_is_a_failed_flush(tmp_path: Path) -> None:
-    tenant = Tenant(tmp_path, TenantId.generate(), CFG)
-    tl = await tenant.create_timeline(TimelineId.generate())
-    tl.l0_worker = L0Worker(worker_args=["--eio-jobs", "1"])
-    for lsn in range(0x110, 0x200, 0x10):
-        await _put(tl, lsn)
+    tenant, tl = await _filled(tmp_path, ["--eio-jobs", "1"])
     before, index_before = tl.disk_consistent_lsn, _index_part(tl)
     with pytest.raises(L0WorkerError, match="injected EIO") as failure:
         await tl.flush()
@@ -339,7 +351,7 @@ async def test_an_eio_in_the_worker_is_a_failed_flush(tmp_path: Path) -> None:
     assert len(tl.frozen_layers) == 1 and tl.disk_consistent_lsn == before
     assert _index_part(tl) == index_before
     assert not [p.name for p in tl.path.iterdir() if "___temp" in p.name]  # the worker cleaned up
-    assert await tl.get(k(0x150 % 50), Lsn(0x1F0)) == (0x150).to_bytes(4, "big") * (VALUE // 4)
+    assert await tl.get(k(0x150 % 50), Lsn(0x1F0)) == _image(0x150)
     # the worker survives its own error; the next flush writes the layer
     pid = tl.l0_worker.pid
     await tl.flush()
@@ -352,16 +364,12 @@ async def test_an_eio_in_the_worker_is_a_failed_flush(tmp_path: Path) -> None:
     again = await Tenant.load(tmp_path, tenant.tenant_id, CFG)
     tl2 = again.timelines[tl.timeline_id]
     assert tl2.disk_consistent_lsn == 0x1F0
-    assert await tl2.get(k(0x150 % 50), Lsn(0x1F0)) == (0x150).to_bytes(4, "big") * (VALUE // 4)
+    assert await tl2.get(k(0x150 % 50), Lsn(0x1F0)) == _image(0x150)
     await again.shutdown()
 
 
 async def test_a_killed_worker_is_a_failed_flush_and_is_restarted(tmp_path: Path) -> None:
-    tenant = Tenant(tmp_path, TenantId.generate(), CFG)
-    tl = await tenant.create_timeline(TimelineId.generate())
-    tl.l0_worker = L0Worker(worker_args=["--stall-s", "1.0"])
-    for lsn in range(0x110, 0x200, 0x10):
-        await _put(tl, lsn)
+    tenant, tl = await _filled(tmp_path, ["--stall-s", "1.0"])
     before, index_before = tl.disk_consistent_lsn, _index_part(tl)
     failure: list[BaseException] = []
 
@@ -436,10 +444,7 @@ async def test_shutdown_stops_the_worker_even_mid_flush(tmp_path: Path) -> None:
 
 
 async def test_shutdown_stops_an_idle_worker(tmp_path: Path) -> None:
-    tenant = Tenant(tmp_path, TenantId.generate(), CFG)
-    tl = await tenant.create_timeline(TimelineId.generate())
-    for lsn in range(0x110, 0x200, 0x10):
-        await _put(tl, lsn)
+    tenant, tl = await _filled(tmp_path)
     await tl.flush()
     pid = tl.l0_worker.pid
     assert pid is not None and not _gone(pid)

@@ -9,7 +9,6 @@ A temp file a killed worker left behind is removed at the next load.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -22,40 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 
 from pageserver.storage import l0_worker
-from pageserver.storage.config import StorageConfig
-from pageserver.storage.key import Key, rel_block_key
 from pageserver.storage.l0_worker import L0Worker, L0WorkerError, L0WorkerProtocolError
-from pageserver.storage.value import Image
 from pageserver.tenant import Tenant
 from pageserver.timeline import Timeline
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn
-
-CFG = StorageConfig(
-    validate_get=True, double_buffering=False, gc_horizon=0, pitr_interval_s=0,
-    compaction_period_s=0, gc_period_s=0, checkpoint_distance=64 * 1024,
-    l0_writer="process", l0_writer_min_bytes=0,
-)
-VALUE = 1000
-
-
-def k(i: int) -> Key:
-    return rel_block_key(1663, 5, 1000, 0, i)
-
-
-def _image(lsn: int) -> bytes:
-    return lsn.to_bytes(4, "big") * (VALUE // 4)
-
-
-async def _put(tl: Timeline, lsn: int) -> None:
-    await tl.put(k(lsn % 50), Lsn(lsn), Image(_image(lsn)))
-    tl.finish_write(Lsn(lsn))
-
-
-def _index_part(tl: Timeline) -> dict[str, object]:
-    data = json.loads((tl.path / "index_part.json").read_bytes())
-    assert isinstance(data, dict)
-    return data
+from tests.pageserver.test_l0_worker import CFG, _filled, _image, _index_part, _put, k
 
 
 def _layer_names(tl: Timeline) -> list[str]:
@@ -182,10 +153,7 @@ def test_any_answer_bytes_give_a_protocol_error_or_a_broken_pipe(junk: bytes, fr
 
 
 async def test_a_killed_workers_temp_file_is_removed_at_load(tmp_path: Path) -> None:
-    tenant = Tenant(tmp_path / "t", TenantId.generate(), CFG)
-    tl = await tenant.create_timeline(TimelineId.generate())
-    for lsn in range(0x110, 0x200, 0x10):
-        await _put(tl, lsn)
+    tenant, tl = await _filled(tmp_path / "t")
     await tl.flush()
     names = _layer_names(tl)
     await tenant.shutdown()
@@ -204,11 +172,8 @@ async def test_a_killed_workers_temp_file_is_removed_at_load(tmp_path: Path) -> 
 async def test_a_layer_whose_tail_was_not_written_is_not_handed_over(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tenant = Tenant(tmp_path / "t", TenantId.generate(), CFG)
-    tl = await tenant.create_timeline(TimelineId.generate())
+    tenant, tl = await _filled(tmp_path / "t")
     try:
-        for lsn in range(0x110, 0x200, 0x10):
-            await _put(tl, lsn)
         before, index_before = tl.disk_consistent_lsn, _index_part(tl)
         layer = tl.open_layer
         assert layer is not None
@@ -245,12 +210,8 @@ async def test_a_cancelled_job_never_writes_behind_the_callers_back(tmp_path: Pa
     """A flush given up on (a caller's timeout; the worker merely slow, or stopped as on a hung
     disk) kills its worker before it returns: no L0 appears later, and the layer is written
     by the next flush on a new worker."""
-    tenant = Tenant(tmp_path / "t", TenantId.generate(), CFG)
-    tl = await tenant.create_timeline(TimelineId.generate())
-    tl.l0_worker = L0Worker(worker_args=["--stall-s", "0.4"])
+    tenant, tl = await _filled(tmp_path / "t", ["--stall-s", "0.4"])
     try:
-        for lsn in range(0x110, 0x200, 0x10):
-            await _put(tl, lsn)
         before = tl.disk_consistent_lsn
         with trio.move_on_after(0.2) as scope:
             await tl.flush()

@@ -4,7 +4,7 @@ What one row measures: a fresh tenant and timeline in a fresh directory, then th
 path, timed from WAL bytes to a durable L0 layer:
 
     WAL bytes (fed in 1 MiB chunks, like XLogData) -> ``WalStreamDecoder.decode_into``
-    -> ``WalIngest.ingest_records`` (the WAL receiver's batch path) -> ``Timeline.put_many_nowait``
+    -> ``WalIngest.ingest_records`` (the WAL receiver's batch path) -> ``Timeline.put_mixed_nowait``
     -> in-memory layer -> ``EphemeralFile``
     -> ``Timeline.flush()`` (freeze, L0 delta layer written through ``BufferedWriter``, fsync,
     rename, index_part.json)

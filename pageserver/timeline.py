@@ -5,7 +5,7 @@ Public interface (stable; other rooms build on it):
 - writes (WAL ingest): ``await put(key, lsn, value)`` for every value of a record, then
   ``finish_write(lsn)`` once the record is complete. LSNs never go backwards; puts at one LSN
   must all come before ``finish_write`` of it. The WAL ingest's cheaper forms of ``put``:
-  ``put_encoded`` (a value already encoded), ``put_nowait`` / ``put_many_nowait`` (no await:
+  ``put_encoded`` (a value already encoded), ``put_nowait`` / ``put_mixed_nowait`` (no await:
   store what fits in the write buffer now, say how much; the caller ``put_encoded``-s the rest).
 - LSNs: ``last_record_lsn`` (advanced by ``finish_write``), ``await wait_lsn(lsn, timeout_s)``,
   ``disk_consistent_lsn`` (everything at or below it is in layer files listed in
@@ -357,23 +357,17 @@ class Timeline:
         self._max_put_lsn = lsn
         return True
 
-    def put_many_nowait(self, items: Sequence[tuple[Key, Lsn, bytes, bool]], start: int = 0) -> int:
-        """``put_nowait`` of ``items[start:]`` (``(key, lsn, encoded value, will_init)``, LSNs
-        not decreasing, a record's values together) while they fit in the write buffer;
-        returns the index of the first item not stored. The caller stores that one with
-        ``put_encoded`` (which rolls the layer or waits for the buffer, and raises the errors)
-        and then continues here. The WAL ingest's batch path: one buffer append and no call
-        per value (``put_mixed_nowait`` with single values only)."""
-        return self.put_mixed_nowait(items, start)[0]
-
     def put_mixed_nowait(
         self, items: Sequence[PutItem], start: int = 0, sub: int = 0
     ) -> tuple[int, int]:
-        """``put_many_nowait`` of items that are values or runs of values of one key
-        (``InMemoryLayer.try_put_mixed``: the fused WAL ingest's runs of like records), from
-        value ``sub`` of ``items[start]`` on, with the same tests (LSNs, open layer, put
-        lock, roll); returns ``(i, v)``, the first value not stored (value ``v`` of
-        ``items[i]``), which the caller stores with ``put_encoded`` before it continues."""
+        """``put_nowait`` of ``items`` (in LSN order, a record's values together) while they fit
+        in the write buffer: single values ``(key, lsn, encoded value, will_init)`` and runs of
+        values of one key (``InMemoryLayer.try_put_mixed``: the fused WAL ingest's runs of like
+        records), from value ``sub`` of ``items[start]`` on, with the same tests (LSNs, open
+        layer, put lock, roll): one buffer append and no call per value. Returns ``(i, v)``,
+        the first value not stored (value ``v`` of ``items[i]``), which the caller stores with
+        ``put_encoded`` (which rolls the layer or waits for the buffer, and raises the errors)
+        before it continues here."""
         n = len(items)
         if start >= n:
             return start, sub

@@ -478,7 +478,7 @@ class WalIngest:
         """Ingest ``recs`` in order: the same values as ``ingest_record`` on each of them
         (records already in are skipped), for less CPU per record. The common record
         (``_fast_path``'s kind: one raw record per block, no metadata) costs no coroutine
-        call: its values are collected and stored together (``Timeline.put_many_nowait``:
+        call: its values are collected and stored together (``Timeline.put_mixed_nowait``:
         one buffer append for many values) before the next record that needs the general
         path, and at the end; ``last_record_lsn`` advances before every await and at the end
         instead of after every record. Nobody can tell the difference: trio switches tasks

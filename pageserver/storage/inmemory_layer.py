@@ -144,25 +144,15 @@ class InMemoryLayer:
         self._index_put(key, lsn, offset, len(blob), will_init)
         return True
 
-    def try_put_many(
-        self, items: Sequence[tuple[Key, int, bytes, bool]], start: int, max_size: int = 1 << 62
-    ) -> int:
-        """``try_put`` of ``items[start:]`` (``(key, lsn, blob, will_init)`` in LSN order) as
-        long as they fit in the write buffer: one append of the joined blobs, index entries
-        without a call per value. Returns the index of the first item not put (``start`` when
-        none was); the caller puts that one the slow way (``put``), which also reports any
-        error (an item the fast loop does not handle is simply left to it). ``try_put_mixed``
-        with single values only."""
-        return self.try_put_mixed(items, start, 0, max_size)[0]
-
     def try_put_mixed(
         self, items: Sequence[PutItem], start: int, sub: int = 0, max_size: int = 1 << 62
     ) -> tuple[int, int]:
-        """``try_put_many`` of items that are single values ``(key, lsn, blob, will_init)`` or
-        runs ``(key, lsns, head, raws, will_init)``: the values ``head + raws[v]`` at
+        """``try_put`` of ``items`` (in LSN order) as long as they fit in the write buffer: one
+        append of the joined blobs, index entries without a call per value. Items are single
+        values ``(key, lsn, blob, will_init)`` or runs ``(key, lsns, head, raws, will_init)``: the values ``head + raws[v]`` at
         ``(key, lsns[v])``, one key, LSNs rising (a ``range``), raws all of one length (a bulk
         load's INSERTs into one heap page, ``WalIngest.ingest_decoder``), from value ``sub``
-        of ``items[start]`` on. The same file bytes and index entries as ``try_put_many`` of
+        of ``items[start]`` on. The same file bytes and index entries as ``try_put`` of
         those values one by one, but a run costs no tuple and no loop iteration per value: its
         index triples come from list slice assignments, its bytes from one ``join``. Returns
         ``(i, v)``: the first value not put is value ``v`` of ``items[i]`` (0 for a single
@@ -259,7 +249,7 @@ class InMemoryLayer:
             v = 0
         if i == start and v == sub:
             return start, sub
-        # No await since the room was measured: the append cannot decline (as in try_put_many).
+        # No await since the room was measured: the append cannot decline.
         data = b"".join(pieces)
         at = file.try_append(data, max_size) if data else base
         if at != base:

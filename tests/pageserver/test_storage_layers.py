@@ -474,10 +474,10 @@ _PUT_STEPS = hst.lists(
     buffer_size=hst.sampled_from([512, 2048, 1 << 16]),
     max_size=hst.sampled_from([1 << 62, 3000, 20_000]),
 )
-def test_try_put_many_stores_what_put_stores(
+def test_try_put_mixed_of_values_stores_what_put_stores(
     steps: list[tuple[int, int, int, bool]], buffer_size: int, max_size: int
 ) -> None:
-    """``InMemoryLayer.try_put_many`` driven like the WAL ingest (the item it does not take goes
+    """``InMemoryLayer.try_put_mixed`` of single values driven like the WAL ingest (the item it does not take goes
     through ``put``) leaves the same index, file bytes and ``max_lsn`` as ``put`` per item:
     runs of one key, a key coming back, a repeated LSN (replaced), a full buffer and the
     ``max_size`` limit included."""
@@ -496,10 +496,10 @@ def test_try_put_many_stores_what_put_stores(
             engine, directory, write_buffer_size=buffer_size, double_buffering=False
         )
         layer = InMemoryLayer(file, Lsn(100))
-        i = layer.try_put_many(items, 0, max_size) if fast else 0
+        i = layer.try_put_mixed(items, 0, 0, max_size)[0] if fast else 0
         while i < len(items):
             await layer.put(*items[i])
-            i = layer.try_put_many(items, i + 1, max_size) if fast else i + 1
+            i = layer.try_put_mixed(items, i + 1, 0, max_size)[0] if fast else i + 1
         index = {key: list(entries) for key, entries in layer.index.items()}
         await layer.freeze(Lsn(1 << 40))
         data = await file.read_all()

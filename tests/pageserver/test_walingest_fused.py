@@ -71,7 +71,6 @@ Put = tuple[bytes, int, bytes, bool, int]  # key, lsn, value, will_init, layer s
 def capture_puts() -> Iterator[list[Put]]:
     """Every value stored in an in-memory layer, in order, however it got there."""
     puts: list[Put] = []
-    # (``try_put_many`` stores through ``try_put_mixed``: captured there)
     put, try_put = InMemoryLayer.put, InMemoryLayer.try_put
 
     async def put_(self: InMemoryLayer, key: Key, lsn: Lsn, blob: bytes, will_init: bool) -> None:

@@ -197,7 +197,7 @@ def test_runs_take_the_bulk_load(monkeypatch: pytest.MonkeyPatch) -> None:
 
 _SEGMENTS = st.lists(
     # (key, LSN step before it (0: the key's last LSN again), run length (1: a single value
-    # through try_put_many), raw size, head, will_init)
+    # as a single value), raw size, head, will_init)
     st.tuples(
         st.integers(0, 3), st.integers(0, 2), st.integers(1, 40), st.integers(0, 300),
         st.sampled_from([b"", b"\x01", b"\x07\x00\x00\x00\x01"]), st.booleans(),

@@ -614,7 +614,7 @@ class WalIngest:
         load's record crossing into the next page, is collected like a fused one:
         ``_fused_whole``). Records like the one just taken that follow it on the page are
         checked together (``_same_run``) and collected as one run item, stored with the values
-        by ``_store_mixed``. ``last_record_lsn`` advances as in ``ingest_records``: before
+        by ``_store``. ``last_record_lsn`` advances as in ``ingest_records``: before
         every await, at the end, and only over records whose values are all stored.
 
         ``runs``: the WAL pre-check's claims about the bytes just fed (docs/wal-precheck.md).
@@ -835,7 +835,7 @@ class WalIngest:
                 stop = item
             # store the fused values, finish their records, then the slow records
             if items:
-                await self._store_mixed(items)
+                await self._store(items)
                 items.clear()
             if last > tl.last_record_lsn:
                 tl.finish_write(Lsn(last))
@@ -945,16 +945,12 @@ class WalIngest:
             sizes[relkey] = blkno + 1
         return True
 
-    async def _store(self, items: list[tuple[Key, Lsn, bytes, bool]]) -> None:
-        """Store the values ``ingest_records`` collected: as many at a time as the write
-        buffer takes, the one it does not take the slow way (``put_encoded`` rolls the layer
-        or hands the full buffer over). Before that await, the records whose values are all
-        stored are finished. (``_store_mixed`` with single values only.)"""
-        await self._store_mixed(items)
-
-    async def _store_mixed(self, items: Sequence[PutItem]) -> None:
-        """``_store`` of the fused path's items: values and runs of like records (one value
-        per record, ``head + raws[v]`` at ``lsns[v]``), through ``Timeline.put_mixed_nowait``."""
+    async def _store(self, items: Sequence[PutItem]) -> None:
+        """Store the values collected by ``ingest_records`` (single values) or the fused path
+        (also runs of like records: one value per record, ``head + raws[v]`` at ``lsns[v]``):
+        as many at a time as the write buffer takes (``Timeline.put_mixed_nowait``), the one it
+        does not take the slow way (``put_encoded`` rolls the layer or hands the full buffer
+        over). Before that await, the records whose values are all stored are finished."""
         tl = self.tl
         put_mixed = tl.put_mixed_nowait
         n = len(items)

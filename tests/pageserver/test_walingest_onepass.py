@@ -167,7 +167,7 @@ def test_runs_store_what_the_batch_path_stores(
 
 def test_runs_take_the_bulk_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Not vacuous: on a bulk load most records are taken in runs, runs are cut by full write
-    buffers and layer rolls (``_store_mixed`` goes on inside a run after ``put_encoded``),
+    buffers and layer rolls (``_store`` goes on inside a run after ``put_encoded``),
     and the result is the batch path's."""
     wal, _spans = fz.encode(fz._bulk_load(3000))
     in_runs: list[int] = []

@@ -28,7 +28,6 @@ from protocol.wal.rmgr import RmgrId
 
 SEG = 32 * 1024  # small segments: long headers and XLOG_SWITCH zero-fill come often
 PAGE = XLOG_BLCKSZ
-BULK = Path("/tmp/i2/cap/bulk.wal")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
@@ -386,29 +385,6 @@ def test_a_piece_that_does_not_continue_drops_the_carry() -> None:
 def test_segment_size_validated() -> None:
     with pytest.raises(ValueError):
         RunFinder(12345)
-
-
-@pytest.mark.skipif(not BULK.exists(), reason="the captured bulk-load WAL is not on this machine")
-def test_captured_bulk_wal_matches_reference() -> None:
-    wal = BULK.read_bytes()
-    file_lsn = 16 << 20  # the file holds WAL from LSN 16 MiB on
-    page = 0x1500780 & ~(PAGE - 1)
-    stream = wal[page - file_lsn : page - file_lsn + (4 << 20)]
-    finder = RunFinder()
-    all_claims: list[tuple[int, int, int]] = []
-    for at in range(0, len(stream), 131072):
-        low = finder.walked_from(page + at)
-        claims = finder.feed(page + at, stream[at : at + 131072])
-        all_claims += claims.triples()
-        for claim in claims.triples()[::7]:  # (a sample: the reference is slow)
-            assert claim_problem(stream, page, low, page + at + 131072, claim) is None
-    dec = WalStreamDecoder(page)
-    dec.feed(stream)
-    records: list[DecodedRecord] = []
-    dec.decode_into(records)
-    pairs = list(like_pairs(records, [(page, page + len(stream))]))
-    assert len(pairs) > 20_000
-    assert all(covered(all_claims, a, b) for a, b in pairs)
 
 
 # -- the child process --------------------------------------------------------------------------

@@ -77,6 +77,7 @@ from typing import Any, Literal
 
 import attrs
 import trio
+from prometheus_client import REGISTRY
 
 from compute.postgres import PostgresInstance, chown_to_postgres
 from pageserver.import_datadir import import_datadir, run_initdb
@@ -231,6 +232,15 @@ def _worker_cpu_s(pid: int | None) -> float:
     return 0.0 if pid is None else _proc_cpu_s(pid)
 
 
+def _precheck_messages() -> tuple[int, int]:
+    """The receivers' counts of big XLogData messages pre-checked and not (process-wide)."""
+    checked, unchecked = (
+        REGISTRY.get_sample_value("pageserver_wal_precheck_messages_total", {"result": r}) or 0.0
+        for r in ("checked", "unchecked")
+    )
+    return int(checked), int(unchecked)
+
+
 class _Prechecks:
     """The receiver's pre-check factory, keeping every session's handle for its child's CPU."""
 
@@ -264,6 +274,7 @@ async def _ingest(
             cfg = attrs.evolve(cfg, precheck_min_bytes=0)
         prechecks = _Prechecks()
         ing = TimelineWalIngest(tl, cfg, precheck=prechecks)
+        checked0, unchecked0 = _precheck_messages()
         load0 = os.getloadavg()[0]
         _reset_peak_rss()
         rss0 = _status_mib("VmRSS")
@@ -279,6 +290,7 @@ async def _ingest(
         load1 = os.getloadavg()[0]
         worker_cpu_s = _worker_cpu_s(tl.l0_worker.pid) - worker0
         precheck_cpu_s = prechecks.cpu_s()
+        checked1, unchecked1 = _precheck_messages()
         pending = bool(tl.frozen_layers)
         t1 = time.perf_counter()
         await tl.wait_background_flush()
@@ -308,6 +320,7 @@ async def _ingest(
         "l0_writer": l0_writer,
         "precheck": "on" if precheck else "off",
         "precheck_cpu_s": round(precheck_cpu_s, 2),
+        "precheck_messages": {"checked": checked1 - checked0, "unchecked": unchecked1 - unchecked0},
         "l0_worker_nice": args.l0_worker_nice,
         "l0_worker_cpu_s": round(worker_cpu_s, 2),
         "l0_worker_cpu_final_s": round(worker_cpu_final_s, 2),

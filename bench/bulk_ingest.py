@@ -59,7 +59,8 @@ The WAL pre-check (``--precheck on,off``, default ``on``: the production setting
 ``off`` the receiver's ``precheck_min_bytes`` is 0 and the ingest checks every record
 itself; the configurations are every L0 writer times every pre-check setting, interleaved in
 each round. ``precheck_cpu_s`` is the pre-check children's CPU time up to the end of the
-ingest (a child that already exited counts 0).
+ingest (a child that already exited counts 0); ``precheck_messages`` how many big XLogData
+messages the child checked during the ingest and how many went unchecked (while it started).
 """
 
 from __future__ import annotations

@@ -37,6 +37,15 @@ checkpoint).
 standby (no primary_conninfo: it stays at X). That is how a past LSN is looked at: the data as
 of X, and no WAL written that would fork the timeline's history.
 
+``--lazy`` leaves the relation data out: the tar of a lazy endpoint, whose ``base/`` and
+``global/`` are a page filesystem reading pages from the page service (``compute/pagefs``). It
+keeps the directory skeleton (``base/<db>/``), ``PG_VERSION``, the relmapper files, the SLRUs,
+pg_control and the WAL segment, and of the relations only the init forks of unlogged relations
+(WAL-logged, tiny), each also written as the relation's main fork: unlogged relations live only on
+the compute, and a fresh compute starts them empty from their init fork as PostgreSQL does after
+a crash. Its size does not grow with the data (``relation_listing`` gives the rest: the relation
+files and their sizes at the LSN, through the HTTP API).
+
 ``fullbackup`` produces the same tar (uncompressed); it exists for neon compatibility.
 
 The data comes from a ``BackupSource``: the timeline seen as a data directory (relation and
@@ -121,9 +130,12 @@ from protocol.wal.rmgr import XLOG_CHECKPOINT_SHUTDOWN, RmgrId
 log = structlog.get_logger("pageserver.basebackup")
 
 RELSEG_SIZE: Final = 131072  # blocks per 1 GiB relation segment file
+MAIN_FORKNUM: Final = 0
+INIT_FORKNUM: Final = 3
 PG_MAJORVERSION: Final = "15"
 PG_TLI: Final = 1
 FORK_SUFFIX: Final = {0: "", 1: "_fsm", 2: "_vm", 3: "_init"}
+FORK_NAMES: Final = {0: "main", 1: "fsm", 2: "vm", 3: "init"}
 SLRU_DIRS: Final = {
     SLRU_CLOG: "pg_xact",
     SLRU_MULTIXACT_OFFSETS: "pg_multixact/offsets",
@@ -376,13 +388,17 @@ class BackupResult:
     raw_bytes: int
 
 
-async def _write_relation(tar: TarWriter, source: BackupSource, rel: RelFork, lsn: Lsn) -> None:
+async def _write_relation(tar: TarWriter, source: BackupSource, rel: RelFork, lsn: Lsn,
+                          *, as_fork: int | None = None) -> None:
+    """The fork's segment files; ``as_fork`` names them as another fork of the relation (the
+    lazy backup's main fork of an unlogged relation is its init fork)."""
     nblocks = await source.get_rel_size(rel, lsn)
     nsegs = max(1, -(-nblocks // RELSEG_SIZE))
+    named = rel if as_fork is None else attrs.evolve(rel, forknum=as_fork)
     for segno in range(nsegs):
         first = segno * RELSEG_SIZE
         count = min(RELSEG_SIZE, nblocks - first)
-        path = rel_file_path(rel, segno)
+        path = rel_file_path(named, segno)
         await tar.begin_file(path, count * BLCKSZ)
         for start in range(first, first + count, PAGES_PER_READ):
             keys = [
@@ -421,10 +437,12 @@ async def write_basebackup(
     gzip: bool = False,
     prev_lsn: int = 0,
     replica: bool = False,
+    lazy: bool = False,
     now: int | None = None,
 ) -> BackupResult:
     """Stream the data directory at ``lsn`` as a tar through ``send`` (see the module doc).
-    ``replica`` adds ``standby.signal``: PostgreSQL then starts as a read-only hot standby."""
+    ``replica`` adds ``standby.signal``: PostgreSQL then starts as a read-only hot standby.
+    ``lazy`` leaves out relation data but the unlogged relations' init forks (module doc)."""
     control_raw = await source.get_control_file(lsn)
     control = parse_control_file(control_raw)
     if control.xlog_seg_size != WAL_SEGMENT_SIZE or control.xlog_blcksz != XLOG_BLCKSZ:
@@ -479,7 +497,12 @@ async def write_basebackup(
         if relmap is not None:
             await tar.add_file(relmap_path, relmap)
         for relnode, forknum in sorted(await source.list_rels(spcnode, dbnode, lsn)):
-            await _write_relation(tar, source, RelFork(spcnode, dbnode, relnode, forknum), lsn)
+            if not lazy:
+                await _write_relation(tar, source, RelFork(spcnode, dbnode, relnode, forknum), lsn)
+            elif forknum == INIT_FORKNUM:
+                init = RelFork(spcnode, dbnode, relnode, INIT_FORKNUM)
+                await _write_relation(tar, source, init, lsn)
+                await _write_relation(tar, source, init, lsn, as_fork=MAIN_FORKNUM)
 
     for kind, dirname in SLRU_DIRS.items():
         for segno in sorted(await source.list_slru_segments(kind, lsn)):
@@ -517,6 +540,48 @@ async def collect_keyspace(source: BackupSource, lsn: Lsn) -> KeySpace:
             keys.append(slru_segment_size_key(kind, segno))
     ranges.extend(KeyRange.single(k) for k in keys)
     return KeySpace.from_ranges(ranges)
+
+
+@attrs.frozen
+class ListedRelation:
+    """One relation of a database directory: block count per fork present, by fork name
+    (``main``, ``fsm``, ``vm``, ``init``)."""
+
+    relnode: int
+    forks: dict[str, int]
+
+
+@attrs.frozen
+class ListedDatabase:
+    spcnode: int
+    dbnode: int
+    has_relmap: bool
+    relations: list[ListedRelation]
+
+
+@attrs.frozen
+class RelationListing:
+    """Every relation file of the data directory at ``lsn`` and its size: what a lazy endpoint's
+    page filesystem lists and reports (the basebackup ``--lazy`` holds no relation files)."""
+
+    lsn: str
+    databases: list[ListedDatabase]
+
+
+async def relation_listing(source: BackupSource, lsn: Lsn) -> RelationListing:
+    """The databases, relations and fork sizes at ``lsn`` (no page is read)."""
+    dbs: list[ListedDatabase] = []
+    for spcnode, dbnode in sorted(await source.list_dbdirs(lsn)):
+        has_map = await source.get_relmap_file(spcnode, dbnode, lsn) is not None
+        rels: dict[int, dict[str, int]] = {}
+        for relnode, forknum in sorted(await source.list_rels(spcnode, dbnode, lsn)):
+            if forknum not in FORK_NAMES:
+                raise BasebackupError(f"relation {relnode} has unknown fork {forknum}")
+            rels.setdefault(relnode, {})[FORK_NAMES[forknum]] = await source.get_rel_size(
+                RelFork(spcnode, dbnode, relnode, forknum), lsn)
+        dbs.append(ListedDatabase(spcnode, dbnode, has_map,
+                                  [ListedRelation(r, f) for r, f in sorted(rels.items())]))
+    return RelationListing(format_lsn(lsn), dbs)
 
 
 def rel_block_ranges(keyspace: KeySpace) -> list[KeyRange]:
@@ -579,7 +644,7 @@ class TimelineBackupSource:
 
 @attrs.frozen
 class BackupCommand:
-    """``basebackup <tenant> <timeline> [<lsn>|latest] [--gzip] [--replica]`` or
+    """``basebackup <tenant> <timeline> [<lsn>|latest] [--gzip] [--replica] [--lazy]`` or
     ``fullbackup <tenant> <timeline> [<lsn> [<prev_lsn>]]`` (protocols.md §1.5)."""
 
     full: bool
@@ -589,6 +654,7 @@ class BackupCommand:
     prev_lsn: Lsn | None = None
     gzip: bool = False
     replica: bool = False
+    lazy: bool = False
 
 
 def parse_backup_command(name: str, args: Sequence[str]) -> BackupCommand:
@@ -619,12 +685,13 @@ def parse_backup_command(name: str, args: Sequence[str]) -> BackupCommand:
         lsn = None if word.lower() == "latest" else lsn_arg(word, "lsn")
     flags: set[str] = set()
     for flag in rest:
-        if flag not in ("--gzip", "--replica"):
+        if flag not in ("--gzip", "--replica", "--lazy"):
             raise PgError(f"basebackup: unknown argument {flag!r}")
         if flag in flags:
             raise PgError(f"basebackup: duplicate flag {flag}")
         flags.add(flag)
-    return BackupCommand(False, tenant_id, timeline_id, lsn, None, "--gzip" in flags, "--replica" in flags)
+    return BackupCommand(False, tenant_id, timeline_id, lsn, None, "--gzip" in flags, "--replica" in flags,
+                         "--lazy" in flags)
 
 
 def gc_refusal(tl: Timeline, lsn: Lsn) -> str | None:
@@ -716,12 +783,13 @@ class BackupCommandHandler:
         started = time.monotonic()
         try:
             result = await write_basebackup(
-                TimelineBackupSource(tl), lsn, copy.send, gzip=cmd.gzip, prev_lsn=xl_prev, replica=cmd.replica
+                TimelineBackupSource(tl), lsn, copy.send, gzip=cmd.gzip, prev_lsn=xl_prev, replica=cmd.replica,
+                lazy=cmd.lazy,
             )
         except MissingKeyError as exc:
             raise PgError(f"no data directory at {format_lsn(lsn)} on this timeline: {exc}") from None
         except BasebackupError as exc:
             raise PgError(f"basebackup at {format_lsn(lsn)}: {exc}") from None
         log.info("basebackup sent", lsn=format_lsn(lsn), checkpoint=format_lsn(result.checkpoint_lsn),
-                 files=result.files, bytes=result.raw_bytes, gzip=cmd.gzip, full=cmd.full,
+                 files=result.files, bytes=result.raw_bytes, gzip=cmd.gzip, full=cmd.full, lazy=cmd.lazy,
                  seconds=round(time.monotonic() - started, 3))

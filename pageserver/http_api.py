@@ -10,6 +10,8 @@ Routes (``docs/http-api.md`` documents bodies and answers):
   (a data directory or tar on this machine), ``GET /v1/tenant/{tenant_id}/timeline``,
   ``GET /v1/tenant/{tenant_id}/timeline/{timeline_id}``
 - ``GET  /v1/tenant/{tenant_id}/timeline/{timeline_id}/keyspace[?at_lsn=X/Y]``
+- ``GET  /v1/tenant/{tenant_id}/timeline/{timeline_id}/relations[?at_lsn=X/Y]``: databases,
+  relation forks and their sizes in blocks (what a lazy endpoint's page filesystem lists)
 - ``PUT  /v1/tenant/{tenant_id}/timeline/{timeline_id}/checkpoint`` (freeze + flush),
   ``.../compact``, ``PUT /v1/tenant/{tenant_id}/timeline/{timeline_id}/do_gc``
 - ``GET  /metrics``
@@ -30,7 +32,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common.http import HttpError, Request, Response, Router
 from common.metrics import metrics_text
-from pageserver.basebackup import TimelineBackupSource, collect_keyspace
+from pageserver.basebackup import (
+    RelationListing,
+    TimelineBackupSource,
+    collect_keyspace,
+    relation_listing,
+)
 from pageserver.storage.key import key_hex
 from pageserver.storage.reconstruct import MissingKeyError
 from pageserver.tenant import Tenant
@@ -310,9 +317,7 @@ def build_router(manager: TenantManager, registry: CollectorRegistry) -> Router:
     async def get_timeline(req: Request) -> TimelineInfo:
         return timeline_info(timeline_of(req), manager)
 
-    @route("GET", "/v1/tenant/{tenant_id}/timeline/{timeline_id}/keyspace")
-    async def keyspace(req: Request) -> KeySpaceResponse:
-        tl = timeline_of(req)
+    async def listing_lsn(req: Request, tl: Timeline) -> Lsn:
         at = req.query.get("at_lsn")
         lsn = _lsn(at, "at_lsn") if at else tl.last_record_lsn
         if lsn > tl.last_record_lsn or lsn == INVALID_LSN:
@@ -320,6 +325,17 @@ def build_router(manager: TenantManager, registry: CollectorRegistry) -> Router:
         if lsn < tl.latest_gc_cutoff_lsn:
             raise HttpError(400, f"at_lsn {format_lsn(lsn)} is below the GC cutoff {format_lsn(tl.latest_gc_cutoff_lsn)}")
         await _require_datadir(tl, lsn, "at_lsn")
+        return lsn
+
+    @route("GET", "/v1/tenant/{tenant_id}/timeline/{timeline_id}/relations")
+    async def relations(req: Request) -> RelationListing:
+        tl = timeline_of(req)
+        return await relation_listing(TimelineBackupSource(tl), await listing_lsn(req, tl))
+
+    @route("GET", "/v1/tenant/{tenant_id}/timeline/{timeline_id}/keyspace")
+    async def keyspace(req: Request) -> KeySpaceResponse:
+        tl = timeline_of(req)
+        lsn = await listing_lsn(req, tl)
         space = await collect_keyspace(TimelineBackupSource(tl), lsn)
         return KeySpaceResponse(
             format_lsn(lsn), [KeyRangeJson(key_hex(r.start), key_hex(r.end)) for r in space.ranges]

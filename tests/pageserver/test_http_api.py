@@ -150,6 +150,18 @@ def test_keyspace(node: NodeProcess, bootstrapped: tuple[str, str]) -> None:
     assert status == 400 and "no data directory" in err["msg"], err
 
 
+def test_relations_listing(node: NodeProcess, bootstrapped: tuple[str, str]) -> None:
+    tenant, timeline = bootstrapped
+    status, listing = node.request("GET", f"/v1/tenant/{tenant}/timeline/{timeline}/relations")
+    assert status == 200, listing
+    dbs = {(d["spcnode"], d["dbnode"]): d for d in listing["databases"]}
+    assert (1664, 0) in dbs and (1663, 5) in dbs
+    rels = {r["relnode"]: r["forks"] for r in dbs[(1663, 5)]["relations"]}
+    assert rels[1259]["main"] > 0  # pg_class of "postgres"
+    status, err = node.request("GET", f"/v1/tenant/{tenant}/timeline/{timeline}/relations?at_lsn=0/8")
+    assert status == 400 and "no data directory" in err["msg"], err
+
+
 def test_checkpoint_and_compact(node: NodeProcess, bootstrapped: tuple[str, str]) -> None:
     tenant, timeline = bootstrapped
     status, info = node.request("PUT", f"/v1/tenant/{tenant}/timeline/{timeline}/checkpoint")

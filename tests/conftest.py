@@ -33,3 +33,31 @@ def pg_tmp_path() -> Iterator[Path]:
     """A temporary directory the postgres user can traverse (pytest's tmp_path is 0700 root)."""
     with pg_tmpdir() as path:
         yield path
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One SeaweedFS S3 server for the whole test session (started on first use); its
+    endpoint URL. Tests make their own bucket (``s3_config`` below) so they never share keys."""
+    from remote_storage.seaweedfs import SeaweedServer
+
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    try:
+        yield server.endpoint
+    finally:
+        server.stop(grace_s=1.0)
+
+
+_BUCKETS = iter(range(1, 1 << 30))
+
+
+@pytest.fixture
+def s3_config(seaweedfs: str) -> object:
+    """An ``S3StorageConfig`` for a fresh bucket of the session's SeaweedFS."""
+    from remote_storage.config import S3StorageConfig
+
+    return S3StorageConfig(
+        bucket=f"test-{os.getpid()}-{next(_BUCKETS)}", endpoint=seaweedfs, prefix="pfx",
+        access_key_id="test", secret_access_key="test", create_bucket=True, timeout_s=30.0,
+    )

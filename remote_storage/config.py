@@ -1,0 +1,75 @@
+"""The ``remote_storage`` config table: ``{kind = "local", path = "..."}`` or
+``{kind = "s3", endpoint = "http://127.0.0.1:8333", bucket = "pagestore", prefix = "",
+region = "us-east-1"}``.
+
+Credentials are not config: boto3 finds them the usual way (environment, ``~/.aws``);
+``access_key_id`` / ``secret_access_key`` are for test stores such as SeaweedFS that accept
+any. A relative local ``path`` is taken relative to the node's workdir by the node.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+
+from common.config import register_tagged_union
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{attr.name} must be positive, got {value}")
+
+
+def _bucket_name(_inst: object, attr: attrs.Attribute[str], value: str) -> None:
+    if not _BUCKET.match(value):
+        raise ValueError(f"{attr.name} must be a DNS-style bucket name (a-z, 0-9, '.', '-'), got {value!r}")
+
+
+def _prefix(_inst: object, attr: attrs.Attribute[str], value: str) -> None:
+    if value.startswith("/") or "//" in value:
+        raise ValueError(f"{attr.name} must be a relative key prefix without '//', got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class LocalStorageConfig:
+    path: Path
+    concurrency_limit: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+
+
+@attrs.frozen(kw_only=True)
+class S3StorageConfig:
+    bucket: str = attrs.field(validator=_bucket_name)
+    endpoint: str | None = None  # None: AWS; set: path-style requests to this URL
+    prefix: str = attrs.field(default="", validator=_prefix)
+    region: str = "us-east-1"
+    concurrency_limit: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    timeout_s: float = attrs.field(default=120.0, validator=_positive)  # per request
+    connect_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    # The bucket is created at start if missing (test stores; a real bucket is made by its owner)
+    create_bucket: bool = False
+
+
+RemoteStorageConfig = LocalStorageConfig | S3StorageConfig
+_UNION: Any = RemoteStorageConfig
+
+
+def register_hooks(conv: cattrs.Converter) -> None:
+    register_tagged_union(
+        conv, RemoteStorageConfig, tag="kind", classes={"local": LocalStorageConfig, "s3": S3StorageConfig}
+    )
+    # ``remote_storage`` is optional in node configs: None stays None (and is not written).
+    optional: Any = RemoteStorageConfig | None
+    conv.register_structure_hook_func(
+        lambda t: t == optional, lambda v, _: None if v is None else conv.structure(v, _UNION)
+    )
+    conv.register_unstructure_hook_func(
+        lambda t: t == optional, lambda v: None if v is None else conv.unstructure(v, _UNION)
+    )

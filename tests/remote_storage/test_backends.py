@@ -1,0 +1,166 @@
+"""Both backends (a local directory and S3 on a real SeaweedFS) behave the same: whole
+objects, ranged reads, listing with and without a delimiter, idempotent deletes, not-found."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from remote_storage import (
+    LocalStorageConfig,
+    RemoteNotFoundError,
+    RemoteStorage,
+    RemoteStorageError,
+    S3StorageConfig,
+    make_remote_storage,
+)
+from remote_storage.errors import RemoteFatalError
+from remote_storage.retry import backoff_delay, retry
+
+
+@pytest.fixture(params=["local", "s3"])
+async def storage(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RemoteStorage]:
+    if request.param == "local":
+        store = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote"))
+    else:
+        cfg = request.getfixturevalue("s3_config")
+        assert isinstance(cfg, S3StorageConfig)
+        store = make_remote_storage(cfg)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+async def test_upload_download_ranges(storage: RemoteStorage) -> None:
+    data = bytes(range(256)) * 40
+    await storage.upload("tenants/t1/timelines/a/index_part.json-00000001", data)
+    key = "tenants/t1/timelines/a/index_part.json-00000001"
+    assert await storage.download(key) == data
+    assert await storage.download(key, 100, 356) == data[100:356]
+    assert await storage.download(key, 10000) == data[10000:]
+    assert await storage.download(key, 5, 5) == b""
+
+
+async def test_upload_file_download_file(storage: RemoteStorage, tmp_path: Path) -> None:
+    src = tmp_path / "layer"
+    payload = b"x" * (3 << 20) + b"tail"
+    src.write_bytes(payload)
+    assert await storage.upload_file("a/layer-1", src) == len(payload)
+    dst = tmp_path / "back"
+    assert await storage.download_file("a/layer-1", dst) == len(payload)
+    assert dst.read_bytes() == payload
+
+
+async def test_missing_object_is_not_found(storage: RemoteStorage, tmp_path: Path) -> None:
+    with pytest.raises(RemoteNotFoundError):
+        await storage.download("no/such/key")
+    with pytest.raises(RemoteNotFoundError):
+        await storage.download_file("no/such/key", tmp_path / "x")
+
+
+async def test_listing(storage: RemoteStorage) -> None:
+    keys = [
+        "tenants/t1/timelines/a/index_part.json-00000001",
+        "tenants/t1/timelines/a/index_part.json-00000003",
+        "tenants/t1/timelines/a/layer-00000001",
+        "tenants/t1/timelines/b/index_part.json-00000002",
+        "tenants/t2/timelines/c/index_part.json-00000001",
+    ]
+    for k in keys:
+        await storage.upload(k, k.encode())
+    every = await storage.list("tenants/")
+    assert every.keys == sorted(keys)
+    assert every.prefixes == []
+    idx = await storage.list("tenants/t1/timelines/a/index_part.json")
+    assert idx.keys == keys[:2]
+    dirs = await storage.list("tenants/t1/timelines/", delimiter="/")
+    assert dirs.keys == []
+    assert dirs.prefixes == ["tenants/t1/timelines/a/", "tenants/t1/timelines/b/"]
+    assert (await storage.list("nothing/here/")).keys == []
+
+
+async def test_delete_is_idempotent(storage: RemoteStorage) -> None:
+    for i in range(5):
+        await storage.upload(f"d/k{i}", b"v")
+    await storage.delete("d/k0")
+    await storage.delete("d/k0")  # already gone: not an error
+    await storage.delete_objects(["d/k1", "d/k2", "d/missing"])
+    assert (await storage.list("d/")).keys == ["d/k3", "d/k4"]
+
+
+async def test_overwrite_replaces_whole(storage: RemoteStorage) -> None:
+    await storage.upload("o/k", b"first version")
+    await storage.upload("o/k", b"2nd")
+    assert await storage.download("o/k") == b"2nd"
+
+
+async def test_bad_keys_refused(tmp_path: Path) -> None:
+    store = make_remote_storage(LocalStorageConfig(path=tmp_path))
+    for key in ("", "/abs", "a/../b", "a//b", "x.___temp"):
+        with pytest.raises(RemoteFatalError):
+            await store.upload(key, b"")
+
+
+async def test_local_temp_files_never_listed(tmp_path: Path) -> None:
+    store = make_remote_storage(LocalStorageConfig(path=tmp_path))
+    await store.upload("a/k", b"v")
+    (tmp_path / "a" / "k2.___temp").write_bytes(b"half")
+    assert (await store.list("a/")).keys == ["a/k"]
+
+
+async def test_unreachable_s3_is_a_retryable_error() -> None:
+    from common.ports import free_port
+
+    store = make_remote_storage(S3StorageConfig(
+        bucket="nobody", endpoint=f"http://127.0.0.1:{free_port()}", access_key_id="x",
+        secret_access_key="x", timeout_s=1.0, connect_timeout_s=1.0,
+    ))
+    with pytest.raises(RemoteStorageError) as info:
+        await store.upload("k", b"v")
+    assert info.value.retryable
+    await store.aclose()
+
+
+async def test_missing_bucket_is_fatal(seaweedfs: str) -> None:
+    store = make_remote_storage(S3StorageConfig(
+        bucket="never-created-bucket", endpoint=seaweedfs, access_key_id="x", secret_access_key="x",
+    ))
+    with pytest.raises(RemoteStorageError) as info:
+        await store.download("k")
+    assert not info.value.retryable
+    await store.aclose()
+
+
+def test_backoff_is_capped() -> None:
+    assert backoff_delay(1) == 0.0
+    assert backoff_delay(2) == pytest.approx(0.1)
+    assert backoff_delay(50) == 3.0
+
+
+async def test_retry_until_success_and_not_on_fatal(autojump_clock: trio.testing.MockClock) -> None:
+    calls = 0
+
+    async def flaky() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 5:
+            raise RemoteStorageError("503 SlowDown")
+        return "ok"
+
+    assert await retry(flaky, what="put") == "ok"
+    assert calls == 5
+
+    async def fatal() -> None:
+        raise RemoteNotFoundError("gone")
+
+    with pytest.raises(RemoteNotFoundError):
+        await retry(fatal, what="get")
+
+    calls = 0
+    with pytest.raises(RemoteStorageError):
+        await retry(flaky, what="get", attempts=3)
+    assert calls == 3

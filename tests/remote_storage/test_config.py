@@ -1,0 +1,54 @@
+"""The ``remote_storage`` config table: both kinds, strict keys, names checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from common.config import ConfigError, dump_config, load_config, make_converter
+from remote_storage import LocalStorageConfig, RemoteStorageConfig, S3StorageConfig, register_hooks
+
+
+@attrs.frozen
+class Node:
+    remote_storage: RemoteStorageConfig | None = None
+
+
+def _conv() -> Any:
+    conv = make_converter()
+    register_hooks(conv)
+    return conv
+
+
+def test_kinds_round_trip() -> None:
+    local = load_config(Node, 'remote_storage = {kind = "local", path = "/data/remote"}', converter=_conv())
+    assert local.remote_storage == LocalStorageConfig(path=Path("/data/remote"))
+    s3 = load_config(
+        Node,
+        'remote_storage = {kind = "s3", endpoint = "http://127.0.0.1:8333", bucket = "pagestore", prefix = "a/b", region = "eu-west-1"}',
+        converter=_conv(),
+    )
+    assert s3.remote_storage == S3StorageConfig(
+        endpoint="http://127.0.0.1:8333", bucket="pagestore", prefix="a/b", region="eu-west-1"
+    )
+    for cfg in (local, s3, Node()):
+        assert load_config(Node, dump_config(cfg, converter=_conv()), converter=_conv()) == cfg
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ('remote_storage = {kind = "gcs"}', "remote_storage.kind: unknown 'gcs'"),
+        ('remote_storage = {path = "/x"}', "remote_storage.kind: missing"),
+        ('remote_storage = {kind = "local", path = "/x", bucket = "b"}', "remote_storage.bucket: unknown key"),
+        ('remote_storage = {kind = "s3", bucket = "under_score"}', "DNS-style bucket name"),
+        ('remote_storage = {kind = "s3", bucket = "okay", timeout_s = 0}', "timeout_s must be positive"),
+    ],
+)
+def test_bad_tables_name_the_key(text: str, error: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(Node, text, converter=_conv())
+    assert error in str(info.value)

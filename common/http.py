@@ -28,11 +28,20 @@ for malformed requests, 500 (logged with a traceback) for anything else.
 Path patterns: literal segments and ``{name}`` segments (one whole segment each); the
 first matching route in registration order wins. Connections are keep-alive (h11), with an
 idle timeout and a request-body limit.
+
+Auth (``HttpServer(..., auth=HttpAuth(verifier, service))``, docs/auth.md): every route except
+the exact paths in ``HttpAuth.open_paths`` (``/v1/status``, ``/metrics``) needs
+``Authorization: Bearer <jwt>``. The check is the server's, not each handler's, so a new
+route cannot forget it: a route whose pattern has ``{tenant_id}`` is that tenant's operation,
+any other route is node-wide (``pageserverapi`` / ``safekeeperdata`` only). No or a malformed
+header: 401; a bad, expired or insufficient token: 403; one warning log line each, with the
+peer and the reason. TLS: ``ssl_context`` makes the port HTTPS (TLS from the first byte).
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -44,7 +53,10 @@ import h11
 import structlog
 import trio
 
+from common.auth import AuthError, JwtVerifier, Service, check_permission
 from common.config import ConfigError, strict_primitives, structure_config
+from protocol.errors import RemoteProtocolError
+from protocol.ids import TenantId
 
 log = structlog.get_logger("http")
 
@@ -173,6 +185,33 @@ class Router:
 
 
 @attrs.frozen
+class HttpAuth:
+    """Token checking for one node's HTTP port (see the module docstring)."""
+
+    verifier: JwtVerifier
+    service: Service
+    open_paths: frozenset[str] = frozenset({"/v1/status", "/metrics"})
+
+    def check(self, request: Request, params: dict[str, str]) -> None:
+        """Raise ``HttpError`` 401/403 unless the request's token covers it."""
+        header = request.headers.get("authorization")
+        if header is None:
+            raise AuthError("missing", "missing authorization header")
+        kind, sep, token = header.partition(" ")
+        if not sep or kind != "Bearer" or not token or not token.isascii():
+            raise AuthError("header", "malformed authorization header (want 'Bearer <jwt>')")
+        claims = self.verifier.decode(token)
+        tenant: TenantId | None = None
+        if "tenant_id" in params:
+            try:
+                tenant = TenantId.parse(params["tenant_id"])
+            except RemoteProtocolError:
+                # Not a tenant id: only a node-wide token may go on (to the handler's 400).
+                tenant = None
+        check_permission(self.service, claims, tenant)
+
+
+@attrs.frozen
 class HttpServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
@@ -182,9 +221,18 @@ class HttpServerConfig:
 
 
 class HttpServer:
-    def __init__(self, router: Router, config: HttpServerConfig | None = None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        config: HttpServerConfig | None = None,
+        *,
+        auth: HttpAuth | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.router = router
         self.config = config or HttpServerConfig()
+        self.auth = auth
+        self.ssl_context = ssl_context
         self.port: int | None = None
         self._shutting_down = trio.Event()
 
@@ -206,9 +254,28 @@ class HttpServer:
             connections.cancel_scope.deadline = trio.current_time() + self.config.shutdown_timeout_s
 
     async def _accept(self, listeners: list[trio.SocketListener], connections: trio.Nursery) -> None:
-        await trio.serve_listeners(self.serve_connection, listeners, handler_nursery=connections)
+        await trio.serve_listeners(self._serve_socket, listeners, handler_nursery=connections)
 
-    async def serve_connection(self, stream: trio.abc.Stream) -> None:
+    async def _serve_socket(self, stream: trio.SocketStream) -> None:
+        try:
+            host, port = stream.socket.getpeername()[:2]
+            peer = f"{host}:{port}"
+        except OSError:
+            peer = "unknown"
+        if self.ssl_context is None:
+            await self.serve_connection(stream, peer)
+            return
+        tls = trio.SSLStream(stream, self.ssl_context, server_side=True)
+        try:
+            with trio.fail_after(self.config.idle_timeout_s):
+                await tls.do_handshake()
+        except (trio.BrokenResourceError, trio.TooSlowError) as exc:
+            log.info("TLS handshake failed", peer=peer, error=str(exc.__cause__ or exc))
+            await trio.aclose_forcefully(stream)
+            return
+        await self.serve_connection(tls, peer)
+
+    async def serve_connection(self, stream: trio.abc.Stream, peer: str = "memory") -> None:
         """Serve one keep-alive connection until the client closes it or goes idle."""
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
         try:
@@ -216,7 +283,7 @@ class HttpServer:
                 request = await self._read_request(conn, stream)
                 if request is None:
                     return
-                response = await self._dispatch(request)
+                response = await self._dispatch(request, peer)
                 await self._send_response(conn, stream, response, head_only=request.method == "HEAD")
                 if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                     return
@@ -278,9 +345,18 @@ class HttpServer:
             body=bytes(body),
         )
 
-    async def _dispatch(self, request: Request) -> Response:
+    async def _dispatch(self, request: Request, peer: str = "memory") -> Response:
         try:
             handler, params = self.router.resolve(request.method, request.path)
+            if self.auth is not None and request.path not in self.auth.open_paths:
+                try:
+                    self.auth.check(request, params)
+                except AuthError as exc:
+                    log.warning("http request refused", peer=peer, method=request.method,
+                                path=request.path, kind=exc.kind, reason=exc.reason)
+                    status = 401 if exc.kind in ("missing", "header") else 403
+                    word = "Unauthorized" if status == 401 else "Forbidden"
+                    return Response.error(status, f"{word}: {exc.public}")
             result = await handler(attrs.evolve(request, params=params))
             if isinstance(result, Response):
                 return result

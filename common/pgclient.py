@@ -22,7 +22,9 @@ One task sends and one task receives at a time (the CopyBoth rule of ``common.pg
 from __future__ import annotations
 
 import hashlib
+import ssl
 from collections.abc import Mapping
+from pathlib import Path
 from types import TracebackType
 
 import attrs
@@ -98,11 +100,18 @@ async def connect(
     options: Mapping[str, str] | str | None = None,
     connect_timeout_s: float = 10.0,
     max_message_len: int = DEFAULT_MAX_MESSAGE_LEN,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> PgClientConnection:
-    """Open a TCP connection and run the startup handshake (``PgError`` on refusal)."""
+    """Open a TCP connection and run the startup handshake (``PgError`` on refusal).
+
+    With ``ssl_context`` the connection is TLS or nothing (psql's ``sslmode=verify-full``
+    when the context verifies, as ``common.tls.client_context`` does): SSLRequest first, and
+    a server that answers ``N`` is refused."""
     with trio.fail_after(connect_timeout_s):
-        stream = await trio.open_tcp_stream(host, port)
+        stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
         try:
+            if ssl_context is not None:
+                stream = await start_tls(stream, ssl_context, host)
             return await PgClientConnection.open(
                 stream,
                 user=user,
@@ -117,15 +126,46 @@ async def connect(
             raise
 
 
+async def start_tls(stream: trio.abc.Stream, ctx: ssl.SSLContext, host: str) -> trio.SSLStream[trio.abc.Stream]:
+    """SSLRequest, then the TLS handshake; ``PgError`` if the server does not do TLS."""
+    await stream.send_all(m.encode(m.SSLRequest()))
+    answer = await stream.receive_some(1)
+    if answer == b"N":
+        raise PgError(
+            "server does not support SSL, but SSL was required",
+            sqlstate.CONNECTION_FAILURE,
+            severity="FATAL",
+        )
+    if answer != b"S":
+        raise RemoteProtocolError(f"unexpected answer {answer[:1]!r} to the SSLRequest")
+    tls = trio.SSLStream(stream, ctx, server_hostname=host)
+    try:
+        await tls.do_handshake()
+    except trio.BrokenResourceError as exc:
+        cause = exc.__cause__ or exc
+        raise PgError(f"TLS handshake with {host} failed: {cause}", sqlstate.CONNECTION_FAILURE,
+                      severity="FATAL") from None
+    return tls
+
+
 async def connect_with_params(host: str, port: int, params: dict[str, str]) -> PgClientConnection:
     """``connect`` with every startup parameter in one dict, as libpq's keyword list:
-    ``user`` (default ``postgres``), ``dbname`` and ``options`` are taken out, the rest
-    (``replication``, ``application_name``...) are sent as they are."""
+    ``user`` (default ``postgres``), ``dbname``, ``options``, ``password`` (a JWT for
+    pagestore's nodes) and ``sslrootcert`` (a CA file: TLS, verified as ``verify-full``) are
+    taken out, the rest (``replication``, ``application_name``...) are sent as they are."""
     rest = dict(params)
     user = rest.pop("user", "postgres")
     dbname = rest.pop("dbname", None)
     options = rest.pop("options", None)
-    return await connect(host, port, user=user, dbname=dbname, params=rest, options=options)
+    password = rest.pop("password", None)
+    root = rest.pop("sslrootcert", None)
+    ctx = None
+    if root:
+        from common.tls import client_context
+
+        ctx = client_context(Path(root))
+    return await connect(host, port, user=user, dbname=dbname, params=rest, options=options,
+                         password=password, ssl_context=ctx)
 
 
 class PgClientConnection:

@@ -1,8 +1,10 @@
 """The libpq server loop shared by the pageserver's page service and the safekeeper.
 
-It owns everything between ``accept()`` and a query handler: the startup handshake (SSL and
-GSSENC requests answered ``N``, CancelRequest, StartupMessage with ``options`` parsed into a
-dict, a pluggable authenticator), ParameterStatus/BackendKeyData/ReadyForQuery, simple-query
+It owns everything between ``accept()`` and a query handler: the startup handshake
+(SSLRequest answered ``S`` and the stream wrapped in TLS when the server has a certificate,
+``N`` otherwise; GSSENC requests ``N``; CancelRequest; StartupMessage with ``options`` parsed
+into a dict; a pluggable authenticator, which handlers ask ``conn.authorize(tenant_id)``
+before each tenant's command), ParameterStatus/BackendKeyData/ReadyForQuery, simple-query
 dispatch, rejection of the extended protocol (error, then skip to Sync), COPY modes, an idle
 timeout, and graceful shutdown (clients get FATAL 57P01, then a deadline is enforced).
 
@@ -67,6 +69,7 @@ import errno
 import itertools
 import math
 import secrets
+import ssl
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, Protocol
@@ -78,6 +81,7 @@ import trio
 from common.pgcopy import CopyBothStream
 from protocol.buffer import WriteBuffer
 from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.ids import TenantId
 from protocol.pgwire import CLOSED, NEED_DATA, FrontendDecoder, sqlstate
 from protocol.pgwire import messages as m
 from protocol.pgwire.decoder import DEFAULT_MAX_MESSAGE_LEN
@@ -111,13 +115,20 @@ class QueryHandler(Protocol):
 
 
 class Authenticator(Protocol):
-    """Runs after the StartupMessage; raises ``PgError`` (severity FATAL) to refuse."""
+    """``authenticate`` runs after the StartupMessage and raises ``PgError`` (severity FATAL)
+    to refuse; ``authorize`` is asked by handlers before each command that touches a tenant
+    (``None``: a node-wide command) and raises ``PgError`` (FATAL) to refuse it."""
 
     async def authenticate(self, conn: PgConnection) -> None: ...
+
+    def authorize(self, conn: PgConnection, tenant_id: TenantId | None) -> None: ...
 
 
 class TrustAuthenticator:
     async def authenticate(self, conn: PgConnection) -> None:
+        return
+
+    def authorize(self, conn: PgConnection, tenant_id: TenantId | None) -> None:
         return
 
 
@@ -140,6 +151,9 @@ class CleartextPasswordAuthenticator:
                 sqlstate.INVALID_PASSWORD,
                 severity="FATAL",
             )
+
+    def authorize(self, conn: PgConnection, tenant_id: TenantId | None) -> None:
+        return
 
 
 @attrs.frozen
@@ -210,6 +224,9 @@ class PgConnection:
         self._send_broken = False
         self._query_scope: trio.CancelScope | None = None
         self.shutdown_requested = False
+        # Set by the authenticator (common.pgauth: the token's claims); None under trust.
+        self.claims: object | None = None
+        self.tls = False
 
     # -- identity -----------------------------------------------------------------------------
 
@@ -224,6 +241,11 @@ class PgConnection:
     @property
     def transport(self) -> trio.abc.Stream:
         return self._stream
+
+    def authorize(self, tenant_id: TenantId | None) -> None:
+        """Refuse (``PgError``, FATAL) a command on ``tenant_id`` (``None``: node-wide) that
+        this connection's credentials do not cover; a no-op under trust."""
+        self.server.authenticator.authorize(self, tenant_id)
 
     def bind_log(self, **fields: Any) -> None:
         """Add fields (tenant_id, timeline_id, ...) to this connection's log context."""
@@ -507,7 +529,10 @@ class PgConnection:
             msg = await self.receive_message()
             if msg is None:
                 return False
-            if isinstance(msg, m.SSLRequest | m.GSSENCRequest):
+            if isinstance(msg, m.SSLRequest):
+                await self._answer_ssl_request()
+                continue
+            if isinstance(msg, m.GSSENCRequest):
                 await self.send_bytes(b"N")
                 continue
             if isinstance(msg, m.CancelRequest):
@@ -517,6 +542,12 @@ class PgConnection:
                 break
             raise RemoteProtocolError(f"unexpected {type(msg).__name__} during startup")
         self.startup_params = dict(msg.parameters)
+        if self.server.ssl_context is not None and not self.tls:
+            raise PgError(
+                "this server accepts TLS connections only (use sslmode=require or stronger)",
+                sqlstate.INVALID_AUTHORIZATION_SPECIFICATION,
+                severity="FATAL",
+            )
         if not self.user:
             raise PgError(
                 "no PostgreSQL user name specified in startup packet",
@@ -539,6 +570,22 @@ class PgConnection:
         self.server._register(self)
         log.debug("connection ready", params=self.startup_params)
         return True
+
+    async def _answer_ssl_request(self) -> None:
+        """``N`` without a certificate; otherwise ``S`` and the TLS handshake, after which
+        everything (the StartupMessage first) arrives through the TLS stream."""
+        ctx = self.server.ssl_context
+        if ctx is None or self.tls:
+            await self.send_bytes(b"N")
+            return
+        if self._decoder.buffered:
+            # Sent before our answer, so not protected by TLS (CVE-2021-23214's injection).
+            raise RemoteProtocolError("unencrypted bytes after the SSLRequest")
+        await self.send_bytes(b"S")
+        tls = trio.SSLStream(self._stream, ctx, server_side=True)
+        await tls.do_handshake()
+        self._stream = tls
+        self.tls = True
 
     async def _query_loop(self) -> None:
         while True:
@@ -647,10 +694,13 @@ class PgServer:
         config: PgServerConfig | None = None,
         *,
         authenticator: Authenticator | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.handler = handler
         self.config = config or PgServerConfig()
         self.authenticator: Authenticator = authenticator or TrustAuthenticator()
+        # With a context, SSLRequest is answered ``S`` and plaintext startups are refused.
+        self.ssl_context = ssl_context
         self.port: int | None = None
         self._ids = itertools.count(1)
         self._shutting_down = trio.Event()

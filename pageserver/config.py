@@ -10,6 +10,10 @@
     log_file = "pageserver.log"     # relative paths are inside workdir
     log_level = "info"
     validate_redo = false         # check redo against wal_consistency_checking images
+    pg_auth_type = "NeonJWT"      # or "Trust"; http_auth_type likewise (docs/auth.md)
+    auth_validation_public_key_path = "auth_public_key.pem"   # a file or a directory of keys
+    ssl_cert_file = "server.crt"  # with ssl_key_file: TLS on both ports
+    ssl_ca_file = "ca.crt"        # the WAL receivers verify the safekeepers against it
 
     [tenant_config]               # default storage settings of every tenant (storage.md §2.10)
     checkpoint_distance = 268435456
@@ -40,6 +44,9 @@ from pageserver.page_service.config import (
 )
 from pageserver.storage.config import StorageConfig
 from pageserver.wal_receiver import DEFAULT_PRECHECK_MIN_BYTES
+
+AuthType = Literal["Trust", "NeonJWT"]
+AUTH_TYPES = ("Trust", "NeonJWT")
 
 DEFAULT_PG_PORT = 64000
 DEFAULT_HTTP_PORT = 9898
@@ -101,6 +108,43 @@ class PageserverConfig:
     # Redo compares every replayed page with the wal_consistency_checking image its record
     # carries (masked); a difference fails the read (docs/redo.md). Costs CPU: tests only.
     validate_redo: bool = False
+    # Authentication (docs/auth.md): "NeonJWT" checks a JWT on that port against the keys at
+    # auth_validation_public_key_path (a PEM file or a directory of them); "Trust" admits all.
+    pg_auth_type: AuthType = attrs.field(default="Trust", validator=attrs.validators.in_(AUTH_TYPES))
+    http_auth_type: AuthType = attrs.field(default="Trust", validator=attrs.validators.in_(AUTH_TYPES))
+    auth_validation_public_key_path: Path | None = None
+    # TLS on both ports when set (libpq: SSLRequest answered S, plaintext refused; HTTP: https).
+    ssl_cert_file: Path | None = None
+    ssl_key_file: Path | None = None
+    # CA the WAL receivers verify the safekeepers' certificates with (TLS to them when set).
+    ssl_ca_file: Path | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.ssl_cert_file is None) != (self.ssl_key_file is None):
+            raise ValueError("ssl_cert_file and ssl_key_file go together: set both or neither")
+
+    def _in_workdir(self, path: Path) -> Path:
+        return path if path.is_absolute() else self.workdir / path
+
+    @property
+    def auth_enabled(self) -> bool:
+        return "NeonJWT" in (self.pg_auth_type, self.http_auth_type)
+
+    @property
+    def auth_key_path(self) -> Path:
+        """Neon's default when unset: ``<workdir>/auth_public_key.pem``."""
+        path = self.auth_validation_public_key_path or Path("auth_public_key.pem")
+        return self._in_workdir(path)
+
+    @property
+    def ssl_paths(self) -> tuple[Path, Path] | None:
+        if self.ssl_cert_file is None or self.ssl_key_file is None:
+            return None
+        return self._in_workdir(self.ssl_cert_file), self._in_workdir(self.ssl_key_file)
+
+    @property
+    def ssl_ca_path(self) -> Path | None:
+        return None if self.ssl_ca_file is None else self._in_workdir(self.ssl_ca_file)
 
     @property
     def tenants_dir(self) -> Path:

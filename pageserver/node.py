@@ -14,17 +14,21 @@ a restart resumes at ``last_record_lsn``.
 from __future__ import annotations
 
 import argparse
+import os
+import ssl
 import sys
 from pathlib import Path
 
 import structlog
 import trio
 
+from common.auth import TOKEN_ENV, AuthKeyError, Service
 from common.config import ConfigError
 from common.http import HttpServer, HttpServerConfig
 from common.logging import setup_logging
 from common.metrics import new_registry
 from common.pgserver import PgServer, PgServerConfig
+from common.security import NodeSecurity
 from common.signals import stop_on_signal
 from pageserver.basebackup import BackupCommandHandler
 from pageserver.config import PageserverConfig, load_pageserver_config
@@ -56,11 +60,27 @@ class NodeTimelineLookup:
 
 
 class PageserverNode:
-    def __init__(self, conf: PageserverConfig, *, handle_signals: bool = False) -> None:
+    def __init__(
+        self,
+        conf: PageserverConfig,
+        *,
+        handle_signals: bool = False,
+        safekeeper_token: str | None = None,
+    ) -> None:
+        """``safekeeper_token``: the WAL receivers' token for safekeepers with auth on
+        (``run`` takes it from ``$PAGESTORE_AUTH_TOKEN``: never a command-line argument)."""
         self.conf = conf
         self.handle_signals = handle_signals
         self.registry = new_registry()
-        self.manager = TenantManager(conf)
+        # Fails start-up (before any listener) when the keys or certificates do not load.
+        self.security = NodeSecurity.build(
+            Service.PAGESERVER,
+            pg_auth_type=conf.pg_auth_type,
+            http_auth_type=conf.http_auth_type,
+            key_path=conf.auth_key_path if conf.auth_enabled else None,
+            ssl_files=conf.ssl_paths,
+        )
+        self.manager = TenantManager(conf, safekeeper_token=safekeeper_token)
         self.page_metrics = PageServiceMetrics.register(self.registry)
         self.pg_port: int | None = None
         self.http_port: int | None = None
@@ -89,10 +109,14 @@ class PageserverNode:
             handler,
             PgServerConfig(host=pg_host, port=pg_port, server_version="15.0 (pagestore pageserver)",
                            shutdown_timeout_s=conf.shutdown_timeout_s),
+            authenticator=self.security.pg_authenticator,
+            ssl_context=self.security.ssl_context,
         )
         http = HttpServer(
             build_router(self.manager, self.registry),
             HttpServerConfig(host=http_host, port=http_port, shutdown_timeout_s=conf.shutdown_timeout_s),
+            auth=self.security.http_auth,
+            ssl_context=self.security.ssl_context,
         )
         async with trio.open_nursery() as background:
             if self.handle_signals:
@@ -128,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"pageserver: {exc}", file=sys.stderr)
         return 2
     setup_logging(log_file=conf.log_path, level=conf.log_level)
-    node = PageserverNode(conf, handle_signals=True)
+    try:
+        node = PageserverNode(conf, handle_signals=True,
+                              safekeeper_token=os.environ.get(TOKEN_ENV) or None)
+    except (AuthKeyError, OSError, ValueError, ssl.SSLError) as exc:
+        print(f"pageserver: cannot start: {exc}", file=sys.stderr)
+        return 2
     trio.run(node.run)
     return 0

@@ -70,8 +70,10 @@ def _fresh_dir(path: Path) -> None:
 
 
 class TenantManager:
-    def __init__(self, conf: PageserverConfig) -> None:
+    def __init__(self, conf: PageserverConfig, *, safekeeper_token: str | None = None) -> None:
         self.conf = conf
+        # The WAL receivers' safekeeperdata token (the node's PAGESTORE_AUTH_TOKEN).
+        self.safekeeper_token = safekeeper_token
         self.tenants: dict[TenantId, Tenant] = {}
         self._locks: dict[TenantId, trio.Lock] = {}
         self._ingests: dict[tuple[TenantId, TimelineId], tuple[TimelineWalIngest, trio.CancelScope]] = {}
@@ -180,6 +182,8 @@ class TenantManager:
             timeline_id=tl.timeline_id,
             application_name=f"pageserver-{self.conf.id}",
             precheck_min_bytes=self.conf.wal_precheck_min_bytes,
+            auth_token=self.safekeeper_token,
+            ssl_ca_file=None if self.conf.ssl_ca_file is None else str(self.conf.ssl_ca_path),
         )
         ingest = TimelineWalIngest(tl, cfg, ingest=WalIngest(tl), precheck=self.precheck_pool)
         scope = trio.CancelScope()

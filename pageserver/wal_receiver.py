@@ -238,6 +238,11 @@ class WalReceiverConfig:
     precheck_min_bytes: int = DEFAULT_PRECHECK_MIN_BYTES
     # How many messages the reader may receive ahead of the ingest (pre-checked meanwhile).
     read_ahead: int = 4
+    # A safekeeperdata JWT sent as the password (safekeepers with auth on); repr=False: the
+    # config may be logged, the token never.
+    auth_token: str | None = attrs.field(default=None, repr=False)
+    # A CA file: connect with TLS and verify the safekeeper's certificate against it.
+    ssl_ca_file: str | None = None
 
 
 class _Wakeup:
@@ -457,6 +462,10 @@ class WalReceiver:
             params["options"] = (
                 f"-c timeline_id={self.cfg.timeline_id} tenant_id={self.cfg.tenant_id}"
             )
+        if self.cfg.auth_token is not None:
+            params["password"] = self.cfg.auth_token
+        if self.cfg.ssl_ca_file is not None:
+            params["sslrootcert"] = self.cfg.ssl_ca_file
         return params
 
     async def _session(self, chosen: _Probed) -> None:

@@ -11,6 +11,9 @@ Unknown keys and bad values stop start-up with a message naming the key.
     max_write_bytes = 1048576    # coalesce up to this much WAL per write+fsync; 0 = off
     ingest_queue_bytes = 8388608 # WAL received but not yet written, at most (about)
     wal_removal_period_s = 10.0  # how often old WAL segments are removed; 0 = never
+    pg_auth_type = "NeonJWT"     # or "Trust"; http_auth_type likewise (docs/auth.md)
+    auth_validation_public_key_path = "/var/lib/pagestore/auth_public_key.pem"
+    ssl_cert_file = "/var/lib/pagestore/sk1/server.crt"   # with ssl_key_file: TLS on both ports
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from common.config import load_config as _load_config
 from common.logging import LEVELS
 
 __all__ = ["ConfigError", "SafekeeperConfig", "load_config", "parse_config"]
+
+AUTH_TYPES = ("Trust", "NeonJWT")
 
 DEFAULT_PG_PORT = 5454
 DEFAULT_HTTP_PORT = 7676
@@ -63,6 +68,24 @@ class SafekeeperConfig:
     wal_removal_period_s: float = attrs.field(default=10.0, validator=_non_negative_float)
     log_level: str = attrs.field(default="info", validator=attrs.validators.in_(LEVELS))
     log_file: str | None = None
+    # Authentication (docs/auth.md): "NeonJWT" checks a JWT against the keys at
+    # auth_validation_public_key_path (a PEM file or a directory of them); "Trust" admits all.
+    pg_auth_type: str = attrs.field(default="Trust", validator=attrs.validators.in_(AUTH_TYPES))
+    http_auth_type: str = attrs.field(default="Trust", validator=attrs.validators.in_(AUTH_TYPES))
+    auth_validation_public_key_path: str | None = None
+    # TLS on both ports when set (libpq: SSLRequest answered S, plaintext refused; HTTP: https).
+    ssl_cert_file: str | None = None
+    ssl_key_file: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.ssl_cert_file is None) != (self.ssl_key_file is None):
+            raise ValueError("ssl_cert_file and ssl_key_file go together: set both or neither")
+        if self.auth_enabled and not self.auth_validation_public_key_path:
+            raise ValueError("auth_validation_public_key_path is required with NeonJWT auth")
+
+    @property
+    def auth_enabled(self) -> bool:
+        return "NeonJWT" in (self.pg_auth_type, self.http_auth_type)
 
     @property
     def data_path(self) -> Path:

@@ -90,4 +90,5 @@ def build_http_server(node: SafekeeperNode) -> HttpServer:
     registry.register(_TimelineCollector(node))
     add_metrics_route(router, registry)
     host, port = node.cfg.http_addr
-    return HttpServer(router, HttpServerConfig(host=host, port=port))
+    return HttpServer(router, HttpServerConfig(host=host, port=port),
+                      auth=node.security.http_auth, ssl_context=node.security.ssl_context)

@@ -16,6 +16,7 @@ Commands on the libpq port (tenant and timeline come from the startup ``options`
 from __future__ import annotations
 
 import argparse
+import ssl
 import sys
 import threading
 from functools import partial
@@ -24,8 +25,10 @@ from pathlib import Path
 import structlog
 import trio
 
+from common.auth import AuthKeyError, Service
 from common.logging import setup_logging
 from common.pgserver import PgConnection, PgServer, PgServerConfig
+from common.security import NodeSecurity
 from common.signals import stop_on_signal
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
@@ -63,9 +66,21 @@ class SafekeeperNode:
         self._create_lock = trio.Lock()
         self.pg_port: int | None = None
         self.http_port: int | None = None
+        # Fails start-up (before any listener) when the keys or certificates do not load.
+        self.security = NodeSecurity.build(
+            Service.SAFEKEEPER,
+            pg_auth_type=cfg.pg_auth_type,
+            http_auth_type=cfg.http_auth_type,
+            key_path=Path(cfg.auth_validation_public_key_path)
+            if cfg.auth_validation_public_key_path else None,
+            ssl_files=(Path(cfg.ssl_cert_file), Path(cfg.ssl_key_file))
+            if cfg.ssl_cert_file and cfg.ssl_key_file else None,
+        )
         self.pg_server = PgServer(
             SafekeeperHandler(self),
             PgServerConfig(host=cfg.pg_addr[0], port=cfg.pg_addr[1], idle_timeout_s=None),
+            authenticator=self.security.pg_authenticator,
+            ssl_context=self.security.ssl_context,
         )
         self.ingest = IngestConfig(cfg.ingest_queue, cfg.max_write_bytes, cfg.ingest_queue_bytes)
         self._stop = trio.Event()
@@ -205,6 +220,8 @@ class SafekeeperHandler:
             return
         tenant_id, timeline_id = _conn_ids(conn)
         conn.bind_log(tenant_id=tenant_id.hex, timeline_id=timeline_id.hex)
+        # Every command below acts on the connection's tenant (or needs it named).
+        conn.authorize(tenant_id)
         match cmd:
             case StartWalPush():
                 copy = await conn.enter_copy_both()
@@ -298,7 +315,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     setup_logging(log_file=Path(cfg.log_file) if cfg.log_file else None, level=cfg.log_level)
     try:
-        trio.run(SafekeeperNode(cfg).run)
+        node = SafekeeperNode(cfg)
+    except (AuthKeyError, OSError, ValueError, ssl.SSLError) as exc:
+        print(f"safekeeper: cannot start: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(node.run)
     except ControlFileError as exc:
         # Never started afresh over a damaged timeline: terms would go back to 0.
         print(f"safekeeper: cannot start: {exc}", file=sys.stderr)

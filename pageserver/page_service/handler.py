@@ -9,6 +9,9 @@ Owns the commands on the pageserver's libpq port (protocols.md §1.5):
 - ``set ...``: ``SELECT 1`` (psycopg's ``SET datestyle``).
 - anything registered in ``extra_commands`` (e.g. ``basebackup`` from its own room).
 
+Auth: each command but ``set`` is checked with ``conn.authorize`` against the tenant it names
+(for extra commands: their first argument; none = a node-wide command), before it runs.
+
 Query parsing follows neon: trim, split at the first space (a query without a space cannot be
 parsed), match the command word case-insensitively, split the arguments on whitespace.
 
@@ -91,6 +94,15 @@ def parse_query(query: str) -> PageServiceCommand:
     return OtherCommand(name, args)
 
 
+def _leading_tenant(args: tuple[str, ...]) -> TenantId | None:
+    if not args:
+        return None
+    try:
+        return TenantId.parse(args[0])
+    except RemoteProtocolError:
+        return None
+
+
 class TimelineLookup(Protocol):
     """Finds a timeline's reader; raises ``NotFound`` (or ``Shutdown``) when it cannot."""
 
@@ -146,8 +158,12 @@ class PageServiceHandler:
             case SetCommand():
                 await conn.send_command_complete("SELECT 1")
             case PagestreamCommand():
+                conn.authorize(command.tenant_id)
                 await self._pagestream(conn, command)
             case OtherCommand(name=name, args=args):
+                # Every other command names its tenant first (basebackup, fullbackup, ...);
+                # one that does not is node-wide: only a pageserverapi token passes.
+                conn.authorize(_leading_tenant(args))
                 run = self.extra_commands.get(name)
                 if run is None:
                     raise PgError(f"unsupported command {name!r}", sqlstate.SYNTAX_ERROR)

@@ -118,9 +118,9 @@ def handler() -> Handler:
 
 @asynccontextmanager
 async def tcp_server(
-    handler: Handler, config: PgServerConfig | None = None, **kw: CleartextPasswordAuthenticator
+    handler: Handler, config: PgServerConfig | None = None, authenticator: CleartextPasswordAuthenticator | None = None
 ) -> AsyncIterator[PgServer]:
-    server = PgServer(handler, config, **kw)
+    server = PgServer(handler, config, authenticator=authenticator)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         yield server

@@ -56,6 +56,7 @@ from pageserver.walredo.errors import RedoError, RedoValidationError
 from pageserver.walredo.heap import redo_heap, redo_heap2, vm_clears
 from pageserver.walredo.mask import RM_MASKS
 from pageserver.walredo.sequence import redo_seq
+from pageserver.walredo.spgist import redo_spgist
 from pageserver.walredo.visibilitymap import (
     HEAPBLOCKS_PER_PAGE,
     heapblk_to_mapblock,
@@ -89,6 +90,7 @@ REDO_ROUTINES: dict[int, RedoFn] = {
     RmgrId.HEAP2: redo_heap2,
     RmgrId.BTREE: redo_btree,
     RmgrId.SEQ: redo_seq,
+    RmgrId.SPGIST: redo_spgist,
 }
 # resource managers whose records never change relation pages
 NO_PAGE_EFFECT = frozenset(

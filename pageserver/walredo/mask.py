@@ -101,6 +101,14 @@ def seq_mask(page: bytearray, blkno: int) -> None:
     mask_unused_space(page)
 
 
+def spg_mask(page: bytearray, blkno: int) -> None:
+    """spg_mask: LSN/checksum, hint bits, and the hole if pd_lower looks set."""
+    mask_page_lsn_and_checksum(page)
+    mask_page_hint_bits(page)
+    if bp.get_lower(page) >= bp.SIZE_OF_PAGE_HEADER:
+        mask_unused_space(page)
+
+
 def no_mask(page: bytearray, blkno: int) -> None:
     """Resource managers without rm_mask (XLOG): images are compared as they are."""
 
@@ -119,6 +127,7 @@ RM_MASKS: dict[int, MaskFn] = {
     RmgrId.HEAP: heap_mask,
     RmgrId.BTREE: btree_mask,
     RmgrId.SEQ: seq_mask,
+    RmgrId.SPGIST: spg_mask,
 }
 
 

@@ -64,10 +64,31 @@ def _load(module: str) -> CommandModule:
     return cast(CommandModule, importlib.import_module(module))
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the package version and which kernels run (native or pure Python).
+
+    Computed only when asked: it imports the kernels, whose ImportError (not built, stale,
+    a bad PAGESTORE_PURE_PYTHON) is then the answer."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and the implementation, then exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from importlib.metadata import version
+
+        from protocol import _native
+
+        info = _native.describe()
+        impl = "native (Cython)" if info["impl"] == "native" else "pure Python (PAGESTORE_PURE_PYTHON=1)"
+        print(f"pagestore {version('pagestore')}: {impl} kernels, CRC-32C {info['crc32c']}")
+        parser.exit()
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagestore", description="Disaggregated storage for PostgreSQL, on trio."
     )
+    parser.add_argument("--version", action=_VersionAction)
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
     # Only the module of the command actually named on the command line is imported.

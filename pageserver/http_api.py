@@ -50,6 +50,7 @@ from pageserver.tenant_manager import (
     TimelineNotFoundError,
 )
 from pageserver.timeline import Timeline
+from protocol import _native
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, Lsn, format_lsn, parse_lsn
@@ -128,6 +129,10 @@ class StatusResponse:
     id: int
     tenants: int
     timelines: int
+    # which kernels run: "native" (Cython) or "python" (PAGESTORE_PURE_PYTHON=1), and the CRC
+    # kernel ("sse4.2", "table", ...): protocol._native.describe()
+    impl: str
+    crc32c: str
 
 
 @attrs.frozen
@@ -237,7 +242,14 @@ def build_router(manager: TenantManager, registry: CollectorRegistry) -> Router:
 
     @route("GET", "/v1/status")
     async def status(_: Request) -> StatusResponse:
-        return StatusResponse(manager.conf.id, len(manager.tenants), sum(1 for _ in manager.iter_timelines()))
+        native = _native.describe()
+        return StatusResponse(
+            manager.conf.id,
+            len(manager.tenants),
+            sum(1 for _ in manager.iter_timelines()),
+            native["impl"],
+            native["crc32c"],
+        )
 
     @route("POST", "/v1/tenant")
     async def create_tenant(req: Request) -> Response:

@@ -38,6 +38,7 @@ from pageserver.page_service.metrics import PageServiceMetrics
 from pageserver.page_service.reader import NotFound, PageReader, Shutdown
 from pageserver.page_service.timeline_adapter import TimelinePageReader
 from pageserver.tenant_manager import TenantManager
+from protocol import _native
 from protocol.ids import TenantId, TimelineId
 
 log = structlog.get_logger("pageserver.node")
@@ -126,7 +127,7 @@ class PageserverNode:
                 self.pg_port = await servers.start(pg.serve)
                 self.http_port = await servers.start(http.serve)
                 log.info("pageserver started", id=conf.id, pg_port=self.pg_port, http_port=self.http_port,
-                         workdir=str(conf.workdir), tenants=len(self.manager.tenants))
+                         workdir=str(conf.workdir), tenants=len(self.manager.tenants), **_native.describe())
                 task_status.started((self.pg_port, self.http_port))
                 await self._stop.wait()
                 log.info("pageserver stopping")

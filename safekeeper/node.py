@@ -30,6 +30,7 @@ from common.logging import setup_logging
 from common.pgserver import PgConnection, PgServer, PgServerConfig
 from common.security import NodeSecurity
 from common.signals import stop_on_signal
+from protocol import _native
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import format_lsn
@@ -163,6 +164,8 @@ class SafekeeperNode:
             "ingest_queue": self.cfg.ingest_queue,
             "max_write_bytes": self.cfg.max_write_bytes,
             "wal_removal_period_s": self.cfg.wal_removal_period_s,
+            # which kernels run (native or python) and the CRC-32C kernel
+            **_native.describe(),
         }
 
     async def run(self, *, task_status: trio.TaskStatus[tuple[int, int]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -174,7 +177,7 @@ class SafekeeperNode:
             self._tasks = nursery
             for tl in self.timelines.values():
                 self._start_background(tl)
-            log.info("safekeeper started", pg_port=self.pg_port, http_port=self.http_port, id=self.cfg.id)
+            log.info("safekeeper started", pg_port=self.pg_port, http_port=self.http_port, id=self.cfg.id, **_native.describe())
             task_status.started((self.pg_port, self.http_port))
             if threading.current_thread() is threading.main_thread():
                 nursery.start_soon(stop_on_signal, self.stop)

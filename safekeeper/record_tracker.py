@@ -13,12 +13,10 @@ treats that as the end of WAL, the ingest path as the proposer's fault.
 from __future__ import annotations
 
 import struct
-from typing import NoReturn
-
-import crc32c
 
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ, Lsn
+from protocol.wal.kernels import crc32c, scan_records
 from protocol.wal.page import (
     XLOG_PAGE_MAGIC,
     XLP_ALL_FLAGS,
@@ -39,18 +37,6 @@ _LONG_TAIL = struct.Struct("<QII")
 _U32 = struct.Struct("<I")
 # xl_tot_len, then (after xl_xid and xl_prev) xl_info and xl_rmid.
 _REC_HEAD = struct.Struct("<I12xBB")
-# CRC-32C over any message followed by its own CRC (little-endian) is this constant, and
-# only the right 4 bytes give it: checking the 20 header bytes plus the stored xl_crc
-# against it is exactly the "computed == stored" check, one unpack cheaper.
-_CRC_RESIDUE = 0x48674BC7
-
-# A continuation page's header may not have unknown bits nor the long-header flag (the
-# fast path leaves segment starts, where the long header belongs, to the state machine).
-_BAD_CONT_INFO = (~XLP_ALL_FLAGS | XLP_LONG_HEADER) & 0xFFFF
-# Record bytes a page holds after a short header.
-_PAGE_ROOM = XLOG_BLCKSZ - SHORT_PHD
-# Records shorter than this make the fast path slice a bytes copy of the chunk.
-_COPY_BELOW = 2048
 
 # What the next byte is: part of a page header, of a record header, of a record body, or
 # alignment / XLOG_SWITCH padding to skip.
@@ -111,10 +97,6 @@ class RecordTracker:
     def feed(self, data: bytes | bytearray | memoryview) -> Lsn:
         """Consume ``data`` (the bytes at ``self.pos``); return the new ``record_end``."""
         view = memoryview(data).cast("B")
-        # What the fast path slices (two slices per record and one per page piece): a bytes
-        # copy of the chunk when records are small (slicing bytes is cheaper than slicing a
-        # memoryview, so the copy pays for itself), the view itself when they are large.
-        flat: bytes | memoryview | None = data if type(data) is bytes else None
         i = 0
         n = len(view)
         while i < n:
@@ -123,7 +105,7 @@ class RecordTracker:
             state = self._state
             if state == _REC_BODY:
                 take = min(self._body_left, n - i, page_left)
-                self._crc = crc32c.crc32c(view[i : i + take], self._crc)
+                self._crc = crc32c(view[i : i + take], self._crc)
                 i += take
                 self.pos = Lsn(pos + take)
                 self._body_left -= take
@@ -155,10 +137,7 @@ class RecordTracker:
                     # Fast path: whole records on this page and in this buffer, in a tight
                     # loop (this is the safekeeper's hottest code).
                     if n - i >= RECORD_HEADER:
-                        if flat is None:
-                            (first_len,) = _U32.unpack_from(view, i)
-                            flat = view.tobytes() if first_len < _COPY_BELOW else view
-                        i, pos = self._fast_records(flat, i, n, pos)
+                        i, pos = self._fast_records(view, i, n, pos)
                         if pos != self.pos:
                             self.pos = pos
                             if pos % XLOG_BLCKSZ == 0:
@@ -196,99 +175,27 @@ class RecordTracker:
         return self.record_end
 
     def _fast_records(
-        self, buf: bytes | memoryview, i: int, n: int, pos: int
+        self, buf: memoryview, i: int, n: int, pos: int
     ) -> tuple[int, Lsn]:
-        """Consume complete records that lie entirely in ``buf[i:n]``, each followed by its
-        MAXALIGN padding, including records that continue over short page headers (each
-        such header checked exactly as ``_check_page_header`` would: magic, address, flags,
-        continuation length); stop before anything else (a page start, a segment's long
-        header, XLOG_SWITCH, an incomplete record, anything suspicious) and leave it to the
-        general state machine, which also produces the error for what is wrong. Returns the
-        new (index, position); the caller handles a page start. ``pos`` is not on one."""
-        # Per record: one unpack and two CRC calls, plus one unpack and one CRC call per page
-        # it continues on. The stored CRC is checked through the CRC-32C residue (see
-        # _CRC_RESIDUE) so it is never unpacked; positions are derived from the index.
-        crc32 = crc32c.crc32c
-        unpack = _REC_HEAD.unpack_from
-        unpack_page = _PAGE_HEADER.unpack_from
-        seg_size = self.seg_size
-        base = pos - i
-        last_end = -1
-        while True:
-            in_page = (base + i) % XLOG_BLCKSZ
-            if not in_page:
-                break  # a page header: the caller's
-            page_end = i + XLOG_BLCKSZ - in_page
-            stop = page_end if page_end < n else n
-            # Records wholly on this page: the hottest loop of the safekeeper.
-            while stop - i >= RECORD_HEADER:
-                tot_len, info, rmid = unpack(buf, i)
-                end = i + tot_len
-                if tot_len < RECORD_HEADER or end > stop:
-                    break
-                if rmid == RM_XLOG_ID and info & 0xF0 == XLOG_SWITCH:
-                    break
-                body = i + RECORD_HEADER
-                if crc32(buf[i:body], crc32(buf[body:end])) != _CRC_RESIDUE:
-                    self._fast_fail(base, last_end, i)
-                # MAXALIGN: a record starts aligned, so its padding follows from its length.
-                last_end = i + ((tot_len + 7) & ~7)
-                if last_end > n:
-                    # The padding is not in this buffer: let the slow path skip it.
-                    self.record_end = Lsn(base + last_end)
-                    return end, Lsn(base + end)
-                i = last_end
-            # A record that continues on the next pages, if it is all in the buffer.
-            if page_end - i < RECORD_HEADER or n - i < RECORD_HEADER:
-                break
-            tot_len, info, rmid = unpack(buf, i)
-            end = i + tot_len
-            if end <= page_end or end > n or (rmid == RM_XLOG_ID and info & 0xF0 == XLOG_SWITCH):
-                break
-            body = i + RECORD_HEADER
-            crc = crc32(buf[body:page_end])
-            left = end - page_end
-            p = page_end
-            while left:
-                piece = p + SHORT_PHD
-                if piece > n or (base + p) % seg_size == 0:
-                    break
-                magic, pinfo, _tli, pageaddr, rem_len = unpack_page(buf, p)
-                if (
-                    magic != XLOG_PAGE_MAGIC
-                    or pageaddr != base + p
-                    or pinfo & _BAD_CONT_INFO
-                    or not pinfo & XLP_FIRST_IS_CONTRECORD
-                    or rem_len != left
-                ):
-                    break
-                take = left if left < _PAGE_ROOM else _PAGE_ROOM
-                p = piece + take
-                if p > n:
-                    break
-                crc = crc32(buf[piece:p], crc)
-                left -= take
-            if left:
-                break
-            if crc32(buf[i:body], crc) != _CRC_RESIDUE:
-                self._fast_fail(base, last_end, i)
-            last_end = ((base + p + 7) & ~7) - base
-            if last_end > n:
-                self.record_end = Lsn(base + last_end)
-                return p, Lsn(base + p)
-            i = last_end
-        if last_end >= 0:
-            self.record_end = Lsn(base + last_end)
-        return i, Lsn(base + i)
+        """Consume complete records that lie entirely in ``buf[i:n]`` with the WAL kernel
+        (``protocol.wal.kernels.scan_records``: records on this page and records that continue
+        over short page headers, CRCs checked); it stops before anything else (a page start, a
+        segment's long header, XLOG_SWITCH, an incomplete record, anything suspicious) and
+        leaves it to the general state machine, which also produces the error for what is
+        wrong. Returns the new (index, position); the caller handles a page start. ``pos`` is
+        not on one.
 
-    def _fast_fail(self, base: int, last_end: int, i: int) -> NoReturn:
-        """A CRC mismatch in ``_fast_records``: publish the end of the records it verified
-        before raising. The restart scan relies on it: there the WAL ends in a torn record
-        (its header written, the rest zeros), and without this the records before it in the
-        same read chunk would be lost although they were acknowledged."""
+        On a CRC mismatch the end of the records verified before it is published before
+        raising. The restart scan relies on it: there the WAL ends in a torn record (its
+        header written, the rest zeros), and without this the records before it in the same
+        read chunk would be lost although they were acknowledged."""
+        base = pos - i
+        i, last_end, bad = scan_records(buf, i, n, base, self.seg_size)
         if last_end >= 0:
             self.record_end = Lsn(base + last_end)
-        raise InvalidWal(f"record CRC mismatch for the record at {base + i:#x}")
+        if bad >= 0:
+            raise InvalidWal(f"record CRC mismatch for the record at {base + bad:#x}")
+        return i, Lsn(base + i)
 
     def _check_page_header(self, page_lsn: Lsn) -> None:
         magic, info, _tli, pageaddr, rem_len = _PAGE_HEADER.unpack_from(self._phdr, 0)
@@ -337,7 +244,7 @@ class RecordTracker:
 
     def _finish_record(self) -> None:
         rhdr = self._rhdr
-        crc = crc32c.crc32c(memoryview(rhdr)[:20], self._crc)
+        crc = crc32c(memoryview(rhdr)[:20], self._crc)
         (stored,) = _U32.unpack_from(rhdr, 20)
         if crc != stored:
             raise InvalidWal(f"record CRC mismatch for the record ending at {self.pos:#x}")

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, settings
 
+from protocol import _native
+from protocol._native_sources import NATIVE_MODULES, TWINS
 from tests.tmpdirs import pg_tmpdir
 
 # validate_get defaults to this variable: the whole suite runs both read paths and fails loudly on
@@ -61,3 +65,36 @@ def s3_config(seaweedfs: str) -> object:
         bucket=f"test-{os.getpid()}-{next(_BUCKETS)}", endpoint=seaweedfs, prefix="pfx",
         access_key_id="test", secret_access_key="test", create_bucket=True, timeout_s=30.0,
     )
+
+
+def pytest_report_header() -> str:
+    return f"pagestore kernels: {_native.IMPL} ({_native.describe()})"
+
+
+@pytest.fixture(
+    scope="session",
+    params=[pytest.param("native", marks=pytest.mark.native), "python"],
+)
+def impl(request: pytest.FixtureRequest) -> str:
+    """Both implementations of the kernels in one process (native.md §7): tests take
+    ``impl`` and load the module pair with ``kernel(impl, "protocol._wal_c")``. The native
+    one is marked ``native``; deselecting it (``-m "not native"``) is allowed only with
+    PAGESTORE_PURE_PYTHON=1 (CI's pure-Python pass), so a missing build never hides."""
+    return str(request.param)
+
+
+def kernel(impl: str, native_name: str) -> ModuleType:
+    """The compiled module ``native_name`` (checked: built, not stale) or its twin."""
+    if native_name not in NATIVE_MODULES:
+        raise LookupError(native_name)
+    if impl == "native":
+        return _native.load_native(native_name)
+    return importlib.import_module(TWINS[native_name])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    markexpr = str(config.getoption("-m") or "")
+    if "not native" in markexpr and _native.IMPL != "python":
+        raise pytest.UsageError(
+            '-m "not native" skips the compiled kernels: only allowed with PAGESTORE_PURE_PYTHON=1'
+        )

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pageserver.storage.key import is_rel_block_key, key_parse_hex
+from protocol import _native
 from protocol.lsn import parse_lsn
 from tests.pageserver.node_helpers import NodeProcess, running_node
 from tests.tmpdirs import pg_tmpdir
@@ -34,6 +35,7 @@ def bootstrapped(node: NodeProcess) -> tuple[str, str]:
 def test_status_and_metrics(node: NodeProcess) -> None:
     status, body = node.request("GET", "/v1/status")
     assert status == 200 and body["id"] == 1
+    assert body["impl"] == _native.IMPL and body["crc32c"] == _native.describe()["crc32c"]
     status, text = node.request("GET", "/metrics")
     assert status == 200
     assert "pageserver_materialized_cache_hits_total" in text  # storage engine (process registry)

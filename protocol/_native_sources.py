@@ -1,0 +1,30 @@
+"""Which compiled modules pagestore has, which source files each is built from, and their hash.
+
+Data and one pure function only: ``setup.py`` runs this file by path (before the package is
+importable) and compiles each hash into its module as ``SOURCE_HASH``; ``protocol._native``
+recomputes it from the files beside the package and refuses a build whose sources changed
+since (a stale ``.so`` after a ``git pull`` would otherwise run old code silently).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Final
+
+# compiled module -> (its .pyx, then every header or include file it reads), relative to the
+# repository root (the directory holding setup.py).
+NATIVE_MODULES: Final[dict[str, tuple[str, ...]]] = {
+    "protocol._wal_c": ("protocol/_wal_c.pyx", "protocol/_crc32c.h", "protocol/_bytes.h"),
+}
+
+# compiled module -> its pure-Python twin (the reference).
+TWINS: Final[dict[str, str]] = {name: name[: -len("_c")] + "_py" for name in NATIVE_MODULES}
+
+
+def source_hash(files: Iterable[tuple[str, bytes]]) -> str:
+    """SHA-256 (hex, first 32 chars) over each (relative path, content) pair, in order."""
+    h = hashlib.sha256()
+    for name, content in files:
+        h.update(name.encode() + b"\0" + len(content).to_bytes(8, "little") + content)
+    return h.hexdigest()[:32]

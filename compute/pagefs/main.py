@@ -1,0 +1,229 @@
+"""``pagestore pagefs``: the page filesystem of one lazy endpoint, as a process the control
+plane supervises (like the walproposer bridge). It fetches the relation listing at the start
+LSN from the pageserver's HTTP API, builds the tree over the backing directory, mounts it,
+writes ``--status-file`` (``"mounted": true`` once PostgreSQL may start) every second, and
+serves ``/metrics`` and ``/v1/status`` (and ``POST /v1/evict``: drop every page the rules allow)
+on ``--http-port``. SIGTERM or SIGINT unmounts and exits.
+
+A tenant token for the page service (when auth is on) comes from the environment
+(``PAGESTORE_PAGEFS_TOKEN``), never from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import structlog
+import trio
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from common.http import HttpServer, HttpServerConfig, Request, Response, Router
+from common.logging import LEVELS, setup_logging
+from common.metrics import add_metrics_route
+from compute.pagefs.cache_file import LocalPageFile
+from compute.pagefs.fs import Listing, PageFs
+from compute.pagefs.page_header import BLCKSZ
+from compute.pagefs.remote import PageFetcher
+from compute.pagefs.store import Keep, PageStore
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import Lsn, format_lsn, parse_lsn
+
+log = structlog.get_logger("compute.pagefs")
+TOKEN_ENV = "PAGESTORE_PAGEFS_TOKEN"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mountpoint", required=True, help="where the tree (base/, global/) is mounted")
+    parser.add_argument("--backing", required=True, help="directory of the ordinary files (the lazy basebackup's base/ and global/)")
+    parser.add_argument("--cache-file", required=True, help="the local page file (truncated at start)")
+    parser.add_argument("--local-cache-size", type=int, default=1 << 30,
+                        help="bytes of written pages kept before eviction (default 1 GiB)")
+    parser.add_argument("--pageserver", required=True, help="host:port of the page service (libpq)")
+    parser.add_argument("--pageserver-http", required=True, help="http://host:port of the pageserver's API")
+    parser.add_argument("--tenant-id", required=True)
+    parser.add_argument("--timeline-id", required=True)
+    parser.add_argument("--start-lsn", required=True, help="S: the basebackup's LSN")
+    parser.add_argument("--read-only", action="store_true", help="a read-only endpoint: every read at S")
+    parser.add_argument("--bridge-status", default=None,
+                        help="the walproposer bridge's status file: its commit_lsn is what the safekeepers hold")
+    parser.add_argument("--no-wal-log-hints", action="store_true",
+                        help="PostgreSQL runs without wal_log_hints: keep PD_ALL_VISIBLE heap pages local (H1)")
+    parser.add_argument("--connections", type=int, default=4, help="pagestream connections")
+    parser.add_argument("--status-file", default=None)
+    parser.add_argument("--http-port", type=int, default=0)
+    parser.add_argument("--user", default="postgres", help="owner of every file (PostgreSQL's user)")
+    parser.add_argument("--log-file", default=None)
+    parser.add_argument("--log-level", default="info", choices=sorted(LEVELS, key=LEVELS.__getitem__))
+
+
+class StoreCollector(Collector):
+    """The page store's counters at scrape time."""
+
+    def __init__(self, fs: PageFs) -> None:
+        self.fs = fs
+
+    def collect(self) -> Any:
+        m = self.fs.store.metrics
+        for name, value, doc in (
+            ("pagefs_hits", m.hits, "blocks served from the local page file or known zeros"),
+            ("pagefs_misses", m.misses, "blocks read from the page service"),
+            ("pagefs_zero_reads", m.zero_reads, "blocks past the pageserver's size"),
+            ("pagefs_writes", m.writes, "blocks written"),
+            ("pagefs_evictions", m.evictions, "pages dropped from the local page file"),
+            ("pagefs_over_capacity", m.over_capacity, "allocations past local_cache_size (all kept)"),
+            ("pagefs_read_errors", self.fs.read_errors, "kernel reads answered EIO"),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
+        g = GaugeMetricFamily("pagefs_bytes_cached", "bytes in the local page file")
+        g.add_metric([], self.fs.store.bytes_cached)
+        yield g
+        k = GaugeMetricFamily("pagefs_kept_pages", "written pages that may not leave, by reason", labels=["reason"])
+        for reason, n in self.fs.store.kept.items():
+            if reason != Keep.NO:
+                k.add_metric([reason.name.lower()], n)
+        yield k
+
+
+def status(fs: PageFs, http_port: int | None, started: float) -> dict[str, object]:
+    s, m, f = fs.store, fs.store.metrics, fs.fetcher
+    return {
+        "pid": os.getpid(),
+        "mounted": True,
+        "mounted_in_s": round(started, 3),
+        "http_port": http_port,
+        "start_lsn": format_lsn(s.start_lsn),
+        "durable_lsn": format_lsn(s.durable_lsn()),
+        "hits": m.hits,
+        "misses": m.misses,
+        "zero_reads": m.zero_reads,
+        "writes": m.writes,
+        "evictions": m.evictions,
+        "over_capacity": m.over_capacity,
+        "bytes_cached": s.bytes_cached,
+        "kept": {k.name.lower(): v for k, v in s.kept.items() if k != Keep.NO},
+        "getpage_batches": f.batches,
+        "getpage_pages": f.pages,
+        "getpage_errors": f.errors,
+        "read_errors": fs.read_errors,
+    }
+
+
+def _replace(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def _bridge_commit_lsn(path: str | None) -> Lsn:
+    if path is None:
+        return Lsn(0)
+    try:
+        return parse_lsn(json.loads(Path(path).read_text())["commit_lsn"])
+    except (OSError, ValueError, KeyError, TypeError, Exception):
+        return Lsn(0)  # not written yet: nothing beyond S is known to be durable
+
+
+def fetch_listing(url: str, token: str | None) -> Listing:
+    req = urllib.request.Request(url)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return Listing.from_json(json.loads(resp.read()))
+
+
+async def amain(args: argparse.Namespace) -> None:
+    started = time.monotonic()
+    token = os.environ.get(TOKEN_ENV) or None
+    tenant, timeline = TenantId.parse(args.tenant_id), TimelineId.parse(args.timeline_id)
+    start_lsn = parse_lsn(args.start_lsn)
+    pw = pwd.getpwnam(args.user)
+    listing = await trio.to_thread.run_sync(
+        fetch_listing,
+        f"{args.pageserver_http}/v1/tenant/{tenant.hex}/timeline/{timeline.hex}/relations?at_lsn={format_lsn(start_lsn)}",
+        token,
+    )
+    durable = Lsn(0)
+    cache = LocalPageFile(Path(args.cache_file), max(1, args.local_cache_size // BLCKSZ))
+    store = PageStore(cache, start_lsn=start_lsn, primary=not args.read_only, durable_lsn=lambda: durable,
+                      wal_log_hints=not args.no_wal_log_hints)
+    registry = CollectorRegistry()
+    host, _, port = args.pageserver.rpartition(":")
+    fetcher = PageFetcher(host, int(port), tenant, timeline, connections=args.connections, token=token,
+                          registry=registry)
+    fs = PageFs(store, fetcher, Path(args.backing), uid=pw.pw_uid, gid=pw.pw_gid)
+    fs.load(listing)
+    registry.register(StoreCollector(fs))
+    router = Router()
+    add_metrics_route(router, registry)
+    http = HttpServer(router, HttpServerConfig(port=args.http_port))
+
+    async def status_route(_: Request) -> Response:
+        return Response.json(status(fs, http.port, mounted_in))
+
+    async def evict_route(_: Request) -> Response:
+        return Response.json({"evicted": store.evict_all()})
+
+    router.add("GET", "/v1/status", status_route)
+    router.add("POST", "/v1/evict", evict_route)
+
+    options = set(pyfuse3.default_options) | {"fsname=pagefs", "allow_other"}
+    pyfuse3.init(fs, args.mountpoint, options)
+    mounted_in = time.monotonic() - started
+    log.info("mounted", mountpoint=args.mountpoint, start_lsn=format_lsn(start_lsn), seconds=round(mounted_in, 3),
+             relations=sum(len(r) for _, _, r in listing.databases))
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pyfuse3.main)
+            await nursery.start(http.serve)
+
+            async def durable_loop() -> None:
+                nonlocal durable
+                while True:
+                    durable = _bridge_commit_lsn(args.bridge_status)
+                    await trio.sleep(0.2)
+
+            async def status_loop() -> None:
+                while True:
+                    if args.status_file:
+                        await trio.to_thread.run_sync(_replace, args.status_file,
+                                                      json.dumps(status(fs, http.port, mounted_in)))
+                    await trio.sleep(1)
+
+            nursery.start_soon(durable_loop)
+            nursery.start_soon(status_loop)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    log.info("stopping")
+                    pyfuse3.terminate()
+                    nursery.cancel_scope.cancel()
+                    break
+    finally:
+        pyfuse3.close(unmount=True)
+        await fetcher.aclose()
+        cache.close()
+        if args.status_file:
+            Path(args.status_file).unlink(missing_ok=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(log_file=Path(args.log_file) if args.log_file else None, level=args.log_level)
+    if not os.path.exists("/dev/fuse"):
+        print("pagestore pagefs: /dev/fuse does not exist (no FUSE on this machine)", file=sys.stderr)
+        return 1
+    trio.run(amain, args)
+    return 0

@@ -1,0 +1,120 @@
+"""GetPage for the page filesystem: a small pool of pagestream connections to the page
+service. One kernel read becomes one batch: every GetPage of it is sent in one write on one
+connection and the responses are read back in order, so the page service's pipeline folds the
+16 GetPages of a 128 KiB readahead into one batch. Several kernel reads in flight use several
+connections.
+
+A connection that fails is dropped (the next batch opens a new one) and the read fails with
+``PageFetchError``: the filesystem answers EIO, PostgreSQL reports an I/O error. An FSM page
+the page service cannot serve is zeros (FSM pages are hints, rule R5); any other per-request
+error is the read's error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Final
+
+import structlog
+import trio
+from prometheus_client import CollectorRegistry, Histogram
+
+from common.pgclient import connect
+from compute.page_client import PageClient
+from compute.pagefs.names import FSM
+from compute.pagefs.page_header import ZERO_PAGE
+from compute.pagefs.store import RemoteRead
+from protocol.ids import TenantId, TimelineId
+from protocol.pagestream import ErrorResponse, GetPageRequest, GetPageResponse, RelTag
+
+log = structlog.get_logger("compute.pagefs.remote")
+
+BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128)
+LATENCY_BUCKETS: Final = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2.0)
+
+
+class PageFetchError(Exception):
+    """A GetPage batch failed (connection lost, or the page service refused a page)."""
+
+
+class PageFetcher:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        tenant_id: TenantId,
+        timeline_id: TimelineId,
+        *,
+        connections: int = 4,
+        token: str | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.host, self.port = host, port
+        self.tenant_id, self.timeline_id = tenant_id, timeline_id
+        self.token = token
+        self._idle: list[PageClient] = []
+        self._slots = trio.Semaphore(connections)
+        reg = registry or CollectorRegistry()
+        self.batch_size = Histogram("pagefs_getpage_batch_size", "GetPages sent per kernel read",
+                                    buckets=BATCH_BUCKETS, registry=reg)
+        self.latency = Histogram("pagefs_getpage_batch_seconds",
+                                 "time from sending a kernel read's GetPages to its last page",
+                                 buckets=LATENCY_BUCKETS, registry=reg)
+        self.batches = 0
+        self.pages = 0
+        self.errors = 0
+
+    async def _client(self) -> PageClient:
+        if self._idle:
+            return self._idle.pop()
+        conn = await connect(self.host, self.port, user="pagestore", password=self.token)
+        try:
+            return await PageClient.start(conn, self.tenant_id, self.timeline_id, version=3)
+        except BaseException:
+            await conn.aclose()
+            raise
+
+    async def fetch(self, rel: RelTag, reads: Sequence[RemoteRead]) -> list[bytes]:
+        """The pages of ``reads`` (one batch), in order."""
+        if not reads:
+            return []
+        async with self._slots:
+            started = time.monotonic()
+            client: PageClient | None = None
+            try:
+                client = await self._client()
+                requests = [GetPageRequest(client.next_reqid(), r.request_lsn, r.not_modified_since, rel, r.blkno)
+                            for r in reads]
+                await client.send(*requests)
+                responses = [await client.receive() for _ in requests]
+            except Exception as exc:  # a lost connection, a refused stream: this read fails
+                self.errors += 1
+                if client is not None:
+                    with trio.CancelScope(shield=True):
+                        await client.aclose()
+                log.error("getpage batch failed", rel=str(rel), blocks=len(reads), error=str(exc))
+                raise PageFetchError(f"GetPage of {rel} blocks {reads[0].blkno}..: {exc}") from exc
+            self._idle.append(client)
+            self.batches += 1
+            self.pages += len(reads)
+            self.batch_size.observe(len(reads))
+            self.latency.observe(time.monotonic() - started)
+        out: list[bytes] = []
+        for r, resp in zip(reads, responses, strict=True):
+            if isinstance(resp, GetPageResponse):
+                out.append(bytes(resp.page))
+            elif isinstance(resp, ErrorResponse) and rel.forknum == FSM:
+                out.append(ZERO_PAGE)
+            elif isinstance(resp, ErrorResponse):
+                self.errors += 1
+                raise PageFetchError(f"GetPage of {rel} block {r.blkno}: {resp.message}")
+            else:
+                raise PageFetchError(f"GetPage of {rel} block {r.blkno}: unexpected {type(resp).__name__}")
+        return out
+
+    async def aclose(self) -> None:
+        for client in self._idle:
+            with trio.CancelScope(shield=True):
+                await client.aclose()
+        self._idle.clear()

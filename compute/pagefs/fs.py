@@ -229,6 +229,9 @@ class PageFs(pyfuse3.Operations):
         except KeyError:
             raise pyfuse3.FUSEError(errno.ENOENT) from None
 
+    def children_of(self, ino: int) -> dict[bytes, int]:
+        return self._dirnode(ino).children
+
     def _dirnode(self, ino: int) -> DirNode:
         node = self._node(ino)
         if not isinstance(node, DirNode):

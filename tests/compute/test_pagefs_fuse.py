@@ -16,7 +16,7 @@ import trio
 pyfuse3 = pytest.importorskip("pyfuse3")
 
 from compute.pagefs.cache_file import LocalPageFile  # noqa: E402
-from compute.pagefs.fs import Listing, PageFs  # noqa: E402
+from compute.pagefs.fs import DirNode, Listing, PageFs  # noqa: E402
 from compute.pagefs.page_header import BLCKSZ, make_page  # noqa: E402
 from compute.pagefs.remote import PageFetcher, PageFetchError  # noqa: E402
 from compute.pagefs.store import PageStore, RemoteRead  # noqa: E402
@@ -160,8 +160,9 @@ async def test_directories_rename_and_io_errors(mounted: tuple[Path, PageFs, Fak
     db = mnt / "base" / "16500"
     await io(db.mkdir)  # CREATE DATABASE
     await io(pwrite, db / "1259", make_page(S - 0x100, fill=1), 0, os.O_CREAT | os.O_EXCL)
-    node = fs.nodes[fs.nodes[fs.nodes[1].children[b"base"]].children[b"16500"]]  # type: ignore[attr-defined]
-    assert node.db == (1663, 16500) and node.created_here
+    base = fs.nodes[fs.children_of(1)[b"base"]]
+    node = fs.nodes[fs.children_of(base.ino)[b"16500"]]
+    assert isinstance(node, DirNode) and node.db == (1663, 16500) and node.created_here
     with pytest.raises(OSError):
         await io(db.rmdir)  # not empty
     await io(os.unlink, db / "1259")

@@ -37,14 +37,14 @@ def remote_page(rel: RelTag, blkno: int) -> bytes:
 class FakeFetcher(PageFetcher):
     def __init__(self) -> None:
         super().__init__("127.0.0.1", 1, TenantId(bytes(16)), TimelineId(bytes(16)))
-        self.batches: list[list[RemoteRead]] = []
+        self.seen: list[list[RemoteRead]] = []
         self.fail = False
 
     async def fetch(self, rel: RelTag, reads: Sequence[RemoteRead]) -> list[bytes]:
         if self.fail:
             raise PageFetchError("the page service is gone")
         if reads:
-            self.batches.append(list(reads))
+            self.seen.append(list(reads))
         await trio.lowlevel.checkpoint()
         return [remote_page(rel, r.blkno) for r in reads]
 
@@ -119,12 +119,12 @@ async def test_reads_are_batched_and_cached_by_the_kernel(mounted: tuple[Path, P
     path = mnt / "base" / "5" / "16384"
     data = await io(path.read_bytes)
     assert data == b"".join(remote_page(rel, b) for b in range(40))
-    assert sum(len(b) for b in fetcher.batches) == 40
-    assert max(len(b) for b in fetcher.batches) == 16  # a 128 KiB readahead is one batch
-    assert {r.not_modified_since for b in fetcher.batches for r in b} == {S}
-    before = len(fetcher.batches)
+    assert sum(len(b) for b in fetcher.seen) == 40
+    assert max(len(b) for b in fetcher.seen) == 16  # a 128 KiB readahead is one batch
+    assert {r.not_modified_since for b in fetcher.seen for r in b} == {S}
+    before = len(fetcher.seen)
     assert await io(pread, path, BLCKSZ, 7 * BLCKSZ) == remote_page(rel, 7)
-    assert len(fetcher.batches) == before  # keep_cache: the kernel's page cache answered
+    assert len(fetcher.seen) == before  # keep_cache: the kernel's page cache answered
 
 
 async def test_write_extend_truncate_unlink(mounted: tuple[Path, PageFs, FakeFetcher]) -> None:
@@ -141,7 +141,7 @@ async def test_write_extend_truncate_unlink(mounted: tuple[Path, PageFs, FakeFet
     assert (await io(os.stat, path)).st_size == 10 * BLCKSZ
     assert await io(pread, path, BLCKSZ, 5 * BLCKSZ) == bytes(BLCKSZ)
     assert await io(pread, path, BLCKSZ, 2 * BLCKSZ) == pages[2]
-    assert not fetcher.batches  # a new file never reads from the page service
+    assert not fetcher.seen  # a new file never reads from the page service
     await io(os.truncate, path, 2 * BLCKSZ)  # mdtruncate / mdunlink's truncate(path, 0)
     assert (await io(os.stat, path)).st_size == 2 * BLCKSZ
     await io(pwrite, path, make_page(S + 72, fill=3), 3 * BLCKSZ)

@@ -53,6 +53,7 @@ from pageserver.walredo import bufpage as bp
 from pageserver.walredo import clog, multixact
 from pageserver.walredo.btree import redo_btree
 from pageserver.walredo.errors import RedoError, RedoValidationError
+from pageserver.walredo.hash import redo_hash, redo_hash_on_image
 from pageserver.walredo.heap import redo_heap, redo_heap2, vm_clears
 from pageserver.walredo.mask import RM_MASKS
 from pageserver.walredo.sequence import redo_seq
@@ -91,6 +92,12 @@ REDO_ROUTINES: dict[int, RedoFn] = {
     RmgrId.BTREE: redo_btree,
     RmgrId.SEQ: redo_seq,
     RmgrId.SPGIST: redo_spgist,
+    RmgrId.HASH: redo_hash,
+}
+# Routines that also run after an applied image is restored, for the record types whose
+# PostgreSQL redo changes the page on top of it (BLK_RESTORED handled like BLK_NEEDS_REDO).
+ON_IMAGE_ROUTINES: dict[int, RedoFn] = {
+    RmgrId.HASH: redo_hash_on_image,
 }
 # resource managers whose records never change relation pages
 NO_PAGE_EFFECT = frozenset(
@@ -259,7 +266,11 @@ class PostgresRedoManager:
         if self.count:
             self.stats.applied[record_name(rec)] += 1
         if blk.apply_image:
-            return restore_image(blk, lsn)
+            restored = restore_image(blk, lsn)
+            on_image = ON_IMAGE_ROUTINES.get(rec.xl_rmid)
+            if on_image is not None:
+                on_image(restored, rec, blk)
+            return restored
         if blk.will_init:
             page = bytearray(bp.BLCKSZ)
         elif page is None:

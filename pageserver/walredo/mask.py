@@ -13,6 +13,13 @@ from collections.abc import Callable
 from pageserver.walredo import bufpage as bp
 from pageserver.walredo.btree import BTP_HAS_GARBAGE, BTP_LEAF, BTP_SPLIT_END
 from pageserver.walredo.errors import RedoError
+from pageserver.walredo.hash import (
+    LH_BUCKET_PAGE,
+    LH_OVERFLOW_PAGE,
+    LH_PAGE_HAS_DEAD_TUPLES,
+    LH_PAGE_TYPE,
+    LH_UNUSED_PAGE,
+)
 from pageserver.walredo.heap import (
     HEAP_XACT_MASK,
     HEAP_XMAX_COMMITTED,
@@ -96,6 +103,20 @@ def btree_mask(page: bytearray, blkno: int) -> None:
     bp.U16.pack_into(page, flags_pos + 2, 0)
 
 
+def hash_mask(page: bytearray, blkno: int) -> None:
+    mask_page_lsn_and_checksum(page)
+    mask_page_hint_bits(page)
+    mask_unused_space(page)
+    flag_pos = bp.get_special(page) + 12  # after hasho_prevblkno, hasho_nextblkno, hasho_bucket
+    (flag,) = bp.U16.unpack_from(page, flag_pos)
+    pagetype = flag & LH_PAGE_TYPE
+    if pagetype == LH_UNUSED_PAGE:
+        mask_page_content(page)
+    elif pagetype in (LH_BUCKET_PAGE, LH_OVERFLOW_PAGE):
+        mask_lp_flags(page)  # scans set LP_DEAD without WAL
+    bp.U16.pack_into(page, flag_pos, flag & ~LH_PAGE_HAS_DEAD_TUPLES)
+
+
 def seq_mask(page: bytearray, blkno: int) -> None:
     mask_page_lsn_and_checksum(page)
     mask_unused_space(page)
@@ -128,6 +149,7 @@ RM_MASKS: dict[int, MaskFn] = {
     RmgrId.BTREE: btree_mask,
     RmgrId.SEQ: seq_mask,
     RmgrId.SPGIST: spg_mask,
+    RmgrId.HASH: hash_mask,
 }
 
 

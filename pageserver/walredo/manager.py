@@ -53,6 +53,7 @@ from pageserver.walredo import bufpage as bp
 from pageserver.walredo import clog, multixact
 from pageserver.walredo.btree import redo_btree
 from pageserver.walredo.errors import RedoError, RedoValidationError
+from pageserver.walredo.generic import redo_generic
 from pageserver.walredo.hash import redo_hash, redo_hash_on_image
 from pageserver.walredo.heap import redo_heap, redo_heap2, vm_clears
 from pageserver.walredo.mask import RM_MASKS
@@ -93,6 +94,7 @@ REDO_ROUTINES: dict[int, RedoFn] = {
     RmgrId.SEQ: redo_seq,
     RmgrId.SPGIST: redo_spgist,
     RmgrId.HASH: redo_hash,
+    RmgrId.GENERIC: redo_generic,
 }
 # Routines that also run after an applied image is restored, for the record types whose
 # PostgreSQL redo changes the page on top of it (BLK_RESTORED handled like BLK_NEEDS_REDO).

@@ -117,6 +117,12 @@ def hash_mask(page: bytearray, blkno: int) -> None:
     bp.U16.pack_into(page, flag_pos, flag & ~LH_PAGE_HAS_DEAD_TUPLES)
 
 
+def generic_mask(page: bytearray, blkno: int) -> None:
+    """No hint-bit masking: an extension's pd_flags and pd_prune_xid are compared as logged."""
+    mask_page_lsn_and_checksum(page)
+    mask_unused_space(page)
+
+
 def seq_mask(page: bytearray, blkno: int) -> None:
     mask_page_lsn_and_checksum(page)
     mask_unused_space(page)
@@ -150,6 +156,7 @@ RM_MASKS: dict[int, MaskFn] = {
     RmgrId.SEQ: seq_mask,
     RmgrId.SPGIST: spg_mask,
     RmgrId.HASH: hash_mask,
+    RmgrId.GENERIC: generic_mask,
 }
 
 

@@ -30,28 +30,28 @@ from pathlib import Path
 
 import attrs
 import pytest
-import trio
 
 from compute.postgres import PostgresInstance
-from pageserver.pgdatadir import Datadir, RelTag
 from pageserver.storage.key import rel_block_key
 from pageserver.storage.reconstruct import PageReconstructError
 from pageserver.storage.value import PostgresRecord
-from pageserver.tenant import Tenant
-from pageserver.walingest import WalIngest
 from pageserver.walredo import bufpage as bp
 from pageserver.walredo import hash as hh
 from pageserver.walredo.errors import RedoError
 from pageserver.walredo.manager import PostgresRedoManager, RelBlock
-from pageserver.walredo.mask import hash_mask, masked
+from pageserver.walredo.mask import hash_mask
 from pageserver.walredo.verify import VERIFY_SETTINGS, VerifyReport, read_wal, verify_records
-from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, parse_lsn
 from protocol.wal.encoder import BlockSpec, build_record
 from protocol.wal.record import DecodedRecord, RelFileNode, decode_record
 from protocol.wal.rmgr import RmgrId
-from tests.pageserver.test_walingest import CONFIG as INGEST_CONFIG
-from tests.pageserver.test_walingest import _checkpoint
+from tests.pageserver.index_redo import (
+    Pages,
+    compare_with_files,
+    ingest_and_read,
+    relfilenodes_of_am,
+    unbuilt_blocks,
+)
 from tests.tmpdirs import pg_tmpdir
 
 pytestmark = pytest.mark.postgres
@@ -206,99 +206,36 @@ def test_every_hash_record_matches_its_verification_image(hash_wal: HashRun) -> 
         assert variants[v] > 0, f"the workload wrote no {v}"
 
 
-def _hash_relfilenodes(pg: PostgresInstance) -> dict[int, str]:
-    rows = pg.psql(
-        "SELECT c.relfilenode, c.relname FROM pg_class c JOIN pg_am a ON a.oid = c.relam"
-        " WHERE a.amname = 'hash' AND c.relfilenode <> 0"
-    )
-    return {int(line.split("|")[0]): line.split("|")[1] for line in rows.splitlines()}
-
-
-def _file_page(pg: PostgresInstance, db: int, rel: int, fork: int, blkno: int) -> bytes | None:
-    path = pg.datadir / "base" / str(db) / f"{rel}{('', '_fsm', '_vm', '_init')[fork]}"
-    if not path.exists() or path.stat().st_size < (blkno + 1) * bp.BLCKSZ:
-        return None
-    with path.open("rb") as f:
-        f.seek(blkno * bp.BLCKSZ)
-        return f.read(bp.BLCKSZ)
-
-
-def _compare(pg: PostgresInstance, pages: dict[RelBlock, bytes | bytearray]) -> tuple[int, list[str]]:
-    compared = 0
-    differ: list[str] = []
-    for t, page in pages.items():
-        disk = _file_page(pg, t.db, t.rel, t.fork, t.blkno)
-        if disk is None:
-            continue
-        if bp.page_is_new(page) and bp.page_is_new(disk):
-            compared += 1
-            continue
-        compared += 1
-        if bp.page_is_new(page) or bp.page_is_new(disk) or masked(page, t.blkno, hash_mask) != masked(disk, t.blkno, hash_mask):
-            differ.append(f"{t}")
-    return compared, differ
-
-
 def test_replayed_hash_pages_equal_the_index_files(hash_wal: HashRun) -> None:
     pg, report = hash_wal.pg, hash_wal.report
-    rels = _hash_relfilenodes(pg)
+    rels = relfilenodes_of_am(pg, "hash")
     assert {"h_k", "o_k", "d_k", "f_k", "u_k", "t_k"} <= set(rels.values())
     assert not report.failures
-    pages: dict[RelBlock, bytes | bytearray] = {t: p for t, p in report.pages.items() if t.rel in rels and t.fork != 1}
-    compared, differ = _compare(pg, pages)
+    pages: Pages = {t: p for t, p in report.pages.items() if t.rel in rels and t.fork != 1}
+    compared, differ = compare_with_files(pg, pages, hash_mask)
     print(f"compared {compared} hash index pages with the files; {len(differ)} differ")
-    # every block of the live indexes (main and init forks) was rebuilt
-    for rel in rels:
-        for fork in (0, 3):
-            f = pg.datadir / "base" / str(next(iter(pages)).db) / f"{rel}{'' if fork == 0 else '_init'}"
-            if f.exists():
-                nblocks = f.stat().st_size // bp.BLCKSZ
-                got = {t.blkno for t in pages if t.rel == rel and t.fork == fork}
-                # blocks inside a split point's range that no record touched stay zeros on disk
-                untouched = [b for b in range(nblocks) if b not in got and _file_page(pg, next(iter(pages)).db, rel, fork, b) != bytes(bp.BLCKSZ)]
-                assert not untouched, f"{rels[rel]} fork {fork}: blocks {untouched[:10]} were never rebuilt"
+    db = next(iter(pages)).db
+    for rel, name in rels.items():
+        # blocks inside a split point's range that no record touched stay zeros on disk
+        unbuilt = unbuilt_blocks(pg, pages, db, rel)
+        assert not unbuilt, f"{name}: (fork, block) {unbuilt[:10]} were never rebuilt"
     assert compared > 50
     assert not differ, differ[:20]
 
 
 def test_ingested_hash_records_are_readable(hash_wal: HashRun, tmp_path: Path) -> None:
-    """WAL ingest stores the hash records raw under every block they name; reads rebuild them."""
+    """WAL ingest stores the hash records raw under every block they name (lock-only and
+    data-less ones included); reads rebuild the pages from them alone."""
     pg = hash_wal.pg
     # every index but h_k (5,500 plain INSERTs, the bulk of the run and the slowest to ingest)
-    rels = {rel: name for rel, name in _hash_relfilenodes(pg).items() if name != "h_k"}
+    rels = {rel: name for rel, name in relfilenodes_of_am(pg, "hash").items() if name != "h_k"}
     mine = [r for r in hash_wal.recs if all(b.rel in rels for b in r.blocks)]
     missing = set(ALL_TYPES) - {r.record_type for r in mine if r.xl_rmid == RmgrId.HASH}
     assert not missing
-    db = mine[0].blocks[0].db
-    spc = mine[0].blocks[0].spc
     lock_only = sum(1 for r in mine if r.xl_rmid == RmgrId.HASH for b in r.blocks if not b.has_data and not b.apply_image)
     assert lock_only > 0
-
-    async def run() -> tuple[int, list[str]]:
-        tenant = Tenant(tmp_path, TenantId.generate(), INGEST_CONFIG, redo=PostgresRedoManager(validate=True))
-        tl = await tenant.create_timeline(TimelineId.generate())
-        ing = WalIngest(tl)
-        mod = ing.w.begin(Lsn(mine[0].lsn))
-        mod.put_checkpoint(_checkpoint(next_xid=1 << 20))
-        await mod.put_dbdir_creation(spc, db)
-        await mod.commit()
-        for r in mine:
-            await ing.ingest_record(r)
-        lsn = tl.last_record_lsn
-        dd = Datadir(tl)
-        pages: dict[RelBlock, bytes | bytearray] = {}
-        for rel in rels:
-            for fork in (0, 3):
-                tag = RelTag(spc, db, rel, fork)
-                if not await dd.rel_exists(tag, lsn):
-                    continue
-                n = await dd.get_rel_size(tag, lsn)
-                for blkno in range(n):
-                    pages[RelBlock(spc, db, rel, fork, blkno)] = await dd.get_page(tag, blkno, lsn)
-        await tenant.shutdown()
-        return _compare(pg, pages)
-
-    compared, differ = trio.run(run)
+    pages = ingest_and_read(tmp_path, mine, rels)
+    compared, differ = compare_with_files(pg, pages, hash_mask)
     print(f"ingested and read back {compared} hash index pages; {len(differ)} differ")
     assert compared > 50
     assert not differ, differ[:20]

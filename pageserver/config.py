@@ -44,6 +44,8 @@ from pageserver.page_service.config import (
 )
 from pageserver.storage.config import StorageConfig
 from pageserver.wal_receiver import DEFAULT_PRECHECK_MIN_BYTES
+from remote_storage import LocalStorageConfig, RemoteStorageConfig
+from remote_storage import register_hooks as register_remote_hooks
 
 AuthType = Literal["Trust", "NeonJWT"]
 AUTH_TYPES = ("Trust", "NeonJWT")
@@ -118,6 +120,9 @@ class PageserverConfig:
     ssl_key_file: Path | None = None
     # CA the WAL receivers verify the safekeepers' certificates with (TLS to them when set).
     ssl_ca_file: Path | None = None
+    # The durable tier (remote-storage.md): {kind = "local", path = "..."} or {kind = "s3",
+    # endpoint, bucket, prefix, region}; None: layers live on this node's disk only.
+    remote_storage: RemoteStorageConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         if (self.ssl_cert_file is None) != (self.ssl_key_file is None):
@@ -182,6 +187,7 @@ class PageserverConfig:
 def make_pageserver_converter() -> cattrs.Converter:
     conv = make_converter()
     register_hooks(conv)
+    register_remote_hooks(conv)
     return conv
 
 
@@ -191,6 +197,9 @@ def load_pageserver_config(path: Path) -> PageserverConfig:
     cfg = load_config(PageserverConfig, path, converter=make_pageserver_converter())
     if not cfg.workdir.is_absolute():
         cfg = attrs.evolve(cfg, workdir=(path.parent / cfg.workdir).resolve())
+    rs = cfg.remote_storage
+    if isinstance(rs, LocalStorageConfig) and not rs.path.is_absolute():
+        cfg = attrs.evolve(cfg, remote_storage=attrs.evolve(rs, path=cfg.workdir / rs.path))
     return cfg
 
 

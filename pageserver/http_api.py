@@ -189,8 +189,8 @@ def timeline_info(tl: Timeline, manager: TenantManager) -> TimelineInfo:
         ancestor_lsn=format_lsn(tl.ancestor_lsn) if tl.ancestor is not None else None,
         last_record_lsn=format_lsn(tl.last_record_lsn),
         disk_consistent_lsn=format_lsn(tl.disk_consistent_lsn),
-        # Nothing is uploaded to remote storage: what is durable locally is all there is.
-        remote_consistent_lsn=format_lsn(tl.disk_consistent_lsn),
+        # Without remote storage: what is durable locally is all there is.
+        remote_consistent_lsn=format_lsn(tl.remote_consistent_lsn),
         latest_gc_cutoff_lsn=format_lsn(tl.latest_gc_cutoff_lsn),
         pg_version=PG_VERSION,
         state="Active",

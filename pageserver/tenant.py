@@ -25,9 +25,10 @@ from pathlib import Path
 import structlog
 import trio
 
+from pageserver.remote_tenant import TenantRemote, make_client, prepare_tenant_dir
 from pageserver.storage.config import StorageConfig
 from pageserver.storage.delta_layer import PersistentLayer
-from pageserver.storage.index_part import INDEX_PART, read_index_part
+from pageserver.storage.index_part import INDEX_PART, IndexPart, read_index_part
 from pageserver.storage.io_engine import IoEngine, fsync_dir, make_io_engine
 from pageserver.storage.layer_file import IndexBlockCache, LayerCorruptionError
 from pageserver.storage.page_cache import PageCache
@@ -56,8 +57,12 @@ class Tenant:
         engine: IoEngine | None = None,
         redo: RedoManager | None = None,
         nursery: trio.Nursery | None = None,
+        remote: TenantRemote | None = None,
     ) -> None:
+        if remote is not None and nursery is None:
+            raise ValueError("a tenant with remote storage needs a nursery for its upload queues")
         self.path = path
+        self.remote = remote
         self.tenant_id = tenant_id
         self.config = config
         self.engine = engine if engine is not None else make_io_engine(config.io_engine, write_sync_mode=config.io_sync_mode)
@@ -92,11 +97,19 @@ class Tenant:
         await self.engine.run_sync(lambda: self.uninit_marker(timeline_id).unlink(missing_ok=True))
         await fsync_dir(self.engine, self.timelines_dir)
         self.creating.discard(timeline_id)
+        tl = self.timelines.get(timeline_id)
+        if tl is not None and tl.remote is not None:
+            tl.remote.activate()  # complete now: the remote may see it
 
     def _new_timeline(
-        self, timeline_id: TimelineId, ancestor: Timeline | None, ancestor_lsn: Lsn, start_lsn: Lsn
+        self,
+        timeline_id: TimelineId,
+        ancestor: Timeline | None,
+        ancestor_lsn: Lsn,
+        start_lsn: Lsn,
+        remote_index: IndexPart | None = None,
     ) -> Timeline:
-        return Timeline(
+        tl = Timeline(
             tenant_id=self.tenant_id,
             timeline_id=timeline_id,
             path=self.timelines_dir / timeline_id.hex,
@@ -111,6 +124,14 @@ class Tenant:
             start_lsn=start_lsn,
             nursery=self.nursery,
         )
+        if self.remote is not None:
+            assert self.nursery is not None
+            tl.remote = make_client(
+                self.remote, self.tenant_id, timeline_id, tl.path, remote_index,
+                pins=self.graveyard.pins, on_unpinned=self.graveyard.collect,
+            )
+            self.nursery.start_soon(tl.remote.run, name=f"remote.{timeline_id.hex[:8]}")
+        return tl
 
     async def create_timeline(
         self,
@@ -153,7 +174,11 @@ class Tenant:
             # Listed already, so a GC round may be writing its index_part too: take turns.
             await tl.write_index_part_locked()
             await fsync_dir(self.engine, self.timelines_dir)
+            if tl.remote is not None and timeline_id not in self.creating:
+                tl.remote.activate()
         except BaseException:
+            if tl.remote is not None:
+                tl.remote.stop()
             del self.timelines[timeline_id]
             # No index_part: nothing to keep (a load would remove it too); a retry may mkdir.
             with trio.CancelScope(shield=True):
@@ -189,10 +214,16 @@ class Tenant:
         engine: IoEngine | None = None,
         redo: RedoManager | None = None,
         nursery: trio.Nursery | None = None,
+        remote: TenantRemote | None = None,
     ) -> Tenant:
-        tenant = cls(path, tenant_id, config, engine=engine, redo=redo, nursery=nursery)
+        """Load the tenant from ``path``; with ``remote``, first make the directory agree with
+        the remote indexes (``pageserver.remote_tenant``: the remote wins)."""
+        tenant = cls(path, tenant_id, config, engine=engine, redo=redo, nursery=nursery, remote=remote)
         tdir = tenant.timelines_dir
         tdir.mkdir(parents=True, exist_ok=True)
+        remote_indexes: dict[TimelineId, IndexPart] = {}
+        if remote is not None:
+            remote_indexes = await prepare_tenant_dir(remote, tenant_id, path)
         parts = {}
         entries = sorted(tdir.iterdir())
         unfinished = {e.name.removesuffix(UNINIT_SUFFIX) for e in entries if e.name.endswith(UNINIT_SUFFIX)}
@@ -236,10 +267,22 @@ class Tenant:
                     if aid not in tenant.timelines:
                         continue
                     ancestor = tenant.timelines[aid]
-                tl = tenant._new_timeline(tid, ancestor, part.ancestor_lsn, part.disk_consistent_lsn)
+                tl = tenant._new_timeline(
+                    tid, ancestor, part.ancestor_lsn, part.disk_consistent_lsn, remote_indexes.get(tid)
+                )
                 tl.latest_gc_cutoff_lsn = part.latest_gc_cutoff_lsn
-                await _load_layers(tl, part.layers)
+                try:
+                    await _load_layers(tl, part.layers)
+                except BaseException:
+                    if tl.remote is not None:
+                        tl.remote.stop()
+                    raise
                 tenant.timelines[tid] = tl
+                if tl.remote is not None:
+                    if tid not in remote_indexes:
+                        # Only here (never uploaded): the remote gets all of it.
+                        tl.remote.schedule_index_upload(tl.index_part())
+                    tl.remote.activate()
                 del remaining[tid]
                 progressed = True
             if not progressed:
@@ -294,6 +337,8 @@ class Tenant:
 
     async def shutdown(self) -> None:
         for tl in self.timelines.values():
+            if tl.remote is not None:
+                tl.remote.stop()
             await tl.shutdown()
         self.graveyard.readers = 0
         await self.graveyard.collect()

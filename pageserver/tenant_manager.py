@@ -27,6 +27,7 @@ import trio
 
 from pageserver.config import PageserverConfig, split_addr
 from pageserver.import_datadir import DatadirImportError, bootstrap_timeline, import_datadir
+from pageserver.remote_tenant import TenantRemote, highest_generation, list_remote_tenants
 from pageserver.storage.io_engine import fsync_dir
 from pageserver.tenant import Tenant, TimelineExistsError
 from pageserver.timeline import Timeline
@@ -37,6 +38,7 @@ from pageserver.walredo.manager import PostgresRedoManager
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn
+from remote_storage import RemoteStorage, make_remote_storage
 
 log = structlog.get_logger("pageserver.tenant_manager")
 
@@ -88,6 +90,9 @@ class TenantManager:
         self._nursery: trio.Nursery | None = None
         self.shutting_down = trio.Event()
         self.precheck_pool = PrecheckPool(conf.wal_precheck_max_children or default_children())
+        self.remote_storage: RemoteStorage | None = (
+            None if conf.remote_storage is None else make_remote_storage(conf.remote_storage)
+        )
 
     @property
     def tenants_dir(self) -> Path:
@@ -105,17 +110,24 @@ class TenantManager:
         """Load every tenant of the workdir and start WAL receivers."""
         self._nursery = nursery
         self.tenants_dir.mkdir(parents=True, exist_ok=True)
+        found: list[TenantId] = []
         for entry in sorted(self.tenants_dir.iterdir()):
             if entry.name.startswith(TMP_PREFIX):
                 await trio.to_thread.run_sync(shutil.rmtree, entry)
                 continue
             try:
-                tenant_id = TenantId.parse(entry.name)
+                found.append(TenantId.parse(entry.name))
             except RemoteProtocolError:
                 log.warning("ignoring a directory that is not a tenant", path=str(entry))
-                continue
+        if self.remote_storage is not None:
+            # Without a control plane this node owns every tenant of the bucket: a node that
+            # lost its disk gets them all back.
+            found += [t for t in await list_remote_tenants(self.remote_storage) if t not in found]
+        for tenant_id in found:
+            entry = self.tenants_dir / tenant_id.hex
             tenant = await Tenant.load(
-                entry, tenant_id, self.conf.storage_config(), redo=self._new_redo(), nursery=nursery
+                entry, tenant_id, self.conf.storage_config(), redo=self._new_redo(), nursery=nursery,
+                remote=await self._tenant_remote(tenant_id),
             )
             self.tenants[tenant_id] = tenant
             log.info("tenant loaded", tenant_id=tenant_id.hex, timelines=len(tenant.timelines))
@@ -157,7 +169,29 @@ class TenantManager:
                         disk_consistent_lsn=format_lsn(tl.disk_consistent_lsn),
                         last_record_lsn=format_lsn(tl.last_record_lsn),
                     )
+            for tl in tenant.timelines.values():
+                # Let the upload queue drain for a while: the next start (here or elsewhere)
+                # then has less to re-ingest. Not for ever: the store may be down.
+                with trio.move_on_after(self.conf.shutdown_timeout_s * 2) as scope:
+                    await self.wait_remote(tl)
+                if scope.cancelled_caught:
+                    log.warning("uploads not finished at shutdown; the next attach re-ingests from "
+                                "remote_consistent_lsn", timeline_id=tl.timeline_id.hex,
+                                remote_consistent_lsn=format_lsn(tl.remote_consistent_lsn))
             await tenant.shutdown()
+
+    async def _tenant_remote(self, tenant_id: TenantId) -> TenantRemote | None:
+        """The tenant's remote storage context with this attachment's generation: one above
+        any the tenant has used (this node issues its own; see ``pageserver.remote_tenant``)."""
+        if self.remote_storage is None:
+            return None
+        generation = await highest_generation(self.remote_storage, tenant_id) + 1
+        return TenantRemote(self.remote_storage, generation)
+
+    async def wait_remote(self, tl: Timeline) -> None:
+        """Return once everything the timeline queued for remote storage is uploaded."""
+        if tl.remote is not None:
+            await tl.remote.wait_uploaded()
 
     def _start_background_jobs(self, tenant: Tenant) -> None:
         """Compaction, flushing of old open layers and GC (``Tenant.run_background_jobs``),
@@ -258,7 +292,7 @@ class TenantManager:
             # Directory work can stall on a busy disk: keep it off the trio thread.
             await trio.to_thread.run_sync(_fresh_dir, tmp / "timelines")
             tenant = Tenant(tmp, tenant_id, self.conf.storage_config(), redo=self._new_redo(),
-                            nursery=self._nursery)
+                            nursery=self._nursery, remote=await self._tenant_remote(tenant_id))
             await fsync_dir(tenant.engine, tmp)
             await trio.to_thread.run_sync(os.rename, tmp, final)
             await fsync_dir(tenant.engine, self.tenants_dir)
@@ -311,6 +345,8 @@ class TenantManager:
                     raise AlreadyExistsError(str(exc)) from None
                 except ValueError as exc:
                     raise BadTimelineRequestError(str(exc)) from None
+            # Durable on return means in remote storage too (a new node would not find it else).
+            await self.wait_remote(tl)
             log.info("timeline created", tenant_id=tenant_id.hex, timeline_id=timeline_id.hex,
                      ancestor=ancestor_timeline_id.hex if ancestor_timeline_id else None,
                      last_record_lsn=format_lsn(tl.last_record_lsn))
@@ -355,6 +391,7 @@ class TenantManager:
             self._unfinished.add((tenant_id, timeline_id))
             try:
                 tl = await self._import(tenant, timeline_id, source, wal_tar)
+                await self.wait_remote(tl)
             finally:
                 self._unfinished.discard((tenant_id, timeline_id))
             log.info("timeline imported", tenant_id=tenant_id.hex, timeline_id=timeline_id.hex,

@@ -63,6 +63,7 @@ import structlog
 import trio
 from prometheus_client import Counter
 
+from pageserver.remote_timeline import Pins, RemoteTimelineClient
 from pageserver.storage import read_path
 from pageserver.storage.config import StorageConfig
 from pageserver.storage.delta_layer import PersistentLayer, ReadContext
@@ -129,6 +130,8 @@ class LayerGraveyard:
     def __init__(self) -> None:
         self.readers = 0
         self._dead: list[PersistentLayer | InMemoryLayer] = []
+        # Layer files an upload queue still has to upload (``remote_timeline``): kept until then.
+        self.pins: Pins = Pins()
 
     def bury(self, layers: Iterable[PersistentLayer | InMemoryLayer]) -> None:
         self._dead.extend(layers)
@@ -137,6 +140,12 @@ class LayerGraveyard:
         if self.readers or not self._dead:
             return
         dead, self._dead = self._dead, []
+        pinned: list[PersistentLayer | InMemoryLayer] = [
+            x for x in dead if isinstance(x, PersistentLayer) and x.path in self.pins
+        ]
+        if pinned:
+            self._dead = pinned
+            dead = [x for x in dead if not (isinstance(x, PersistentLayer) and x.path in self.pins)]
         for layer in dead:
             await layer.aclose()
             if isinstance(layer, PersistentLayer):
@@ -217,6 +226,9 @@ class Timeline:
         # The writer's roll hands the frozen layer to a background flush (its scope, its end)
         self._background_flush: tuple[trio.CancelScope, trio.Event] | None = None
         self.background_flush_failures = 0
+        # The upload queue to remote storage (None: the node has none); every index_part
+        # written here is handed to it.
+        self.remote: RemoteTimelineClient | None = None
 
     # -- ReadableTimeline ------------------------------------------------------------------
 
@@ -645,7 +657,19 @@ class Timeline:
         written then (by a flush already running in another task) would list none of the
         layers and the next load would delete them all as unlisted."""
         self._raise_if_layers_closed()
-        await write_index_part(self.engine, self.path, self.index_part(remove, add, disk_consistent_lsn))
+        part = self.index_part(remove, add, disk_consistent_lsn)
+        await write_index_part(self.engine, self.path, part)
+        if self.remote is not None:
+            # Durable locally: the remote gets the same list, its layers first.
+            self.remote.schedule_index_upload(part)
+
+    @property
+    def remote_consistent_lsn(self) -> Lsn:
+        """What is durable in remote storage (what the safekeepers may forget WAL below);
+        ``disk_consistent_lsn`` for a node without remote storage."""
+        if self.remote is None:
+            return self.disk_consistent_lsn
+        return self.remote.remote_consistent_lsn
 
     async def write_index_part_locked(self) -> None:
         """``write_index_part`` under the layers lock, as flush, compaction and GC write it

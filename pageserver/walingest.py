@@ -1535,7 +1535,7 @@ class TimelineWalIngest:
         self._flush_done: trio.Event | None = None  # set while a flush runs
 
     def progress(self) -> Progress:
-        return Progress(self.tl.disk_consistent_lsn, self.tl.disk_consistent_lsn)
+        return Progress(self.tl.disk_consistent_lsn, self.tl.remote_consistent_lsn)
 
     async def _on_record(self, rec: DecodedRecord) -> None:
         await self._applying(self.ingest.ingest_record(rec))

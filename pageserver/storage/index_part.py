@@ -32,6 +32,9 @@ class IndexPart:
     latest_gc_cutoff_lsn: Lsn = INVALID_LSN
     ancestor_timeline_id: str | None = None
     ancestor_lsn: Lsn = INVALID_LSN
+    # The remote index's layer name -> generation of the attachment that uploaded it (the
+    # object's key suffix, ``pageserver.remote_layout``); empty in the local index_part.
+    generations: dict[str, int] = attrs.field(factory=dict)
 
     def to_json(self) -> bytes:
         doc: dict[str, Any] = {
@@ -40,9 +43,13 @@ class IndexPart:
             "latest_gc_cutoff_lsn": format_lsn(self.latest_gc_cutoff_lsn),
             "ancestor_timeline_id": self.ancestor_timeline_id,
             "ancestor_lsn": format_lsn(self.ancestor_lsn),
-            "layers": {name: {"file_size": size} for name, size in sorted(self.layers.items())},
+            "layers": {name: self._layer_meta(name, size) for name, size in sorted(self.layers.items())},
         }
         return json.dumps(doc, indent=1).encode()
+
+    def _layer_meta(self, name: str, size: int) -> dict[str, int]:
+        gen = self.generations.get(name)
+        return {"file_size": size} if gen is None else {"file_size": size, "generation": gen}
 
     @classmethod
     def from_json(cls, path: Path, raw: bytes) -> IndexPart:
@@ -51,6 +58,11 @@ class IndexPart:
             if doc["version"] != INDEX_PART_VERSION:
                 raise ValueError(f"unsupported version {doc['version']}")
             layers = {str(name): int(meta["file_size"]) for name, meta in doc["layers"].items()}
+            generations = {
+                str(name): int(meta["generation"]) for name, meta in doc["layers"].items() if "generation" in meta
+            }
+            if any(not 0 < g < 1 << 32 for g in generations.values()):
+                raise ValueError("a layer generation is out of range")
             anc = doc["ancestor_timeline_id"]
             return cls(
                 layers=layers,
@@ -58,6 +70,7 @@ class IndexPart:
                 latest_gc_cutoff_lsn=parse_lsn(doc["latest_gc_cutoff_lsn"]),
                 ancestor_timeline_id=None if anc is None else str(anc),
                 ancestor_lsn=parse_lsn(doc["ancestor_lsn"]),
+                generations=generations,
             )
         except (ValueError, KeyError, TypeError, AttributeError, RemoteProtocolError) as exc:
             raise RemoteProtocolError(f"{path}: invalid index_part: {exc}", sqlstate="XX001") from exc

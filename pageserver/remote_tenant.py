@@ -1,0 +1,223 @@
+"""A tenant's side of remote storage: its generation, finding its timelines' indexes, and making
+the local directory agree with them before the tenant loads (the remote index wins).
+
+At attach (every start of the node, and ``attach`` on the HTTP API) for each timeline that has
+an index in remote storage:
+
+- the index chosen is the one of the highest generation not above ours (a newer generation's
+  index belongs to an attachment that superseded us: never read it);
+- local files the index does not name, or names with another size, are deleted (work done
+  after that index was uploaded: it is redone from the WAL the safekeepers kept, since they
+  remove WAL only below the uploaded ``disk_consistent_lsn``);
+- layers the index names and the directory lacks are downloaded (to a temp file, size-checked,
+  renamed, the directory fsynced) with bounded retries;
+- the local ``index_part.json`` is rewritten as the remote one.
+
+Then ``Tenant.load`` opens the directory as usual. Timelines only the local directory has (the
+node ran without remote storage, or it crashed before their first upload) are kept and
+uploaded whole. The generation comes from the control plane when the node has one
+(``pageserver.control_plane_client``); a node without one issues its own: one above every
+generation found in the tenant's remote objects (safe only while one pageserver uses the bucket).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import attrs
+import structlog
+import trio
+
+from pageserver import remote_layout
+from pageserver.remote_timeline import Pins, RemoteTimelineClient, Validator, always_valid
+from pageserver.storage.index_part import INDEX_PART, IndexPart
+from pageserver.storage.layer_file import LayerCorruptionError
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import format_lsn
+from remote_storage import RemoteNotFoundError, RemoteStorage
+from remote_storage.retry import retry
+
+log = structlog.get_logger("pageserver.remote_tenant")
+
+DOWNLOAD_ATTEMPTS = 10
+_TEMP_DOWNLOAD = ".___temp_download"
+
+
+@attrs.define
+class TenantRemote:
+    """What a tenant's timelines need to build their upload queues."""
+
+    storage: RemoteStorage
+    generation: int
+    validate: Validator = always_valid
+    parallel_uploads: int = 8
+
+
+async def list_remote_tenants(storage: RemoteStorage) -> list[TenantId]:
+    listing = await retry(lambda: storage.list(remote_layout.tenants_prefix(), "/"), what="list tenants")
+    out = []
+    for prefix in listing.prefixes:
+        name = prefix.rstrip("/").rpartition("/")[2]
+        try:
+            out.append(TenantId.parse(name))
+        except Exception:
+            log.warning("ignoring a remote prefix that is not a tenant", prefix=prefix)
+    return out
+
+
+async def list_remote_timelines(storage: RemoteStorage, tenant_id: TenantId) -> list[TimelineId]:
+    listing = await retry(
+        lambda: storage.list(remote_layout.timelines_prefix(tenant_id), "/"), what="list timelines"
+    )
+    out = []
+    for prefix in listing.prefixes:
+        name = prefix.rstrip("/").rpartition("/")[2]
+        try:
+            out.append(TimelineId.parse(name))
+        except Exception:
+            log.warning("ignoring a remote prefix that is not a timeline", prefix=prefix)
+    return out
+
+
+async def highest_generation(storage: RemoteStorage, tenant_id: TenantId) -> int:
+    """The highest generation of any index of the tenant (0: none)."""
+    listing = await retry(
+        lambda: storage.list(remote_layout.timelines_prefix(tenant_id)), what="list tenant indexes"
+    )
+    gens = [g for k in listing.keys if (g := remote_layout.index_generation(k)) is not None]
+    return max(gens, default=0)
+
+
+async def find_index(
+    storage: RemoteStorage, tenant_id: TenantId, timeline_id: TimelineId, generation: int
+) -> tuple[int, IndexPart] | None:
+    """The index of the highest generation ``<= generation`` (and that generation), or None."""
+    prefix = remote_layout.timeline_prefix(tenant_id, timeline_id) + remote_layout.INDEX_PART
+    listing = await retry(lambda: storage.list(prefix), what=f"list {prefix}")
+    gens = sorted(
+        (g for k in listing.keys if (g := remote_layout.index_generation(k)) is not None and g <= generation),
+        reverse=True,
+    )
+    if not gens:
+        return None
+    key = remote_layout.index_key(tenant_id, timeline_id, gens[0])
+    raw = await retry(lambda: storage.download(key), what=f"download {key}")
+    return gens[0], IndexPart.from_json(Path(key), raw)
+
+
+async def download_layer(
+    storage: RemoteStorage, key: str, path: Path, size: int, *, attempts: int = DOWNLOAD_ATTEMPTS
+) -> None:
+    """``key`` into ``path`` (temp file, size check against the index, rename, dir fsync)."""
+    tmp = path.with_name(path.name + _TEMP_DOWNLOAD)
+
+    async def get() -> None:
+        got = await storage.download_file(key, tmp)
+        if got != size:
+            raise OSError(f"{key}: downloaded {got} bytes, the index says {size}")
+
+    try:
+        await retry(get, what=f"download {key}", attempts=attempts)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(lambda: tmp.unlink(missing_ok=True))
+        raise
+
+    def publish() -> None:
+        os.rename(tmp, path)
+        _fsync_dir(path.parent)
+
+    await trio.to_thread.run_sync(publish)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_local_index(directory: Path, part: IndexPart) -> None:
+    local = attrs.evolve(part, generations={})
+    tmp = directory / (INDEX_PART + ".___temp")
+    with open(tmp, "wb") as f:
+        f.write(local.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / INDEX_PART)
+    _fsync_dir(directory)
+
+
+def _reconcile(directory: Path, part: IndexPart) -> list[str]:
+    """Delete what the remote index does not name as it is; return the names to download."""
+    directory.mkdir(parents=True, exist_ok=True)
+    present: set[str] = set()
+    for entry in sorted(directory.iterdir()):
+        name = entry.name
+        if name == INDEX_PART:
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry)
+            continue
+        if part.layers.get(name) == entry.stat().st_size:
+            present.add(name)
+            continue
+        entry.unlink()  # local-only, a different size, a temp or ephemeral file
+    _fsync_dir(directory)
+    return sorted(set(part.layers) - present)
+
+
+async def prepare_tenant_dir(remote: TenantRemote, tenant_id: TenantId, tenant_dir: Path) -> dict[TimelineId, IndexPart]:
+    """Make ``<tenant_dir>/timelines`` agree with the remote indexes (see the module docstring);
+    returns each remote timeline's index (with its layers' generations)."""
+    timelines_dir = tenant_dir / "timelines"
+    await trio.to_thread.run_sync(lambda: timelines_dir.mkdir(parents=True, exist_ok=True))
+    found: dict[TimelineId, IndexPart] = {}
+    for timeline_id in await list_remote_timelines(remote.storage, tenant_id):
+        chosen = await find_index(remote.storage, tenant_id, timeline_id, remote.generation)
+        if chosen is None:
+            continue
+        index_gen, part = chosen
+        directory = timelines_dir / timeline_id.hex
+        # A half-made local timeline of the same id cannot be: the remote one is complete.
+        marker = timelines_dir / (timeline_id.hex + ".___uninit")
+        await trio.to_thread.run_sync(functools.partial(marker.unlink, missing_ok=True))
+        missing = await trio.to_thread.run_sync(_reconcile, directory, part)
+        for name in missing:
+            gen = part.generations.get(name)
+            if gen is None:
+                raise LayerCorruptionError(directory / name, "the remote index names it without a generation")
+            key = remote_layout.layer_key(tenant_id, timeline_id, name, gen)
+            try:
+                await download_layer(remote.storage, key, directory / name, part.layers[name])
+            except RemoteNotFoundError as exc:
+                raise LayerCorruptionError(directory / name, f"the remote index names {key}, which is missing") from exc
+        await trio.to_thread.run_sync(_write_local_index, directory, part)
+        found[timeline_id] = part
+        log.info("timeline prepared from remote storage", tenant_id=tenant_id.hex,
+                 timeline_id=timeline_id.hex, index_generation=index_gen, generation=remote.generation,
+                 layers=len(part.layers), downloaded=len(missing),
+                 disk_consistent_lsn=format_lsn(part.disk_consistent_lsn))
+    return found
+
+
+def make_client(
+    remote: TenantRemote,
+    tenant_id: TenantId,
+    timeline_id: TimelineId,
+    local_dir: Path,
+    remote_index: IndexPart | None,
+    *,
+    pins: Pins,
+    on_unpinned: Callable[[], Awaitable[None]],
+) -> RemoteTimelineClient:
+    return RemoteTimelineClient(
+        remote.storage, tenant_id, timeline_id, remote.generation, local_dir,
+        remote_index=remote_index, validate=remote.validate, pins=pins, on_unpinned=on_unpinned,
+        parallel_uploads=remote.parallel_uploads,
+    )

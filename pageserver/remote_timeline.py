@@ -1,0 +1,346 @@
+"""A timeline's upload queue: its layers and ``index_part.json`` into remote storage, in an
+order that never lets the remote index name an object that is not there.
+
+Every local index_part write (flush, compaction, image layers, GC, creation) hands the new
+index to ``schedule_index_upload``, which compares it with the last scheduled one and queues:
+
+1. ``UploadLayer`` for each layer the new index names and no earlier one did (the local file
+   is pinned in the tenant's graveyard until it is uploaded: a compaction that replaces it
+   meanwhile cannot delete it from under the upload);
+2. ``UploadIndex`` with the new index (layer generations filled in);
+3. ``Delete`` of the objects of layers the new index no longer names.
+
+One worker task (``run``) executes the queue in order, with these liberties only: consecutive
+layer uploads run in parallel (``parallel_uploads``), and consecutive index uploads are
+coalesced (only the newest is sent: each index is complete). So at most one index PUT is in
+flight, every index goes up after the layers it names, and a Delete runs only after an index
+without those layers is uploaded; it then asks ``validate`` (is my generation still current?)
+and drops the deletion if not: a newer attachment may be using them (the objects leak, which is
+safe). Deletions are executed by this worker, in queue order, so a deletion never overtakes a
+later upload of the same key. The queue is not persisted: after a crash the remote index is the
+authority (``pageserver.remote_tenant``), and a crash between an index and its deletions leaks
+the unlinked objects (never a dangling reference).
+
+``remote_consistent_lsn`` is the ``disk_consistent_lsn`` of the last uploaded index, once
+``validate`` confirmed the generation: the WAL receiver reports it to the safekeepers, which
+remove WAL only below it. Uploads and deletions retry forever with capped backoff
+(``remote_storage.retry``): while the store is down, ingest and flushes go on, the queue grows,
+and ``remote_consistent_lsn`` stays where it was.
+
+Until ``activate`` (a timeline still being bootstrapped or imported) nothing is queued: only
+the newest index is kept and queued whole on activation, so the remote never sees a half-made
+timeline.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import attrs
+import structlog
+import trio
+from prometheus_client import Counter, Gauge
+
+from pageserver import remote_layout
+from pageserver.storage.index_part import IndexPart
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import INVALID_LSN, format_lsn
+from remote_storage import RemoteStorage
+from remote_storage.retry import retry
+
+log = structlog.get_logger("pageserver.remote_timeline")
+
+UPLOADED_BYTES = Counter("pageserver_remote_upload_bytes", "bytes of layer files uploaded")
+UPLOADED_LAYERS = Counter("pageserver_remote_uploaded_layers", "layer files uploaded")
+UPLOADED_INDEXES = Counter("pageserver_remote_uploaded_indexes", "index_part.json objects uploaded")
+DELETED_OBJECTS = Counter("pageserver_remote_deleted_objects", "layer objects deleted from remote storage")
+DROPPED_DELETIONS = Counter(
+    "pageserver_remote_dropped_deletions",
+    "layer objects not deleted because the generation was no longer current (leaked, safe)",
+)
+QUEUED_OPS = Gauge("pageserver_remote_queued_operations", "operations waiting in upload queues")
+
+Validator = Callable[[], Awaitable[bool]]
+
+
+async def always_valid() -> bool:
+    """The validator of a node that issues its own generations (no control plane)."""
+    return True
+
+
+@attrs.frozen
+class UploadLayer:
+    name: str
+    path: Path
+    size: int
+
+
+@attrs.frozen
+class UploadIndex:
+    part: IndexPart
+
+
+@attrs.frozen
+class Delete:
+    keys: tuple[str, ...]
+
+
+@attrs.frozen(eq=False)
+class Barrier:
+    done: trio.Event
+
+
+Op = UploadLayer | UploadIndex | Delete | Barrier
+
+
+class Pins:
+    """Local layer files that must stay until uploaded (shared with the tenant's graveyard)."""
+
+    def __init__(self) -> None:
+        self._count: collections.Counter[Path] = collections.Counter()
+
+    def pin(self, path: Path) -> None:
+        self._count[path] += 1
+
+    def unpin(self, path: Path) -> None:
+        self._count[path] -= 1
+        if self._count[path] <= 0:
+            del self._count[path]
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._count
+
+
+class RemoteTimelineClient:
+    def __init__(
+        self,
+        storage: RemoteStorage,
+        tenant_id: TenantId,
+        timeline_id: TimelineId,
+        generation: int,
+        local_dir: Path,
+        *,
+        remote_index: IndexPart | None = None,
+        validate: Validator = always_valid,
+        pins: Pins | None = None,
+        on_unpinned: Callable[[], Awaitable[None]] | None = None,
+        parallel_uploads: int = 8,
+    ) -> None:
+        self.storage = storage
+        self.tenant_id = tenant_id
+        self.timeline_id = timeline_id
+        self.generation = generation
+        self.local_dir = local_dir
+        self.validate = validate
+        self.pins = pins if pins is not None else Pins()
+        self._on_unpinned = on_unpinned
+        self.parallel_uploads = parallel_uploads
+        # The remote objects of the last scheduled index: name -> (size, generation)
+        self._layers: dict[str, tuple[int, int]] = {}
+        self.remote_consistent_lsn = INVALID_LSN  # visible: uploaded and validated
+        self.projected_lsn = INVALID_LSN  # uploaded, maybe not validated yet
+        self.uploaded_index: IndexPart | None = remote_index  # the last index known remote
+        if remote_index is not None:
+            for name, size in remote_index.layers.items():
+                self._layers[name] = (size, remote_index.generations.get(name, generation))
+            self.remote_consistent_lsn = self.projected_lsn = remote_index.disk_consistent_lsn
+        self._ops: collections.deque[Op] = collections.deque()
+        self._wakeup = trio.Event()
+        self.active = False
+        self._pending: IndexPart | None = None
+        self.last_error: str | None = None
+        self.failed_attempts = 0
+        self.stopped = False
+
+    def __repr__(self) -> str:
+        return f"<RemoteTimelineClient {self.tenant_id.hex}/{self.timeline_id.hex} gen {self.generation}>"
+
+    @property
+    def queued(self) -> int:
+        return len(self._ops)
+
+    def layer_generation(self, name: str) -> int | None:
+        got = self._layers.get(name)
+        return None if got is None else got[1]
+
+    def layer_key(self, name: str, generation: int) -> str:
+        return remote_layout.layer_key(self.tenant_id, self.timeline_id, name, generation)
+
+    # -- scheduling (synchronous: called from the timeline's index_part write) ------------------
+
+    def schedule_index_upload(self, part: IndexPart) -> None:
+        if self.stopped:
+            return
+        if not self.active:
+            self._pending = part
+            return
+        self._schedule(part)
+
+    def activate(self) -> None:
+        """Start uploading (the timeline is complete); queues the newest index given so far."""
+        if self.active:
+            return
+        self.active = True
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._schedule(pending)
+
+    def _schedule(self, part: IndexPart) -> None:
+        replaced: list[str] = []
+        for name, size in part.layers.items():
+            known = self._layers.get(name)
+            if known is not None and known[0] == size:
+                continue
+            if known is not None:
+                # A local file of another size under a name the remote index has (only after a
+                # restart kept a stale local file): it goes up under this generation, a new
+                # key; the old object is deleted after the index stops naming it.
+                if known[1] == self.generation:
+                    log.error("layer rewritten with another size in one generation; the old "
+                              "object is overwritten", layer=name, generation=self.generation)
+                else:
+                    replaced.append(self.layer_key(name, known[1]))
+            path = self.local_dir / name
+            self.pins.pin(path)
+            self._push(UploadLayer(name, path, size))
+            self._layers[name] = (size, self.generation)
+        gone = [name for name in self._layers if name not in part.layers]
+        generations = {name: self._layers[name][1] for name in part.layers}
+        self._push(UploadIndex(attrs.evolve(part, generations=generations)))
+        keys = [self.layer_key(name, self._layers.pop(name)[1]) for name in gone] + replaced
+        if keys:
+            self._push(Delete(tuple(keys)))
+
+    def _push(self, op: Op) -> None:
+        self._ops.append(op)
+        QUEUED_OPS.inc()
+        self._wakeup.set()
+
+    async def wait_uploaded(self) -> None:
+        """Return once everything queued before the call is done (uploaded, deleted)."""
+        if not self.active:
+            self.activate()
+        done = trio.Event()
+        self._push(Barrier(done))
+        await done.wait()
+
+    def stop(self) -> None:
+        """Drop the queue (the node is going away; the remote index stays as uploaded)."""
+        self.stopped = True
+        for op in self._ops:
+            if isinstance(op, UploadLayer):
+                self.pins.unpin(op.path)
+            elif isinstance(op, Barrier):
+                op.done.set()
+        QUEUED_OPS.dec(len(self._ops))
+        self._ops.clear()
+        self._wakeup.set()
+
+    # -- the worker -------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Execute the queue until cancelled (or ``stop``)."""
+        task_status.started()
+        while not self.stopped:
+            if not self._ops:
+                self._wakeup = trio.Event()
+                await self._wakeup.wait()
+                continue
+            op = self._ops[0]
+            if isinstance(op, UploadLayer):
+                batch: list[UploadLayer] = []
+                for queued in self._ops:
+                    if not isinstance(queued, UploadLayer) or len(batch) >= self.parallel_uploads * 4:
+                        break
+                    batch.append(queued)
+                await self._upload_layers(batch)
+                for _ in batch:
+                    self._pop()
+                for x in batch:
+                    self.pins.unpin(x.path)
+                if self._on_unpinned is not None:
+                    await self._on_unpinned()
+            elif isinstance(op, UploadIndex):
+                # Coalesce: a newer index right behind replaces this one (each is complete).
+                while len(self._ops) > 1 and isinstance(self._ops[1], UploadIndex):
+                    self._pop()
+                    op = self._ops[0]
+                    assert isinstance(op, UploadIndex)
+                await self._upload_index(op.part)
+                self._pop()
+            elif isinstance(op, Delete):
+                await self._delete(op.keys)
+                self._pop()
+            else:
+                op.done.set()
+                self._pop()
+
+    def _pop(self) -> None:
+        self._ops.popleft()
+        QUEUED_OPS.dec()
+
+    async def _retry(self, what: str, fn: Callable[[], Awaitable[object]]) -> None:
+        async def attempt() -> object:
+            try:
+                result = await fn()
+            except Exception as exc:
+                self.failed_attempts += 1
+                self.last_error = f"{what}: {exc}"
+                raise
+            self.last_error = None
+            return result
+
+        await retry(attempt, what=what)
+
+    async def _upload_layers(self, batch: list[UploadLayer]) -> None:
+        limiter = trio.CapacityLimiter(self.parallel_uploads)
+
+        async def one(x: UploadLayer) -> None:
+            key = self.layer_key(x.name, self.generation)
+
+            async def put() -> None:
+                size = await self.storage.upload_file(key, x.path)
+                if size != x.size:
+                    # The index says x.size: an object of another size must not be named by it.
+                    raise OSError(f"{x.path}: uploaded {size} bytes, the index says {x.size}")
+
+            async with limiter:
+                await self._retry(f"upload {key}", put)
+            UPLOADED_BYTES.inc(x.size)
+            UPLOADED_LAYERS.inc()
+
+        async with trio.open_nursery() as nursery:
+            for x in batch:
+                nursery.start_soon(one, x)
+
+    async def _upload_index(self, part: IndexPart) -> None:
+        key = remote_layout.index_key(self.tenant_id, self.timeline_id, self.generation)
+        body = part.to_json()
+        started = time.monotonic()
+        await self._retry(f"upload {key}", lambda: self.storage.upload(key, body))
+        UPLOADED_INDEXES.inc()
+        self.uploaded_index = part
+        self.projected_lsn = part.disk_consistent_lsn
+        if await self.validate():
+            if part.disk_consistent_lsn > self.remote_consistent_lsn:
+                self.remote_consistent_lsn = part.disk_consistent_lsn
+        else:
+            log.warning("generation no longer current: remote_consistent_lsn not advanced",
+                        tenant_id=self.tenant_id.hex, timeline_id=self.timeline_id.hex,
+                        generation=self.generation)
+        log.debug("index uploaded", key=key, layers=len(part.layers),
+                  disk_consistent_lsn=format_lsn(part.disk_consistent_lsn),
+                  seconds=round(time.monotonic() - started, 3))
+
+    async def _delete(self, keys: tuple[str, ...]) -> None:
+        if not await self.validate():
+            DROPPED_DELETIONS.inc(len(keys))
+            log.warning("generation no longer current: not deleting (objects leak)",
+                        tenant_id=self.tenant_id.hex, timeline_id=self.timeline_id.hex,
+                        generation=self.generation, objects=len(keys))
+            return
+        await self._retry(f"delete {len(keys)} objects", lambda: self.storage.delete_objects(keys))
+        DELETED_OBJECTS.inc(len(keys))

@@ -196,13 +196,22 @@ async def test_crash_at_every_step_leaves_a_loadable_remote(
         tenant = Tenant(tmp_path / "a", tenant_id, CFG, nursery=crashed, remote=TenantRemote(faulty, 1))
         tl = await tenant.create_timeline(timeline_id)
 
+        drained = trio.Event()
+
         async def run() -> None:
             await workload(tl, model, rounds=3)
-            await trio.sleep_forever()  # the queue drains or hangs; the crash comes either way
+            assert tl.remote is not None
+            await tl.remote.wait_uploaded()  # never returns once the queue hangs
+            drained.set()
+
+        async def hung() -> None:
+            await faulty.hung.wait()
+            drained.set()
 
         crashed.start_soon(run)
-        with trio.move_on_after(20):
-            await faulty.hung.wait()
+        crashed.start_soon(hung)
+        with trio.fail_after(300):
+            await drained.wait()
         assert faulty.hung.is_set(), f"the workload never reached {op} {pattern} #{after}"
         assert tl.remote is not None
         remote_lsn = tl.remote_consistent_lsn

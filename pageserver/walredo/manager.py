@@ -54,6 +54,7 @@ from pageserver.walredo import clog, multixact
 from pageserver.walredo.btree import redo_btree
 from pageserver.walredo.errors import RedoError, RedoValidationError
 from pageserver.walredo.generic import redo_generic
+from pageserver.walredo.gin import redo_gin
 from pageserver.walredo.hash import redo_hash, redo_hash_on_image
 from pageserver.walredo.heap import redo_heap, redo_heap2, vm_clears
 from pageserver.walredo.mask import RM_MASKS
@@ -95,6 +96,7 @@ REDO_ROUTINES: dict[int, RedoFn] = {
     RmgrId.SPGIST: redo_spgist,
     RmgrId.HASH: redo_hash,
     RmgrId.GENERIC: redo_generic,
+    RmgrId.GIN: redo_gin,
 }
 # Routines that also run after an applied image is restored, for the record types whose
 # PostgreSQL redo changes the page on top of it (BLK_RESTORED handled like BLK_NEEDS_REDO).

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pageserver.walredo import bufpage as bp
 from pageserver.walredo.btree import BTP_HAS_GARBAGE, BTP_LEAF, BTP_SPLIT_END
 from pageserver.walredo.errors import RedoError
+from pageserver.walredo.gin import gin_mask
 from pageserver.walredo.hash import (
     LH_BUCKET_PAGE,
     LH_OVERFLOW_PAGE,
@@ -157,6 +158,7 @@ RM_MASKS: dict[int, MaskFn] = {
     RmgrId.SPGIST: spg_mask,
     RmgrId.HASH: hash_mask,
     RmgrId.GENERIC: generic_mask,
+    RmgrId.GIN: gin_mask,
 }
 
 

@@ -307,6 +307,29 @@ _HASH_TYPES = {
     XLOG_HASH_UPDATE_META_PAGE: "UPDATE_META_PAGE",
     XLOG_HASH_VACUUM_ONE_PAGE: "VACUUM_ONE_PAGE",
 }
+# gin_identify (the record type is the whole high nibble)
+_GIN_TYPES = {
+    0x10: "CREATE_PTREE",
+    0x20: "INSERT",
+    0x30: "SPLIT",
+    0x40: "VACUUM_PAGE",
+    0x50: "DELETE_PAGE",
+    0x60: "UPDATE_META_PAGE",
+    0x70: "INSERT_LISTPAGE",
+    0x80: "DELETE_LISTPAGE",
+    0x90: "VACUUM_DATA_LEAF_PAGE",
+}
+# brin_identify: 0x80 is XLOG_BRIN_INIT_PAGE on INSERT and UPDATE
+_BRIN_TYPES = {
+    0x00: "CREATE_INDEX",
+    0x10: "INSERT",
+    0x90: "INSERT+INIT",
+    0x20: "UPDATE",
+    0xA0: "UPDATE+INIT",
+    0x30: "SAMEPAGE_UPDATE",
+    0x40: "REVMAP_EXTEND",
+    0x50: "DESUMMARIZE",
+}
 _SIMPLE_TYPES: dict[int, dict[int, str]] = {
     RmgrId.XLOG: _XLOG_TYPES,
     RmgrId.SMGR: {XLOG_SMGR_CREATE: "CREATE", XLOG_SMGR_TRUNCATE: "TRUNCATE"},
@@ -330,6 +353,8 @@ _SIMPLE_TYPES: dict[int, dict[int, str]] = {
         XLOG_INVALIDATIONS: "INVALIDATIONS",
     },
     RmgrId.BTREE: _BTREE_TYPES,
+    RmgrId.GIN: _GIN_TYPES,
+    RmgrId.BRIN: _BRIN_TYPES,
     RmgrId.SEQ: {XLOG_SEQ_LOG: "LOG"},
     RmgrId.GIST: {
         XLOG_GIST_PAGE_UPDATE: "PAGE_UPDATE",

@@ -1,0 +1,298 @@
+"""GIN posting lists (``ginpostinglist.c``) and the recompression of posting-tree leaves.
+
+A posting-tree leaf page holds, from offset 32 to ``pd_lower``, a run of *segments*
+(GinPostingList): the first heap TID raw (6 bytes), ``nbytes`` (u16), then the gaps to each
+following TID as varbyte numbers, padded to an even size. A TID is handled here as the integer
+``block << 11 | offset`` (``itemptr_to_uint64``), which orders TIDs as PostgreSQL compares them
+and makes the gaps small.
+
+``recompress`` replays ``ginRedoRecompress``: the WAL of a leaf insert or a leaf vacuum does
+not log the new page but a list of actions on the old page's segments (delete one, insert a new
+one before it, replace it, or add items to it and re-encode). Encoding is deterministic, so an
+ADDITEMS action rebuilt here yields the primary's bytes. PostgreSQL writes the resulting
+segments one after another from offset 32 and leaves the bytes past the new end as they were;
+this module writes the same concatenation, so the page equals the primary's byte for byte up to
+``pd_lower`` (the rest is masked as free space).
+
+Every length and offset read from a page or a record is checked: a truncated or garbled input
+raises ``RedoError``, never a partial page.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from itertools import accumulate, pairwise
+
+from pageserver.walredo import bufpage as bp
+from pageserver.walredo.errors import RedoError
+
+BLCKSZ = 8192
+OFFSET_BITS = 11  # MaxHeapTuplesPerPageBits
+OFFSET_MASK = (1 << OFFSET_BITS) - 1
+SEGMENT_HEADER = 8  # ItemPointerData first + uint16 nbytes
+MAX_BYTES_PER_INTEGER = 7
+# posting data of a leaf page: after the header (24) and the right bound (MAXALIGN(6) = 8)
+LEAF_DATA_START = 32
+GIN_OPAQUE_SIZE = 8
+LEAF_DATA_MAX = BLCKSZ - GIN_OPAQUE_SIZE - LEAF_DATA_START  # GinDataPageMaxDataSize
+GIN_COMPRESSED = 0x80
+
+# action types of ginxlogRecompressDataLeaf (ginxlog.h)
+SEGMENT_UNMODIFIED = 0
+SEGMENT_DELETE = 1
+SEGMENT_INSERT = 2
+SEGMENT_REPLACE = 3
+SEGMENT_ADDITEMS = 4
+
+_TID = struct.Struct("<HHH")  # bi_hi, bi_lo, posid
+_U16 = struct.Struct("<H")
+_SEG_HEAD = struct.Struct("<HHHH")  # first (bi_hi, bi_lo, posid), nbytes
+
+
+def tid_to_int(buf: bytes | bytearray | memoryview, pos: int) -> int:
+    hi, lo, off = _TID.unpack_from(buf, pos)
+    v: int = (((hi << 16) | lo) << OFFSET_BITS) | off
+    return v
+
+
+def int_to_tid(v: int) -> bytes:
+    blk = v >> OFFSET_BITS
+    return _TID.pack(blk >> 16, blk & 0xFFFF, v & OFFSET_MASK)
+
+
+def tids_to_ints(buf: bytes | bytearray | memoryview, pos: int, n: int) -> list[int]:
+    """``n`` raw ItemPointers at ``pos`` as integers (a TID's offset must fit in 11 bits)."""
+    raw = struct.unpack_from(f"<{3 * n}H", buf, pos)
+    out = []
+    for i in range(0, 3 * n, 3):
+        off = raw[i + 2]
+        if off > OFFSET_MASK:
+            raise RedoError(f"item pointer offset {off} does not fit a posting list")
+        out.append((((raw[i] << 16) | raw[i + 1]) << OFFSET_BITS) | off)
+    return out
+
+
+# --- one segment --------------------------------------------------------------------------
+
+
+def encode_segment(items: Sequence[int], maxsize: int = BLCKSZ) -> tuple[bytes, int]:
+    """ginCompressPostingList: a segment holding as many of ``items`` (sorted, distinct) as fit
+    in ``maxsize`` bytes; returns (segment bytes, number of items packed)."""
+    if not items:
+        raise RedoError("an empty posting list cannot be encoded")
+    room = maxsize - SEGMENT_HEADER
+    deltas = [b - a for a, b in pairwise(items)]
+    if deltas and min(deltas) <= 0:
+        raise RedoError("posting list items are not strictly ascending")
+    if not deltas or (max(deltas) < 0x80 and len(deltas) <= room):
+        body = bytes(deltas)  # every gap fits one varbyte byte: the common dense case
+        packed = len(items)
+    else:
+        out: list[int] = []
+        app = out.append
+        packed = 1
+        for d in deltas:
+            # varbyte: 7 bits per byte, least significant first, 0x80 = more follow
+            if d < 0x80:
+                if len(out) >= room:
+                    break
+                app(d)
+            elif d < 0x4000:
+                if len(out) + 2 > room:
+                    break
+                app(0x80 | (d & 0x7F))
+                app(d >> 7)
+            else:
+                enc = []
+                while d > 0x7F:
+                    enc.append(0x80 | (d & 0x7F))
+                    d >>= 7
+                enc.append(d)
+                if len(out) + len(enc) > room:
+                    break
+                out.extend(enc)
+            packed += 1
+        body = bytes(out)
+    nbytes = len(body)
+    head = int_to_tid(items[0]) + _U16.pack(nbytes)
+    return (head + body + b"\0" if nbytes & 1 else head + body), packed
+
+
+def segment_size(buf: bytes | bytearray | memoryview, pos: int, end: int) -> int:
+    """SizeOfGinPostingList of the segment at ``pos``, checked to end at or before ``end``."""
+    if pos + SEGMENT_HEADER > end:
+        raise RedoError(f"truncated posting list header at {pos}")
+    nbytes: int = _U16.unpack_from(buf, pos + 6)[0]
+    size = SEGMENT_HEADER + ((nbytes + 1) & ~1)
+    if pos + size > end:
+        raise RedoError(f"posting list at {pos} of {size} bytes runs past {end}")
+    return size
+
+
+def decode_segment(buf: bytes | bytearray | memoryview, pos: int, end: int) -> list[int]:
+    """ginPostingListDecode of the segment at ``pos`` (bounded by ``end``)."""
+    segment_size(buf, pos, end)
+    nbytes = _U16.unpack_from(buf, pos + 6)[0]
+    val = tid_to_int(buf, pos)
+    p = pos + SEGMENT_HEADER
+    body = bytes(buf[p : p + nbytes])
+    if not body or max(body) < 0x80:
+        return list(accumulate(body, initial=val))  # one byte per gap: the common dense case
+    items = [val]
+    app = items.append
+    i = 0
+    n = nbytes
+    while i < n:
+        # varbyte: 7 bits per byte, low group first; the 7th byte is taken whole
+        c = body[i]
+        i += 1
+        delta = c & 0x7F
+        shift = 7
+        while c & 0x80:
+            if i >= n:
+                raise RedoError(f"varbyte number runs past its posting list at {pos}")
+            c = body[i]
+            i += 1
+            if shift == 42:
+                delta |= c << 42
+                break
+            delta |= (c & 0x7F) << shift
+            shift += 7
+        val += delta
+        app(val)
+    return items
+
+
+def split_segments(buf: bytes | bytearray | memoryview, start: int, end: int) -> list[tuple[int, int]]:
+    """(offset, size) of each segment between ``start`` and ``end``."""
+    out = []
+    pos = start
+    while pos < end:
+        size = segment_size(buf, pos, end)
+        out.append((pos, size))
+        pos += size
+    return out
+
+
+def merge_items(a: Sequence[int], b: Sequence[int]) -> list[int]:
+    """ginMergeItemPointers: the sorted union of two sorted lists (duplicates kept once)."""
+    if not a or not b or a[-1] < b[0]:
+        return [*a, *b]
+    if b[-1] < a[0]:
+        return [*b, *a]
+    return sorted(set(a).union(b))
+
+
+# --- the recompression actions ------------------------------------------------------------
+
+
+def parse_actions(data: bytes | bytearray | memoryview, pos: int = 0) -> list[tuple[int, int, bytes | list[int] | None]]:
+    """The actions of a ginxlogRecompressDataLeaf at ``pos``: (segno, type, payload). The
+    payload is a segment's bytes (INSERT, REPLACE), the items to add (ADDITEMS), or None."""
+    end = len(data)
+    if pos + 2 > end:
+        raise RedoError("recompress data without an action count")
+    (nactions,) = _U16.unpack_from(data, pos)
+    pos += 2
+    out: list[tuple[int, int, bytes | list[int] | None]] = []
+    for _ in range(nactions):
+        if pos + 2 > end:
+            raise RedoError(f"recompress data truncated after {len(out)} of {nactions} actions")
+        segno = data[pos]
+        action = data[pos + 1]
+        pos += 2
+        payload: bytes | list[int] | None = None
+        if action in (SEGMENT_INSERT, SEGMENT_REPLACE):
+            size = segment_size(data, pos, end)
+            payload = bytes(data[pos : pos + size])
+            pos += size
+        elif action == SEGMENT_ADDITEMS:
+            if pos + 2 > end:
+                raise RedoError("ADDITEMS action without an item count")
+            (nitems,) = _U16.unpack_from(data, pos)
+            pos += 2
+            if pos + 6 * nitems > end:
+                raise RedoError(f"ADDITEMS of {nitems} items truncated")
+            payload = tids_to_ints(data, pos, nitems)
+            pos += 6 * nitems
+        elif action != SEGMENT_DELETE:
+            raise RedoError(f"unexpected leaf action {action}")
+        out.append((segno, action, payload))
+    if pos != end:
+        raise RedoError(f"{end - pos} bytes after the last recompress action")
+    return out
+
+
+def apply_actions(
+    old: bytes | bytearray | memoryview, actions: Sequence[tuple[int, int, bytes | list[int] | None]]
+) -> bytearray:
+    """The new run of segments: ``old`` (the page's segments) changed by ``actions``."""
+    end = len(old)
+    out = bytearray()
+    pos = 0
+    segno = 0
+    for a_segno, action, payload in actions:
+        if a_segno < segno:
+            raise RedoError(f"leaf action for segment {a_segno} after segment {segno}")
+        while segno < a_segno:
+            if pos >= end:
+                raise RedoError(f"leaf action names segment {a_segno}, the page has {segno}")
+            size = segment_size(old, pos, end)
+            out += old[pos : pos + size]
+            pos += size
+            segno += 1
+        if pos < end:
+            segsize = segment_size(old, pos, end)
+        elif action == SEGMENT_INSERT:
+            segsize = 0
+        else:
+            raise RedoError(f"leaf action {action} past the last segment ({segno})")
+        if action == SEGMENT_ADDITEMS:
+            assert isinstance(payload, list)
+            merged = merge_items(payload, decode_segment(old, pos, end))
+            seg, packed = encode_segment(merged)
+            if packed != len(merged):
+                raise RedoError(f"{len(merged)} items do not fit one posting list")
+            out += seg
+            pos += segsize
+            segno += 1
+        elif action == SEGMENT_DELETE:
+            pos += segsize
+            segno += 1
+        elif action == SEGMENT_INSERT:
+            assert isinstance(payload, bytes)
+            out += payload
+        else:  # REPLACE
+            assert isinstance(payload, bytes)
+            out += payload
+            pos += segsize
+            segno += 1
+    out += old[pos:]
+    return out
+
+
+def recompress(page: bytearray, data: bytes | bytearray | memoryview) -> None:
+    """ginRedoRecompress on a posting-tree leaf page (special area at BLCKSZ - 8)."""
+    actions = parse_actions(data)
+    lower = bp.get_lower(page)
+    maxoff_pos = BLCKSZ - GIN_OPAQUE_SIZE + 4
+    flags = _U16.unpack_from(page, maxoff_pos + 2)[0]
+    if not flags & GIN_COMPRESSED:
+        # a pre-9.4 leaf: maxoff raw ItemPointers at 32 become one segment
+        nitems = _U16.unpack_from(page, maxoff_pos)[0]
+        if 6 * nitems > LEAF_DATA_MAX:
+            raise RedoError(f"uncompressed leaf claims {nitems} items")
+        items = tids_to_ints(page, LEAF_DATA_START, nitems)
+        seg = encode_segment(items)[0] if items else b""
+        page[LEAF_DATA_START : LEAF_DATA_START + len(seg)] = seg
+        lower = LEAF_DATA_START + len(seg)
+        _U16.pack_into(page, maxoff_pos + 2, flags | GIN_COMPRESSED)
+        _U16.pack_into(page, maxoff_pos, 0)
+    if not LEAF_DATA_START <= lower <= LEAF_DATA_START + LEAF_DATA_MAX:
+        raise RedoError(f"posting leaf with pd_lower {lower}")
+    new = apply_actions(page[LEAF_DATA_START:lower], actions)
+    if len(new) > LEAF_DATA_MAX:
+        raise RedoError(f"recompressed leaf data of {len(new)} bytes does not fit the page")
+    page[LEAF_DATA_START : LEAF_DATA_START + len(new)] = new
+    bp.set_lower(page, LEAF_DATA_START + len(new))

@@ -16,6 +16,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lsn", default=None,
                         help="X/Y: a read-only endpoint showing the branch as of this LSN")
     parser.add_argument("--port", type=int, default=None, help="PostgreSQL port (default 55431+i)")
+    parser.add_argument("--storage", choices=["lazy", "full"], default="full",
+                        help="lazy: relation pages read from the page service through a FUSE page "
+                             "filesystem (needs /dev/fuse); full: a copy of every relation file (default)")
     add_json(parser)
 
 
@@ -23,6 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     ep = endpoint.start_endpoint(load_env(args), args.name, tenant_id=args.tenant_id,
                                  branch=args.branch_name, lsn=args.lsn, port=args.port,
+                                 storage=args.storage,
                                  log=(lambda _msg: None) if args.json else print)
     if args.json:
         emit(args, ep.describe(), str)

@@ -8,6 +8,16 @@ to the safekeepers: a commit returns only once a quorum of safekeepers has it. A
 endpoint (``--lsn``) is a snapshot of the branch at that LSN: no bridge, and every transaction
 read-only by default; what it writes anyway stays in its own data directory.
 
+Storage. A ``full`` endpoint has its own copy of every relation file (the basebackup holds them
+all; it grows with the database). A ``lazy`` endpoint boots from ``basebackup --lazy`` (no
+relation data) and its ``base/`` and ``global/`` are symbolic links into the mount of its page
+filesystem (``pagestore pagefs``, ``compute.pagefs``): relation pages are read from the page
+service when PostgreSQL needs them and written pages stay in a bounded local cache. The page
+filesystem is supervised like the bridge: started before PostgreSQL, stopped after it
+(``endpoint stop`` unmounts); if it dies, PostgreSQL gets I/O errors, and ``endpoint start``
+again starts over with an empty cache (every commit is on the safekeepers). Lazy endpoints run
+with ``wal_log_hints = on`` (hazard H1 of ``docs/compute.md``).
+
 Where a primary starts: at the pageserver's ``last_record_lsn`` of the timeline, after waiting
 until the pageserver has every record the safekeepers hold. The compute's WAL then continues
 exactly where the timeline's WAL ends (the bridge's ``--start-lsn`` for a fresh timeline; the
@@ -58,6 +68,11 @@ class EndpointSpec:
     # The LSN of the basebackup it booted from; for a read-only endpoint also what it shows.
     basebackup_lsn: str
     read_only: bool
+    storage: str = "full"  # "full": relation files copied; "lazy": the page filesystem
+    start_seconds: float | None = None  # `endpoint start` until PostgreSQL answered
+    # seconds per step of the start: prepare (safekeepers, pageserver LSN), basebackup,
+    # pagefs (lazy: mounted), postgres (pg_ctl start -w), bridge (elected)
+    start_phases: dict[str, float] | None = None
 
 
 @attrs.define
@@ -89,6 +104,33 @@ class Endpoint:
     def bridge_log(self) -> Path:
         return self.dir / "bridge.log"
 
+    @property
+    def pagefs_dir(self) -> Path:
+        return self.dir / "pagefs"
+
+    @property
+    def pagefs_mount(self) -> Path:
+        return self.pagefs_dir / "mnt"
+
+    @property
+    def pagefs_pid_path(self) -> Path:
+        return self.dir / "pagefs.pid"
+
+    @property
+    def pagefs_status_path(self) -> Path:
+        return self.dir / "pagefs-status.json"
+
+    @property
+    def pagefs_log(self) -> Path:
+        return self.dir / "pagefs.log"
+
+    def pagefs_status(self) -> dict[str, Any] | None:
+        try:
+            data = json.loads(self.pagefs_status_path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
     def instance(self) -> postgres.PostgresInstance:
         return postgres.PostgresInstance(datadir=self.pgdata, port=self.spec.port, started=True)
 
@@ -117,6 +159,8 @@ class Endpoint:
             "running": self.running(),
             "bridge_pid": process.running_pid(self.bridge_pid_path),
             "bridge_commit_lsn": bridge.get("commit_lsn") if bridge else None,
+            "pagefs_pid": process.running_pid(self.pagefs_pid_path),
+            "pagefs": self.pagefs_status() if self.spec.storage == "lazy" else None,
             "dsn": f"postgresql://postgres@127.0.0.1:{self.spec.port}/postgres",
         }
 
@@ -159,12 +203,13 @@ def _pick_port(env: LocalEnv, name: str) -> int:
 
 
 async def _fetch_basebackup(host: str, port: int, tenant_id: str, timeline_id: str, lsn: Lsn,
-                            out: Path) -> int:
+                            out: Path, lazy: bool = False) -> int:
     # The default message limit holds: basebackup sends CopyData of at most 256 KiB
     # (pageserver.basebackup.CHUNK_BYTES), also for the 16 MiB WAL segment.
     conn = await pgclient.connect(host, port, user="pagestore")
     try:
-        copy = await conn.copy_out(f"basebackup {tenant_id} {timeline_id} {format_lsn(lsn)}")
+        flags = " --lazy" if lazy else ""
+        copy = await conn.copy_out(f"basebackup {tenant_id} {timeline_id} {format_lsn(lsn)}{flags}")
         size = 0
         with open(out, "wb") as f:
             while True:
@@ -179,11 +224,12 @@ async def _fetch_basebackup(host: str, port: int, tenant_id: str, timeline_id: s
     return size
 
 
-def fetch_basebackup(env: LocalEnv, tenant_id: str, timeline_id: str, lsn: Lsn, out: Path) -> int:
+def fetch_basebackup(env: LocalEnv, tenant_id: str, timeline_id: str, lsn: Lsn, out: Path,
+                     *, lazy: bool = False) -> int:
     """Write the pageserver's basebackup tar at ``lsn`` to ``out``; returns its size."""
     try:
         return trio.run(_fetch_basebackup, "127.0.0.1", env.config.pageserver.pg, tenant_id,
-                        timeline_id, lsn, out)
+                        timeline_id, lsn, out, lazy)
     except Exception as exc:
         raise EndpointError(f"basebackup {tenant_id} {timeline_id} {format_lsn(lsn)} failed: {exc}") from exc
 
@@ -270,6 +316,14 @@ def _sync_safekeepers(env: LocalEnv, ep_dir: Path, tenant_id: str, timeline_id: 
 
 
 def _settings(spec: EndpointSpec) -> dict[str, str]:
+    s = _base_settings(spec)
+    if spec.storage == "lazy":
+        # H1: PD_ALL_VISIBLE then carries a WAL position, so evicted heap pages keep it.
+        s["wal_log_hints"] = "on"
+    return s
+
+
+def _base_settings(spec: EndpointSpec) -> dict[str, str]:
     s = {
         "listen_addresses": "127.0.0.1",
         "wal_level": "replica",
@@ -296,8 +350,17 @@ def start_endpoint(
     branch: str = "main",
     lsn: str | None = None,
     port: int | None = None,
+    storage: str = "full",
     log: Any = print,
 ) -> Endpoint:
+    t0 = time.monotonic()
+    if storage not in ("full", "lazy"):
+        raise LocalEnvError(f"--storage {storage!r}: use lazy or full")
+    if storage == "lazy" and not os.path.exists("/dev/fuse"):
+        raise EndpointError(
+            "a lazy endpoint needs FUSE, and /dev/fuse does not exist on this machine: "
+            "start it with --storage full (a copy of every relation file)"
+        )
     cluster.require_running(env)
     tenant = env.resolve_tenant(tenant_id)
     timeline = env.timeline_of_branch(tenant, branch)
@@ -312,6 +375,11 @@ def start_endpoint(
         if stale is not None:
             process.stop_pid(stale, timeout=5, what="walproposer bridge")
             log(f"stopped the walproposer bridge (pid {stale}) left by the earlier run of {name}")
+        # Its page filesystem may live on, or be dead and still mounted: the directory must not
+        # be removed through a mount.
+        _stop_pagefs(existing, log)
+    elif ep_dir.exists():
+        _unmount(ep_dir / "pagefs" / "mnt")
     # A stopped endpoint starts over from a fresh basebackup: its pages live on the pageserver.
     shutil.rmtree(ep_dir, ignore_errors=True)
     read_only = lsn is not None
@@ -354,36 +422,116 @@ def start_endpoint(
 
     spec = EndpointSpec(name=name, tenant_id=tenant, timeline_id=timeline, branch=branch,
                         port=port or _pick_port(env, name), basebackup_lsn=format_lsn(at),
-                        read_only=read_only)
+                        read_only=read_only, storage=storage)
     ep_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(ep_dir, 0o755)
     ep = Endpoint(env, spec)
     tar_path = ep_dir / "basebackup.tar"
     started = time.monotonic()
-    size = fetch_basebackup(env, tenant, timeline, at, tar_path)
+    phases = {"prepare": started - t0}
+    size = fetch_basebackup(env, tenant, timeline, at, tar_path, lazy=storage == "lazy")
     postgres.make_postgres_dir(ep.pgdata)
     _untar(tar_path, ep.pgdata)
     tar_path.unlink()
-    log(f"basebackup of {branch} at {format_lsn(at)}: {size / 1e6:.1f} MB in {time.monotonic() - started:.1f} s")
+    log(f"basebackup{' --lazy' if storage == 'lazy' else ''} of {branch} at {format_lsn(at)}: "
+        f"{size / 1e6:.1f} MB in {time.monotonic() - started:.1f} s")
     (ep_dir / "endpoint.json").write_text(json.dumps(cattrs.unstructure(spec), indent=2) + "\n")
+    mark = time.monotonic()
+    phases["basebackup"] = mark - started
+    if storage == "lazy":
+        _start_pagefs(env, ep, at)
+        phases["pagefs"] = time.monotonic() - mark
+        mark = time.monotonic()
 
     pg = postgres.PostgresInstance(datadir=ep.pgdata, port=spec.port, settings=_settings(spec))
     try:
         pg.start()
     except postgres.PostgresError as exc:
+        _stop_pagefs(ep, lambda _m: None)
         raise EndpointError(
             f"PostgreSQL of endpoint {name!r} did not start: {exc}\n--- server.log ---\n"
             f"{process.tail(ep.pgdata / 'server.log')}"
+            + (f"\n--- pagefs.log ---\n{process.tail(ep.pagefs_log)}" if storage == "lazy" else "")
         ) from None
+    phases["postgres"] = time.monotonic() - mark
+    mark = time.monotonic()
     if not read_only:
         try:
             _start_bridge(env, ep, at)
         except Exception:
             pg.stop("immediate")
+            _stop_pagefs(ep, lambda _m: None)
             raise
-    log(f"endpoint {name} ({'read-only at ' + spec.basebackup_lsn if read_only else 'primary'}) on "
-        f"branch {branch}: postgresql://postgres@127.0.0.1:{spec.port}/postgres")
+        phases["bridge"] = time.monotonic() - mark
+    spec = attrs.evolve(spec, start_seconds=round(time.monotonic() - t0, 3),
+                        start_phases={k: round(v, 3) for k, v in phases.items()})
+    ep.spec = spec
+    (ep_dir / "endpoint.json").write_text(json.dumps(cattrs.unstructure(spec), indent=2) + "\n")
+    log(f"endpoint {name} ({'read-only at ' + spec.basebackup_lsn if read_only else 'primary'}, "
+        f"{storage} storage) on branch {branch}: postgresql://postgres@127.0.0.1:{spec.port}/postgres "
+        f"(started in {spec.start_seconds:.2f} s)")
     return ep
+
+
+# -- the page filesystem of a lazy endpoint ------------------------------------------------------
+
+PAGEFS_START_TIMEOUT_S = 60.0
+
+
+def _start_pagefs(env: LocalEnv, ep: Endpoint, start_lsn: Lsn) -> None:
+    """Move the lazy basebackup's base/ and global/ into the page filesystem's backing
+    directory, link them from the data directory to the mount, and start ``pagestore pagefs``
+    (mounted once its status file says so)."""
+    backing, mnt = ep.pagefs_dir / "backing", ep.pagefs_mount
+    backing.mkdir(parents=True)
+    mnt.mkdir()
+    os.chmod(ep.pagefs_dir, 0o755)
+    for sub in ("base", "global"):
+        (ep.pgdata / sub).rename(backing / sub)
+        (ep.pgdata / sub).symlink_to(mnt / sub)
+    ep.pagefs_status_path.unlink(missing_ok=True)
+    cmd = process.cli_command(
+        "pagefs", "--mountpoint", str(mnt), "--backing", str(backing),
+        "--cache-file", str(ep.pagefs_dir / "cache.pages"),
+        "--local-cache-size", str(env.config.local_cache_size),
+        "--pageserver", f"127.0.0.1:{env.config.pageserver.pg}", "--pageserver-http", env.pageserver_http,
+        "--tenant-id", ep.spec.tenant_id, "--timeline-id", ep.spec.timeline_id,
+        "--start-lsn", format_lsn(start_lsn), "--status-file", str(ep.pagefs_status_path),
+        "--log-file", str(ep.pagefs_log),
+        *(["--read-only"] if ep.spec.read_only else ["--bridge-status", str(ep.bridge_status_path)]),
+    )
+    (ep.dir / "pagefs.cmd").write_text(shlex.join(cmd) + "\n")
+    pid = process.spawn(cmd, log_path=ep.pagefs_log, pid_path=ep.pagefs_pid_path)
+    try:
+        process.wait_until(f"page filesystem of endpoint {ep.name!r} mounted",
+                           lambda: bool((ep.pagefs_status() or {}).get("mounted")),
+                           timeout=PAGEFS_START_TIMEOUT_S, pid=pid, log_path=ep.pagefs_log)
+    except process.ProcessError as exc:
+        process.stop_pid(pid, timeout=2, what="page filesystem")
+        _unmount(mnt)
+        raise EndpointError(str(exc)) from None
+
+
+def _unmount(mnt: Path) -> None:
+    """Detach a mount whose daemon is gone (the kernel answers ENOTCONN until then)."""
+    if os.path.ismount(mnt) or _is_dead_mount(mnt):
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+
+
+def _is_dead_mount(mnt: Path) -> bool:
+    try:
+        os.stat(mnt)
+    except OSError as exc:
+        return exc.errno == 107  # ENOTCONN: the FUSE daemon died
+    return False
+
+
+def _stop_pagefs(ep: Endpoint, log: Any) -> None:
+    pid = process.running_pid(ep.pagefs_pid_path)
+    if pid is not None:
+        process.stop_pid(pid, timeout=10, what="page filesystem")
+        log(f"stopped the page filesystem of endpoint {ep.name}")
+    _unmount(ep.pagefs_mount)
 
 
 def _start_bridge(env: LocalEnv, ep: Endpoint, start_lsn: Lsn) -> None:
@@ -423,3 +571,4 @@ def stop_endpoint(env: LocalEnv, name: str, *, mode: str = "fast", log: Any = pr
     if pid is not None:
         process.stop_pid(pid, timeout=5, what="walproposer bridge")
         log(f"stopped the walproposer bridge of endpoint {name}")
+    _stop_pagefs(ep, log)

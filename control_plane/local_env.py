@@ -77,6 +77,8 @@ class LocalEnvConfig:
     safekeeper_no_sync: bool = False
     # The pageserver checks its redo against wal_consistency_checking images (tests).
     validate_redo: bool = False
+    # Bytes of written pages a lazy endpoint's page filesystem keeps before it evicts.
+    local_cache_size: int = 1 << 30
 
 
 def port_free(port: int) -> bool:

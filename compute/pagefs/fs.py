@@ -229,6 +229,9 @@ class PageFs(pyfuse3.Operations):
         except KeyError:
             raise pyfuse3.FUSEError(errno.ENOENT) from None
 
+    def relation_inodes(self) -> list[int]:
+        return [ino for ino, n in self.nodes.items() if isinstance(n, RelNode)]
+
     def children_of(self, ino: int) -> dict[bytes, int]:
         return self._dirnode(ino).children
 

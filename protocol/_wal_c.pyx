@@ -9,7 +9,7 @@
 
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport getenv
-from libc.string cimport strcmp
+from libc.string cimport memcpy, strcmp
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 
 cdef extern from "_crc32c.h":
@@ -33,7 +33,7 @@ cdef extern from *:
     """
     const char *ps_source_hash
 
-__all__ = ["IMPL", "crc32c", "crc32c_kernel", "scan_records"]
+__all__ = ["IMPL", "RecordTracker", "crc32c", "crc32c_kernel", "scan_records"]
 
 IMPL = "native"
 SOURCE_HASH = ps_source_hash.decode("ascii")
@@ -208,3 +208,311 @@ cdef void _scan(const unsigned char *buf, int64_t i, int64_t n, uint64_t base, u
     out_i[0] = i
     out_last[0] = last_end
     out_bad[0] = -1
+
+
+# -- RecordTracker -------------------------------------------------------------------------
+# A line-by-line mirror of the twin's state machine (protocol/_wal_py.py), in C fields. The
+# loop runs without the GIL; an error is recorded as a code and its values, and raised as the
+# twin's InvalidWal (same message) once the GIL is back. LSN arithmetic is unsigned 64-bit;
+# every take is the minimum of what is left of the buffer, the page and the item.
+
+from protocol.wal.errors import InvalidWal
+
+cdef extern from *:
+    """
+    #define PS_WAL_SEGMENT_SIZE (16u * 1024u * 1024u)
+    """
+    uint64_t PS_WAL_SEGMENT_SIZE
+
+cdef enum:
+    LONG_PHD = 40
+    XLP_FIRST_IS_OVERWRITE_CONTRECORD = 0x0008
+    ST_PAGE_HDR = 0
+    ST_REC_HDR = 1
+    ST_REC_BODY = 2
+    ST_SKIP = 3
+    E_NONE = 0
+    E_REC_LEN = 1
+    E_CRC_AT = 2
+    E_MAGIC = 3
+    E_ADDR = 4
+    E_INFO = 5
+    E_LONG = 6
+    E_SEG = 7
+    E_SPLIT = 8
+    E_MISSING = 9
+    E_UNEXPECTED = 10
+    E_CRC_ENDING = 11
+
+cdef uint32_t MAX_RECORD_LEN = 0x3FFFFFFF
+
+
+cdef inline int64_t _min(int64_t a, int64_t b) noexcept nogil:
+    return a if a < b else b
+
+
+def _where(page_lsn):
+    return f"WAL page at {page_lsn >> 32:X}/{page_lsn & 0xFFFFFFFF:X}"
+
+
+cdef class RecordTracker:
+    """Streaming record-boundary finder with CRC checks (the safekeeper's
+    ``safekeeper.record_tracker``, whose docstring has the contract)."""
+
+    cdef public uint64_t pos
+    cdef public uint64_t record_end
+    cdef readonly uint64_t seg_size
+    cdef unsigned char phdr[LONG_PHD]
+    cdef int phdr_got
+    cdef int phdr_len
+    cdef unsigned char rhdr[RECORD_HEADER]
+    cdef int rhdr_got
+    cdef uint32_t tot_len
+    cdef int64_t body_left
+    cdef uint32_t crc
+    cdef uint64_t skip_to
+    cdef int state
+    cdef int after_page
+    # the last error: its code and values
+    cdef int err
+    cdef uint64_t err_lsn
+    cdef uint64_t err_a
+    cdef uint64_t err_b
+
+    def __init__(self, start_lsn, seg_size=PS_WAL_SEGMENT_SIZE):
+        if start_lsn % 8 or not 0 <= start_lsn < (1 << 64):
+            raise ValueError(f"record boundary {start_lsn:#x} is not a MAXALIGNed LSN")
+        if seg_size <= 0 or seg_size % XLOG_BLCKSZ or seg_size >= (1 << 32):
+            raise ValueError(f"segment size {seg_size} is not a positive multiple of {XLOG_BLCKSZ}")
+        self.seg_size = seg_size
+        self.pos = start_lsn
+        self.record_end = start_lsn
+        self.phdr_got = 0
+        self.phdr_len = 0
+        self.rhdr_got = 0
+        self.tot_len = 0
+        self.body_left = 0
+        self.crc = 0
+        self.skip_to = 0
+        self.state = ST_REC_HDR
+        self.after_page = ST_REC_HDR
+        self.err = E_NONE
+        if self.pos % XLOG_BLCKSZ == 0:
+            self._enter_page_header()
+
+    def feed(self, data):
+        """Consume ``data`` (the bytes at ``self.pos``); return the new ``record_end``."""
+        cdef const uint8_t[::1] view = memoryview(data).cast("B")
+        cdef int64_t n = view.shape[0]
+        cdef int rc
+        if n == 0:
+            return self.record_end
+        if n >= 65536:
+            with nogil:
+                rc = self._run(&view[0], n)
+        else:
+            rc = self._run(&view[0], n)
+        if rc != E_NONE:
+            raise self._error()
+        return self.record_end
+
+    cdef object _error(self):
+        cdef int code = self.err
+        lsn, a, b = self.err_lsn, self.err_a, self.err_b
+        if code == E_REC_LEN:
+            return InvalidWal(f"invalid record length {a} at {lsn:#x}")
+        if code == E_CRC_AT:
+            return InvalidWal(f"record CRC mismatch for the record at {lsn:#x}")
+        if code == E_CRC_ENDING:
+            return InvalidWal(f"record CRC mismatch for the record ending at {lsn:#x}")
+        if code == E_MAGIC:
+            return InvalidWal(f"bad page magic {a:#06x} on {_where(lsn)}")
+        if code == E_ADDR:
+            return InvalidWal(f"page address {a:#x} on {_where(lsn)}")
+        if code == E_INFO:
+            return InvalidWal(f"invalid page info bits {a:#x} on {_where(lsn)}")
+        if code == E_LONG:
+            return InvalidWal(f"long header flag {bool(a)} does not fit {_where(lsn)}")
+        if code == E_SEG:
+            return InvalidWal(f"segment size {a} / block size {b} on {_where(lsn)}")
+        if code == E_SPLIT:
+            return InvalidWal(f"record length split across pages before {_where(lsn)}")
+        if code == E_MISSING:
+            return InvalidWal(f"missing continuation ({a} of {b} bytes) on {_where(lsn)}")
+        if code == E_UNEXPECTED:
+            return InvalidWal(f"unexpected continuation record on {_where(lsn)}")
+        return AssertionError(f"unknown tracker error code {code}")
+
+    cdef inline int _fail(self, int code, uint64_t lsn, uint64_t a, uint64_t b) noexcept nogil:
+        self.err = code
+        self.err_lsn = lsn
+        self.err_a = a
+        self.err_b = b
+        return code
+
+    cdef inline void _enter_page_header(self) noexcept nogil:
+        self.after_page = self.state
+        self.state = ST_PAGE_HDR
+        self.phdr_got = 0
+        self.phdr_len = LONG_PHD if self.pos % self.seg_size == 0 else SHORT_PHD
+
+    cdef int _run(self, const unsigned char *buf, int64_t n) noexcept nogil:
+        cdef int64_t i = 0
+        cdef int64_t take, pad, page_left, ni = 0, last = -1, bad = -1
+        cdef uint64_t pos, base, tot
+        cdef int rc
+        while i < n:
+            pos = self.pos
+            page_left = <int64_t>(XLOG_BLCKSZ - pos % XLOG_BLCKSZ)
+            if self.state == ST_REC_BODY:
+                take = _min(_min(self.body_left, n - i), page_left)
+                self.crc = ps_crc32c(self.crc, buf + i, <size_t>take)
+                i += take
+                self.pos = pos + <uint64_t>take
+                self.body_left -= take
+                if self.body_left == 0:
+                    rc = self._finish_record()
+                    if rc != E_NONE:
+                        return rc
+                elif take == page_left:
+                    self._enter_page_header()
+            elif self.state == ST_PAGE_HDR:
+                take = _min(self.phdr_len - self.phdr_got, n - i)
+                memcpy(self.phdr + self.phdr_got, buf + i, <size_t>take)
+                self.phdr_got += <int>take
+                i += take
+                self.pos = pos + <uint64_t>take
+                if self.phdr_got == self.phdr_len:
+                    rc = self._check_page_header(self.pos - <uint64_t>self.phdr_len)
+                    if rc != E_NONE:
+                        return rc
+            elif self.state == ST_REC_HDR:
+                if self.rhdr_got == 0:
+                    if pos & 7:
+                        pad = <int64_t>(8 - (pos & 7))
+                        if pad > n - i:
+                            self.skip_to = pos + <uint64_t>pad
+                            self.state = ST_SKIP
+                            continue
+                        i += pad
+                        pos = pos + <uint64_t>pad
+                        self.pos = pos
+                        if pos % XLOG_BLCKSZ == 0:
+                            self._enter_page_header()
+                            continue
+                        page_left -= pad
+                    # Fast path: whole records on this page and in this buffer.
+                    if n - i >= RECORD_HEADER:
+                        base = pos - <uint64_t>i
+                        _scan(buf, i, n, base, self.seg_size, &ni, &last, &bad)
+                        if last >= 0:
+                            self.record_end = base + <uint64_t>last
+                        if bad >= 0:
+                            return self._fail(E_CRC_AT, base + <uint64_t>bad, 0, 0)
+                        i = ni
+                        pos = base + <uint64_t>ni
+                        if pos != self.pos:
+                            self.pos = pos
+                            if pos % XLOG_BLCKSZ == 0:
+                                self._enter_page_header()
+                            continue
+                take = _min(_min(RECORD_HEADER - self.rhdr_got, n - i), page_left)
+                memcpy(self.rhdr + self.rhdr_got, buf + i, <size_t>take)
+                self.rhdr_got += <int>take
+                i += take
+                self.pos = pos + <uint64_t>take
+                if self.rhdr_got >= 4 and self.tot_len == 0:
+                    tot = ps_le32(self.rhdr)
+                    if tot < RECORD_HEADER or tot > MAX_RECORD_LEN:
+                        return self._fail(E_REC_LEN, pos, tot, 0)
+                    self.tot_len = <uint32_t>tot
+                if self.rhdr_got == RECORD_HEADER:
+                    self.body_left = <int64_t>self.tot_len - RECORD_HEADER
+                    self.crc = 0
+                    self.state = ST_REC_BODY
+                    if self.body_left == 0:
+                        rc = self._finish_record()
+                        if rc != E_NONE:
+                            return rc
+                        continue
+                if take == page_left:
+                    self._enter_page_header()
+            else:  # ST_SKIP
+                take = _min(<int64_t>(self.skip_to - pos), n - i)
+                i += take
+                self.pos = pos + <uint64_t>take
+                if self.pos == self.skip_to:
+                    self.state = ST_REC_HDR
+                    if self.pos % self.seg_size == 0:
+                        # The end of an XLOG_SWITCH record's segment.
+                        self.record_end = self.pos
+                    if self.pos % XLOG_BLCKSZ == 0:
+                        self._enter_page_header()
+        return E_NONE
+
+    cdef int _check_page_header(self, uint64_t page_lsn) noexcept nogil:
+        cdef uint16_t magic = ps_le16(self.phdr)
+        cdef uint16_t info = ps_le16(self.phdr + 2)
+        cdef uint64_t pageaddr = ps_le64(self.phdr + 8)
+        cdef uint32_t rem_len = ps_le32(self.phdr + 16)
+        cdef bint is_long
+        cdef uint32_t seg, blcksz
+        cdef int resume
+        cdef bint in_record
+        cdef int64_t left
+        if magic != XLOG_PAGE_MAGIC:
+            return self._fail(E_MAGIC, page_lsn, magic, 0)
+        if pageaddr != page_lsn:
+            return self._fail(E_ADDR, page_lsn, pageaddr, 0)
+        if info & ~(<uint16_t>XLP_ALL_FLAGS):
+            return self._fail(E_INFO, page_lsn, info, 0)
+        is_long = (info & XLP_LONG_HEADER) != 0
+        if is_long != (page_lsn % self.seg_size == 0):
+            return self._fail(E_LONG, page_lsn, is_long, 0)
+        if is_long:
+            seg = ps_le32(self.phdr + SHORT_PHD + 8)
+            blcksz = ps_le32(self.phdr + SHORT_PHD + 12)
+            if seg != self.seg_size or blcksz != XLOG_BLCKSZ:
+                return self._fail(E_SEG, page_lsn, seg, blcksz)
+        resume = self.after_page
+        in_record = resume == ST_REC_BODY or (resume == ST_REC_HDR and self.rhdr_got > 0)
+        if in_record and (info & XLP_FIRST_IS_OVERWRITE_CONTRECORD):
+            # An OVERWRITE_CONTRECORD page: drop the unfinished record (see the twin).
+            self.rhdr_got = 0
+            self.tot_len = 0
+            self.body_left = 0
+            self.crc = 0
+            self.state = ST_REC_HDR
+            return E_NONE
+        if in_record:
+            left = (<int64_t>self.tot_len - self.rhdr_got) if resume == ST_REC_HDR else self.body_left
+            if self.tot_len == 0:
+                return self._fail(E_SPLIT, page_lsn, 0, 0)
+            if not (info & XLP_FIRST_IS_CONTRECORD) or <int64_t>rem_len != left:
+                return self._fail(E_MISSING, page_lsn, rem_len, <uint64_t>left)
+            self.state = resume
+        else:
+            if info & XLP_FIRST_IS_CONTRECORD:
+                return self._fail(E_UNEXPECTED, page_lsn, 0, 0)
+            self.state = ST_REC_HDR
+        return E_NONE
+
+    cdef int _finish_record(self) noexcept nogil:
+        cdef uint32_t crc = ps_crc32c(self.crc, self.rhdr, 20)
+        cdef uint32_t stored = ps_le32(self.rhdr + 20)
+        cdef bint is_switch
+        if crc != stored:
+            return self._fail(E_CRC_ENDING, self.pos, 0, 0)
+        is_switch = self.rhdr[17] == RM_XLOG_ID and (self.rhdr[16] & 0xF0) == XLOG_SWITCH
+        self.rhdr_got = 0
+        self.tot_len = 0
+        self.state = ST_REC_HDR
+        if is_switch and self.pos % self.seg_size:
+            # The rest of the segment is padding; the next record starts on the next segment.
+            self.skip_to = (self.pos // self.seg_size + 1) * self.seg_size
+            self.state = ST_SKIP
+        else:
+            self.record_end = (self.pos + 7) & ~(<uint64_t>7)
+        if self.pos % XLOG_BLCKSZ == 0:
+            self._enter_page_header()
+        return E_NONE

@@ -2,13 +2,15 @@
 
 The tracker's fast path checks each record's CRC through the CRC-32C residue and positions
 are derived from buffer indexes; these properties pin that down against single-byte damage
-anywhere in a record, any record size and any chunking.
+anywhere in a record, any record size and any chunking. Every test runs against both
+implementations (the compiled kernel and its pure-Python twin: the ``impl`` fixture).
 """
 
 from __future__ import annotations
 
 import random
 import struct
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -22,8 +24,22 @@ from protocol.wal.record import DecodedRecord
 from protocol.wal.rmgr import XLOG_NOOP, XLOG_OVERWRITE_CONTRECORD, RmgrId
 from safekeeper.record_tracker import InvalidWal, RecordTracker
 from safekeeper.testing import synthetic_wal
+from tests.conftest import kernel
 
 WALS: dict[int, tuple[bytes, list[tuple[Lsn, Lsn]]]] = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _each_implementation(impl: str) -> Iterator[None]:
+    """Run this module's tests with the ``impl`` fixture's tracker (module scope, because
+    hypothesis tests may not take function-scoped fixtures)."""
+    global RecordTracker
+    selected = RecordTracker
+    RecordTracker = kernel(impl, "protocol._wal_c").RecordTracker
+    try:
+        yield
+    finally:
+        RecordTracker = selected
 
 
 def _wal(record_size: int) -> tuple[bytes, list[tuple[Lsn, Lsn]]]:

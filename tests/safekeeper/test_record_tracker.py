@@ -22,11 +22,14 @@ from protocol.wal.page import XLP_FIRST_IS_OVERWRITE_CONTRECORD
 from protocol.wal.reader import WalStreamDecoder
 from protocol.wal.record import DecodedRecord
 from protocol.wal.rmgr import XLOG_NOOP, XLOG_OVERWRITE_CONTRECORD, RmgrId
-from safekeeper.record_tracker import InvalidWal, RecordTracker
+from safekeeper.record_tracker import InvalidWal
+from safekeeper.record_tracker import RecordTracker as SelectedTracker
 from safekeeper.testing import synthetic_wal
 from tests.conftest import kernel
 
 WALS: dict[int, tuple[bytes, list[tuple[Lsn, Lsn]]]] = {}
+# the implementation under test (set per module run by the fixture below)
+RecordTracker: type[SelectedTracker] = SelectedTracker
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -34,12 +37,11 @@ def _each_implementation(impl: str) -> Iterator[None]:
     """Run this module's tests with the ``impl`` fixture's tracker (module scope, because
     hypothesis tests may not take function-scoped fixtures)."""
     global RecordTracker
-    selected = RecordTracker
     RecordTracker = kernel(impl, "protocol._wal_c").RecordTracker
     try:
         yield
     finally:
-        RecordTracker = selected
+        RecordTracker = SelectedTracker
 
 
 def _wal(record_size: int) -> tuple[bytes, list[tuple[Lsn, Lsn]]]:
@@ -52,7 +54,7 @@ def _wal(record_size: int) -> tuple[bytes, list[tuple[Lsn, Lsn]]]:
     return WALS[record_size]
 
 
-def _feed(data: bytes, seed: int, max_chunk: int) -> tuple[RecordTracker, bool]:
+def _feed(data: bytes, seed: int, max_chunk: int) -> tuple[SelectedTracker, bool]:
     tracker = RecordTracker(Lsn(0x2000000))
     rng = random.Random(seed)
     i = 0

@@ -55,6 +55,7 @@ from pageserver.walredo.btree import redo_btree
 from pageserver.walredo.errors import RedoError, RedoValidationError
 from pageserver.walredo.generic import redo_generic
 from pageserver.walredo.gin import redo_gin
+from pageserver.walredo.gist import redo_gist, redo_gist_on_image
 from pageserver.walredo.hash import redo_hash, redo_hash_on_image
 from pageserver.walredo.heap import redo_heap, redo_heap2, vm_clears
 from pageserver.walredo.mask import RM_MASKS
@@ -97,11 +98,13 @@ REDO_ROUTINES: dict[int, RedoFn] = {
     RmgrId.HASH: redo_hash,
     RmgrId.GENERIC: redo_generic,
     RmgrId.GIN: redo_gin,
+    RmgrId.GIST: redo_gist,
 }
 # Routines that also run after an applied image is restored, for the record types whose
 # PostgreSQL redo changes the page on top of it (BLK_RESTORED handled like BLK_NEEDS_REDO).
 ON_IMAGE_ROUTINES: dict[int, RedoFn] = {
     RmgrId.HASH: redo_hash_on_image,
+    RmgrId.GIST: redo_gist_on_image,
 }
 # resource managers whose records never change relation pages
 NO_PAGE_EFFECT = frozenset(
@@ -273,7 +276,7 @@ class PostgresRedoManager:
             restored = restore_image(blk, lsn)
             on_image = ON_IMAGE_ROUTINES.get(rec.xl_rmid)
             if on_image is not None:
-                on_image(restored, rec, blk)
+                self._run(on_image, restored, rec, blk)
             return restored
         if blk.will_init:
             page = bytearray(bp.BLCKSZ)
@@ -291,6 +294,15 @@ class PostgresRedoManager:
                 lsn=lsn,
                 rmgr=rmgr_name(rec.xl_rmid),
             )
+        self._run(routine, page, rec, blk)
+        REDO_RECORDS.inc()
+        if self.validate and blk.has_image:
+            self._validate(page, rec, blk)
+        return page
+
+    @staticmethod
+    def _run(routine: RedoFn, page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
+        lsn = rec.end_lsn
         try:
             routine(page, rec, blk)
         except bp.PageError as exc:
@@ -298,10 +310,6 @@ class PostgresRedoManager:
         except (struct.error, IndexError, ValueError, AssertionError) as exc:
             # a record that does not fit the page (hostile or corrupt input)
             raise RedoError(f"{record_name(rec)}: malformed record ({exc})", lsn=lsn, rmgr=rmgr_name(rec.xl_rmid)) from None
-        REDO_RECORDS.inc()
-        if self.validate and blk.has_image:
-            self._validate(page, rec, blk)
-        return page
 
     def _validate(self, page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
         """verifyBackupPageConsistency: compare rm_mask(replayed) with rm_mask(image)."""

@@ -14,6 +14,10 @@ from pageserver.walredo import bufpage as bp
 from pageserver.walredo.btree import BTP_HAS_GARBAGE, BTP_LEAF, BTP_SPLIT_END
 from pageserver.walredo.errors import RedoError
 from pageserver.walredo.gin import gin_mask
+from pageserver.walredo.gist import F_FOLLOW_RIGHT as GIST_F_FOLLOW_RIGHT
+from pageserver.walredo.gist import F_HAS_GARBAGE as GIST_F_HAS_GARBAGE
+from pageserver.walredo.gist import F_LEAF as GIST_F_LEAF
+from pageserver.walredo.gist import F_TUPLES_DELETED as GIST_F_TUPLES_DELETED
 from pageserver.walredo.hash import (
     LH_BUCKET_PAGE,
     LH_OVERFLOW_PAGE,
@@ -129,6 +133,23 @@ def seq_mask(page: bytearray, blkno: int) -> None:
     mask_unused_space(page)
 
 
+def gist_mask(page: bytearray, blkno: int) -> None:
+    """gist_mask, plus F_TUPLES_DELETED, which 15.x minor releases set differently and nothing
+    reads (``gist.py``)."""
+    mask_page_lsn_and_checksum(page)
+    mask_page_hint_bits(page)
+    mask_unused_space(page)
+    special = bp.get_special(page)
+    bp.LSN_HALVES.pack_into(page, special, MASK_MARKER, MASK_MARKER)  # the NSN is an LSN
+    flags_pos = special + 12
+    flags = bp.U16.unpack_from(page, flags_pos)[0]
+    if flags & GIST_F_LEAF:
+        mask_lp_flags(page)  # LP_DEAD is set by scans without WAL (gistkillitems)
+    # F_FOLLOW_RIGHT changes after the record is written; redo never sets F_HAS_GARBAGE
+    flags = (flags | GIST_F_FOLLOW_RIGHT) & ~(GIST_F_HAS_GARBAGE | GIST_F_TUPLES_DELETED)
+    bp.U16.pack_into(page, flags_pos, flags)
+
+
 def spg_mask(page: bytearray, blkno: int) -> None:
     """spg_mask: LSN/checksum, hint bits, and the hole if pd_lower looks set."""
     mask_page_lsn_and_checksum(page)
@@ -159,6 +180,7 @@ RM_MASKS: dict[int, MaskFn] = {
     RmgrId.HASH: hash_mask,
     RmgrId.GENERIC: generic_mask,
     RmgrId.GIN: gin_mask,
+    RmgrId.GIST: gist_mask,
 }
 
 

@@ -20,29 +20,29 @@ from pathlib import Path
 
 import attrs
 import pytest
-import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pageserver.pg_control import CheckPoint
 from pageserver.pgdatadir import Datadir, RelTag
-from pageserver.storage.config import StorageConfig
-from pageserver.storage.key import SLRU_CLOG
 from pageserver.storage.reconstruct import PageReconstructError
-from pageserver.storage.value import Image, PostgresRecord
-from pageserver.tenant import Tenant
-from pageserver.walingest import WalIngest
 from pageserver.walredo import bufpage as bp
 from pageserver.walredo import manager as redo_manager
 from pageserver.walredo.errors import RedoError
 from pageserver.walredo.manager import PostgresRedoManager, RelBlock
-from pageserver.walredo.mask import masked, spg_mask
+from pageserver.walredo.mask import spg_mask
 from pageserver.walredo.verify import verify_records
-from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn
 from protocol.wal.record import DecodedRecord
 from protocol.wal.rmgr import RmgrId
-from tests.pageserver.walredo_capture import Capture, capture
+from tests.pageserver.walredo_capture import (
+    Capture,
+    capture,
+    compare_with_files,
+    ingest_and_read,
+    per_block,
+    records_touching,
+    rels_of,
+)
 
 pytestmark = pytest.mark.postgres
 
@@ -107,7 +107,7 @@ def cap() -> Capture:
 
 
 def _spgist_rels(c: Capture) -> set[int]:
-    rels = {node for node, (_name, am) in c.rels.items() if am == "spgist"}
+    rels = rels_of(c, "spgist")
     assert len(rels) == 5
     return rels
 
@@ -155,8 +155,7 @@ def _cases(records: list[DecodedRecord]) -> Counter[str]:
 
 def _index_records(c: Capture) -> list[DecodedRecord]:
     """The records touching the SP-GiST indexes (the heap's are another test's business)."""
-    rels = _spgist_rels(c)
-    return [r for r in c.records if any(b.rel in rels for b in r.blocks)]
+    return records_touching(c, _spgist_rels(c))
 
 
 def test_every_spgist_record_matches_its_verification_image(cap: Capture) -> None:
@@ -182,51 +181,15 @@ def test_every_spgist_record_matches_its_verification_image(cap: Capture) -> Non
     assert not missing, f"the workload did not produce {missing}"
 
 
-def _per_block(c: Capture, rels: set[int]) -> dict[RelBlock, list[tuple[int, PostgresRecord]]]:
-    """What WAL ingest stores: the raw record under each block it references."""
-    out: dict[RelBlock, list[tuple[int, PostgresRecord]]] = {}
-    for r in c.records:
-        for b in r.blocks:
-            if b.rel in rels and b.forknum == 0:
-                t = RelBlock(b.spc, b.db, b.rel, 0, b.blkno)
-                out.setdefault(t, []).append((r.end_lsn, PostgresRecord(b.will_init or b.apply_image, r.raw)))
-    return out
-
-
-def _compare_with_files(c: Capture, rebuilt: dict[RelBlock, bytes], rels: set[int]) -> int:
-    compared = 0
-    for t, disk in c.pages.items():
-        if t.rel not in rels:
-            continue
-        if t not in rebuilt:
-            # extended but never used: no record names it, and storage gives zeros too
-            assert disk == bytes(bp.BLCKSZ), f"page {t} of the data files was not rebuilt"
-            continue
-        if t.blkno == 0:
-            continue  # the metapage's last-used-page cache is not WAL-logged
-        assert masked(rebuilt[t], t.blkno, spg_mask) == masked(disk, t.blkno, spg_mask), f"{t} differs"
-        compared += 1
-    return compared
-
-
 def test_pages_rebuilt_from_records_equal_data_files(cap: Capture) -> None:
     rels = _spgist_rels(cap)
     mgr = PostgresRedoManager(count=True)
-    rebuilt = {t: mgr.apply_to_target(t, None, recs) for t, recs in _per_block(cap, rels).items()}
-    compared = _compare_with_files(cap, rebuilt, rels)
+    rebuilt = {t: mgr.apply_to_target(t, None, recs) for t, recs in per_block(cap, rels).items()}
+    compared = compare_with_files(cap, rebuilt, rels, spg_mask, skip_block0=True)
     print(f"compared {compared} SP-GiST pages with the data files; applied {dict(mgr.stats.applied)}")
     assert compared > 30
     for t in RECORD_TYPES:
         assert mgr.stats.applied[f"SPGist/{t}"] > 0
-
-
-def _checkpoint() -> CheckPoint:
-    return CheckPoint(
-        redo=Lsn(0), this_timeline_id=1, prev_timeline_id=1, full_page_writes=True,
-        next_xid=3, next_oid=16384, next_multi=1, next_multi_offset=0, oldest_xid=3,
-        oldest_xid_db=1, oldest_multi=1, oldest_multi_db=1, time=0, oldest_commit_ts_xid=0,
-        newest_commit_ts_xid=0, oldest_active_xid=0,
-    )
 
 
 def test_ingested_records_are_readable(cap: Capture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -234,35 +197,18 @@ def test_ingested_records_are_readable(cap: Capture, tmp_path: Path, monkeypatch
     without SP-GiST redo, the same values fail naming the record and its LSN; with it, they
     read back right, with no re-ingest."""
     rels = _spgist_rels(cap)
-    db = next(iter(cap.pages)).db
     targets = sorted((t for t in cap.pages if t.rel in rels), key=lambda t: (t.rel, t.blkno))
 
-    async def run() -> None:
-        tenant = Tenant(tmp_path, TenantId.generate(), StorageConfig(validate_get=True, double_buffering=False), redo=PostgresRedoManager())
-        tl = await tenant.create_timeline(TimelineId.generate())
-        ing = WalIngest(tl)
-        mod = ing.w.begin(Lsn(cap.start))
-        mod.put_checkpoint(_checkpoint())
-        await mod.put_dbdir_creation(1663, db)
-        await mod.put_slru_segment_creation(SLRU_CLOG, 0, 1)
-        await mod.put_slru_page(SLRU_CLOG, 0, 0, Image(bytes(8192)))
-        await mod.commit()
-        for r in cap.records:
-            await ing.ingest_record(r)
-        lsn = tl.last_record_lsn
-        dd = Datadir(tl)
-        t0 = targets[1]
+    async def unreadable_without_redo(dd: Datadir, lsn: Lsn) -> None:
+        t = targets[1]
         with monkeypatch.context() as m:
             m.delitem(redo_manager.REDO_ROUTINES, RmgrId.SPGIST)
             with pytest.raises(PageReconstructError, match=r"no redo for resource manager SPGist \(SPGist/\w+\).*record ending at"):
-                await dd.get_page(RelTag(1663, db, t0.rel, 0), t0.blkno, lsn)
-        for t in targets:
-            page = await dd.get_page(RelTag(1663, db, t.rel, 0), t.blkno, lsn)
-            if t.blkno:
-                assert masked(page, t.blkno, spg_mask) == masked(cap.pages[t], t.blkno, spg_mask), t
-        await tenant.shutdown()
+                await dd.get_page(RelTag(t.spc, t.db, t.rel, 0), t.blkno, lsn)
 
-    trio.run(run)
+    got = ingest_and_read(cap, tmp_path, targets, unreadable_without_redo)
+    rebuilt = {t: p for t, p in got.items() if p != bytes(bp.BLCKSZ) or cap.pages[t] != p}
+    assert compare_with_files(cap, rebuilt, rels, spg_mask, skip_block0=True) > 30
 
 
 # --- hostile input ----------------------------------------------------------------------

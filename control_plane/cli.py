@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pagefs": ("compute.pagefs.main", "the page filesystem of a lazy endpoint (FUSE over the page service)"),
     "pageserver": ("pageserver.node", "run a pageserver node (pagestore pageserver -c FILE)"),
     "safekeeper": ("safekeeper.node", "run a safekeeper node (pagestore safekeeper -c FILE)"),
+    "storage-controller": ("control_plane.storage_controller", "run the storage controller (tenant generations; pagestore storage-controller -c FILE)"),
     "start": ("control_plane.cmd_start", "start the cluster's pageserver and safekeepers"),
     "status": ("control_plane.cmd_status", "nodes, timelines with their LSNs, endpoints"),
     "stop": ("control_plane.cmd_stop", "stop endpoints, pageserver and safekeepers"),

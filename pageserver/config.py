@@ -123,6 +123,10 @@ class PageserverConfig:
     # The durable tier (remote-storage.md): {kind = "local", path = "..."} or {kind = "s3",
     # endpoint, bucket, prefix, region}; None: layers live on this node's disk only.
     remote_storage: RemoteStorageConfig | None = None
+    # The storage controller's upcall API (e.g. "http://127.0.0.1:1234/upcall/v1/"): it hands
+    # out each tenant's generation at start-up and validates it before deletions and before
+    # remote_consistent_lsn is reported. None: this node issues its own generations.
+    control_plane_api: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if (self.ssl_cert_file is None) != (self.ssl_key_file is None):

@@ -88,6 +88,11 @@ class TimelineCreateRequest:
 
 
 @attrs.frozen
+class TenantAttachRequest:
+    generation: int | None = None  # the storage controller's; None: the node chooses (see docs)
+
+
+@attrs.frozen
 class TimelineImportRequest:
     source: str  # a data directory or a tar of one, on the pageserver's machine
     new_timeline_id: str | None = None
@@ -259,6 +264,19 @@ def build_router(manager: TenantManager, registry: CollectorRegistry) -> Router:
         text = body.tenant_id or body.new_tenant_id
         tenant = await manager.create_tenant(_tenant_id(text) if text else None)
         return Response.json(TenantCreateResponse(tenant.tenant_id.hex), status=201)
+
+    @route("POST", "/v1/tenant/{tenant_id}/attach")
+    async def attach_tenant(req: Request) -> Response:
+        body = req.structure(TenantAttachRequest) if req.body.strip() else TenantAttachRequest()
+        if body.generation is not None and not 0 < body.generation < 1 << 32:
+            raise HttpError(400, f"generation {body.generation} out of range")
+        tenant = await manager.attach_tenant(_tenant_id(req.params["tenant_id"]), body.generation)
+        return Response.json(_tenant_info(tenant), status=201)
+
+    @route("POST", "/v1/tenant/{tenant_id}/detach")
+    async def detach_tenant(req: Request) -> object:
+        await manager.detach_tenant(_tenant_id(req.params["tenant_id"]))
+        return {}
 
     @route("GET", "/v1/tenant")
     async def list_tenants(_: Request) -> list[TenantInfo]:

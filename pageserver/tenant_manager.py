@@ -17,6 +17,7 @@ its WAL from them, starting at ``last_record_lsn``.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ import structlog
 import trio
 
 from pageserver.config import PageserverConfig, split_addr
+from pageserver.control_plane_client import ControlPlaneClient
 from pageserver.import_datadir import DatadirImportError, bootstrap_timeline, import_datadir
 from pageserver.remote_tenant import TenantRemote, highest_generation, list_remote_tenants
 from pageserver.storage.io_engine import fsync_dir
@@ -93,6 +95,9 @@ class TenantManager:
         self.remote_storage: RemoteStorage | None = (
             None if conf.remote_storage is None else make_remote_storage(conf.remote_storage)
         )
+        self.control_plane: ControlPlaneClient | None = (
+            None if conf.control_plane_api is None else ControlPlaneClient(conf.control_plane_api, conf.id)
+        )
 
     @property
     def tenants_dir(self) -> Path:
@@ -119,7 +124,16 @@ class TenantManager:
                 found.append(TenantId.parse(entry.name))
             except RemoteProtocolError:
                 log.warning("ignoring a directory that is not a tenant", path=str(entry))
-        if self.remote_storage is not None:
+        generations: dict[TenantId, int] = {}
+        if self.control_plane is not None:
+            # The controller says which tenants are mine, each in a new generation.
+            generations = await self.control_plane.re_attach()
+            for tenant_id in found:
+                if tenant_id not in generations:
+                    log.warning("not loading a local tenant the storage controller does not attach here",
+                                tenant_id=tenant_id.hex)
+            found = sorted(generations, key=lambda t: t.hex)
+        elif self.remote_storage is not None:
             # Without a control plane this node owns every tenant of the bucket: a node that
             # lost its disk gets them all back.
             found += [t for t in await list_remote_tenants(self.remote_storage) if t not in found]
@@ -127,7 +141,7 @@ class TenantManager:
             entry = self.tenants_dir / tenant_id.hex
             tenant = await Tenant.load(
                 entry, tenant_id, self.conf.storage_config(), redo=self._new_redo(), nursery=nursery,
-                remote=await self._tenant_remote(tenant_id),
+                remote=await self._tenant_remote(tenant_id, generations.get(tenant_id)),
             )
             self.tenants[tenant_id] = tenant
             log.info("tenant loaded", tenant_id=tenant_id.hex, timelines=len(tenant.timelines))
@@ -180,13 +194,71 @@ class TenantManager:
                                 remote_consistent_lsn=format_lsn(tl.remote_consistent_lsn))
             await tenant.shutdown()
 
-    async def _tenant_remote(self, tenant_id: TenantId) -> TenantRemote | None:
-        """The tenant's remote storage context with this attachment's generation: one above
-        any the tenant has used (this node issues its own; see ``pageserver.remote_tenant``)."""
+    async def _tenant_remote(self, tenant_id: TenantId, generation: int | None = None) -> TenantRemote | None:
+        """The tenant's remote storage context with this attachment's generation: the one
+        given (by the controller or the attach request), else the controller's for a new
+        tenant, else one above any the tenant has used (the node issues its own)."""
         if self.remote_storage is None:
             return None
-        generation = await highest_generation(self.remote_storage, tenant_id) + 1
-        return TenantRemote(self.remote_storage, generation)
+        cp = self.control_plane
+        if generation is None:
+            if cp is not None:
+                generation = await cp.attach(tenant_id)
+            else:
+                generation = await highest_generation(self.remote_storage, tenant_id) + 1
+        if cp is None:
+            return TenantRemote(self.remote_storage, generation)
+        return TenantRemote(self.remote_storage, generation, functools.partial(cp.validate, tenant_id, generation))
+
+    # -- attach and detach ----------------------------------------------------------------------
+
+    async def attach_tenant(self, tenant_id: TenantId, generation: int | None = None) -> Tenant:
+        """Load a tenant from remote storage (layers come down as its index names them) and
+        start serving it, in ``generation`` (the controller's; None: see ``_tenant_remote``)."""
+        if self.shutting_down.is_set():
+            raise ShuttingDownError("the pageserver is shutting down")
+        if self.remote_storage is None:
+            raise BadTimelineRequestError("attach needs remote storage (remote_storage in the config)")
+        async with self._lock(tenant_id):
+            if tenant_id in self.tenants:
+                raise AlreadyExistsError(f"tenant {tenant_id} is already attached here")
+            remote = await self._tenant_remote(tenant_id, generation)
+            assert remote is not None
+            tenant = await Tenant.load(
+                self.tenants_dir / tenant_id.hex, tenant_id, self.conf.storage_config(),
+                redo=self._new_redo(), nursery=self._nursery, remote=remote,
+            )
+            self.tenants[tenant_id] = tenant
+            self._start_background_jobs(tenant)
+            for tl in tenant.timelines.values():
+                self._start_ingest(tl)
+            log.info("tenant attached", tenant_id=tenant_id.hex, generation=remote.generation,
+                     timelines=len(tenant.timelines))
+            return tenant
+
+    async def detach_tenant(self, tenant_id: TenantId) -> None:
+        """Stop serving a tenant: ingest stopped, layers flushed and uploaded (for up to
+        ``shutdown_timeout_s * 4``), files closed, the local directory removed. Remote objects
+        stay: the next attachment loads them."""
+        async with self._lock(tenant_id):
+            tenant = self.get_tenant(tenant_id)
+            for tid in list(tenant.timelines):
+                got = self._ingests.pop((tenant_id, tid), None)
+                if got is not None:
+                    with trio.move_on_after(self.conf.shutdown_timeout_s):
+                        await got[0].pause()
+                    got[1].cancel()
+            scope = self._jobs.pop(tenant_id, None)
+            if scope is not None:
+                scope.cancel()
+            with trio.move_on_after(self.conf.shutdown_timeout_s * 4):
+                for tl in tenant.timelines.values():
+                    await tl.flush()
+                    await self.wait_remote(tl)
+            del self.tenants[tenant_id]
+            await tenant.shutdown()
+            await trio.to_thread.run_sync(functools.partial(shutil.rmtree, tenant.path, ignore_errors=True))
+            log.info("tenant detached", tenant_id=tenant_id.hex)
 
     async def wait_remote(self, tl: Timeline) -> None:
         """Return once everything the timeline queued for remote storage is uploaded."""

@@ -10,10 +10,16 @@ import trio
 
 from compute.postgres import PostgresInstance
 from pageserver.pgdatadir import Datadir, RelTag
+from pageserver.storage.reconstruct import PageReconstructError
 from pageserver.tenant import Tenant
 from pageserver.walingest import WalIngest
 from pageserver.walredo import bufpage as bp
-from pageserver.walredo.manager import PostgresRedoManager, RelBlock
+from pageserver.walredo.manager import (
+    ON_IMAGE_ROUTINES,
+    REDO_ROUTINES,
+    PostgresRedoManager,
+    RelBlock,
+)
 from pageserver.walredo.mask import MaskFn, masked
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn
@@ -73,13 +79,19 @@ def unbuilt_blocks(pg: PostgresInstance, pages: Pages, db: int, rel: int) -> lis
     return out
 
 
-def ingest_and_read(tmp_path: Path, recs: list[DecodedRecord], rels: Iterable[int]) -> Pages:
+def ingest_and_read(
+    tmp_path: Path, recs: list[DecodedRecord], rels: Iterable[int], *, unsupported: int | None = None
+) -> tuple[list[str], Pages]:
     """Feed ``recs`` (real records of relations ``rels`` in one database) through WAL ingest
-    into a fresh timeline, then read every block of those relations at the last LSN."""
+    into a fresh timeline, then read every block of those relations at the last LSN.
+
+    With ``unsupported`` (a resource manager id), the pages are first read with that
+    resource manager's redo taken out, as before it existed: the errors are returned. The
+    second read, with it back and nothing re-ingested, gives the pages."""
     db = recs[0].blocks[0].db
     spc = recs[0].blocks[0].spc
 
-    async def run() -> Pages:
+    async def run() -> tuple[list[str], Pages]:
         tenant = Tenant(tmp_path, TenantId.generate(), INGEST_CONFIG, redo=PostgresRedoManager(validate=True))
         tl = await tenant.create_timeline(TimelineId.generate())
         ing = WalIngest(tl)
@@ -91,15 +103,29 @@ def ingest_and_read(tmp_path: Path, recs: list[DecodedRecord], rels: Iterable[in
             await ing.ingest_record(r)
         lsn = tl.last_record_lsn
         dd = Datadir(tl)
-        pages: Pages = {}
+        tags = []
         for rel in rels:
             for fork in (0, 3):
                 tag = RelTag(spc, db, rel, fork)
-                if not await dd.rel_exists(tag, lsn):
-                    continue
-                for blkno in range(await dd.get_rel_size(tag, lsn)):
-                    pages[RelBlock(spc, db, rel, fork, blkno)] = await dd.get_page(tag, blkno, lsn)
+                if await dd.rel_exists(tag, lsn):
+                    tags += [(tag, blkno) for blkno in range(await dd.get_rel_size(tag, lsn))]
+        errors: list[str] = []
+        if unsupported is not None:
+            saved = REDO_ROUTINES.pop(unsupported), ON_IMAGE_ROUTINES.pop(unsupported, None)
+            try:
+                for tag, blkno in tags:
+                    try:
+                        await dd.get_page(tag, blkno, lsn)
+                    except PageReconstructError as exc:
+                        errors.append(str(exc))
+            finally:
+                REDO_ROUTINES[unsupported] = saved[0]
+                if saved[1] is not None:
+                    ON_IMAGE_ROUTINES[unsupported] = saved[1]
+        pages: Pages = {}
+        for tag, blkno in tags:
+            pages[RelBlock(tag.spc, tag.db, tag.rel, tag.fork, blkno)] = await dd.get_page(tag, blkno, lsn)
         await tenant.shutdown()
-        return pages
+        return errors, pages
 
     return trio.run(run)

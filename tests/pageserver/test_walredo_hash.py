@@ -234,7 +234,9 @@ def test_ingested_hash_records_are_readable(hash_wal: HashRun, tmp_path: Path) -
     assert not missing
     lock_only = sum(1 for r in mine if r.xl_rmid == RmgrId.HASH for b in r.blocks if not b.has_data and not b.apply_image)
     assert lock_only > 0
-    pages = ingest_and_read(tmp_path, mine, rels)
+    errors, pages = ingest_and_read(tmp_path, mine, rels, unsupported=RmgrId.HASH)
+    # stored before this redo existed, the same values failed, naming the record and its LSN
+    assert errors and all("no redo for resource manager Hash (Hash/" in e and "record ending at" in e for e in errors), errors[:3]
     compared, differ = compare_with_files(pg, pages, hash_mask)
     print(f"ingested and read back {compared} hash index pages; {len(differ)} differ")
     assert compared > 50

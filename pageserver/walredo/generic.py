@@ -25,7 +25,7 @@ MAX_GENERIC_XLOG_PAGES = 4
 
 
 def _err(rec: DecodedRecord, blk: BlockRef, msg: str) -> RedoError:
-    return RedoError(f"Generic block {blk.block_id}: {msg}", lsn=rec.end_lsn, rmgr="Generic")
+    return RedoError(f"Generic/Generic block {blk.block_id}: {msg}", lsn=rec.end_lsn, rmgr="Generic")
 
 
 def apply_delta(page: bytearray, delta: bytes | bytearray | memoryview) -> str | None:

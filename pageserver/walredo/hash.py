@@ -104,7 +104,7 @@ _XL_SPLITPOINT = struct.Struct("<II")  # ovflpoint, spares value
 
 
 def _err(rec: DecodedRecord, msg: str) -> RedoError:
-    return RedoError(f"hash {record_type_name(rec.xl_rmid, rec.xl_info)}: {msg}", lsn=rec.end_lsn, rmgr="Hash")
+    return RedoError(f"Hash/{record_type_name(rec.xl_rmid, rec.xl_info)}: {msg}", lsn=rec.end_lsn, rmgr="Hash")
 
 
 def _check_hash_page(page: bytearray, rec: DecodedRecord) -> None:

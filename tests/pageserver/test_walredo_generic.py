@@ -276,3 +276,16 @@ def test_hostile_generic_deltas_raise_redo_error(delta: bytes, info: int, why: s
     with pytest.raises(RedoError, match=why) as exc:
         _redo(delta, _page(100, 8000, b""), info)
     assert "Generic" in str(exc.value) and "record ending at" in str(exc.value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(delta=st.binary(max_size=200), lower=st.integers(0, 9000), upper=st.integers(0, 9000))
+def test_garbage_generic_deltas_give_a_page_or_a_clear_error(delta: bytes, lower: int, upper: int) -> None:
+    page = _page(100, 8000, b"")
+    struct.pack_into("<HH", page, 12, lower & 0xFFFF, upper & 0xFFFF)
+    try:
+        out = _redo(delta, page)
+    except RedoError as exc:
+        assert "Generic" in str(exc)
+        return
+    assert out is not None and len(out) == bp.BLCKSZ

@@ -56,8 +56,8 @@ from pageserver.basebackup import RELSEG_SIZE, read_datadir_block
 from pageserver.pgdatadir import BLCKSZ, DEFAULTTABLESPACE_OID, GLOBALTABLESPACE_OID
 from pageserver.walredo import bufpage as bp
 from pageserver.walredo.mask import (
+    RM_MASKS,
     MaskFn,
-    btree_mask,
     fsm_vm_mask,
     heap_mask,
     mask_page_hint_bits,
@@ -76,6 +76,7 @@ from protocol.pagestream import (
     Request,
     SlruKind,
 )
+from protocol.wal.rmgr import RmgrId
 
 FORKS = {"": 0, "_fsm": 1, "_vm": 2, "_init": 3}
 FORK_NAMES = {0: "main", 1: "fsm", 2: "vm", 3: "init"}
@@ -102,7 +103,7 @@ class RelInfo:
     """One relation as pg_class describes it (per database; shared ones with db 0)."""
 
     name: str
-    kind: str  # heap, btree, sequence, generic
+    kind: str  # heap, sequence, or the index access method (btree, hash, gin, gist, spgist, brin, ...)
     persistence: str  # p, u, t
     seq_increment: int = 0
 
@@ -132,12 +133,17 @@ class Snapshot:
 
 def _kind(relkind: str, amname: str) -> str:
     if relkind in ("r", "t", "m"):
-        return "heap"
+        return "heap"  # every table access method of PostgreSQL 15 (heap, and aliases of it) writes heap pages
     if relkind == "S":
         return "sequence"
-    if relkind == "i" and amname == "btree":
-        return "btree"
+    if relkind == "i" and amname:
+        return amname
     return "generic"
+
+
+# index access method -> the resource manager whose rm_mask masks its pages
+AM_RMGR = {"btree": RmgrId.BTREE, "hash": RmgrId.HASH, "gin": RmgrId.GIN, "gist": RmgrId.GIST,
+           "spgist": RmgrId.SPGIST, "brin": RmgrId.BRIN}
 
 
 def catalog_rels(dsn_of: Callable[[str], str]) -> dict[tuple[int, int], RelInfo]:
@@ -162,17 +168,23 @@ def catalog_rels(dsn_of: Callable[[str], str]) -> dict[tuple[int, int], RelInfo]
 
 
 def list_forks(snap: Snapshot) -> list[Fork]:
-    """Every relation fork file under ``base/`` and ``global/`` of the snapshot."""
+    """Every relation fork file under ``base/``, ``global/`` and ``pg_tblspc/`` of the snapshot."""
     sizes: Counter[tuple[int, int, int, int]] = Counter()
     dirs = [(GLOBALTABLESPACE_OID, 0, snap.root / "global")]
     dirs += [(DEFAULTTABLESPACE_OID, int(d.name), d) for d in sorted((snap.root / "base").iterdir())
              if d.name.isdigit()]
-    for spc, db, d in dirs:
+    tblspc = snap.root / "pg_tblspc"
+    if tblspc.is_dir():  # pg_tblspc/<spc oid>/PG_15_<catversion>/<db oid>/ (a symlink or in place)
+        for spc in sorted(tblspc.iterdir()):
+            if spc.name.isdigit():
+                for vdir in sorted(spc.glob("PG_15_*")):
+                    dirs += [(int(spc.name), int(d.name), d) for d in sorted(vdir.iterdir()) if d.name.isdigit()]
+    for spcnode, db, d in dirs:
         for f in d.iterdir():
             m = _REL_FILE.match(f.name)
             if not m:
                 continue
-            key = (spc, db, int(m.group(1)), FORKS[m.group(2) or ""])
+            key = (spcnode, db, int(m.group(1)), FORKS[m.group(2) or ""])
             seg = int(m.group(3) or 0)
             size = f.stat().st_size
             if size % BLCKSZ:
@@ -230,6 +242,18 @@ def compare_sequence(served: bytes, local: bytes, increment: int) -> tuple[int, 
     return _diff(a, b), ""
 
 
+def _reason(message: str) -> str:
+    """What an unreadable page's error says, without what names the page or LSN: ``Read error:
+    could not reconstruct key 0000…0001 at 0/741D98F0: no redo for resource manager Hash
+    (Hash/INSERT) (record ending at 0/741D98F0)`` -> ``no redo for resource manager Hash
+    (Hash/INSERT)``."""
+    m = re.search(r"could not reconstruct key [0-9A-Fa-f]+ at [0-9A-F]+/[0-9A-F]+: (.*)", message)
+    text = m.group(1) if m else message
+    text = re.sub(r"\s*\((record )?(ending )?at [0-9A-F]+/[0-9A-F]+\)", "", text)
+    text = re.sub(r"\b[0-9A-F]+/[0-9A-F]+\b", "X/X", text)
+    return text.strip(" :,;")[:160]
+
+
 def _is_zero(page: bytes) -> bool:
     return page.count(0) == BLCKSZ
 
@@ -249,6 +273,9 @@ class SnapshotResult:
     nblocks_equal: int = 0
     pages: Counter[str] = attrs.field(factory=Counter)
     equal: Counter[str] = attrs.field(factory=Counter)
+    unreadable: Counter[str] = attrs.field(factory=Counter)  # GetPage failed, per kind
+    different: Counter[str] = attrs.field(factory=Counter)  # served, but not equal after the mask
+    unreadable_reasons: Counter[str] = attrs.field(factory=Counter)  # the error's first clause
     nblocks_file_longer: int = 0  # forks PostgreSQL extended without WAL (not FSM)
     new_pages_past_end: int = 0  # their blocks past the pageserver's end: all new pages
     fsm_nblocks_differ: int = 0
@@ -266,7 +293,8 @@ class SnapshotResult:
         d = attrs.asdict(self)
         d["mismatches"] = len(self.mismatches)
         d["first_mismatches"] = self.mismatches[:20]
-        d["pages"], d["equal"] = dict(self.pages), dict(self.equal)
+        for name in ("pages", "equal", "unreadable", "different", "unreadable_reasons"):
+            d[name] = dict(getattr(self, name))
         return d
 
 
@@ -274,7 +302,9 @@ def _mask_for(fork: Fork) -> tuple[str, MaskFn]:
     if fork.rel.forknum == 2:
         return "vm", fsm_vm_mask
     kind = fork.info.kind if fork.info else "generic"
-    return kind, {"heap": heap_mask, "btree": btree_mask, "sequence": seq_mask}.get(kind, generic_mask)
+    if kind in AM_RMGR:  # the index masks their resource managers register (generic until then)
+        return kind, RM_MASKS.get(AM_RMGR[kind], generic_mask)
+    return kind, {"heap": heap_mask, "sequence": seq_mask}.get(kind, generic_mask)
 
 
 async def compare_snapshot(client: PageClient, snap: Snapshot,
@@ -335,6 +365,8 @@ async def compare_snapshot(client: PageClient, snap: Snapshot,
                     res.mismatches.append(f"{where}: block {blkno}: GetPage failed: {resp.message}")
                     if not fsm:
                         res.pages[kind] += 1
+                        res.unreadable[kind] += 1
+                        res.unreadable_reasons[_reason(resp.message)] += 1
                     continue
                 assert isinstance(resp, GetPageResponse)
                 served = bytes(resp.page)
@@ -364,6 +396,7 @@ async def compare_snapshot(client: PageClient, snap: Snapshot,
                 if diff == 0:
                     res.equal[kind] += 1
                 else:
+                    res.different[kind] += 1
                     res.mismatches.append(f"{where}: block {blkno}: {diff} bytes differ after the {kind} mask"
                                           + (f" ({note})" if note else ""))
     if only is None:

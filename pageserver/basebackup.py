@@ -78,6 +78,7 @@ from pageserver.pgdatadir import (
     BLCKSZ,
     DEFAULTTABLESPACE_OID,
     GLOBALTABLESPACE_OID,
+    TABLESPACE_VERSION_DIRECTORY,
     Datadir,
     RelTag,
 )
@@ -236,7 +237,7 @@ def rel_file_path(rel: RelFork | PagestreamRelTag, segno: int = 0) -> str:
     elif rel.spcnode == DEFAULTTABLESPACE_OID:
         base = f"base/{rel.dbnode}/{rel.relnode}"
     else:
-        raise BasebackupError(f"tablespace {rel.spcnode} is not supported (only pg_default and pg_global)")
+        base = f"pg_tblspc/{rel.spcnode}/{TABLESPACE_VERSION_DIRECTORY}/{rel.dbnode}/{rel.relnode}"
     suffix = FORK_SUFFIX.get(rel.forknum)
     if suffix is None:
         raise BasebackupError(f"relation {rel.relnode} has unknown fork {rel.forknum}")

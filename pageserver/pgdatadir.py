@@ -72,6 +72,9 @@ from protocol.wal.record import BLCKSZ
 ZERO_PAGE = bytes(BLCKSZ)
 GLOBALTABLESPACE_OID = 1664
 DEFAULTTABLESPACE_OID = 1663
+# catversion.h of PostgreSQL 15: the per-version directory inside a tablespace
+# (pg_tblspc/<spc oid>/PG_15_202209061/<db oid>/<relfilenode>)
+TABLESPACE_VERSION_DIRECTORY = "PG_15_202209061"
 
 _U32 = struct.Struct("<I")
 _DB_ENTRY = struct.Struct("<IIB")

@@ -429,17 +429,24 @@ def start_endpoint(
     tar_path = ep_dir / "basebackup.tar"
     started = time.monotonic()
     phases = {"prepare": started - t0}
-    size = fetch_basebackup(env, tenant, timeline, at, tar_path, lazy=storage == "lazy")
-    postgres.make_postgres_dir(ep.pgdata)
-    _untar(tar_path, ep.pgdata)
+    # The page filesystem's process starts now: its imports and the relation listing overlap
+    # the basebackup; it mounts once the backing directory is ready.
+    pagefs_pid = _spawn_pagefs(env, ep, at) if storage == "lazy" else None
+    try:
+        size = fetch_basebackup(env, tenant, timeline, at, tar_path, lazy=storage == "lazy")
+        postgres.make_postgres_dir(ep.pgdata)
+        _untar(tar_path, ep.pgdata)
+    except BaseException:
+        _stop_pagefs(ep, lambda _m: None)
+        raise
     tar_path.unlink()
     log(f"basebackup{' --lazy' if storage == 'lazy' else ''} of {branch} at {format_lsn(at)}: "
         f"{size / 1e6:.1f} MB in {time.monotonic() - started:.1f} s")
     (ep_dir / "endpoint.json").write_text(json.dumps(cattrs.unstructure(spec), indent=2) + "\n")
     mark = time.monotonic()
     phases["basebackup"] = mark - started
-    if storage == "lazy":
-        _start_pagefs(env, ep, at)
+    if pagefs_pid is not None:
+        _mount_pagefs(ep, pagefs_pid)
         phases["pagefs"] = time.monotonic() - mark
         mark = time.monotonic()
 
@@ -478,17 +485,12 @@ def start_endpoint(
 PAGEFS_START_TIMEOUT_S = 60.0
 
 
-def _start_pagefs(env: LocalEnv, ep: Endpoint, start_lsn: Lsn) -> None:
-    """Move the lazy basebackup's base/ and global/ into the page filesystem's backing
-    directory, link them from the data directory to the mount, and start ``pagestore pagefs``
-    (mounted once its status file says so)."""
+def _spawn_pagefs(env: LocalEnv, ep: Endpoint, start_lsn: Lsn) -> int:
+    """Start ``pagestore pagefs``; it waits for ``pagefs/backing.ready`` before it mounts."""
     backing, mnt = ep.pagefs_dir / "backing", ep.pagefs_mount
     backing.mkdir(parents=True)
     mnt.mkdir()
     os.chmod(ep.pagefs_dir, 0o755)
-    for sub in ("base", "global"):
-        (ep.pgdata / sub).rename(backing / sub)
-        (ep.pgdata / sub).symlink_to(mnt / sub)
     ep.pagefs_status_path.unlink(missing_ok=True)
     cmd = process.cli_command(
         "pagefs", "--mountpoint", str(mnt), "--backing", str(backing),
@@ -497,15 +499,25 @@ def _start_pagefs(env: LocalEnv, ep: Endpoint, start_lsn: Lsn) -> None:
         "--pageserver", f"127.0.0.1:{env.config.pageserver.pg}", "--pageserver-http", env.pageserver_http,
         "--tenant-id", ep.spec.tenant_id, "--timeline-id", ep.spec.timeline_id,
         "--start-lsn", format_lsn(start_lsn), "--status-file", str(ep.pagefs_status_path),
-        "--log-file", str(ep.pagefs_log),
+        "--log-file", str(ep.pagefs_log), "--wait-for", str(ep.pagefs_dir / "backing.ready"),
         *(["--read-only"] if ep.spec.read_only else ["--bridge-status", str(ep.bridge_status_path)]),
     )
     (ep.dir / "pagefs.cmd").write_text(shlex.join(cmd) + "\n")
-    pid = process.spawn(cmd, log_path=ep.pagefs_log, pid_path=ep.pagefs_pid_path)
+    return process.spawn(cmd, log_path=ep.pagefs_log, pid_path=ep.pagefs_pid_path)
+
+
+def _mount_pagefs(ep: Endpoint, pid: int) -> None:
+    """Move the lazy basebackup's base/ and global/ into the page filesystem's backing
+    directory, link them from the data directory to the mount, and wait until it is mounted."""
+    backing, mnt = ep.pagefs_dir / "backing", ep.pagefs_mount
+    for sub in ("base", "global"):
+        (ep.pgdata / sub).rename(backing / sub)
+        (ep.pgdata / sub).symlink_to(mnt / sub)
+    (ep.pagefs_dir / "backing.ready").touch()
     try:
         process.wait_until(f"page filesystem of endpoint {ep.name!r} mounted",
                            lambda: bool((ep.pagefs_status() or {}).get("mounted")),
-                           timeout=PAGEFS_START_TIMEOUT_S, pid=pid, log_path=ep.pagefs_log)
+                           timeout=PAGEFS_START_TIMEOUT_S, pid=pid, log_path=ep.pagefs_log, interval=0.01)
     except process.ProcessError as exc:
         process.stop_pid(pid, timeout=2, what="page filesystem")
         _unmount(mnt)

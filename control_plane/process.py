@@ -151,7 +151,7 @@ def tail(path: Path, lines: int = 20) -> str:
 
 
 def wait_until(what: str, cond: Callable[[], bool], *, timeout: float, pid: int | None = None,
-               log_path: Path | None = None) -> None:
+               log_path: Path | None = None, interval: float = 0.1) -> None:
     """Poll ``cond``; fail early (with the log's tail) when the process behind it dies."""
     deadline = time.monotonic() + timeout
     while True:
@@ -163,7 +163,7 @@ def wait_until(what: str, cond: Callable[[], bool], *, timeout: float, pid: int 
         if time.monotonic() > deadline:
             detail = f"\n--- last lines of {log_path} ---\n{tail(log_path)}" if log_path else ""
             raise ProcessError(f"{what}: not ready after {timeout:.0f} s{detail}")
-        time.sleep(0.1)
+        time.sleep(interval)
 
 
 def http_answers(url: str) -> Callable[[], bool]:

@@ -61,6 +61,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-wal-log-hints", action="store_true",
                         help="PostgreSQL runs without wal_log_hints: keep PD_ALL_VISIBLE heap pages local (H1)")
     parser.add_argument("--connections", type=int, default=4, help="pagestream connections")
+    parser.add_argument("--wait-for", default=None,
+                        help="a file whose appearance says the backing directory is ready (mount then)")
     parser.add_argument("--status-file", default=None)
     parser.add_argument("--http-port", type=int, default=0)
     parser.add_argument("--user", default="postgres", help="owner of every file (PostgreSQL's user)")
@@ -157,6 +159,10 @@ async def amain(args: argparse.Namespace) -> None:
         f"{args.pageserver_http}/v1/tenant/{tenant.hex}/timeline/{timeline.hex}/relations?at_lsn={format_lsn(start_lsn)}",
         token,
     )
+    if args.wait_for:
+        with trio.fail_after(300):
+            while not os.path.exists(args.wait_for):
+                await trio.sleep(0.005)
     durable = Lsn(0)
     cache = LocalPageFile(Path(args.cache_file), max(1, args.local_cache_size // BLCKSZ))
     store = PageStore(cache, start_lsn=start_lsn, primary=not args.read_only, durable_lsn=lambda: durable,
@@ -192,6 +198,8 @@ async def amain(args: argparse.Namespace) -> None:
     options = set(pyfuse3.default_options) | {"fsname=pagefs", "allow_other"}
     pyfuse3.init(fs, args.mountpoint, options)
     mounted_in = time.monotonic() - started
+    if args.status_file:  # PostgreSQL may start now
+        _replace(args.status_file, json.dumps(status(fs, None, mounted_in)))
     log.info("mounted", mountpoint=args.mountpoint, start_lsn=format_lsn(start_lsn), seconds=round(mounted_in, 3),
              relations=sum(len(r) for _, _, r in listing.databases))
     try:

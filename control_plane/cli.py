@@ -18,6 +18,7 @@ from typing import Protocol, cast
 # command path -> (module, one-line help). Keep sorted by path.
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench bulk-ingest": ("bench.bulk_ingest", "bulk INSERT WAL: pageserver ingest time vs PostgreSQL crash recovery"),
+    "bench compute": ("bench.compute", "lazy vs full endpoints vs plain PostgreSQL: start to first query, TPS, cold seq scan"),
     "bench getpage": ("bench.getpage", "GetPage@LSN pages/s and latency: serial vs pipelined, queue depth, vs PostgreSQL get_raw_page"),
     "bench ingest": ("bench.ingest", "bulk WAL ingest MB/s: io_engine x write buffer x double buffering x sync mode"),
     "bench read-path": ("bench.read_path", "get_vectored vs legacy gets: keys/s, preadv calls, deep L0 stack"),

@@ -1,0 +1,231 @@
+"""``pagestore bench compute``: lazy endpoints (the page filesystem over the page service) vs
+full endpoints (a copy of every relation file) vs a plain local PostgreSQL, side by side in one
+run. One JSON line per measurement:
+
+- ``start``: per pgbench scale and storage, ``endpoint start`` (the CLI run in a child process)
+  until the first query (``SELECT count(*) FROM pgbench_branches``) is answered, polled from
+  outside: ``first_query_s``; also the command's own ``start_seconds`` and ``start_phases``
+  (a primary's command returns after the walproposer bridge is elected, which reads do not wait
+  for) and the basebackup size. The median of ``--repeat`` starts.
+- ``tps``: at ``--tps-scale``, pgbench select-only and tpcb-like on a lazy endpoint cold (just
+  started: every page comes from the page service) and warm (the second run), on a full
+  endpoint and on a plain local PostgreSQL (no walproposer, no safekeepers).
+- ``seqscan``: at the largest scale, a cold ``count(*)`` of ``pgbench_accounts`` on a fresh lazy
+  endpoint: MB/s, and the GetPage batch sizes the page filesystem sent and the page service
+  executed.
+
+Each scale gets its own cluster (``init --free-ports --no-sync``: the safekeepers skip fsync, so
+the safekeeper disk is not what is measured). The data is loaded through a full endpoint
+(``pgbench -i``), which is then stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from common.ports import free_port
+from compute.postgres import PostgresInstance, postgres_tmpdir
+from control_plane import process
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scales", default="1,10,50", help="pgbench scales for the start times")
+    parser.add_argument("--tps-scale", type=int, default=10, help="the scale of the TPS runs (0: none)")
+    parser.add_argument("--seconds", type=int, default=10, help="pgbench -T of each TPS run")
+    parser.add_argument("--clients", type=int, default=2, help="pgbench -c")
+    parser.add_argument("--repeat", type=int, default=3, help="starts per scale and storage")
+    parser.add_argument("--no-seqscan", action="store_true")
+
+
+def emit(line: dict[str, Any]) -> None:
+    print(json.dumps({"bench": "compute", **line}), flush=True)
+
+
+def cli(workdir: Path, *args: str) -> str:
+    proc = subprocess.run(process.cli_command(*args, "--workdir", str(workdir)), cwd=process.ROOT,
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pagestore {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout
+
+
+def query(port: int, sql: str) -> Any:
+    with psycopg.connect(f"host=127.0.0.1 port={port} user=postgres dbname=postgres connect_timeout=2") as conn:
+        row = conn.execute(sql).fetchone()
+    return row[0] if row else None
+
+
+def timed_start(workdir: Path, name: str, storage: str) -> dict[str, Any]:
+    """Start an endpoint from a child process; the first answered query is polled meanwhile."""
+    port = free_port()
+    t0 = time.monotonic()
+    child = subprocess.Popen(
+        process.cli_command("endpoint", "start", name, "--storage", storage, "--port", str(port), "--json",
+                            "--workdir", str(workdir)),
+        cwd=process.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = None
+    while first is None:
+        try:
+            query(port, "SELECT count(*) FROM pgbench_branches")
+            first = time.monotonic() - t0
+        except psycopg.Error:
+            if child.poll() is not None and child.returncode != 0:
+                raise RuntimeError(f"endpoint start failed: {child.stderr.read() if child.stderr else ''}") from None
+            time.sleep(0.01)
+    out, err = child.communicate(timeout=600)
+    if child.returncode != 0:
+        raise RuntimeError(f"endpoint start failed: {err}")
+    cli_s = time.monotonic() - t0
+    desc = json.loads(out)
+    return {"first_query_s": round(first, 3), "cli_s": round(cli_s, 3), "start_seconds": desc["start_seconds"],
+            "phases": desc["start_phases"], "port": port}
+
+
+def pgbench_tps(port: int, *args: str) -> float:
+    pg = PostgresInstance(Path("/nonexistent"), port=port, started=True)
+    out = pg.pgbench(*args)
+    m = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", out)
+    if m is None:
+        raise RuntimeError(f"pgbench printed no tps:\n{out}")
+    return float(m.group(1))
+
+
+def http_get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return str(resp.read().decode())
+
+
+def histogram(text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a Prometheus histogram in exposition text."""
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"{name}_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith(f"{name}_count"):
+            count = float(line.split()[-1])
+    return total, count
+
+
+def pagefs_url(workdir: Path, name: str) -> str:
+    st = json.loads((workdir / "endpoints" / name / "pagefs-status.json").read_text())
+    return f"http://127.0.0.1:{st['http_port']}"
+
+
+def run_scale(root: Path, scale: int, args: argparse.Namespace, seqscan: bool) -> None:
+    wd = root / f"scale{scale}"
+    cli(wd, "init", "--free-ports", "--no-sync")
+    cli(wd, "start")
+    try:
+        cli(wd, "tenant", "create")
+        load = timed_start(wd, "load", "full")
+        t = time.monotonic()
+        PostgresInstance(Path("/nonexistent"), port=load["port"], started=True).pgbench("-i", "-s", str(scale), "-q")
+        db_bytes = int(query(load["port"], "SELECT pg_database_size('postgres')"))
+        emit({"metric": "load", "scale": scale, "seconds": round(time.monotonic() - t, 1), "db_bytes": db_bytes})
+        cli(wd, "endpoint", "stop", "load")
+        for storage in ("lazy", "full"):
+            runs = []
+            for i in range(args.repeat):
+                r = timed_start(wd, f"{storage}{i}", storage)
+                cli(wd, "endpoint", "stop", f"{storage}{i}")
+                runs.append(r)
+            emit({"metric": "start", "scale": scale, "storage": storage, "db_bytes": db_bytes,
+                  "first_query_s": statistics.median(r["first_query_s"] for r in runs),
+                  "start_seconds": statistics.median(r["start_seconds"] for r in runs),
+                  "runs": [{k: v for k, v in r.items() if k != "port"} for r in runs]})
+        if scale == args.tps_scale:
+            tps_runs(wd, scale, args)
+        if seqscan:
+            seqscan_run(wd, scale)
+    finally:
+        subprocess.run(process.cli_command("stop", "--workdir", str(wd), "--immediate"), cwd=process.ROOT,
+                       capture_output=True, check=False)
+
+
+def tps_runs(wd: Path, scale: int, args: argparse.Namespace) -> None:
+    t, c = str(args.seconds), str(args.clients)
+    common = ["-n", "-T", t, "-c", c]
+
+    def line(target: str, mode: str, tps: float) -> None:
+        emit({"metric": "tps", "scale": scale, "target": target, "mode": mode, "tps": round(tps, 1),
+              "clients": args.clients, "seconds": args.seconds})
+
+    lazy = timed_start(wd, "tps-lazy", "lazy")
+    line("lazy-cold", "select-only", pgbench_tps(lazy["port"], *common, "-S"))
+    line("lazy-warm", "select-only", pgbench_tps(lazy["port"], *common, "-S"))
+    line("lazy-warm", "tpcb-like", pgbench_tps(lazy["port"], *common))
+    st = json.loads(http_get(pagefs_url(wd, "tps-lazy") + "/v1/status"))
+    emit({"metric": "pagefs", "scale": scale, **{k: st[k] for k in ("hits", "misses", "writes", "evictions",
+                                                                   "bytes_cached", "getpage_batches")}})
+    cli(wd, "endpoint", "stop", "tps-lazy")
+    full = timed_start(wd, "tps-full", "full")
+    line("full", "select-only", pgbench_tps(full["port"], *common, "-S"))
+    line("full", "select-only", pgbench_tps(full["port"], *common, "-S"))
+    line("full", "tpcb-like", pgbench_tps(full["port"], *common))
+    cli(wd, "endpoint", "stop", "tps-full")
+    with postgres_tmpdir("bench-compute-plain-") as tmp:
+        pg = PostgresInstance.create(tmp / "pg", {"wal_level": "replica", "shared_buffers": "128MB"})
+        pg.start()
+        try:
+            pg.pgbench("-i", "-s", str(scale), "-q")
+            line("plain", "select-only", pgbench_tps(pg.port, *common, "-S"))
+            line("plain", "select-only", pgbench_tps(pg.port, *common, "-S"))
+            line("plain", "tpcb-like", pgbench_tps(pg.port, *common))
+        finally:
+            pg.stop("immediate")
+
+
+def seqscan_run(wd: Path, scale: int) -> None:
+    ep = timed_start(wd, "scan", "lazy")
+    ps_http = _pageserver_http(wd)
+    before_ps = histogram(http_get(ps_http + "/metrics"), "pageserver_page_service_batch_size")
+    before_fs = histogram(http_get(pagefs_url(wd, "scan") + "/metrics"), "pagefs_getpage_batch_size")
+    size = int(query(ep["port"], "SELECT pg_relation_size('pgbench_accounts')"))
+    t = time.monotonic()
+    query(ep["port"], "SELECT count(*) FROM pgbench_accounts")
+    secs = time.monotonic() - t
+    after_ps = histogram(http_get(ps_http + "/metrics"), "pageserver_page_service_batch_size")
+    after_fs = histogram(http_get(pagefs_url(wd, "scan") + "/metrics"), "pagefs_getpage_batch_size")
+    fs_batches = after_fs[1] - before_fs[1]
+    ps_batches = after_ps[1] - before_ps[1]
+    emit({"metric": "seqscan", "scale": scale, "table_bytes": size, "seconds": round(secs, 3),
+          "mb_per_s": round(size / secs / 1e6, 1),
+          "pagefs_batches": int(fs_batches),
+          "pagefs_mean_batch": round((after_fs[0] - before_fs[0]) / fs_batches, 1) if fs_batches else None,
+          "page_service_batches": int(ps_batches),
+          "page_service_mean_batch": round((after_ps[0] - before_ps[0]) / ps_batches, 1) if ps_batches else None})
+    cli(wd, "endpoint", "stop", "scan")
+
+
+def _pageserver_http(wd: Path) -> str:
+    cfg = tomllib.loads((wd / "pagestore.toml").read_text())
+    return f"http://127.0.0.1:{cfg['pageserver']['http']}"
+
+
+def run(args: argparse.Namespace) -> int:
+    scales = [int(s) for s in args.scales.split(",") if s]
+    with open("/proc/loadavg") as f:
+        emit({"metric": "machine", "loadavg": f.read().split()[:3], "cpus": os.cpu_count()})
+    with postgres_tmpdir("bench-compute-") as root:
+        for scale in scales:
+            run_scale(root, scale, args, seqscan=not args.no_seqscan and scale == max(scales))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    sys.exit(run(parser.parse_args()))

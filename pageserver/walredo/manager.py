@@ -51,6 +51,7 @@ from pageserver.storage.value import (
 )
 from pageserver.walredo import bufpage as bp
 from pageserver.walredo import clog, multixact
+from pageserver.walredo.brin import redo_brin
 from pageserver.walredo.btree import redo_btree
 from pageserver.walredo.errors import RedoError, RedoValidationError
 from pageserver.walredo.generic import redo_generic
@@ -99,6 +100,7 @@ REDO_ROUTINES: dict[int, RedoFn] = {
     RmgrId.GENERIC: redo_generic,
     RmgrId.GIN: redo_gin,
     RmgrId.GIST: redo_gist,
+    RmgrId.BRIN: redo_brin,
 }
 # Routines that also run after an applied image is restored, for the record types whose
 # PostgreSQL redo changes the page on top of it (BLK_RESTORED handled like BLK_NEEDS_REDO).

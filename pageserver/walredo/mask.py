@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pageserver.walredo import bufpage as bp
+from pageserver.walredo.brin import brin_mask
 from pageserver.walredo.btree import BTP_HAS_GARBAGE, BTP_LEAF, BTP_SPLIT_END
 from pageserver.walredo.errors import RedoError
 from pageserver.walredo.gin import gin_mask
@@ -181,6 +182,7 @@ RM_MASKS: dict[int, MaskFn] = {
     RmgrId.GENERIC: generic_mask,
     RmgrId.GIN: gin_mask,
     RmgrId.GIST: gist_mask,
+    RmgrId.BRIN: brin_mask,
 }
 
 

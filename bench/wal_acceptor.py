@@ -145,10 +145,11 @@ def framed_stream(
 
 async def run_config(
     workdir: Path, stream: bytes, start: Lsn, end: Lsn, msg_size: int, *, fsync: bool,
-    coalescing: bool, seconds: float,
+    coalescing: bool, seconds: float, impl: str = "native",
 ) -> dict[str, object]:
     sk = SafekeeperProcess(
-        workdir, no_sync=not fsync, max_write_bytes=(1 << 20) if coalescing else 0
+        workdir, no_sync=not fsync, max_write_bytes=(1 << 20) if coalescing else 0,
+        pure_python=impl == "python",
     )
     sk.start()
     try:
@@ -556,9 +557,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where the safekeepers write (default: a temp dir)")
     parser.add_argument("--floor", nargs=4, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
+        "--impl", default="native,python",
+        help="kernels of the safekeeper under test: native (Cython), python (PAGESTORE_PURE_PYTHON=1) or both, side by side",
+    )
+    parser.add_argument(
         "--floors", default="on", choices=("on", "off", "only"),
         help="floor receivers beside the safekeeper for sizes >= 128KiB (only: floors alone)",
     )
+
+
+def _impls(text: str) -> list[str]:
+    impls = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [i for i in impls if i not in ("native", "python")]
+    if bad or not impls:
+        raise SystemExit(f"--impl: native, python or both (got {text!r})")
+    return impls
 
 
 def _flags(text: str) -> list[bool]:
@@ -605,12 +618,12 @@ def _repeat(
 
 def _one_real(
     workdir: Path, stream: bytes, start: Lsn, end: Lsn, msg_size: int, fsync: bool,
-    coalescing: bool, seconds: float, i: int,
+    coalescing: bool, seconds: float, impl: str, i: int,
 ) -> dict[str, object]:
     return trio.run(
         partial(
             run_config, workdir.with_name(f"{workdir.name}-{i}"), stream, start, end, msg_size,
-            fsync=fsync, coalescing=coalescing, seconds=seconds,
+            fsync=fsync, coalescing=coalescing, seconds=seconds, impl=impl,
         )
     )
 
@@ -649,15 +662,17 @@ def run(args: argparse.Namespace) -> int:
                 stream, end = framed_stream(template, 1, total, msg_size, commit)
                 for fsync in _flags(args.fsync) if args.floors != "only" else []:
                     for coalescing in _flags(args.coalescing):
-                        n += 1
+                        for impl in _impls(args.impl):
+                            n += 1
 
-                        real = partial(
-                            _one_real, base / f"sk{n}", stream, start, end, msg_size, fsync,
-                            coalescing, args.seconds,
-                        )
-                        result = _repeat(args, base, fsync, real)
-                        result["commit_advancing"] = commit
-                        print(json.dumps(result), flush=True)
+                            real = partial(
+                                _one_real, base / f"sk{n}", stream, start, end, msg_size, fsync,
+                                coalescing, args.seconds, impl,
+                            )
+                            result = _repeat(args, base, fsync, real)
+                            result["commit_advancing"] = commit
+                            result["impl"] = impl
+                            print(json.dumps(result), flush=True)
                 if args.floors != "off" and msg_size >= MAX_SEND_SIZE and c == 0:
                     modes: list[str] = []
                     flags = _flags(args.fsync)

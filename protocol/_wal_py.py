@@ -59,6 +59,8 @@ _REC_HEAD = struct.Struct("<I12xBB")
 # A continuation page's header may not have unknown bits nor the long-header flag.
 _BAD_CONT_INFO = (~XLP_ALL_FLAGS | XLP_LONG_HEADER) & 0xFFFF
 _PAGE_ROOM = XLOG_BLCKSZ - SHORT_PHD
+# Records shorter than this make scan_records slice a bytes copy of the buffer.
+_COPY_BELOW = 2048
 
 
 _package_crc: Callable[[Buffer, int], int] | None = None
@@ -117,8 +119,15 @@ def scan_records(buf: Buffer, i: int, n: int, base: int, seg_size: int) -> tuple
     """
     view = memoryview(buf).cast("B")
     _check_scan_args(len(view), i, n, base, seg_size)
-    # Slicing bytes is cheaper than slicing a memoryview: copy small-record chunks once.
-    data: bytes | memoryview = view.tobytes() if n - i < 1 << 20 else view
+    # Slicing bytes is cheaper than slicing a memoryview (two slices per record): when the
+    # records are small, a bytes copy of the rest pays for itself; large ones use the view.
+    data: bytes | memoryview
+    if type(buf) is bytes:
+        data = buf
+    elif n - i >= 4 and _U32.unpack_from(view, i)[0] < _COPY_BELOW:
+        data = bytes(view[: n])
+    else:
+        data = view
     crc32 = _crc()
     unpack = _REC_HEAD.unpack_from
     unpack_page = _PAGE_HEADER.unpack_from
@@ -247,6 +256,11 @@ class RecordTracker:
         """Consume ``data`` (the bytes at ``self.pos``); return the new ``record_end``."""
         view = memoryview(data).cast("B")
         crc = _crc()
+        # What the fast path slices (two slices per record and one per page piece): a bytes
+        # copy of the chunk when records are small (slicing bytes is cheaper than slicing a
+        # memoryview, so the copy pays for itself), the view itself when they are large.
+        # Decided once per feed: scan_records would otherwise copy at every page.
+        flat: bytes | memoryview | None = data if type(data) is bytes else None
         i = 0
         n = len(view)
         while i < n:
@@ -287,7 +301,10 @@ class RecordTracker:
                     # Fast path: whole records on this page and in this buffer, in a tight
                     # loop (this is the safekeeper's hottest code).
                     if n - i >= RECORD_HEADER:
-                        i, pos = self._fast_records(view, i, n, pos)
+                        if flat is None:
+                            (first_len,) = _U32.unpack_from(view, i)
+                            flat = view.tobytes() if first_len < _COPY_BELOW else view
+                        i, pos = self._fast_records(flat, i, n, pos)
                         if pos != self.pos:
                             self.pos = pos
                             if pos % XLOG_BLCKSZ == 0:
@@ -325,7 +342,7 @@ class RecordTracker:
         return self.record_end
 
     def _fast_records(
-        self, buf: memoryview, i: int, n: int, pos: int
+        self, buf: bytes | memoryview, i: int, n: int, pos: int
     ) -> tuple[int, Lsn]:
         """Consume complete records that lie entirely in ``buf[i:n]`` with the WAL kernel
         (``protocol.wal.kernels.scan_records``: records on this page and records that continue

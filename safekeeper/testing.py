@@ -9,6 +9,7 @@ at a time, which is what tests of a single acceptor need. ``synthetic_wal`` make
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -218,7 +219,12 @@ class SafekeeperProcess:
 
     __test__ = False
 
-    def __init__(self, workdir: Path, *, node_id: int = 1, **settings: object) -> None:
+    def __init__(
+        self, workdir: Path, *, node_id: int = 1, pure_python: bool = False, **settings: object
+    ) -> None:
+        # pure_python: run the node on the pure-Python kernels (PAGESTORE_PURE_PYTHON=1), for
+        # benchmarks that compare both implementations side by side.
+        self.pure_python = pure_python
         self.workdir = workdir
         self.pg_port = free_port()
         self.http_port = free_port()
@@ -245,9 +251,13 @@ class SafekeeperProcess:
 
     def start(self, timeout: float = 60) -> None:
         root = Path(__file__).resolve().parent.parent
+        env = {k: v for k, v in os.environ.items() if k != "PAGESTORE_PURE_PYTHON"}
+        if self.pure_python:
+            env["PAGESTORE_PURE_PYTHON"] = "1"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "control_plane.cli", "safekeeper", "-c", str(self.config_path)],
             cwd=root,
+            env=env,
             stdout=subprocess.DEVNULL,
             stderr=open(self.workdir / "stderr.log", "ab"),  # noqa: SIM115
         )

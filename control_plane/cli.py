@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "endpoint list": ("control_plane.cmd_endpoint_list", "list endpoints"),
     "endpoint start": ("control_plane.cmd_endpoint_start", "start a PostgreSQL 15 compute on a branch (or read-only at an LSN)"),
     "endpoint stop": ("control_plane.cmd_endpoint_stop", "stop an endpoint and its walproposer bridge"),
+    "fuzz": ("bench.fuzz", "coverage-guided fuzzing of a native decoder against its pure-Python twin (atheris)"),
     "init": ("control_plane.cmd_init", "write a local cluster directory (one pageserver, N safekeepers)"),
     "pagefs": ("compute.pagefs.main", "the page filesystem of a lazy endpoint (FUSE over the page service)"),
     "pageserver": ("pageserver.node", "run a pageserver node (pagestore pageserver -c FILE)"),

@@ -1,0 +1,163 @@
+"""``pagestore fuzz NAME --seconds N``: coverage-guided fuzzing of a native decoder against its twin.
+
+Each harness feeds atheris' mutated inputs to the compiled kernel and to its pure-Python twin
+(the reference) and fails on any difference of outcome: the same result, or an exception of
+the same class (and, for the record tracker, the same message and the same ``record_end``).
+A crash of the native code is a crash of the harness. The twin is imported under
+``atheris.instrument_imports()``, so its Python branches guide the mutations; the compiled
+module is not instrumented (native coverage needs a clang build, native.md §6.3).
+
+Harnesses (``NAME``):
+
+- ``scan-records``: ``protocol._wal_c.scan_records``. Input: base page (u16 LE), segment
+  size choice (u8: 1, 2 or 2048 pages), start (u8, in 8-byte words), then the WAL bytes.
+- ``record-tracker``: ``RecordTracker.feed`` over pieces. Input: start (u16 LE, 8-byte words
+  after LSN 0x2000000), segment size choice (u8), piece length (u8, x 37 bytes), then WAL.
+- ``crc32c``: ``crc32c`` with a seed and a split. Input: seed (u32 LE), split (u16 LE), data.
+
+The seed corpus is synthetic WAL (``safekeeper.testing.synthetic_wal``) in these formats;
+``--corpus DIR`` keeps it and what the run finds. Not part of the test run: it needs the
+``fuzz`` extra (``pip install -e '.[fuzz]'``: atheris) and runs for as long as it is told.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+HARNESSES = ("scan-records", "record-tracker", "crc32c")
+BASE = 0x2000000
+SEG_CHOICES = (1, 2, 2048)
+PAGE = 8192
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=HARNESSES, help="which native decoder to fuzz")
+    parser.add_argument("--seconds", type=int, default=60, help="how long to fuzz")
+    parser.add_argument("--max-len", type=int, default=40_000, help="longest input tried (bytes)")
+    parser.add_argument("--corpus", type=Path, default=None, help="corpus directory (default: a temporary one)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import atheris  # noqa: F401  (checked here so the error is a sentence, not a traceback)
+    except ImportError:
+        print("pagestore fuzz needs atheris: pip install -e '.[fuzz]'", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="pagestore-fuzz-") as tmp:
+        corpus = args.corpus or Path(tmp) / "corpus"
+        corpus.mkdir(parents=True, exist_ok=True)
+        write_seeds(args.name, corpus)
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [
+                sys.executable, "-m", "bench.fuzz", args.name, f"-max_total_time={args.seconds}",
+                f"-max_len={args.max_len}", "-print_final_stats=1", str(corpus),
+            ],
+            cwd=Path(__file__).resolve().parent.parent, check=False,
+        )
+        print(json.dumps({
+            "bench": "fuzz", "harness": args.name, "seconds": round(time.perf_counter() - t0, 1),
+            "corpus_files": sum(1 for _ in corpus.iterdir()), "ok": proc.returncode == 0,
+        }), flush=True)
+    return proc.returncode
+
+
+def write_seeds(name: str, corpus: Path) -> None:
+    from protocol.lsn import Lsn
+    from safekeeper.testing import synthetic_wal
+
+    for k, size in enumerate((26, 200, 3000, 9000)):
+        wal = synthetic_wal(Lsn(BASE), 40_000 if size > 1000 else 12_000, record_size=size)
+        if name == "scan-records":
+            seed = (BASE // PAGE).to_bytes(2, "little") + bytes([2, 5]) + wal
+        elif name == "record-tracker":
+            seed = (0).to_bytes(2, "little") + bytes([2, 1 + 7 * k]) + wal
+        else:
+            seed = (k * 0x9E3779B1 & 0xFFFFFFFF).to_bytes(4, "little") + (77 * k).to_bytes(2, "little") + wal[:5000]
+        (corpus / f"seed-{size}").write_bytes(seed)
+
+
+def _outcome(fn: Callable[..., object], *args: object) -> tuple[object, ...]:
+    try:
+        return ("ok", fn(*args))
+    except Exception as exc:
+        return ("err", type(exc).__name__)
+
+
+def _trace(cls: type, data: bytes, start: int, step: int, seg: int) -> list[object]:
+    out: list[object] = []
+    try:
+        tracker = cls(start, seg)
+    except Exception as exc:
+        return [("init-err", type(exc).__name__)]
+    for at in range(0, len(data), step):
+        try:
+            out.append(tracker.feed(data[at : at + step]))
+        except Exception as exc:
+            out.append(("err", type(exc).__name__, str(exc), tracker.record_end, tracker.pos))
+            break
+    return out
+
+
+def _harness(name: str, native: ModuleType, twin: ModuleType) -> Callable[[bytes], None]:
+    def scan_records(data: bytes) -> None:
+        if len(data) < 4:
+            return
+        base = int.from_bytes(data[:2], "little") * PAGE
+        seg = SEG_CHOICES[data[2] % 3] * PAGE
+        wal = data[4:]
+        i = min(data[3] * 8, len(wal) & ~7)
+        args = (wal, i, len(wal), base, seg)
+        a, b = _outcome(native.scan_records, *args), _outcome(twin.scan_records, *args)
+        if a != b:
+            raise AssertionError(f"scan_records differs: native {a} twin {b}")
+
+    def record_tracker(data: bytes) -> None:
+        if len(data) < 4:
+            return
+        start = BASE + 8 * int.from_bytes(data[:2], "little")
+        seg = SEG_CHOICES[data[2] % 3] * PAGE
+        step = 37 * (data[3] + 1)
+        # the WAL bytes are at start: the seeds begin at BASE (a page start)
+        a = _trace(native.RecordTracker, data[4:], start, step, seg)
+        b = _trace(twin.RecordTracker, data[4:], start, step, seg)
+        if a != b:
+            raise AssertionError(f"RecordTracker differs: native {a[-1:]} twin {b[-1:]}")
+
+    def crc32c(data: bytes) -> None:
+        if len(data) < 6:
+            return
+        seed = int.from_bytes(data[:4], "little")
+        body = data[6:]
+        split = int.from_bytes(data[4:6], "little") % (len(body) + 1)
+        whole = native.crc32c(body, seed)
+        if whole != twin.crc32c(body, seed) or native.crc32c(body[split:], native.crc32c(body[:split], seed)) != whole:
+            raise AssertionError(f"crc32c differs on {len(body)} bytes, seed {seed:#x}, split {split}")
+
+    return {"scan-records": scan_records, "record-tracker": record_tracker, "crc32c": crc32c}[name]
+
+
+def _fuzz_main(argv: list[str]) -> None:
+    import atheris
+
+    name = argv[1]
+    from protocol import _native
+
+    native = _native.load_native("protocol._wal_c")
+    with atheris.instrument_imports():
+        import protocol._wal_py as twin
+    atheris.Setup([argv[0], *argv[2:]], _harness(name, native, twin))
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    # the fuzzing process: python -m bench.fuzz NAME [libFuzzer flags] CORPUS
+    _fuzz_main(sys.argv)

@@ -510,3 +510,28 @@ def page_index_tuple_overwrite(page: bytearray, offnum: int, newtup: bytes | byt
     _pack_u32(page, itemid_pos(offnum), newoff | (flags << 15) | (newsize << 17))
     page[newoff : newoff + newsize] = newtup
     return True
+
+
+def page_append_items(page: bytearray, items: Sequence[bytes | bytearray | memoryview]) -> bool:
+    """PageAddItem of each item at maxoff + 1 in turn (index pages: no shuffle, no free-line
+    search), with the line pointers and tuples written directly; ``False`` (page unchanged)
+    when they do not all fit. Same bytes as the one-at-a-time calls: only ``len(item)`` bytes
+    are written, the MAXALIGN padding keeps what was there."""
+    lower, upper, special = LOWER_UPPER_SPECIAL.unpack_from(page, OFF_LOWER)
+    if lower < SIZE_OF_PAGE_HEADER or lower > upper or upper > special or special > BLCKSZ:
+        raise PageError(f"corrupted page pointers: lower = {lower}, upper = {upper}, special = {special}")
+    n = len(items)
+    if n == 0:
+        return True
+    need = ITEM_ID_SIZE * n + sum((len(it) + 7) & ~7 for it in items)
+    if lower + need > upper:
+        return False
+    lps = []
+    for it in items:
+        size = len(it)
+        upper -= (size + 7) & ~7
+        page[upper : upper + size] = it
+        lps.append(upper | (LP_NORMAL << 15) | (size << 17))
+    struct.pack_into(f"<{n}I", page, lower, *lps)
+    LOWER_UPPER_SPECIAL.pack_into(page, OFF_LOWER, lower + ITEM_ID_SIZE * n, upper, special)
+    return True

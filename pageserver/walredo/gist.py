@@ -121,11 +121,11 @@ def _tuples(data: bytes, pos: int, rec: DecodedRecord, what: str) -> list[bytes]
 
 
 def _add_tuples(page: bytearray, tuples: list[bytes], off: int, rec: DecodedRecord) -> None:
-    """gistfillbuffer: add in order from ``off``."""
-    for tup in tuples:
-        if bp.page_add_item(page, tup, off, overwrite=False, is_heap=False) != off:
-            raise _err(rec, f"failed to add item to GiST index page, size {len(tup)} bytes")
-        off += 1
+    """gistfillbuffer from ``off`` = maxoff + 1 (appending never shuffles: one bulk write)."""
+    if off != bp.max_offset(page) + 1:
+        raise _err(rec, f"cannot append at offset {off} (max {bp.max_offset(page)})")
+    if not bp.page_append_items(page, tuples):
+        raise _err(rec, f"failed to add {len(tuples)} items to GiST index page")
 
 
 def clear_follow_right(page: bytearray, rec: DecodedRecord) -> None:

@@ -173,6 +173,10 @@ def _add_counter(page: bytearray, rec: DecodedRecord, field: int, delta: int, wh
 
 
 def _add_at(page: bytearray, tup: bytes, off: int, rec: DecodedRecord, what: str) -> None:
+    if off == bp.max_offset(page) + 1 and off > 0:
+        if not bp.page_append_items(page, (tup,)):
+            raise _err(rec, f"failed to add {what} of size {len(tup)} at offset {off}")
+        return
     if off == 0 or bp.page_add_item(page, tup, off, overwrite=False, is_heap=False) != off:
         raise _err(rec, f"failed to add {what} of size {len(tup)} at offset {off}")
 
@@ -198,6 +202,26 @@ def add_or_replace(page: bytearray, tup: bytes, off: int, rec: DecodedRecord) ->
         _add_counter(page, rec, 2, -1, "placeholder")
         bp.page_index_tuple_delete(page, off)
     _add_at(page, tup, off, rec, "tuple")
+
+
+def add_or_replace_many(page: bytearray, pairs: Sequence[tuple[int, bytes]], rec: DecodedRecord) -> None:
+    """add_or_replace of each (offset, tuple) in order; runs that append at the end of the
+    page (a split's new page) go in one write."""
+    run: list[bytes] = []
+    nxt = bp.max_offset(page) + 1
+    for off, tup in pairs:
+        if off == nxt:
+            run.append(tup)
+            nxt += 1
+            continue
+        if run:
+            if not bp.page_append_items(page, run):
+                raise _err(rec, f"failed to add {len(run)} tuples")
+            run = []
+        add_or_replace(page, tup, off, rec)
+        nxt = bp.max_offset(page) + 1
+    if run and not bp.page_append_items(page, run):
+        raise _err(rec, f"failed to add {len(run)} tuples")
 
 
 def form_dead(state: int, blkno: int, offnum: int, xid: int) -> bytes:
@@ -318,8 +342,7 @@ def _move_leafs(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
     if blk.block_id == 1:
         if new_page:
             init_page(page, _leaf_flags(stores_nulls))
-        for off, leaf in zip(to_insert, leaves, strict=True):
-            add_or_replace(page, leaf, off, rec)
+        add_or_replace_many(page, list(zip(to_insert, leaves, strict=True)), rec)
     elif blk.block_id == 0:
         first = SPGIST_PLACEHOLDER if is_build else SPGIST_REDIRECT
         multi_delete(page, to_delete, first, SPGIST_PLACEHOLDER, dst, to_insert[-1], xid, rec)
@@ -422,9 +445,7 @@ def _picksplit(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
         raise _no_block(rec, blk)
     # the leaf tuples for this page (source: selector 0, destination: selector 1)
     want_dest = bid == 1
-    for i in range(ninsert):
-        if bool(select[i]) == want_dest:
-            add_or_replace(page, leaves[i], to_insert[i], rec)
+    add_or_replace_many(page, [(to_insert[i], leaves[i]) for i in range(ninsert) if bool(select[i]) == want_dest], rec)
 
 
 def _vacuum_leaf(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:

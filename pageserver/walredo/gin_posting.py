@@ -20,6 +20,7 @@ raises ``RedoError``, never a partial page.
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Sequence
 from itertools import accumulate, pairwise
@@ -76,6 +77,69 @@ def tids_to_ints(buf: bytes | bytearray | memoryview, pos: int, n: int) -> list[
 # --- one segment --------------------------------------------------------------------------
 
 
+# A varbyte number of two or more bytes: up to five continuation bytes and a final byte below
+# 0x80, or six continuation bytes and a 7th byte taken whole. Gaps between neighbouring TIDs
+# are mostly single bytes, so the codec handles runs of those at C speed and only these few
+# multi-byte numbers one by one.
+_MULTI = re.compile(rb"[\x80-\xff]{6}[\x00-\xff]|[\x80-\xff]{1,5}[\x00-\x7f]")
+_HIGH_BYTES = bytes(range(0x80, 0x100))
+
+
+def _varbyte_value(raw: bytes) -> int:
+    if len(raw) == 2:  # gaps across one heap page: the usual multi-byte number
+        return (raw[0] & 0x7F) | (raw[1] << 7)
+    v = 0
+    for i, c in enumerate(raw):
+        v |= (c << 42) if i == 6 else (c & 0x7F) << (7 * i)
+    return v
+
+
+def _varbytes(d: int) -> bytes:
+    out = bytearray()
+    while d > 0x7F:
+        out.append(0x80 | (d & 0x7F))
+        d >>= 7
+    out.append(d)
+    return bytes(out)
+
+
+def _encode_gaps(deltas: Sequence[int]) -> bytes:
+    """The varbyte encoding of ``deltas`` (all > 0), with no size limit."""
+    big = [i for i, d in enumerate(deltas) if d > 0x7F]
+    if not big:
+        return bytes(deltas)
+    out = bytearray()
+    prev = 0
+    for i in big:
+        out += bytes(deltas[prev:i])
+        out += _varbytes(deltas[i])
+        prev = i + 1
+    out += bytes(deltas[prev:])
+    return bytes(out)
+
+
+def _decode_gaps(body: bytes, pos: int) -> list[int]:
+    """The gaps a segment's varbyte bytes encode (``pos``: where, for the error)."""
+    gaps: list[int] = []
+    at = 0
+    for m in _MULTI.finditer(body):
+        s, e = m.span()
+        gaps.extend(body[at:s])
+        gaps.append(_varbyte_value(m.group()))
+        at = e
+    rest = body[at:]
+    if rest and max(rest) > 0x7F:
+        raise RedoError(f"varbyte number runs past its posting list at {pos}")
+    gaps.extend(rest)
+    return gaps
+
+
+def _segment(first: int, body: bytes) -> bytes:
+    nbytes = len(body)
+    head = int_to_tid(first) + _U16.pack(nbytes)
+    return head + body + b"\0" if nbytes & 1 else head + body
+
+
 def encode_segment(items: Sequence[int], maxsize: int = BLCKSZ) -> tuple[bytes, int]:
     """ginCompressPostingList: a segment holding as many of ``items`` (sorted, distinct) as fit
     in ``maxsize`` bytes; returns (segment bytes, number of items packed)."""
@@ -85,38 +149,46 @@ def encode_segment(items: Sequence[int], maxsize: int = BLCKSZ) -> tuple[bytes, 
     deltas = [b - a for a, b in pairwise(items)]
     if deltas and min(deltas) <= 0:
         raise RedoError("posting list items are not strictly ascending")
-    if not deltas or (max(deltas) < 0x80 and len(deltas) <= room):
-        body = bytes(deltas)  # every gap fits one varbyte byte: the common dense case
-        packed = len(items)
-    else:
-        out: list[int] = []
-        app = out.append
-        packed = 1
-        for d in deltas:
-            # varbyte: 7 bits per byte, least significant first, 0x80 = more follow
-            if d < 0x80:
-                if len(out) >= room:
-                    break
-                app(d)
-            elif d < 0x4000:
-                if len(out) + 2 > room:
-                    break
-                app(0x80 | (d & 0x7F))
-                app(d >> 7)
-            else:
-                enc = []
-                while d > 0x7F:
-                    enc.append(0x80 | (d & 0x7F))
-                    d >>= 7
-                enc.append(d)
-                if len(out) + len(enc) > room:
-                    break
-                out.extend(enc)
-            packed += 1
-        body = bytes(out)
-    nbytes = len(body)
-    head = int_to_tid(items[0]) + _U16.pack(nbytes)
-    return (head + body + b"\0" if nbytes & 1 else head + body), packed
+    body = _encode_gaps(deltas)
+    if len(body) <= room:
+        return _segment(items[0], body), len(items)
+    # too long: stop before the first item whose bytes would not fit
+    used = 0
+    packed = 1
+    for d in deltas:
+        n = len(_varbytes(d))
+        if used + n > room:
+            break
+        used += n
+        packed += 1
+    return _segment(items[0], body[:used]), packed
+
+
+def append_to_segment(buf: bytes | bytearray | memoryview, pos: int, end: int, items: Sequence[int]) -> bytes | None:
+    """The segment at ``pos`` with ``items`` (sorted) added, when they all follow its last
+    item: the old bytes stay, the new gaps follow (what re-encoding the merged list gives,
+    without decoding it). None when they do not all follow."""
+    segment_size(buf, pos, end)
+    nbytes = _U16.unpack_from(buf, pos + 6)[0]
+    first = tid_to_int(buf, pos)
+    body = bytes(buf[pos + SEGMENT_HEADER : pos + SEGMENT_HEADER + nbytes])
+    last = first + sum(body)
+    high = len(body) - len(body.translate(None, _HIGH_BYTES))
+    if high:
+        for raw in _MULTI.findall(body):  # a multi-byte number counts its value, not its bytes
+            last += _varbyte_value(raw) - sum(raw)
+            high -= len(raw) - (raw[-1] < 0x80)
+        if high:  # continuation bytes outside any whole number: one runs past the end
+            raise RedoError(f"varbyte number runs past its posting list at {pos}")
+    if not items or items[0] <= last:
+        return None
+    deltas = [b - a for a, b in pairwise([last, *items])]
+    if min(deltas) <= 0:
+        raise RedoError("posting list items are not strictly ascending")
+    new = body + _encode_gaps(deltas)
+    if len(new) > BLCKSZ - SEGMENT_HEADER:
+        return None
+    return _segment(first, new)
 
 
 def segment_size(buf: bytes | bytearray | memoryview, pos: int, end: int) -> int:
@@ -134,34 +206,10 @@ def decode_segment(buf: bytes | bytearray | memoryview, pos: int, end: int) -> l
     """ginPostingListDecode of the segment at ``pos`` (bounded by ``end``)."""
     segment_size(buf, pos, end)
     nbytes = _U16.unpack_from(buf, pos + 6)[0]
-    val = tid_to_int(buf, pos)
-    p = pos + SEGMENT_HEADER
-    body = bytes(buf[p : p + nbytes])
-    if not body or max(body) < 0x80:
-        return list(accumulate(body, initial=val))  # one byte per gap: the common dense case
-    items = [val]
-    app = items.append
-    i = 0
-    n = nbytes
-    while i < n:
-        # varbyte: 7 bits per byte, low group first; the 7th byte is taken whole
-        c = body[i]
-        i += 1
-        delta = c & 0x7F
-        shift = 7
-        while c & 0x80:
-            if i >= n:
-                raise RedoError(f"varbyte number runs past its posting list at {pos}")
-            c = body[i]
-            i += 1
-            if shift == 42:
-                delta |= c << 42
-                break
-            delta |= (c & 0x7F) << shift
-            shift += 7
-        val += delta
-        app(val)
-    return items
+    first = tid_to_int(buf, pos)
+    body = bytes(buf[pos + SEGMENT_HEADER : pos + SEGMENT_HEADER + nbytes])
+    gaps = body if not body or max(body) < 0x80 else _decode_gaps(body, pos)
+    return list(accumulate(gaps, initial=first))
 
 
 def split_segments(buf: bytes | bytearray | memoryview, start: int, end: int) -> list[tuple[int, int]]:
@@ -250,10 +298,15 @@ def apply_actions(
             raise RedoError(f"leaf action {action} past the last segment ({segno})")
         if action == SEGMENT_ADDITEMS:
             assert isinstance(payload, list)
-            merged = merge_items(payload, decode_segment(old, pos, end))
-            seg, packed = encode_segment(merged)
-            if packed != len(merged):
-                raise RedoError(f"{len(merged)} items do not fit one posting list")
+            # items past the segment's end (the common case) extend its bytes; else merge
+            seg_or_none = append_to_segment(old, pos, end, payload)
+            if seg_or_none is None:
+                merged = merge_items(payload, decode_segment(old, pos, end))
+                seg, packed = encode_segment(merged)
+                if packed != len(merged):
+                    raise RedoError(f"{len(merged)} items do not fit one posting list")
+            else:
+                seg = seg_or_none
             out += seg
             pos += segsize
             segno += 1

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import struct
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -26,6 +26,7 @@ from pageserver.walredo.gin_posting import (
     SEGMENT_DELETE,
     SEGMENT_INSERT,
     SEGMENT_REPLACE,
+    append_to_segment,
     decode_segment,
     encode_segment,
     int_to_tid,
@@ -59,6 +60,17 @@ def test_segment_cut_short_by_maxsize(items: list[int], maxsize: int) -> None:
     if packed < len(items):  # the next item would not have fit
         longer, _ = encode_segment(items[: packed + 1])
         assert 8 + struct.unpack_from("<H", longer, 6)[0] > maxsize
+
+
+@settings(max_examples=150, deadline=None)
+@given(sorted_tids, st.lists(st.integers(1, 5000), min_size=1, max_size=40))
+def test_append_equals_reencoding(items: list[int], gaps: list[int]) -> None:
+    """Adding items past a segment's last one keeps its bytes and appends the new gaps: the
+    same segment ginCompressPostingList makes of the merged list."""
+    seg, _ = encode_segment(items)
+    more = list(accumulate(gaps, initial=items[-1]))[1:]
+    assert append_to_segment(seg, 0, len(seg), more) == encode_segment([*items, *more])[0]
+    assert append_to_segment(seg, 0, len(seg), [items[-1], *more]) is None  # not all past the end
 
 
 def test_segment_bytes_are_the_format() -> None:

@@ -279,17 +279,20 @@ def apply_actions(
     end = len(old)
     out = bytearray()
     pos = 0
+    kept = 0  # old[kept:pos] are unmodified segments not yet copied to out
     segno = 0
+    unpack = _U16.unpack_from
     for a_segno, action, payload in actions:
         if a_segno < segno:
             raise RedoError(f"leaf action for segment {a_segno} after segment {segno}")
-        while segno < a_segno:
-            if pos >= end:
+        while segno < a_segno:  # skip the unmodified segments before this one
+            if pos + SEGMENT_HEADER > end:
                 raise RedoError(f"leaf action names segment {a_segno}, the page has {segno}")
-            size = segment_size(old, pos, end)
-            out += old[pos : pos + size]
-            pos += size
+            pos += SEGMENT_HEADER + ((unpack(old, pos + 6)[0] + 1) & ~1)
             segno += 1
+        if pos > end:
+            raise RedoError(f"posting list before segment {segno} runs past {end}")
+        out += old[kept:pos]
         if pos < end:
             segsize = segment_size(old, pos, end)
         elif action == SEGMENT_INSERT:
@@ -321,7 +324,8 @@ def apply_actions(
             out += payload
             pos += segsize
             segno += 1
-    out += old[pos:]
+        kept = pos
+    out += old[kept:]
     return out
 
 

@@ -33,18 +33,22 @@ import structlog
 import trio
 
 from pageserver import remote_layout
-from pageserver.remote_timeline import Pins, RemoteTimelineClient, Validator, always_valid
+from pageserver.remote_timeline import (
+    Pins,
+    RemoteTimelineClient,
+    Validator,
+    always_valid,
+    fsync_dir_path,
+)
 from pageserver.storage.index_part import INDEX_PART, IndexPart
 from pageserver.storage.layer_file import LayerCorruptionError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import format_lsn
-from remote_storage import RemoteNotFoundError, RemoteStorage
+from remote_storage import RemoteStorage
 from remote_storage.retry import retry
 
 log = structlog.get_logger("pageserver.remote_tenant")
 
-DOWNLOAD_ATTEMPTS = 10
-_TEMP_DOWNLOAD = ".___temp_download"
 
 
 @attrs.define
@@ -109,39 +113,6 @@ async def find_index(
     return gens[0], IndexPart.from_json(Path(key), raw)
 
 
-async def download_layer(
-    storage: RemoteStorage, key: str, path: Path, size: int, *, attempts: int = DOWNLOAD_ATTEMPTS
-) -> None:
-    """``key`` into ``path`` (temp file, size check against the index, rename, dir fsync)."""
-    tmp = path.with_name(path.name + _TEMP_DOWNLOAD)
-
-    async def get() -> None:
-        got = await storage.download_file(key, tmp)
-        if got != size:
-            raise OSError(f"{key}: downloaded {got} bytes, the index says {size}")
-
-    try:
-        await retry(get, what=f"download {key}", attempts=attempts)
-    except BaseException:
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(lambda: tmp.unlink(missing_ok=True))
-        raise
-
-    def publish() -> None:
-        os.rename(tmp, path)
-        _fsync_dir(path.parent)
-
-    await trio.to_thread.run_sync(publish)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_local_index(directory: Path, part: IndexPart) -> None:
     local = attrs.evolve(part, generations={})
     tmp = directory / (INDEX_PART + ".___temp")
@@ -150,7 +121,7 @@ def _write_local_index(directory: Path, part: IndexPart) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / INDEX_PART)
-    _fsync_dir(directory)
+    fsync_dir_path(directory)
 
 
 def _reconcile(directory: Path, part: IndexPart) -> list[str]:
@@ -168,16 +139,20 @@ def _reconcile(directory: Path, part: IndexPart) -> list[str]:
             present.add(name)
             continue
         entry.unlink()  # local-only, a different size, a temp or ephemeral file
-    _fsync_dir(directory)
+    fsync_dir_path(directory)
     return sorted(set(part.layers) - present)
 
 
-async def prepare_tenant_dir(remote: TenantRemote, tenant_id: TenantId, tenant_dir: Path) -> dict[TimelineId, IndexPart]:
+async def prepare_tenant_dir(
+    remote: TenantRemote, tenant_id: TenantId, tenant_dir: Path
+) -> tuple[dict[TimelineId, IndexPart], dict[TimelineId, set[str]]]:
     """Make ``<tenant_dir>/timelines`` agree with the remote indexes (see the module docstring);
-    returns each remote timeline's index (with its layers' generations)."""
+    returns each remote timeline's index (with its layers' generations), and the layers it
+    names that are not on local disk (loaded as evicted: downloaded on first use)."""
     timelines_dir = tenant_dir / "timelines"
     await trio.to_thread.run_sync(lambda: timelines_dir.mkdir(parents=True, exist_ok=True))
     found: dict[TimelineId, IndexPart] = {}
+    remote_only: dict[TimelineId, set[str]] = {}
     for timeline_id in await list_remote_timelines(remote.storage, tenant_id):
         chosen = await find_index(remote.storage, tenant_id, timeline_id, remote.generation)
         if chosen is None:
@@ -189,21 +164,16 @@ async def prepare_tenant_dir(remote: TenantRemote, tenant_id: TenantId, tenant_d
         await trio.to_thread.run_sync(functools.partial(marker.unlink, missing_ok=True))
         missing = await trio.to_thread.run_sync(_reconcile, directory, part)
         for name in missing:
-            gen = part.generations.get(name)
-            if gen is None:
+            if name not in part.generations:
                 raise LayerCorruptionError(directory / name, "the remote index names it without a generation")
-            key = remote_layout.layer_key(tenant_id, timeline_id, name, gen)
-            try:
-                await download_layer(remote.storage, key, directory / name, part.layers[name])
-            except RemoteNotFoundError as exc:
-                raise LayerCorruptionError(directory / name, f"the remote index names {key}, which is missing") from exc
         await trio.to_thread.run_sync(_write_local_index, directory, part)
         found[timeline_id] = part
+        remote_only[timeline_id] = set(missing)
         log.info("timeline prepared from remote storage", tenant_id=tenant_id.hex,
                  timeline_id=timeline_id.hex, index_generation=index_gen, generation=remote.generation,
-                 layers=len(part.layers), downloaded=len(missing),
+                 layers=len(part.layers), remote_only=len(missing),
                  disk_consistent_lsn=format_lsn(part.disk_consistent_lsn))
-    return found
+    return found, remote_only
 
 
 def make_client(

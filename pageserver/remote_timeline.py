@@ -35,6 +35,7 @@ timeline.
 from __future__ import annotations
 
 import collections
+import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -48,7 +49,7 @@ from pageserver import remote_layout
 from pageserver.storage.index_part import IndexPart
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, format_lsn
-from remote_storage import RemoteStorage
+from remote_storage import RemoteNotFoundError, RemoteStorage
 from remote_storage.retry import retry
 
 log = structlog.get_logger("pageserver.remote_timeline")
@@ -64,6 +65,9 @@ DROPPED_DELETIONS = Counter(
 QUEUED_OPS = Gauge("pageserver_remote_queued_operations", "operations waiting in upload queues")
 
 Validator = Callable[[], Awaitable[bool]]
+
+DOWNLOAD_ATTEMPTS = 5  # a reader waits for these (about 0.7 s of backoff in all)
+_TEMP_DOWNLOAD = ".___temp_download"
 
 
 async def always_valid() -> bool:
@@ -94,6 +98,47 @@ class Barrier:
 
 
 Op = UploadLayer | UploadIndex | Delete | Barrier
+
+
+async def download_layer(
+    storage: RemoteStorage, key: str, path: Path, size: int, *, attempts: int = DOWNLOAD_ATTEMPTS
+) -> None:
+    """``key`` into ``path`` (temp file, size check against the index, rename, dir fsync)."""
+    tmp = path.with_name(path.name + _TEMP_DOWNLOAD)
+
+    async def get() -> None:
+        got = await storage.download_file(key, tmp)
+        if got != size:
+            raise OSError(f"{key}: downloaded {got} bytes, the index says {size}")
+
+    try:
+        await retry(get, what=f"download {key}", attempts=attempts)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(lambda: tmp.unlink(missing_ok=True))
+        raise
+
+    def publish() -> None:
+        os.rename(tmp, path)
+        fsync_dir_path(path.parent)
+
+    await trio.to_thread.run_sync(publish)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Pins:
@@ -168,6 +213,14 @@ class RemoteTimelineClient:
 
     def layer_key(self, name: str, generation: int) -> str:
         return remote_layout.layer_key(self.tenant_id, self.timeline_id, name, generation)
+
+    async def download_layer(self, name: str, path: Path, size: int) -> None:
+        """The remote object of layer ``name`` (as the last scheduled index names it) into
+        ``path``: temp file, size check, rename, directory fsync; bounded retries."""
+        known = self._layers.get(name)
+        if known is None:
+            raise RemoteNotFoundError(f"layer {name} is not in the remote index of {self.timeline_id.hex}")
+        await download_layer(self.storage, self.layer_key(name, known[1]), path, size)
 
     # -- scheduling (synchronous: called from the timeline's index_part write) ------------------
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import structlog
@@ -222,8 +223,9 @@ class Tenant:
         tdir = tenant.timelines_dir
         tdir.mkdir(parents=True, exist_ok=True)
         remote_indexes: dict[TimelineId, IndexPart] = {}
+        remote_only: dict[TimelineId, set[str]] = {}
         if remote is not None:
-            remote_indexes = await prepare_tenant_dir(remote, tenant_id, path)
+            remote_indexes, remote_only = await prepare_tenant_dir(remote, tenant_id, path)
         parts = {}
         entries = sorted(tdir.iterdir())
         unfinished = {e.name.removesuffix(UNINIT_SUFFIX) for e in entries if e.name.endswith(UNINIT_SUFFIX)}
@@ -272,7 +274,7 @@ class Tenant:
                 )
                 tl.latest_gc_cutoff_lsn = part.latest_gc_cutoff_lsn
                 try:
-                    await _load_layers(tl, part.layers)
+                    await _load_layers(tl, part.layers, remote_only.get(tid, set()))
                 except BaseException:
                     if tl.remote is not None:
                         tl.remote.stop()
@@ -328,12 +330,45 @@ class Tenant:
                     self.background_failures += 1
                     log.error("gc failed; retrying next period", tenant_id=self.tenant_id.hex, exc_info=True)
 
+        async def eviction_loop() -> None:
+            while True:
+                await trio.sleep(cfg.eviction_period_s)
+                try:
+                    await self.evict_to_budget()
+                except Exception:
+                    self.background_failures += 1
+                    log.error("eviction failed; retrying next period", tenant_id=self.tenant_id.hex, exc_info=True)
+
         async with trio.open_nursery() as nursery:
+            if cfg.max_local_layer_bytes > 0 and self.remote is not None:
+                nursery.start_soon(eviction_loop, name="tenant.eviction")
             if cfg.compaction_period_s > 0:
                 nursery.start_soon(compaction_loop, name="tenant.compaction")
             if cfg.gc_period_s > 0:
                 nursery.start_soon(gc_loop, name="tenant.gc")
             task_status.started()
+
+    def resident_layer_bytes(self) -> int:
+        return sum(x.file_size for tl in self.timelines.values() for x in tl.layer_map if x.resident)
+
+    async def evict_to_budget(self) -> int:
+        """Evict local layer files, least recently used first, until the resident ones fit in
+        ``max_local_layer_bytes`` (layers not uploaded yet, or in use right now, stay: the
+        budget is then exceeded until the next round). Returns the bytes evicted."""
+        budget = self.config.max_local_layer_bytes
+        if budget <= 0 or self.remote is None:
+            return 0
+        resident = [(x.last_access, x.layer_id, tl, x) for tl in list(self.timelines.values())
+                    if tl.timeline_id not in self.creating for x in tl.layer_map if x.resident]
+        total = sum(x.file_size for *_, x in resident)
+        freed = 0
+        for _, _, tl, layer in sorted(resident, key=lambda r: (r[0], r[1])):
+            if total <= budget:
+                break
+            if await tl.evict(layer):
+                total -= layer.file_size
+                freed += layer.file_size
+        return freed
 
     async def shutdown(self) -> None:
         for tl in self.timelines.values():
@@ -344,13 +379,18 @@ class Tenant:
         await self.graveyard.collect()
 
 
-async def _load_layers(tl: Timeline, listed: dict[str, int]) -> None:
+async def _load_layers(tl: Timeline, listed: dict[str, int], remote_only: AbstractSet[str] = frozenset()) -> None:
     """Open and check every listed layer, and only then delete the unlisted files: an
     index_part that names a missing or damaged file stops the load with an error naming it,
-    and leaves the directory as it found it (the unlisted files may be what a repair needs)."""
+    and leaves the directory as it found it (the unlisted files may be what a repair needs).
+    Layers in ``remote_only`` are in remote storage only: loaded evicted (downloaded on use)."""
     opened: list[PersistentLayer] = []
     try:
         for name, size in listed.items():
+            if name in remote_only:
+                opened.append(PersistentLayer.evicted(tl.path / name, size))
+                tl.graveyard.evicted += 1
+                continue
             layer = await PersistentLayer.open(tl.engine, tl.path / name, tl.index_cache)
             opened.append(layer)
             if layer.file_size != size:

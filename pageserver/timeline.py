@@ -66,14 +66,24 @@ from prometheus_client import Counter
 from pageserver.remote_timeline import Pins, RemoteTimelineClient
 from pageserver.storage import read_path
 from pageserver.storage.config import StorageConfig
-from pageserver.storage.delta_layer import PersistentLayer, ReadContext
+from pageserver.storage.delta_layer import (
+    EvictedReader,
+    LayerNotResidentError,
+    PersistentLayer,
+    ReadContext,
+)
 from pageserver.storage.ephemeral_file import EphemeralFile
 from pageserver.storage.index_part import IndexPart, write_index_part
 from pageserver.storage.inmemory_layer import InMemoryLayer, PutItem
 from pageserver.storage.io_engine import IoEngine
 from pageserver.storage.key import Key, KeySpace, key_hex, rel_size_key
 from pageserver.storage.l0_worker import L0Worker
-from pageserver.storage.layer_file import IndexBlockCache, LayerClosedError, WriteOptions
+from pageserver.storage.layer_file import (
+    IndexBlockCache,
+    LayerClosedError,
+    LayerFileReader,
+    WriteOptions,
+)
 from pageserver.storage.layer_map import LayerMap
 from pageserver.storage.page_cache import PageCache
 from pageserver.storage.reconstruct import (
@@ -96,6 +106,9 @@ GET_VALIDATION_MISMATCHES = Counter(
     "pageserver_get_validation_mismatches",
     "reads where the vectored and the legacy path disagreed (validate_get)",
 )
+LAYER_DOWNLOADS = Counter("pageserver_layer_downloads", "layer files downloaded on demand from remote storage")
+LAYER_DOWNLOAD_FAILURES = Counter("pageserver_layer_download_failures", "on-demand layer downloads that failed")
+LAYER_EVICTIONS = Counter("pageserver_layer_evictions", "local layer files evicted (kept in remote storage)")
 BACKGROUND_FLUSH_FAILURES = Counter(
     "pageserver_background_flush_failures",
     "background L0 flushes of a rolled layer that failed (the frozen layer stays for the next flush)",
@@ -124,6 +137,10 @@ class LsnBelowGcCutoffError(PageReconstructError):
     pass
 
 
+class LayerDownloadError(PageReconstructError):
+    """A layer the read needs is not on local disk and could not be downloaded."""
+
+
 class LayerGraveyard:
     """Defers closing and deleting replaced layers until no read is in progress (per tenant)."""
 
@@ -132,12 +149,29 @@ class LayerGraveyard:
         self._dead: list[PersistentLayer | InMemoryLayer] = []
         # Layer files an upload queue still has to upload (``remote_timeline``): kept until then.
         self.pins: Pins = Pins()
+        # Layers of the tenant whose file is in remote storage only: while 0, reads skip
+        # looking for layers to download.
+        self.evicted = 0
+        # Evictions asked for, done at the next moment no read is in progress (``collect``).
+        self._evictions: list[tuple[Timeline, PersistentLayer]] = []
+
+    def request_eviction(self, timeline: Timeline, layer: PersistentLayer) -> None:
+        self._evictions.append((timeline, layer))
 
     def bury(self, layers: Iterable[PersistentLayer | InMemoryLayer]) -> None:
         self._dead.extend(layers)
 
     async def collect(self) -> None:
-        if self.readers or not self._dead:
+        if self.readers:
+            return
+        if self._evictions:
+            # Swapped out with no await between the readers check and the swaps: a read that
+            # starts later finds the layers evicted and downloads them (after the unlink).
+            todo, self._evictions = self._evictions, []
+            begun = [(tl, x, r) for tl, x in todo if (r := tl.begin_eviction(x)) is not None]
+            for tl, x, r in begun:
+                await tl.finish_eviction(x, r)
+        if not self._dead:
             return
         dead, self._dead = self._dead, []
         pinned: list[PersistentLayer | InMemoryLayer] = [
@@ -147,6 +181,9 @@ class LayerGraveyard:
             self._dead = pinned
             dead = [x for x in dead if not (isinstance(x, PersistentLayer) and x.path in self.pins)]
         for layer in dead:
+            if isinstance(layer, PersistentLayer) and not layer.resident:
+                self.evicted -= 1  # no local file to delete
+                continue
             await layer.aclose()
             if isinstance(layer, PersistentLayer):
                 # Unlinking a large layer file can block: the engine's way, like its reads.
@@ -708,6 +745,8 @@ class Timeline:
             if self._shut_down:
                 return
             with self._background_round():
+                if self.graveyard.evicted:
+                    await self.ensure_resident([(self, x) for x in self._layer_map.l0_layers() if not x.resident])
                 await compact_level0(self)
                 await create_image_layers(self, force=force_image)
         await self.graveyard.collect()
@@ -854,6 +893,15 @@ class Timeline:
         ctx = ctx or ReadContext(max_vectored_read_bytes=self.config.max_vectored_read_bytes)
         self.graveyard.readers += 1
         try:
+            if self.graveyard.evicted:
+                # Counted as a reader first: eviction waits for no readers, so what this
+                # downloads stays until the walk is done.
+                try:
+                    await self.ensure_resident(self.layers_needed(requests))
+                except (LayerDownloadError, LayerNotResidentError) as exc:
+                    # This request fails (each key with the error); the connection and the
+                    # node go on, and the next read tries the download again.
+                    return {key: LayerDownloadError(key, lsn, str(exc)) for key, lsn in requests.items()}
             await walk(states, ctx)
         except LayerClosedError:
             self._raise_if_shut_down()
@@ -1012,6 +1060,134 @@ class Timeline:
         except MissingKeyError:
             return False
         return True
+
+    # -- residency (on-demand download, eviction) --------------------------------------------
+
+    def layers_needed(self, requests: dict[Key, Lsn], *, all_keys: bool = False) -> list[tuple[Timeline, PersistentLayer]]:
+        """Non-resident layers of this timeline and its ancestors a read of ``requests`` may
+        visit (a superset: every layer overlapping the keys' span below the highest LSN)."""
+        out: list[tuple[Timeline, PersistentLayer]] = []
+        if not requests:
+            return out
+        lo, hi = min(requests), max(requests)
+        limit: int = max(requests.values())
+        tl: Timeline | None = self
+        while tl is not None:
+            for layer in tl._layer_map:
+                d = layer.desc
+                if layer.resident or d.lsn_start > limit:
+                    continue
+                if all_keys or (d.key_range.start <= hi and lo < d.key_range.end):
+                    out.append((tl, layer))
+            limit = min(limit, tl.ancestor_lsn)
+            tl = tl.ancestor
+        return out
+
+    async def ensure_resident(self, layers: Sequence[tuple[Timeline, PersistentLayer]]) -> None:
+        """Download the layers that are not on local disk (in parallel; each once, however
+        many readers want it). ``LayerDownloadError`` if one cannot be had."""
+        if not layers:
+            return
+        failures: list[LayerDownloadError] = []
+        async with trio.open_nursery() as nursery:
+            limiter = trio.CapacityLimiter(8)
+
+            async def one(tl: Timeline, layer: PersistentLayer) -> None:
+                async with limiter:
+                    try:
+                        await tl._make_resident(layer)
+                    except LayerDownloadError as exc:
+                        failures.append(exc)  # the others go on: they may serve the next read
+
+            for tl, layer in layers:
+                nursery.start_soon(one, tl, layer)
+        if failures:
+            raise failures[0]
+
+    async def _make_resident(self, layer: PersistentLayer) -> None:
+        if layer.residency_lock is None:
+            layer.residency_lock = trio.Lock()
+        async with layer.residency_lock:
+            layer.last_access = time.monotonic()
+            if layer.resident:
+                return
+            if self.remote is None:
+                raise LayerDownloadError(
+                    layer.desc.key_range.start, layer.desc.lsn_start,
+                    f"layer {layer.path.name} is not on local disk and there is no remote storage",
+                )
+            try:
+                await self.remote.download_layer(layer.path.name, layer.path, layer.file_size)
+                reader = await LayerFileReader.open(self.engine, layer.path, self.index_cache)
+            except Exception as exc:
+                LAYER_DOWNLOAD_FAILURES.inc()
+                log.warning("layer download failed", tenant_id=self.tenant_id.hex,
+                            timeline_id=self.timeline_id.hex, layer=layer.path.name, error=str(exc))
+                raise LayerDownloadError(
+                    layer.desc.key_range.start, layer.desc.lsn_start,
+                    f"layer {layer.path.name} could not be downloaded from remote storage: {exc}",
+                ) from exc
+            if reader.summary.file_size != layer.file_size:
+                await reader.aclose()
+                raise LayerDownloadError(
+                    layer.desc.key_range.start, layer.desc.lsn_start,
+                    f"layer {layer.path.name}: downloaded {reader.summary.file_size} bytes, expected {layer.file_size}",
+                )
+            layer.set_reader(reader)
+            self.graveyard.evicted -= 1
+            LAYER_DOWNLOADS.inc()
+
+    def can_evict(self, layer: PersistentLayer) -> bool:
+        """Uploaded (the remote index names it, no upload pending) and on local disk."""
+        remote = self.remote
+        return (
+            remote is not None
+            and layer.resident
+            and layer.path not in self.graveyard.pins
+            and remote.layer_generation(layer.path.name) is not None
+            and not self._shut_down
+        )
+
+    async def evict(self, layer: PersistentLayer) -> bool:
+        """Drop ``layer``'s local file (it stays in the layer map, and in remote storage) at
+        the next moment no read of the tenant is in progress (now, if none is), unless a
+        compaction or GC round of this timeline or a download of it is running then. Returns
+        whether it was asked for."""
+        if not self.can_evict(layer):
+            return False
+        self.graveyard.request_eviction(self, layer)
+        await self.graveyard.collect()
+        return True
+
+    def begin_eviction(self, layer: PersistentLayer) -> LayerFileReader | None:
+        """The synchronous half (no read in progress): take the locks, swap the reader out.
+        None if it is not safe now (the request is dropped; the next round asks again)."""
+        if not self.can_evict(layer) or layer not in set(self._layer_map):
+            return None
+        lock = self._background_lock
+        if layer.residency_lock is None:
+            layer.residency_lock = trio.Lock()
+        # (held by anyone, this task included: a compaction's own reads collect too)
+        if lock.locked() or layer.residency_lock.locked():
+            return None
+        lock.acquire_nowait()
+        layer.residency_lock.acquire_nowait()
+        reader = layer.reader
+        layer.set_reader(EvictedReader(layer.path, layer.file_size))
+        self.graveyard.evicted += 1
+        return reader
+
+    async def finish_eviction(self, layer: PersistentLayer, reader: LayerFileReader) -> None:
+        """Close and unlink the old file, then let downloads and compaction go on."""
+        try:
+            with trio.CancelScope(shield=True):
+                await reader.aclose()
+                await self.engine.unlink(layer.path)
+            LAYER_EVICTIONS.inc()
+        finally:
+            assert layer.residency_lock is not None
+            layer.residency_lock.release()
+            self._background_lock.release()
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -285,6 +285,9 @@ async def create_image_layers(tl: Timeline, *, force: bool = False) -> list[Pers
     # the ancestor cannot close a layer this scan is reading (the graveyard is per tenant).
     tl.graveyard.readers += 1
     try:
+        if tl.graveyard.evicted:
+            # the scan reads every layer's index: all of them on local disk first
+            await tl.ensure_resident(tl.layers_needed({KEY_MIN: lsn, KEY_MAX: lsn}, all_keys=True))
         keys = sorted(await collect_keys(tl, lsn))
     finally:
         tl.graveyard.readers -= 1

@@ -38,6 +38,11 @@ class StorageConfig:
     # compaction
     compaction_target_size: int = attrs.field(default=128 * MiB, validator=_positive)
     compaction_period_s: float = attrs.field(default=20.0, validator=_non_negative)
+    # With remote storage: local layer files beyond this many bytes (per tenant) are evicted,
+    # least recently used first, every eviction_period_s (and downloaded again when read).
+    # 0: no limit.
+    max_local_layer_bytes: int = attrs.field(default=0, validator=_non_negative)
+    eviction_period_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0.0))
     compaction_threshold: int = attrs.field(default=10, validator=_positive)
     image_creation_threshold: int = attrs.field(default=3, validator=_positive)
     # GC

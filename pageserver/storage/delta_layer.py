@@ -22,10 +22,13 @@ import bisect
 import errno
 import itertools
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
+import trio
 from crc32c import crc32c
 
 from pageserver.storage.io_engine import IoEngine
@@ -201,14 +204,63 @@ def _range_end_prefix(key: Key, cont: int) -> bytes:
     return prefix_of(key, cont)
 
 
-class PersistentLayer:
-    """A delta layer file; also the base of ``ImageLayer``."""
+class LayerNotResidentError(Exception):
+    """A layer's file is not on local disk (evicted, or not downloaded yet since attach);
+    ``Timeline.ensure_resident`` fetches it from remote storage before a read."""
 
-    def __init__(self, desc: LayerDesc, reader: LayerFileReader) -> None:
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"layer {path.name} is not resident")
+        self.path = path
+
+
+class EvictedReader:
+    """Stands in for the ``LayerFileReader`` of a layer whose file is only in remote storage:
+    any use but ``path``, ``file_size`` and ``aclose`` raises ``LayerNotResidentError``."""
+
+    def __init__(self, path: Path, file_size: int) -> None:
+        self.path = path
+        self.file_size = file_size
+
+    async def aclose(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        raise LayerNotResidentError(self.path)
+
+
+class PersistentLayer:
+    """A delta layer file; also the base of ``ImageLayer``.
+
+    Resident (``reader`` is the open file) or evicted (``reader`` is an ``EvictedReader``: the
+    file is in remote storage only); the layer map holds both. ``last_access`` (monotonic
+    seconds) orders eviction."""
+
+    def __init__(self, desc: LayerDesc, reader: LayerFileReader | EvictedReader) -> None:
         self.desc = desc
-        self.reader = reader
+        self.reader: LayerFileReader = reader  # type: ignore[assignment]  # (EvictedReader raises on use)
         self.layer_id = next(_layer_ids)
-        self.file_size = reader.summary.file_size
+        self.file_size = reader.file_size if isinstance(reader, EvictedReader) else reader.summary.file_size
+        self.last_access = time.monotonic()
+        self.residency_lock: trio.Lock | None = None
+
+    @classmethod
+    def evicted(cls, path: Path, file_size: int) -> PersistentLayer:
+        """A layer known by name and size only (its file to be downloaded on first use)."""
+        from pageserver.storage.image_layer import ImageLayer
+        from pageserver.storage.layer_file import LayerCorruptionError
+
+        desc = LayerDesc.parse_file_name(path.name)
+        if desc is None:
+            raise LayerCorruptionError(path, "not a layer file name")
+        reader = EvictedReader(path, file_size)
+        return ImageLayer(desc, reader) if not desc.is_delta else cls(desc, reader)
+
+    @property
+    def resident(self) -> bool:
+        return not isinstance(self.reader, EvictedReader)
+
+    def set_reader(self, reader: LayerFileReader | EvictedReader) -> None:
+        self.reader = reader  # type: ignore[assignment]
 
     @classmethod
     async def open(

@@ -129,6 +129,10 @@ class Snapshot:
     root: Path
     rels: dict[tuple[int, int], RelInfo]  # (db or 0 for shared, relfilenode) -> info
     latest: bool = False  # compare GetPage@latest rather than @lsn
+    # PostgreSQL's own redo of the same WAL to ``lsn`` (a standby's data directory after a
+    # restartpoint): where present, a VM page with fewer bits than the file is accepted when
+    # the standby lost exactly the same ones
+    reference: Path | None = None
 
 
 def _kind(relkind: str, amname: str) -> str:
@@ -254,6 +258,23 @@ def _reason(message: str) -> str:
     return text.strip(" :,;")[:160]
 
 
+def _vm_lost_as_postgres(served: bytes, local: bytes, reference: bytes | None) -> bool:
+    """The served VM page has a subset of the file's bits, and exactly the bits PostgreSQL's own
+    redo has (``reference``: the standby's page, None where its file has no such block)."""
+    head = bp.SIZE_OF_PAGE_HEADER
+    if reference is None or any(s & ~f for s, f in zip(served[head:], local[head:], strict=True)):
+        return False
+    return served[head:] == reference[head:]
+
+
+def _reference_block(root: Path, rel: RelTag, blkno: int) -> bytes | None:
+    try:
+        page = read_datadir_block(root, rel, blkno)
+    except OSError:
+        return None
+    return page if len(page) == BLCKSZ else None
+
+
 def _is_zero(page: bytes) -> bool:
     return page.count(0) == BLCKSZ
 
@@ -282,6 +303,7 @@ class SnapshotResult:
     fsm_pages: int = 0
     fsm_equal: int = 0
     sequences_logged_ahead: int = 0
+    vm_bits_lost_as_postgres: int = 0  # VM pages with fewer bits than the file, as the standby's
     skipped_unlogged_forks: int = 0
     slru_segments: int = 0
     slru_pages: int = 0
@@ -381,6 +403,10 @@ async def compare_snapshot(client: PageClient, snap: Snapshot,
                     diff = 0
                 elif kind == "vm" and _is_zero(served) and _empty_vm_page(local):
                     diff = 0  # a VM page read as new is an empty one (vm_readbuf)
+                elif kind == "vm" and snap.reference is not None and _vm_lost_as_postgres(
+                        served, local, _reference_block(snap.reference, fork.rel, blkno)):
+                    diff = 0
+                    res.vm_bits_lost_as_postgres += 1
                 elif kind == "sequence":
                     assert fork.info is not None
                     diff, note = compare_sequence(served, local, fork.info.seq_increment)

@@ -47,6 +47,7 @@ import psycopg
 import trio
 
 from bench.oracle import Snapshot, SnapshotResult, catalog_rels, compare_snapshot
+from bench.standby import Standby
 from compute import postgres
 from compute.page_client import PageClient
 from control_plane import cluster, endpoint
@@ -200,6 +201,7 @@ class PgRegressOptions:
     # decompression of images on the way.
     wal_compression: str = "zstd"
     plain: bool = True  # also run the schedule against a plain PostgreSQL
+    standby: bool = True  # PostgreSQL's own redo of the endpoint's WAL, the reference for VM bits
     branch_check: bool = True
     timeout_s: float = 1800.0
 
@@ -234,6 +236,7 @@ class PgRegressResult:
                           for k in kinds},
                 "unreadable_reasons": dict(pages.unreadable_reasons.most_common(20)),
                 "forks": pages.forks, "fsm_pages": pages.fsm_pages,
+                "vm_bits_lost_as_postgres": pages.vm_bits_lost_as_postgres,
                 "other_mismatches": len(pages.mismatches) - sum(pages.unreadable.values())
                 - sum(pages.different.values()),
             }
@@ -264,6 +267,7 @@ class PgRegress:
         self.tenant = self.timeline = ""
         self.port = 0
         self.pgdata = Path()
+        self.standby: Standby | None = None
 
     def dsn(self, db: str = "postgres", port: int | None = None) -> str:
         return f"host=127.0.0.1 port={port or self.port} user={postgres.PG_USER} dbname={db}"
@@ -309,6 +313,8 @@ class PgRegress:
                 conn.execute(f"ALTER SYSTEM SET wal_consistency_checking = '{wcc}'")
                 conn.execute(f"ALTER SYSTEM SET wal_compression = '{self.opts.wal_compression}'")
                 conn.execute("SELECT pg_reload_conf()")
+            if self.opts.standby:
+                self.standby = Standby.start(self.opts.workdir / "standby", self.port)
             runners = [ScheduleRunner("pagestore", stage, self.port, schedule)]
             if plain is not None:
                 runners.append(ScheduleRunner("postgres", stage, plain.port, schedule))
@@ -322,6 +328,8 @@ class PgRegress:
             snap = self.quiesce_and_checkpoint()
             self.result.lsn = format_lsn(snap.lsn)
             trio.run(self.compare, snap)
+            if self.standby is not None:
+                self.standby.stop()
             if self.opts.branch_check:
                 self.branch_check(snap.lsn)
         self.result.seconds = round(time.monotonic() - started, 1)
@@ -349,7 +357,13 @@ class PgRegress:
         cluster.wait_for_lsn(self.env, self.tenant, self.timeline, lsn, timeout=self.opts.timeout_s)
         self.emit({"checkpoint": format_lsn(lsn), "relations": len(rels),
                    "ingest_wait_s": round(time.monotonic() - t0, 1)})
-        return Snapshot("pg-regress", lsn, self.pgdata, rels, latest=False)
+        reference = None
+        if self.standby is not None:
+            t0 = time.monotonic()
+            self.standby.replay_to(lsn, timeout=self.opts.timeout_s)
+            reference = self.standby.root
+            self.emit({"standby_replayed": format_lsn(lsn), "wait_s": round(time.monotonic() - t0, 1)})
+        return Snapshot("pg-regress", lsn, self.pgdata, rels, latest=False, reference=reference)
 
     async def compare(self, snap: Snapshot) -> None:
         assert self.env is not None
@@ -423,6 +437,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plain", action="store_true",
                         help="do not run the schedule against a plain PostgreSQL too")
     parser.add_argument("--no-branch", action="store_true", help="skip the branch boot check")
+    parser.add_argument("--no-standby", action="store_true",
+                        help="no reference standby (VM pages with bits PostgreSQL's redo loses then differ)")
     parser.add_argument("--no-consistency-checking", action="store_true",
                         help="the endpoint without wal_consistency_checking (no redo validation)")
     parser.add_argument("--wal-compression", default="zstd",
@@ -438,7 +454,8 @@ def run(args: argparse.Namespace) -> int:
         opts = PgRegressOptions(workdir=workdir, schedule=args.schedule, safekeepers=args.safekeepers,
                                 consistency_checking=not args.no_consistency_checking,
                                 wal_compression=args.wal_compression,
-                                plain=not args.no_plain, branch_check=not args.no_branch)
+                                plain=not args.no_plain, branch_check=not args.no_branch,
+                                standby=not args.no_standby)
         try:
             result = run_pg_regress(opts)
         except PgRegressError as exc:

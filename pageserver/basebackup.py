@@ -9,7 +9,10 @@ What goes in (``write_basebackup``), in this order:
 - per database of the database directory: ``PG_VERSION``, ``pg_filenode.map`` (the relmapper
   file) and every relation fork materialized page by page at the LSN through
   ``get_vectored``, split into 1 GiB segment files (``16384``, ``16384.1``, ``16384_fsm``...);
-  the shared catalogs (spcnode 1664) go to ``global/``;
+  the shared catalogs (spcnode 1664) go to ``global/``; a tablespace's (``CREATE
+  TABLESPACE``) to ``pg_tblspc/<spc>/PG_15_202209061/<db>/``, the tablespace in place (a
+  directory, as ``allow_in_place_tablespaces`` makes: the original location is on the
+  primary's machine, and two computes must not share files);
 - the SLRU segments (``pg_xact``, ``pg_multixact/offsets``, ``pg_multixact/members``) and the
   two-phase state files;
 - ``global/pg_control``: the stored control file with the checkpoint key's ``CheckPoint``
@@ -485,7 +488,9 @@ async def write_basebackup(
     dbdirs = sorted(await source.list_dbdirs(lsn))
     if (GLOBALTABLESPACE_OID, 0) not in dbdirs:
         raise BasebackupError(f"no global directory at {format_lsn(lsn)}: the timeline holds no data directory")
+    tablespaces: set[int] = set()
     for spcnode, dbnode in dbdirs:
+        relmap_path: str | None = None
         if spcnode == GLOBALTABLESPACE_OID:
             relmap_path = "global/pg_filenode.map"
         elif spcnode == DEFAULTTABLESPACE_OID:
@@ -493,9 +498,23 @@ async def write_basebackup(
             await tar.add_file(f"base/{dbnode}/PG_VERSION", f"{PG_MAJORVERSION}\n".encode())
             relmap_path = f"base/{dbnode}/pg_filenode.map"
         else:
-            raise BasebackupError(f"tablespace {spcnode} is not supported (only pg_default and pg_global)")
-        relmap = await source.get_relmap_file(spcnode, dbnode, lsn)
-        if relmap is not None:
+            # A tablespace is in place: a directory inside pg_tblspc, not a symlink. The
+            # location it had on the primary's machine is not the compute's to write to.
+            if spcnode not in tablespaces:
+                tablespaces.add(spcnode)
+                await tar.add_dir(f"pg_tblspc/{spcnode}")
+                await tar.add_dir(f"pg_tblspc/{spcnode}/{TABLESPACE_VERSION_DIRECTORY}")
+            if dbnode == 0:
+                continue  # the tablespace itself (CREATE TABLESPACE), no database in it yet
+            db_path = f"pg_tblspc/{spcnode}/{TABLESPACE_VERSION_DIRECTORY}/{dbnode}"
+            await tar.add_dir(db_path)
+            if await source.get_relmap_file(spcnode, dbnode, lsn) is not None:
+                # the database's own tablespace (CREATE DATABASE ... TABLESPACE): its directory
+                # is a database directory, PG_VERSION and relmapper file included
+                await tar.add_file(f"{db_path}/PG_VERSION", f"{PG_MAJORVERSION}\n".encode())
+                relmap_path = f"{db_path}/pg_filenode.map"
+        relmap = await source.get_relmap_file(spcnode, dbnode, lsn) if relmap_path else None
+        if relmap is not None and relmap_path is not None:
             await tar.add_file(relmap_path, relmap)
         for relnode, forknum in sorted(await source.list_rels(spcnode, dbnode, lsn)):
             if not lazy:

@@ -485,6 +485,10 @@ class DatadirModification:
             dbdir[(spc, db)] = False
         await self._rel_dir_for_update(spc, db)
 
+    async def list_dbdirs(self) -> set[tuple[int, int]]:
+        """``(spc, db)`` of every database directory as of this modification."""
+        return set(await self._db_dir_for_update())
+
     async def drop_dbdir(self, spc: int, db: int) -> list[RelKey]:
         """Remove the database and all its relations; returns the dropped forks."""
         dbdir = await self._db_dir_for_update()

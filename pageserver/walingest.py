@@ -45,6 +45,8 @@ import trio
 
 from pageserver.pg_control import SIZEOF_CHECKPOINT, CheckPoint
 from pageserver.pgdatadir import (
+    DEFAULTTABLESPACE_OID,
+    GLOBALTABLESPACE_OID,
     SLRU_PAGES_PER_SEGMENT,
     ZERO_PAGE,
     DatadirModification,
@@ -145,6 +147,8 @@ from protocol.wal.rmgr import (
     XLOG_RELMAP_UPDATE,
     XLOG_SMGR_CREATE,
     XLOG_SMGR_TRUNCATE,
+    XLOG_TBLSPC_CREATE,
+    XLOG_TBLSPC_DROP,
     XLOG_XACT_ABORT,
     XLOG_XACT_ABORT_PREPARED,
     XLOG_XACT_COMMIT,
@@ -178,6 +182,7 @@ _RM_XACT = int(RmgrId.XACT)
 _RM_SMGR = int(RmgrId.SMGR)
 _RM_CLOG = int(RmgrId.CLOG)
 _RM_DBASE = int(RmgrId.DBASE)
+_RM_TBLSPC = int(RmgrId.TBLSPC)
 _RM_MULTIXACT = int(RmgrId.MULTIXACT)
 _RM_RELMAP = int(RmgrId.RELMAP)
 _RM_HEAP2 = int(RmgrId.HEAP2)
@@ -1088,6 +1093,8 @@ class WalIngest:
                 await self._smgr_truncate(rec, mod)
         elif rmid == _RM_DBASE:
             await self._dbase(rec, mod, info)
+        elif rmid == _RM_TBLSPC:
+            await self._tblspc(rec, mod, info)
         elif rmid == _RM_RELMAP:
             if info == XLOG_RELMAP_UPDATE:
                 db, spc, nbytes = _unpack(_RELMAP_UPDATE, rec, "RelMap/UPDATE")
@@ -1223,6 +1230,21 @@ class WalIngest:
                 raise _bad(rec, f"{n} tablespaces run past the record")
             for spc in struct.unpack_from(f"<{n}I", rec.main_data, _DBASE_DROP.size):
                 await mod.drop_dbdir(spc, db)
+
+    async def _tblspc(self, rec: DecodedRecord, mod: DatadirModification, info: int) -> None:
+        """CREATE / DROP TABLESPACE. The database directory holds ``(spc, 0)`` for a tablespace
+        (as ``(1664, 0)`` stands for ``global/``), so an empty one is in a basebackup too; its
+        databases' directories ``(spc, db)`` come with their first relation or CREATE DATABASE."""
+        (spc,) = _unpack(_U32, rec, "Tablespace/CREATE" if info == XLOG_TBLSPC_CREATE else "Tablespace/DROP")
+        if spc in (DEFAULTTABLESPACE_OID, GLOBALTABLESPACE_OID):
+            raise _bad(rec, f"tablespace record for the built-in tablespace {spc}")
+        if info == XLOG_TBLSPC_CREATE:
+            await mod.put_dbdir_creation(spc, 0)
+        elif info == XLOG_TBLSPC_DROP:
+            # PostgreSQL drops only an empty tablespace; what a database left there goes too.
+            for tsp, db in sorted(await mod.list_dbdirs()):
+                if tsp == spc:
+                    await mod.drop_dbdir(tsp, db)
 
     async def _copy_database(
         self, mod: DatadirModification, src_spc: int, src_db: int, spc: int, db: int

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench read-path": ("bench.read_path", "get_vectored vs legacy gets: keys/s, preadv calls, deep L0 stack"),
     "bench redo": ("bench.redo", "pure-Python WAL redo: records/s per record type, page reconstruct time"),
     "bench redo-pages": ("bench.redo_pages", "rebuild time of GIN and BRIN pages against a btree leaf with as many records"),
+    "bench remote": ("bench.remote", "remote storage on SeaweedFS: upload MB/s vs a boto3 loop, ingest with uploads on/off, attach + first read of 1 GB"),
     "bench wal-codec": ("bench.wal_codec", "WAL encoder and stream decoder throughput (MB/s, records/s)"),
     "bench walproposer": ("bench.walproposer", "synchronous commit through the walproposer bridge: bulk MB/s, pgbench TPS"),
     "bench wal-acceptor": ("bench.wal_acceptor", "safekeeper WAL ingest MiB/s: sizes x fsync x coalescing"),

@@ -1,0 +1,265 @@
+"""``pagestore bench remote``: remote storage on a real SeaweedFS (started here unless
+``--endpoint`` names an S3 server), one JSON line per measurement:
+
+- ``upload``: ``--upload-mib`` of layer-sized files (``--layer-mib`` each) through a timeline's
+  upload queue (``RemoteTimelineClient``: parallel layer PUTs, then the index), against a plain
+  boto3 ``put_object`` loop over the same files to the same server (sequential, and with as many
+  threads as the queue uses): MB/s and the ratio (goal: queue >= 80 % of the plain loop).
+- ``ingest``: ``--ingest-mib`` of 8 KiB page images put into a timeline and flushed into L0s,
+  with uploads off (no remote storage) and on (the queue uploading behind the flushes), side by
+  side in one run: MB/s of ingest and the ratio (goal >= 90 %); with uploads on, also the
+  seconds until ``remote_consistent_lsn`` caught up.
+- ``attach``: a tenant with ``--attach-mib`` of layers (default 1024) in remote storage is
+  attached by a fresh node with an empty disk: seconds to attach (list, index, reconcile: no
+  layer downloaded), then the latency of the first read of one page (on-demand: fetches only the
+  layers it needs) and of a second read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from pageserver.remote_tenant import TenantRemote
+from pageserver.remote_timeline import RemoteTimelineClient
+from pageserver.storage.config import StorageConfig
+from pageserver.storage.index_part import IndexPart
+from pageserver.storage.key import rel_block_key
+from pageserver.storage.value import Image
+from pageserver.tenant import Tenant
+from pageserver.timeline import Timeline
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import Lsn
+from remote_storage import S3StorageConfig, make_remote_storage
+from remote_storage.s3 import make_client
+from remote_storage.seaweedfs import SeaweedServer
+
+MiB = 1 << 20
+PAGE = 8192
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--endpoint", default=None, help="an S3 endpoint URL (default: start a SeaweedFS here)")
+    parser.add_argument("--upload-mib", type=int, default=256, help="bytes of layer files to upload")
+    parser.add_argument("--layer-mib", type=int, default=16, help="size of each layer file")
+    parser.add_argument("--ingest-mib", type=int, default=128, help="page images to ingest per configuration")
+    parser.add_argument("--attach-mib", type=int, default=1024, help="layers of the tenant to attach")
+    parser.add_argument("--parts", default="upload,ingest,attach", help="comma-separated measurements")
+    parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
+
+
+def emit(obj: dict[str, Any]) -> None:
+    print(json.dumps({"bench": "remote", **obj}), flush=True)
+
+
+def _s3(endpoint: str, bucket: str) -> S3StorageConfig:
+    return S3StorageConfig(
+        bucket=bucket, endpoint=endpoint, access_key_id="bench", secret_access_key="bench",
+        create_bucket=True,
+    )
+
+
+def _storage_config(checkpoint_mib: int) -> StorageConfig:
+    return StorageConfig(
+        checkpoint_distance=checkpoint_mib * MiB, compaction_period_s=0, gc_period_s=0,
+        validate_get=False, io_engine="threadpool",
+    )
+
+
+# -- upload ----------------------------------------------------------------------------------
+
+
+def _plain_loop(cfg: S3StorageConfig, files: list[Path], threads: int, prefix: str) -> float:
+    client = make_client(cfg)
+    client.head_bucket(Bucket=cfg.bucket)
+
+    def put(path: Path) -> None:
+        with open(path, "rb") as f:
+            client.put_object(Bucket=cfg.bucket, Key=f"{prefix}/{path.name}", Body=f, ContentLength=path.stat().st_size)
+
+    start = time.perf_counter()
+    if threads == 1:
+        for path in files:
+            put(path)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(put, files))
+    elapsed = time.perf_counter() - start
+    client.close()
+    return elapsed
+
+
+async def _queue_upload(cfg: S3StorageConfig, files: list[Path], directory: Path) -> tuple[float, int]:
+    storage = make_remote_storage(cfg)
+    await storage.list("nothing/")  # creates the bucket, opens the connection pool
+    client = RemoteTimelineClient(storage, TenantId.generate(), TimelineId.generate(), 1, directory)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.run)
+        client.activate()
+        start = time.perf_counter()
+        client.schedule_index_upload(IndexPart(layers={p.name: p.stat().st_size for p in files}, disk_consistent_lsn=Lsn(0x100)))
+        await client.wait_uploaded()
+        elapsed = time.perf_counter() - start
+        nursery.cancel_scope.cancel()
+    await storage.aclose()
+    return elapsed, client.parallel_uploads
+
+
+def bench_upload(endpoint: str, work: Path, upload_mib: int, layer_mib: int) -> None:
+    directory = work / "upload"
+    directory.mkdir()
+    files = []
+    for i in range(max(1, upload_mib // layer_mib)):
+        path = directory / f"layer-{i:04d}"
+        path.write_bytes(os.urandom(layer_mib * MiB))
+        files.append(path)
+    total = sum(p.stat().st_size for p in files)
+    cfg = _s3(endpoint, "bench-upload")
+    # alternate, so a warming cache or a neighbour's load does not favour one side
+    queue_s, parallel = trio.run(_queue_upload, cfg, files, directory)
+    seq_s = _plain_loop(cfg, files, 1, "plain-seq")
+    par_s = _plain_loop(cfg, files, parallel, "plain-par")
+    queue_s2, _ = trio.run(_queue_upload, cfg, files, directory)
+    queue_best = min(queue_s, queue_s2)
+    mb = total / 1e6
+    emit({
+        "part": "upload", "bytes": total, "files": len(files), "layer_mib": layer_mib,
+        "queue_mb_s": round(mb / queue_best, 1), "queue_runs_s": [round(queue_s, 3), round(queue_s2, 3)],
+        "plain_loop_mb_s": round(mb / seq_s, 1), f"plain_{parallel}_threads_mb_s": round(mb / par_s, 1),
+        "ratio_vs_plain_loop": round(seq_s / queue_best, 3), "ratio_vs_plain_threads": round(par_s / queue_best, 3),
+        "goal": ">= 0.8 of the plain loop",
+    })
+    shutil.rmtree(directory)
+
+
+# -- ingest ----------------------------------------------------------------------------------
+
+
+async def _ingest(tl: Timeline, mib: int, start_block: int = 0) -> float:
+    n = mib * MiB // PAGE
+    page = os.urandom(PAGE)
+    lsn = tl.last_record_lsn
+    started = time.perf_counter()
+    for i in range(n):
+        lsn = Lsn(lsn + 0x40)
+        await tl.put(rel_block_key(1663, 5, 16384, 0, start_block + i), lsn, Image(page))
+        tl.finish_write(lsn)
+    await tl.flush()
+    return time.perf_counter() - started
+
+
+async def _ingest_run(work: Path, mib: int, endpoint: str | None) -> dict[str, Any]:
+    cfg = _storage_config(16)
+    async with trio.open_nursery() as nursery:
+        remote = None
+        storage = None
+        if endpoint is not None:
+            storage = make_remote_storage(_s3(endpoint, "bench-ingest"))
+            await storage.list("nothing/")
+            remote = TenantRemote(storage, 1)
+        tenant = Tenant(work, TenantId.generate(), cfg, nursery=nursery, remote=remote)
+        tl = await tenant.create_timeline(TimelineId.generate())
+        if tl.remote is not None:
+            await tl.remote.wait_uploaded()
+        seconds = await _ingest(tl, mib)
+        out: dict[str, Any] = {"uploads": endpoint is not None, "seconds": round(seconds, 3),
+                               "mb_s": round(mib * MiB / 1e6 / seconds, 1)}
+        if tl.remote is not None:
+            t0 = time.perf_counter()
+            await tl.remote.wait_uploaded()
+            out["catch_up_s"] = round(time.perf_counter() - t0, 3)
+            out["remote_consistent_lsn_equal"] = tl.remote_consistent_lsn == tl.disk_consistent_lsn
+        await tenant.shutdown()
+        if storage is not None:
+            await storage.aclose()
+        nursery.cancel_scope.cancel()
+    shutil.rmtree(work)
+    return out
+
+
+def bench_ingest(endpoint: str, work: Path, mib: int) -> None:
+    runs = []
+    for i, ep in enumerate((None, endpoint, None, endpoint)):
+        runs.append(trio.run(_ingest_run, work / f"ingest-{i}", mib, ep))
+    off = min(r["seconds"] for r in runs if not r["uploads"])
+    on = min(r["seconds"] for r in runs if r["uploads"])
+    emit({"part": "ingest", "mib": mib, "runs": runs, "uploads_off_mb_s": round(mib * MiB / 1e6 / off, 1),
+          "uploads_on_mb_s": round(mib * MiB / 1e6 / on, 1), "ratio_on_vs_off": round(off / on, 3),
+          "goal": ">= 0.9"})
+
+
+# -- attach ----------------------------------------------------------------------------------
+
+
+async def _attach(endpoint: str, work: Path, mib: int) -> dict[str, Any]:
+    cfg = _storage_config(64)
+    storage = make_remote_storage(_s3(endpoint, "bench-attach"))
+    tenant_id, timeline_id = TenantId.generate(), TimelineId.generate()
+    async with trio.open_nursery() as nursery:
+        tenant = Tenant(work / "a", tenant_id, cfg, nursery=nursery, remote=TenantRemote(storage, 1))
+        tl = await tenant.create_timeline(timeline_id)
+        t0 = time.perf_counter()
+        await _ingest(tl, mib)
+        assert tl.remote is not None
+        await tl.remote.wait_uploaded()
+        build_s = time.perf_counter() - t0
+        layers = list(tl.layer_map)
+        layer_bytes = sum(x.file_size for x in layers)
+        lsn = tl.last_record_lsn
+        await tenant.shutdown()
+        shutil.rmtree(work / "a")
+
+        t0 = time.perf_counter()
+        attached = await Tenant.load(work / "b", tenant_id, cfg, nursery=nursery, remote=TenantRemote(storage, 2))
+        attach_s = time.perf_counter() - t0
+        atl = attached.timelines[timeline_id]
+        key = rel_block_key(1663, 5, 16384, 0, (mib * MiB // PAGE) // 2)
+        t0 = time.perf_counter()
+        await atl.get(key, lsn)
+        first_s = time.perf_counter() - t0
+        fetched = sum(x.file_size for x in atl.layer_map if x.resident)
+        t0 = time.perf_counter()
+        await atl.get(key, lsn)
+        second_s = time.perf_counter() - t0
+        await attached.shutdown()
+        nursery.cancel_scope.cancel()
+    await storage.aclose()
+    return {"part": "attach", "layer_bytes": layer_bytes, "layers": len(layers), "build_and_upload_s": round(build_s, 1),
+            "attach_s": round(attach_s, 3), "first_read_ms": round(first_s * 1000, 1),
+            "first_read_downloaded_bytes": fetched, "second_read_ms": round(second_s * 1000, 3)}
+
+
+def run(args: argparse.Namespace) -> int:
+    parts = set(args.parts.split(","))
+    work = Path(tempfile.mkdtemp(prefix="pagestore-bench-remote-", dir=args.dir))
+    server = None
+    try:
+        endpoint = args.endpoint
+        if endpoint is None:
+            server = SeaweedServer(work / "seaweedfs")
+            server.start()
+            endpoint = server.endpoint
+        emit({"part": "setup", "endpoint": endpoint, "seaweedfs_started": server is not None,
+              "cpus": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()]})
+        if "upload" in parts:
+            bench_upload(endpoint, work, args.upload_mib, args.layer_mib)
+        if "ingest" in parts:
+            bench_ingest(endpoint, work, args.ingest_mib)
+        if "attach" in parts:
+            emit(trio.run(_attach, endpoint, work, args.attach_mib))
+    finally:
+        if server is not None:
+            server.stop(grace_s=2.0)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+

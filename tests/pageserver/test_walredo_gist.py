@@ -194,7 +194,7 @@ def test_ingested_records_are_readable(cap: Capture, tmp_path: Path, monkeypatch
             with pytest.raises(PageReconstructError, match=r"no redo for resource manager Gist \(Gist/\w+\).*record ending at"):
                 await dd.get_page(RelTag(t.spc, t.db, t.rel, 0), t.blkno, lsn)
 
-    got = ingest_and_read(cap, tmp_path, targets, unreadable_without_redo)
+    got = ingest_and_read(cap, tmp_path, targets, unreadable_without_redo, rels)
     rebuilt = {t: p for t, p in got.items() if p != bytes(bp.BLCKSZ) or cap.pages[t] != p}
     assert compare_with_files(cap, rebuilt, rels, gist_mask) > 50
 

@@ -51,8 +51,8 @@ SQL = [
     "CREATE TABLE pts (id int, p point)",
     "CREATE INDEX pts_quad ON pts USING spgist (p)",
     "CREATE INDEX pts_kd ON pts USING spgist (p kd_point_ops)",
-    "INSERT INTO pts SELECT g, point(g % 97, g % 89) FROM generate_series(1, 2500) g",
-    "INSERT INTO pts SELECT g, NULL FROM generate_series(1, 1200) g",
+    "INSERT INTO pts SELECT g, point(g % 97, g % 89) FROM generate_series(1, 1500) g",
+    "INSERT INTO pts SELECT g, NULL FROM generate_series(1, 700) g",
     # text: long shared prefixes, then strings that disagree inside them (SPLIT_TUPLE) and new
     # characters under existing nodes (ADD_NODE)
     "CREATE TABLE txt (id int, t text)",
@@ -61,11 +61,21 @@ SQL = [
     "INSERT INTO txt SELECT g, 'baaaaaaaaaaaaaar' || g FROM generate_series(1, 400) g",
     "INSERT INTO txt SELECT -g, 'f' || repeat('o', 60 - g) || 'surprise' FROM generate_series(1, 50) g",
     "INSERT INTO txt SELECT g, translate(lpad(to_hex(g * 7919), 6, '0'), '0123456789', 'ABCDEFGHIJ')"
-    " FROM generate_series(1, 1000) g",
+    " FROM generate_series(1, 500) g",
     "CREATE TABLE net (id int, i inet)",
     "CREATE INDEX net_i ON net USING spgist (i)",
     "INSERT INTO net SELECT g, ('10.' || (g % 200) || '.' || (g % 7) || '.' || (g % 250))::inet"
-    " FROM generate_series(1, 1200) g",
+    " FROM generate_series(1, 800) g",
+    # groups sharing 600-byte prefixes: inner tuples with big prefixes fill inner pages, and
+    # nodes added to them later move the tuples to other pages (ADD_NODE with a new location)
+    "CREATE TABLE lp (id int, t text)",
+    "CREATE INDEX lp_t ON lp USING spgist (t)",
+    "INSERT INTO lp SELECT g, repeat(chr(65 + g % 30), 600) || 'a' || (g / 30) FROM generate_series(1, 1200) g",
+    "INSERT INTO lp SELECT g, repeat(chr(65 + g % 30), 600) || chr(98 + (g / 30) % 24) FROM generate_series(1, 1200) g",
+    # values longer than a page: a leaf too big for its new page is split there (initSrc)
+    "CREATE TABLE big (id int, t text)",
+    "CREATE INDEX big_t ON big USING spgist (t)",
+    "INSERT INTO big SELECT g, chr(65 + g) || repeat('y', 20000) || g FROM generate_series(1, 20) g",
     # a root that stays a leaf: VACUUM_ROOT
     "CREATE TABLE tiny (id int, p point)",
     "CREATE INDEX tiny_p ON tiny USING spgist (p)",
@@ -108,7 +118,7 @@ def cap() -> Capture:
 
 def _spgist_rels(c: Capture) -> set[int]:
     rels = rels_of(c, "spgist")
-    assert len(rels) == 5
+    assert len(rels) == 7
     return rels
 
 
@@ -126,6 +136,10 @@ def _cases(records: list[DecodedRecord]) -> Counter[str]:
             c["ADD_LEAF replaces a DEAD head"] += off_leaf == off_head
             c["ADD_LEAF links a chain"] += off_head != 0 and off_leaf != off_head
             c["ADD_LEAF updates the parent"] += off_parent != 0
+        elif t == "ADD_NODE":
+            c["ADD_NODE in place"] += r.block(1) is None
+            c["ADD_NODE moves the tuple (b1)"] += r.block(1) is not None
+            c["ADD_NODE parent on another page (b2)"] += r.block(2) is not None
         elif t == "MOVE_LEAFS":
             c["MOVE_LEAFS to a new page"] += bool(m[2])
             c["MOVE_LEAFS nulls tree"] += bool(m[4])
@@ -133,8 +147,9 @@ def _cases(records: list[DecodedRecord]) -> Counter[str]:
             c["SPLIT_TUPLE postfix on the same page"] += bool(m[5])
             c["SPLIT_TUPLE postfix on another page"] += not m[5]
         elif t == "PICKSPLIT":
-            root, _nd, _ni, _isrc, init_dest, _oi, init_inner, nulls, inner_is_parent = struct.unpack_from("<BxHHBBHBBB", m)
+            root, _nd, _ni, init_src, init_dest, _oi, init_inner, nulls, inner_is_parent = struct.unpack_from("<BxHHBBHBBB", m)
             c["PICKSPLIT root split"] += bool(root)
+            c["PICKSPLIT re-initialises its source page"] += bool(init_src)
             c["PICKSPLIT new destination page"] += bool(init_dest)
             c["PICKSPLIT new inner page"] += bool(init_inner)
             c["PICKSPLIT inner page is the parent"] += bool(inner_is_parent)
@@ -171,9 +186,10 @@ def test_every_spgist_record_matches_its_verification_image(cap: Capture) -> Non
     print("\n".join(f"{n:7d} {k}" for k, n in sorted(cases.items())))
     missing = [k for k in (
         "ADD_LEAF new page", "ADD_LEAF nulls tree", "ADD_LEAF replaces a DEAD head", "ADD_LEAF links a chain",
-        "ADD_LEAF updates the parent", "MOVE_LEAFS to a new page", "MOVE_LEAFS nulls tree",
+        "ADD_LEAF updates the parent", "ADD_NODE in place", "ADD_NODE moves the tuple (b1)",
+        "ADD_NODE parent on another page (b2)", "MOVE_LEAFS to a new page", "MOVE_LEAFS nulls tree",
         "SPLIT_TUPLE postfix on the same page", "SPLIT_TUPLE postfix on another page",
-        "PICKSPLIT root split", "PICKSPLIT new destination page", "PICKSPLIT new inner page",
+        "PICKSPLIT root split", "PICKSPLIT re-initialises its source page", "PICKSPLIT new destination page", "PICKSPLIT new inner page",
         "PICKSPLIT inner page is the parent", "PICKSPLIT separate parent (b3)", "PICKSPLIT nulls tree",
         "VACUUM_LEAF dead", "VACUUM_LEAF placeholders", "VACUUM_LEAF moves", "VACUUM_LEAF re-chains",
         "VACUUM_REDIRECT to placeholders", "VACUUM_REDIRECT trims placeholders",
@@ -206,7 +222,7 @@ def test_ingested_records_are_readable(cap: Capture, tmp_path: Path, monkeypatch
             with pytest.raises(PageReconstructError, match=r"no redo for resource manager SPGist \(SPGist/\w+\).*record ending at"):
                 await dd.get_page(RelTag(t.spc, t.db, t.rel, 0), t.blkno, lsn)
 
-    got = ingest_and_read(cap, tmp_path, targets, unreadable_without_redo)
+    got = ingest_and_read(cap, tmp_path, targets, unreadable_without_redo, rels)
     rebuilt = {t: p for t, p in got.items() if p != bytes(bp.BLCKSZ) or cap.pages[t] != p}
     assert compare_with_files(cap, rebuilt, rels, spg_mask, skip_block0=True) > 30
 

@@ -151,9 +151,12 @@ def ingest_and_read(
     tmp_path: Path,
     targets: Sequence[RelBlock],
     before_reads: Callable[[Datadir, Lsn], Awaitable[None]] | None = None,
+    rels: set[int] | None = None,
 ) -> dict[RelBlock, bytes]:
     """Feed the run's records through ``WalIngest`` into a fresh timeline and read ``targets``
-    back through ``Datadir.get_page`` at the last record (``before_reads`` runs first)."""
+    back through ``Datadir.get_page`` at the last record (``before_reads`` runs first). With
+    ``rels``, only the records that touch those relations or no relation at all are fed (the
+    rest change other pages only)."""
     db = targets[0].db
     out: dict[RelBlock, bytes] = {}
 
@@ -169,7 +172,8 @@ def ingest_and_read(
         await mod.put_slru_page(SLRU_CLOG, 0, 0, Image(bytes(bp.BLCKSZ)))
         await mod.commit()
         for r in c.records:
-            await ing.ingest_record(r)
+            if rels is None or not r.blocks or any(b.rel in rels for b in r.blocks):
+                await ing.ingest_record(r)
         lsn = tl.last_record_lsn
         dd = Datadir(tl)
         if before_reads is not None:

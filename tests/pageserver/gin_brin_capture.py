@@ -12,6 +12,7 @@ an entry leaf, an internal entry page, a posting leaf...) are counted by ``gin_k
 
 from __future__ import annotations
 
+import random
 import struct
 import time
 from collections import Counter, defaultdict
@@ -194,17 +195,39 @@ def truncations(rec: DecodedRecord, bid: int) -> list[tuple[str, DecodedRecord]]
     return out
 
 
+def garblings(rec: DecodedRecord, bid: int, rng: random.Random, n: int = 3) -> list[tuple[str, DecodedRecord]]:
+    """The record with a few random bytes of its main data or block ``bid``'s data changed."""
+    blk = next(b for b in rec.blocks if b.block_id == bid)
+    out = []
+    for _ in range(n):
+        if blk.data and (not rec.main_data or rng.random() < 0.7):
+            data = bytearray(blk.data)
+            for _ in range(rng.randint(1, 3)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            blocks = tuple(attrs.evolve(b, data=bytes(data)) if b.block_id == bid else b for b in rec.blocks)
+            out.append((f"block {bid} data garbled", attrs.evolve(rec, blocks=blocks)))
+        elif rec.main_data:
+            main = bytearray(rec.main_data)
+            main[rng.randrange(len(main))] = rng.randrange(256)
+            out.append(("main data garbled", attrs.evolve(rec, main_data=bytes(main))))
+    return out
+
+
 def replay_variants(
     records: Iterable[DecodedRecord], rmid: int, per_kind: int = 4
 ) -> list[tuple[DecodedRecord, str, BaseException | None]]:
     """Replay ``records`` page by page; before the first ``per_kind`` redone blocks of each
-    (record type, block id) of resource manager ``rmid``, replay each truncation of the record
-    on a copy of the page instead. Returns (record, variant, exception or None)."""
+    (record type, block id) of resource manager ``rmid``, replay each truncation and a few
+    garblings of the record on a copy of the page instead. Returns (record, variant,
+    exception or None)."""
     mgr = PostgresRedoManager()
+    rng = random.Random(16)
     pages: dict[RelBlock, bytearray] = {}
     seen: Counter[tuple[str, int]] = Counter()
     out: list[tuple[DecodedRecord, str, BaseException | None]] = []
     for rec in records:
+        if rec.xl_rmid not in (rmid, RmgrId.XLOG):  # index pages start from XLOG images
+            continue
         for blk in rec.blocks:
             t = RelBlock(blk.spc, blk.db, blk.rel, blk.forknum, blk.blkno)
             cur = pages.get(t)
@@ -213,7 +236,7 @@ def replay_variants(
             kind = (rec.record_type, blk.block_id)
             if rec.xl_rmid == rmid and not blk.apply_image and seen[kind] < per_kind:
                 seen[kind] += 1
-                for what, bad in truncations(rec, blk.block_id):
+                for what, bad in truncations(rec, blk.block_id) + garblings(rec, blk.block_id, rng):
                     try:
                         mgr.redo_page(t, None if cur is None else bytearray(cur), bad)
                     except Exception as exc:

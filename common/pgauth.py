@@ -48,7 +48,7 @@ class JwtAuthenticator:
                 f"JWT authentication error: {exc.public}", sqlstate.INVALID_PASSWORD, severity="FATAL"
             ) from None
         assert isinstance(conn.claims, Claims)
-        conn.bind_log(token=conn.claims.describe())
+        conn.bind_log(claims=conn.claims.describe())
 
     def authorize(self, conn: PgConnection, tenant_id: TenantId | None) -> None:
         claims = conn.claims

@@ -787,6 +787,13 @@ class PgServer:
             self._by_key.pop((conn.process_id, conn.secret_key), None)
             structlog.contextvars.clear_contextvars()
             structlog.contextvars.bind_contextvars(**saved_log_context)
+            if conn.tls and not conn._send_broken:
+                # close_notify, so the client sees an orderly end rather than a TLS EOF error.
+                with trio.move_on_after(0.5):
+                    try:
+                        await conn.transport.aclose()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
             await trio.aclose_forcefully(stream)
 
     async def _watch_shutdown(self, conn: PgConnection, scope: trio.CancelScope) -> None:

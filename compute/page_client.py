@@ -16,6 +16,9 @@ drivers (``pagestore bench getpage`` runs one per client process): an event loop
 response costs more CPU than the pageserver spends serving the page, and a benchmark whose
 client is the bottleneck measures the client.
 
+Auth and TLS: ``password=`` a tenant token, ``ssl_context=`` a verifying client context
+(``common.tls.client_context``), on both clients (docs/auth.md).
+
 A stream-ending ErrorResponse from the server raises ``PgError``; a per-request failure is an
 ``ErrorResponse`` value among the responses (``get_page`` raises it as ``PageRequestFailed``).
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import ssl
 import struct
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -103,8 +107,13 @@ class PageClient:
         version: PagestreamVersion = 3,
         user: str = "pagestore",
         params: Mapping[str, str] | None = None,
+        password: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> PageClient:
-        conn = await connect(host, port, user=user, params=params)
+        """``password``: a tenant token for a pageserver with auth on (docs/auth.md);
+        ``ssl_context``: TLS, verified with it (``common.tls.client_context``)."""
+        conn = await connect(host, port, user=user, params=params, password=password,
+                             ssl_context=ssl_context)
         try:
             return await cls.start(conn, tenant_id, timeline_id, version=version)
         except BaseException:
@@ -292,14 +301,18 @@ class BlockingPageClient:
         user: str = "pagestore",
         params: Mapping[str, str] | None = None,
         timeout_s: float = 10.0,
+        password: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> BlockingPageClient:
         sock = socket.create_connection((host, port), timeout=timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if ssl_context is not None:
+                sock = _start_tls(sock, ssl_context, host)
             startup = {"user": user, "database": user, **(params or {})}
             decoder = BackendDecoder()
             sock.sendall(m.encode(m.StartupMessage(startup)))
-            _await_message(sock, decoder, m.ReadyForQuery)
+            _await_message(sock, decoder, m.ReadyForQuery, password)
             query = f"pagestream_v{version} {tenant_id.hex} {timeline_id.hex}"
             sock.sendall(m.encode(m.Query(query)))
             _await_message(sock, decoder, m.CopyBothResponse)
@@ -382,8 +395,20 @@ class BlockingPageClient:
         self.close()
 
 
-def _await_message(sock: socket.socket, decoder: BackendDecoder, want: type) -> None:
-    """Read backend messages until one of type ``want``; an ErrorResponse raises ``PgError``."""
+def _start_tls(sock: socket.socket, ctx: ssl.SSLContext, host: str) -> socket.socket:
+    """SSLRequest, then the handshake (the server's certificate verified by ``ctx``)."""
+    sock.sendall(m.encode(m.SSLRequest()))
+    answer = sock.recv(1)
+    if answer != b"S":
+        raise PgError("server does not support SSL, but SSL was required", "08006", severity="FATAL")
+    return ctx.wrap_socket(sock, server_hostname=host)
+
+
+def _await_message(
+    sock: socket.socket, decoder: BackendDecoder, want: type, password: str | None = None
+) -> None:
+    """Read backend messages until one of type ``want``; an ErrorResponse raises ``PgError``;
+    a password request is answered with ``password`` (the token)."""
     while True:
         msg = decoder.next_event()
         if msg is PG_NEED_DATA:
@@ -395,6 +420,12 @@ def _await_message(sock: socket.socket, decoder: BackendDecoder, want: type) -> 
             return
         if isinstance(msg, m.ErrorResponse):
             raise PgError.from_response(msg)
+        if isinstance(msg, m.AuthenticationCleartextPassword):
+            if password is None:
+                raise PgError("server requested a password (a token) but none was given",
+                              "28P01", severity="FATAL")
+            sock.sendall(m.encode(m.PasswordMessage(password)))
+            continue
         if isinstance(
             msg,
             m.AuthenticationOk

@@ -47,6 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "timeline import": ("control_plane.cmd_timeline_import", "import a PostgreSQL data directory or tar as a timeline"),
     "timeline list": ("control_plane.cmd_timeline_list", "list a tenant's timelines"),
     "waldump": ("control_plane.cmd_waldump", "print WAL records of segment files as JSON lines"),
+    "token": ("control_plane.cmd_token", "print a JWT for a tenant (or a node-wide scope) signed with the cluster's key"),
     "verify oracle": ("bench.oracle", "every page and SLRU segment the pageserver serves vs PostgreSQL's files (masked)"),
     "verify pg-regress": ("bench.pg_regress", "PostgreSQL's regression suite on an endpoint vs plain PostgreSQL, then every page vs the files"),
     "walproposer": ("compute.walproposer.main", "stream a vanilla PostgreSQL's WAL to a quorum of safekeepers"),

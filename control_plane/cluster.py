@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.auth import TOKEN_ENV, Scope
 from control_plane import process
 from control_plane.http_client import ApiError, get_json, post_json, request_json
 from control_plane.local_env import LocalEnv, LocalEnvError, port_free
@@ -36,6 +37,12 @@ def _node_cmd(env: LocalEnv, name: str) -> tuple[list[str], str]:
         process.cli_command("safekeeper", "-c", str(env.safekeeper_config_path(sk_id))),
         env.safekeeper_http(sk_id),
     )
+
+
+def _node_env(env: LocalEnv, name: str) -> dict[str, str]:
+    """The pageserver's token for the safekeepers (its WAL receivers), in its environment."""
+    token = env.token(Scope.SAFEKEEPERDATA) if name == "pageserver" else None
+    return {} if token is None else {TOKEN_ENV: token}
 
 
 def _node_ports(env: LocalEnv, name: str) -> list[int]:
@@ -82,7 +89,8 @@ def start(env: LocalEnv, *, log: Any = print) -> None:
                     f"process (another cluster? see `ss -ltnp`)"
                 )
             stdout = node_dir / "stdout.log"
-            pid = process.spawn(cmd, log_path=stdout, pid_path=_pid_path(node_dir))
+            pid = process.spawn(cmd, log_path=stdout, pid_path=_pid_path(node_dir),
+                                env=_node_env(env, name))
             started.append((name, node_dir, pid))
             try:
                 process.wait_until(f"starting {name}", process.http_answers(f"{http}/v1/status"),

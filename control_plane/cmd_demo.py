@@ -25,6 +25,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ports = parser.add_mutually_exclusive_group()
     ports.add_argument("--port-offset", type=int, default=0, help="add N to every default port")
     ports.add_argument("--free-ports", action="store_true", help="let the OS pick every port")
+    parser.add_argument("--no-auth", action="store_true",
+                        help="a trusting cluster (default: every port checks tokens)")
+    parser.add_argument("--tls", action="store_true", help="TLS on every port (a local CA)")
     parser.add_argument("--json-result", type=Path, default=None,
                         help="also write every number the demo measured to this JSON file")
 
@@ -35,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     opts = DemoOptions(workdir=workdir_of(args), scale=args.scale, duration_s=args.duration,
                        clients=args.clients, port_offset=args.port_offset, free_ports=args.free_ports,
-                       stop_at_end=args.stop)
+                       stop_at_end=args.stop, auth=not args.no_auth, tls=args.tls)
     console = Console()
 
     def on_failure(env: LocalEnv | None) -> None:

@@ -21,6 +21,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="safekeepers skip fsync (tests on slow disks; commits are not durable)")
     parser.add_argument("--validate-redo", action="store_true",
                         help="the pageserver checks redo against wal_consistency_checking images (tests)")
+    parser.add_argument("--no-auth", action="store_true",
+                        help="a trusting cluster: no tokens on any port (default: every port checks "
+                             "JWTs signed with the key init writes; see `pagestore token`)")
+    parser.add_argument("--tls", action="store_true",
+                        help="TLS on every port, certificates from a local CA written to <workdir>/ca")
     parser.add_argument("--force", action="store_true", help="overwrite an existing pagestore.toml")
     add_json(parser)
 
@@ -34,9 +39,13 @@ def run(args: argparse.Namespace) -> int:
         cfg = attrs.evolve(cfg, safekeeper_no_sync=True)
     if args.validate_redo:
         cfg = attrs.evolve(cfg, validate_redo=True)
+    cfg = attrs.evolve(cfg, auth=not args.no_auth, tls=args.tls)
     env = LocalEnv.create(workdir_of(args), cfg, force=args.force)
     data = {
         "workdir": str(env.workdir),
+        "auth": cfg.auth,
+        "tls": cfg.tls,
+        "ca_file": None if env.ca_file is None else str(env.ca_file),
         "pageserver": {"pg_port": cfg.pageserver.pg, "http_port": cfg.pageserver.http,
                        "config": str(env.pageserver_config_path)},
         "safekeepers": [
@@ -45,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
             for i in env.safekeeper_ids
         ],
     }
+    security = ("auth on (tokens: pagestore token --tenant-id T)" if cfg.auth else "auth off") + (
+        f", TLS on (CA {env.ca_file})" if cfg.tls else "")
     emit(args, data, lambda d: f"initialized {d['workdir']}: pageserver (libpq {cfg.pageserver.pg}, "
-         f"HTTP {cfg.pageserver.http}) and {len(cfg.safekeepers)} safekeepers; next: pagestore start")
+         f"HTTP {cfg.pageserver.http}) and {len(cfg.safekeepers)} safekeepers, {security}; "
+         "next: pagestore start")
     return 0

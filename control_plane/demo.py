@@ -44,6 +44,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from common.auth import Scope
 from compute import postgres
 from compute.page_client import PageClient
 from control_plane import cluster, endpoint
@@ -74,6 +75,8 @@ class DemoOptions:
     free_ports: bool = False
     stop_at_end: bool = False
     safekeepers: int = 3
+    auth: bool = True
+    tls: bool = False
 
 
 @attrs.define
@@ -185,6 +188,9 @@ class Demo:
             self.result.tenant_id = t["tenant_id"]
             self.result.main_timeline_id = t["timeline_id"]
             self.say(f"tenant {t['tenant_id']}, branch main = timeline {t['timeline_id']} at {t['last_record_lsn']}")
+        if opts.auth:
+            with self.step("tokens: the tenant's admitted by the pageserver, another tenant's refused"):
+                self._check_tokens()
         with self.step("start endpoint main (PostgreSQL 15 + walproposer bridge)"):
             endpoint.start_endpoint(env, "main", branch="main", log=self.log)
             self.result.endpoints["main"] = self._dsn("main")
@@ -214,6 +220,42 @@ class Demo:
                 cluster.stop(env, log=self.log)
         return self.result
 
+    def _check_tokens(self) -> None:
+        """What a user does with a token: ``PGPASSWORD=$(pagestore token ...) psql ...``; psql
+        runs ``basebackup`` on the pageserver's libpq port (the tar goes to /dev/null)."""
+        assert self.env is not None
+        env = self.env
+        tenant, timeline = self.result.tenant_id, self.result.main_timeline_id
+        ssl = f" sslmode=verify-full sslrootcert={env.ca_file}" if env.ca_file else ""
+        dsn = f"host=localhost port={env.config.pageserver.pg} user=demo{ssl}"
+        query = f"basebackup {tenant} {timeline}"
+
+        def psql(token: str | None) -> subprocess.CompletedProcess[str]:
+            env_vars = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PGCONNECT_TIMEOUT": "10"}
+            if token is not None:
+                env_vars["PGPASSWORD"] = token
+            return subprocess.run([str(postgres.PG_BIN / "psql"), dsn, "-XAtq", "-o", "/dev/null",
+                                   "-v", "VERBOSITY=verbose",
+                                   "-c", query], capture_output=True, text=True, env=env_vars,
+                                  timeout=60, check=False)
+
+        cmd = _pagestore_command()
+        wd = "" if env.workdir == default_workdir().absolute() else f" --workdir {env.workdir}"
+        own = psql(env.token(Scope.TENANT, tenant, ttl_s=600))
+        if own.returncode != 0:
+            raise RuntimeError(f"the tenant's own token was refused: {own.stderr.strip()}")
+        self.say(f"PGPASSWORD=$({cmd} token{wd} --tenant-id {tenant}) psql '{dsn}' -c '{query}' "
+                 "-o /dev/null: admitted")
+        other = psql(env.token(Scope.TENANT, "ff" * 16, ttl_s=600))
+        if other.returncode == 0 or "28000" not in other.stderr:
+            raise RuntimeError(f"another tenant's token was not refused: rc {other.returncode}, "
+                               f"{other.stderr.strip()!r}")
+        self.say(f"another tenant's token: refused ({other.stderr.strip().splitlines()[-1]})")
+        nothing = psql(None)
+        if nothing.returncode == 0:
+            raise RuntimeError("a connection without a token was admitted")
+        self.say("no token: refused")
+
     def _dsn(self, name: str) -> str:
         assert self.env is not None
         return str(endpoint.load_endpoint(self.env, name).describe()["dsn"])
@@ -230,6 +272,7 @@ class Demo:
             shutil.rmtree(workdir)
         cfg = plan_ports(self.opts.safekeepers, port_offset=self.opts.port_offset,
                          free_ports=self.opts.free_ports)
+        cfg = attrs.evolve(cfg, auth=self.opts.auth, tls=self.opts.tls)
         env = LocalEnv.create(workdir, cfg)
         (workdir / DEMO_MARKER).write_text("made by pagestore demo; `pagestore demo` may delete it\n")
         return env
@@ -373,8 +416,10 @@ class Demo:
         ep = endpoint.load_endpoint(env, "main")
         relations: list[tuple[str, MaskFn]] = [("pgbench_accounts", heap_mask), ("pgbench_branches", heap_mask),
                                                ("pgbench_accounts_pkey", btree_mask)]
-        async with await PageClient.connect("127.0.0.1", env.config.pageserver.pg, TenantId.parse(tenant),
-                                            TimelineId.parse(timeline)) as client:
+        async with await PageClient.connect(
+            "127.0.0.1", env.config.pageserver.pg, TenantId.parse(tenant), TimelineId.parse(timeline),
+            password=env.token(Scope.TENANT, tenant), ssl_context=env.client_ssl_context(),
+        ) as client:
             for relname, mask in relations:
                 path = await trio.to_thread.run_sync(pg.psql, f"SELECT pg_relation_filepath('{relname}')")
                 parts = path.split("/")

@@ -41,6 +41,7 @@ import cattrs
 import trio
 
 from common import pgclient
+from common.auth import TOKEN_ENV, Scope
 from compute import postgres
 from control_plane import cluster, process
 from control_plane.http_client import ApiError, get_json
@@ -203,10 +204,10 @@ def _pick_port(env: LocalEnv, name: str) -> int:
 
 
 async def _fetch_basebackup(host: str, port: int, tenant_id: str, timeline_id: str, lsn: Lsn,
-                            out: Path, lazy: bool = False) -> int:
+                            out: Path, lazy: bool = False, auth: dict[str, str] | None = None) -> int:
     # The default message limit holds: basebackup sends CopyData of at most 256 KiB
     # (pageserver.basebackup.CHUNK_BYTES), also for the 16 MiB WAL segment.
-    conn = await pgclient.connect(host, port, user="pagestore")
+    conn = await pgclient.connect_with_params(host, port, {"user": "pagestore", **(auth or {})})
     try:
         flags = " --lazy" if lazy else ""
         copy = await conn.copy_out(f"basebackup {tenant_id} {timeline_id} {format_lsn(lsn)}{flags}")
@@ -229,7 +230,8 @@ def fetch_basebackup(env: LocalEnv, tenant_id: str, timeline_id: str, lsn: Lsn, 
     """Write the pageserver's basebackup tar at ``lsn`` to ``out``; returns its size."""
     try:
         return trio.run(_fetch_basebackup, "127.0.0.1", env.config.pageserver.pg, tenant_id,
-                        timeline_id, lsn, out, lazy)
+                        timeline_id, lsn, out, lazy,
+                        env.pg_client_params(env.token(Scope.TENANT, tenant_id)))
     except Exception as exc:
         raise EndpointError(f"basebackup {tenant_id} {timeline_id} {format_lsn(lsn)} failed: {exc}") from exc
 
@@ -289,6 +291,16 @@ def _safekeeper_states(env: LocalEnv, tenant_id: str, timeline_id: str) -> list[
     return states
 
 
+def _bridge_env(env: LocalEnv, tenant_id: str) -> dict[str, str]:
+    """The bridge's tenant token goes in its environment: ``ps`` shows arguments to everyone."""
+    token = env.token(Scope.TENANT, tenant_id)
+    return {} if token is None else {TOKEN_ENV: token}
+
+
+def _bridge_tls_args(env: LocalEnv) -> list[str]:
+    return [] if env.ca_file is None else ["--ssl-ca-file", str(env.ca_file)]
+
+
 def _sync_safekeepers(env: LocalEnv, ep_dir: Path, tenant_id: str, timeline_id: str,
                       states: list[dict[str, Any]]) -> Lsn:
     """Commit what the safekeepers hold (``pagestore walproposer --sync-safekeepers``, Neon's
@@ -300,9 +312,10 @@ def _sync_safekeepers(env: LocalEnv, ep_dir: Path, tenant_id: str, timeline_id: 
         "--system-id", str(states[0].get("system_id") or 0),
         "--pg-version", str(states[0].get("pg_version") or 150000),
         "--sync-timeout", str(SYNC_TIMEOUT_S), "--log-file", str(log_path),
+        *_bridge_tls_args(env),
     )
     proc = subprocess.run(cmd, cwd=process.ROOT, capture_output=True, text=True, check=False,
-                          timeout=SYNC_TIMEOUT_S + 30)
+                          timeout=SYNC_TIMEOUT_S + 30, env={**os.environ, **_bridge_env(env, tenant_id)})
     if proc.returncode != 0:
         raise EndpointError(
             f"the safekeepers hold WAL of {tenant_id}/{timeline_id} that is not committed (a compute "
@@ -552,10 +565,13 @@ def _start_bridge(env: LocalEnv, ep: Endpoint, start_lsn: Lsn) -> None:
         "walproposer", "--pg-port", str(ep.spec.port), "--safekeepers", ",".join(env.safekeeper_pg_addrs),
         "--tenant-id", ep.spec.tenant_id, "--timeline-id", ep.spec.timeline_id,
         "--start-lsn", format_lsn(start_lsn), "--status-file", str(ep.bridge_status_path),
+        *_bridge_tls_args(env),
     )
-    # Kept for operators: how to restart the bridge alone (docs/operations.md).
+    # Kept for operators: how to restart the bridge alone (docs/operations.md; with auth on
+    # it needs $PAGESTORE_AUTH_TOKEN, a tenant token: `pagestore token --tenant-id T`).
     (ep.dir / "bridge.cmd").write_text(shlex.join(cmd) + "\n")
-    pid = process.spawn(cmd, log_path=ep.bridge_log, pid_path=ep.bridge_pid_path)
+    pid = process.spawn(cmd, log_path=ep.bridge_log, pid_path=ep.bridge_pid_path,
+                        env=_bridge_env(env, ep.spec.tenant_id))
 
     def elected() -> bool:
         st = ep.bridge_status()

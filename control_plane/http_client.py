@@ -2,14 +2,33 @@
 
 ``ApiError`` carries the status and the server's ``{"msg": ...}``; a refused connection stays
 an ``OSError`` (``URLError``) so callers can tell "node down" from "node said no".
+
+Credentials are per node: ``register_credentials(base_url, token, ssl_context)`` (the cluster
+directory does it for its nodes when it is loaded) makes every request to that base URL carry
+``Authorization: Bearer <token>`` and verify the server's certificate with the context.
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.error
 import urllib.request
 from typing import Any
+
+# base URL ("https://127.0.0.1:9898") -> (token, TLS context)
+_credentials: dict[str, tuple[str | None, ssl.SSLContext | None]] = {}
+
+
+def register_credentials(base_url: str, token: str | None, ssl_context: ssl.SSLContext | None) -> None:
+    _credentials[base_url.rstrip("/")] = (token, ssl_context)
+
+
+def _credentials_for(url: str) -> tuple[str | None, ssl.SSLContext | None]:
+    for base, creds in _credentials.items():
+        if url == base or url.startswith(base + "/"):
+            return creds
+    return None, None
 
 
 class ApiError(Exception):
@@ -24,8 +43,11 @@ def request_json(method: str, url: str, body: object | None = None, *, timeout: 
     req = urllib.request.Request(url, data=data, method=method)
     if data is not None:
         req.add_header("Content-Type", "application/json")
+    token, ctx = _credentials_for(url)
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as resp:
             raw = resp.read()
     except urllib.error.HTTPError as exc:
         raw = exc.read()

@@ -4,9 +4,13 @@ A cluster directory (default ``./.pagestore``, or ``$PAGESTORE_WORKDIR``) holds:
 
     pagestore.toml             ports of every node (LocalEnvConfig)
     branches.json              default tenant and branch name -> timeline id, per tenant
+    auth_private_key.pem       Ed25519 key the CLI signs tokens with (mode 0600; auth on)
+    auth_public_key.pem        what every node verifies tokens with
+    ca/                        ca.crt, ca.key (0600): the local CA (``init --tls``)
     pageserver/                pageserver.toml, pageserver.log (JSON lines), stdout.log, pid,
-                               tenants/ (the pageserver's own data)
-    safekeeper_<i>/            safekeeper.toml, safekeeper.log, stdout.log, pid, data/
+                               tenants/ (the pageserver's own data), server.crt/key (TLS)
+    safekeeper_<i>/            safekeeper.toml, safekeeper.log, stdout.log, pid, data/,
+                               server.crt/key (TLS)
     endpoints/<name>/          endpoint.json, pgdata/ (owned by postgres), bridge.log, bridge.pid,
                                bridge-status.json
 
@@ -20,15 +24,35 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 from pathlib import Path
 from typing import Any
 
 import attrs
 import tomli_w
 
+from common.auth import (
+    PRIVATE_KEY_NAME,
+    PUBLIC_KEY_NAME,
+    AuthKeyError,
+    Scope,
+    encode_token,
+    generate_keypair,
+    load_private_key,
+)
 from common.config import ConfigError, dump_config, load_config
 from common.ports import free_port
+from common.tls import (
+    CA_CERT_NAME,
+    CERT_NAME,
+    KEY_NAME,
+    client_context,
+    make_local_ca,
+    make_node_cert,
+)
+from control_plane.http_client import register_credentials
 from pageserver.config import PageserverConfig, load_pageserver_config
+from protocol.ids import TenantId
 from safekeeper.config import SafekeeperConfig
 from safekeeper.config import load_config as load_safekeeper_config
 
@@ -79,6 +103,10 @@ class LocalEnvConfig:
     validate_redo: bool = False
     # Bytes of written pages a lazy endpoint's page filesystem keeps before it evicts.
     local_cache_size: int = 1 << 30
+    # Every node port checks JWTs (docs/auth.md); off only with `init --no-auth`.
+    auth: bool = True
+    # TLS on every node port, certificates from the cluster's local CA (`init --tls`).
+    tls: bool = False
 
 
 def port_free(port: int) -> bool:
@@ -157,11 +185,74 @@ class LocalEnv:
         return self.config.safekeepers[sk_id - 1]
 
     @property
+    def _scheme(self) -> str:
+        return "https" if self.config.tls else "http"
+
+    @property
     def pageserver_http(self) -> str:
-        return f"http://127.0.0.1:{self.config.pageserver.http}"
+        return f"{self._scheme}://127.0.0.1:{self.config.pageserver.http}"
 
     def safekeeper_http(self, sk_id: int) -> str:
-        return f"http://127.0.0.1:{self.safekeeper_ports(sk_id).http}"
+        return f"{self._scheme}://127.0.0.1:{self.safekeeper_ports(sk_id).http}"
+
+    # -- auth and TLS ---------------------------------------------------------------------------
+
+    @property
+    def private_key_path(self) -> Path:
+        return self.workdir / PRIVATE_KEY_NAME
+
+    @property
+    def public_key_path(self) -> Path:
+        return self.workdir / PUBLIC_KEY_NAME
+
+    @property
+    def ca_dir(self) -> Path:
+        return self.workdir / "ca"
+
+    @property
+    def ca_file(self) -> Path | None:
+        """The CA clients verify the nodes against (None: no TLS)."""
+        return self.ca_dir / CA_CERT_NAME if self.config.tls else None
+
+    def token(self, scope: Scope, tenant_id: str | None = None, *, ttl_s: float | None = None) -> str | None:
+        """A token signed with the cluster's key (None when auth is off). Without ``ttl_s``
+        it has no ``exp``: the nodes' and endpoints' own tokens, as neon_local mints them."""
+        if not self.config.auth:
+            return None
+        try:
+            key = load_private_key(self.private_key_path)
+        except AuthKeyError as exc:
+            raise LocalEnvError(f"cannot sign a token: {exc}") from None
+        tenant = None if tenant_id is None else TenantId.parse(tenant_id)
+        return encode_token(key, scope, tenant, ttl_s=ttl_s)
+
+    def client_ssl_context(self) -> ssl.SSLContext | None:
+        return None if self.ca_file is None else client_context(self.ca_file)
+
+    def pg_client_params(self, token: str | None) -> dict[str, str]:
+        """``password`` / ``sslrootcert`` for ``common.pgclient.connect_with_params``."""
+        params: dict[str, str] = {}
+        if token is not None:
+            params["password"] = token
+        if self.ca_file is not None:
+            params["sslrootcert"] = str(self.ca_file)
+        return params
+
+    def register_http_credentials(self) -> None:
+        """Make the CLI's HTTP calls to these nodes carry their tokens and verify TLS."""
+        ctx = self.client_ssl_context()
+        register_credentials(self.pageserver_http, self.token(Scope.PAGESERVERAPI), ctx)
+        sk_token = self.token(Scope.SAFEKEEPERDATA)
+        for i in self.safekeeper_ids:
+            register_credentials(self.safekeeper_http(i), sk_token, ctx)
+
+    def _create_credentials(self) -> None:
+        if self.config.auth:
+            generate_keypair(self.workdir)
+        if self.config.tls:
+            make_local_ca(self.ca_dir)
+            for name, node_dir in self.node_dirs():
+                make_node_cert(self.ca_dir, node_dir, name)
 
     @property
     def safekeeper_pg_addrs(self) -> list[str]:
@@ -196,6 +287,8 @@ class LocalEnv:
             env.safekeeper_dir(i).mkdir(exist_ok=True)
             env.safekeeper_config_path(i).write_text(tomli_w.dumps(env.safekeeper_config_table(i)))
         env.check_node_configs()
+        env._create_credentials()
+        env.register_http_credentials()
         env.endpoints_dir.mkdir(exist_ok=True)
         os.chmod(env.endpoints_dir, 0o755)
         env.save_state({"default_tenant_id": None, "branches": {}})
@@ -207,7 +300,9 @@ class LocalEnv:
         path = workdir / CONFIG_NAME
         if not path.exists():
             raise LocalEnvError(f"{workdir} is not a pagestore cluster directory: run `pagestore init` first")
-        return cls(workdir, load_config(LocalEnvConfig, path))
+        env = cls(workdir, load_config(LocalEnvConfig, path))
+        env.register_http_credentials()
+        return env
 
     # -- node configs -----------------------------------------------------------------------------
 
@@ -229,7 +324,18 @@ class LocalEnv:
             "safekeepers": self.safekeeper_pg_addrs,
             "log_file": "pageserver.log",
             **({"validate_redo": True} if self.config.validate_redo else {}),
+            **self._auth_table(self.pageserver_dir),
+            **({"ssl_ca_file": str(self.ca_dir / CA_CERT_NAME)} if self.config.tls else {}),
         }
+
+    def _auth_table(self, node_dir: Path) -> dict[str, str]:
+        table: dict[str, str] = {}
+        if self.config.auth:
+            table.update(pg_auth_type="NeonJWT", http_auth_type="NeonJWT",
+                         auth_validation_public_key_path=str(self.public_key_path))
+        if self.config.tls:
+            table.update(ssl_cert_file=str(node_dir / CERT_NAME), ssl_key_file=str(node_dir / KEY_NAME))
+        return table
 
     def safekeeper_config_table(self, sk_id: int) -> dict[str, Any]:
         p = self.safekeeper_ports(sk_id)
@@ -241,6 +347,7 @@ class LocalEnv:
             "listen_http": f"127.0.0.1:{p.http}",
             "no_sync": self.config.safekeeper_no_sync,
             "log_file": str(d / "safekeeper.log"),
+            **self._auth_table(d),
         }
 
     def check_node_configs(self) -> tuple[PageserverConfig, list[SafekeeperConfig]]:

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from control_plane.http_client import ApiError, get_json
@@ -30,12 +30,15 @@ def cli_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "control_plane.cli", *args]
 
 
-def spawn(cmd: Sequence[str], *, log_path: Path, pid_path: Path, cwd: Path | None = None) -> int:
-    """Start ``cmd`` detached; returns its pid (also written to ``pid_path``)."""
+def spawn(cmd: Sequence[str], *, log_path: Path, pid_path: Path, cwd: Path | None = None,
+          env: Mapping[str, str] | None = None) -> int:
+    """Start ``cmd`` detached; returns its pid (also written to ``pid_path``). ``env`` is added
+    to this process's environment (secrets such as tokens go there, never into ``cmd``)."""
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             list(cmd),
             cwd=cwd or ROOT,
+            env=None if env is None else {**os.environ, **env},
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -116,13 +116,16 @@ class TestProposer:
         *,
         version: ProtocolVersion = 3,
         allow_timeline_creation: bool = True,
+        password: str | None = None,
     ) -> TestProposer:
+        """``password``: a tenant token for a safekeeper with auth on."""
         conn = await connect(
             host,
             port,
             user="postgres",
             dbname="replication",
             options={"tenant_id": tenant_id.hex, "timeline_id": timeline_id.hex},
+            password=password,
         )
         creation = "true" if allow_timeline_creation else "false"
         copy = await conn.copy_both(

@@ -168,6 +168,11 @@ class BridgeConfig:
     status_interval_s: float = 10.0
     connect_timeout_s: float = 5.0
     max_backoff_s: float = 2.0
+    # The tenant token for safekeepers with auth on (from $PAGESTORE_AUTH_TOKEN, never argv);
+    # repr=False: configs get logged, tokens never.
+    auth_token: str | None = attrs.field(default=None, repr=False)
+    # A CA file: the safekeeper connections use TLS and verify the certificates against it.
+    ssl_ca_file: str | None = None
 
     @slot_name.validator
     def _check_slot_name(self, _a: attrs.Attribute[str], value: str) -> None:
@@ -502,12 +507,22 @@ class Bridge:
             await trio.sleep(backoff)
             backoff = min(backoff * 2, self.cfg.max_backoff_s)
 
+    def _safekeeper_auth(self) -> dict[str, str]:
+        """The token (as the password) and the CA (TLS) of the safekeeper connections."""
+        extra: dict[str, str] = {}
+        if self.cfg.auth_token is not None:
+            extra["password"] = self.cfg.auth_token
+        if self.cfg.ssl_ca_file is not None:
+            extra["sslrootcert"] = self.cfg.ssl_ca_file
+        return extra
+
     async def _safekeeper_session(self, i: int, info: PostgresInfo) -> None:
         addr = self.cfg.safekeepers[i]
         params = {
             "dbname": "replication",
             "application_name": self.cfg.application_name,
             "options": f"-c timeline_id={self.cfg.timeline_id} tenant_id={self.cfg.tenant_id}",
+            **self._safekeeper_auth(),
         }
         with trio.fail_after(self.cfg.connect_timeout_s):
             conn = await self._connect(addr.host, addr.port, params)
@@ -673,6 +688,7 @@ class Bridge:
                 "replication": "true",
                 "application_name": application_name,
                 "options": f"-c timeline_id={self.cfg.timeline_id} tenant_id={self.cfg.tenant_id}",
+                **self._safekeeper_auth(),
             }
             with trio.fail_after(self.cfg.connect_timeout_s):
                 conn = await self._connect(addr.host, addr.port, params)

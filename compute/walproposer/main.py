@@ -13,6 +13,7 @@ from pathlib import Path
 import structlog
 import trio
 
+from common.auth import TOKEN_ENV
 from common.logging import LEVELS, setup_logging
 from compute.walproposer.bridge import (
     Bridge,
@@ -54,6 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="the slot keeps WAL for lagging safekeepers, at most this far behind the quorum",
     )
+    parser.add_argument("--ssl-ca-file", default=None,
+                        help="connect to the safekeepers with TLS, verifying them against this CA "
+                        f"(the tenant token, if auth is on, comes from ${TOKEN_ENV})")
     parser.add_argument("--log-file", default=None, help="JSON log lines here (default stderr)")
     parser.add_argument("--log-level", default="info", choices=sorted(LEVELS, key=LEVELS.__getitem__))
     parser.add_argument(
@@ -88,6 +92,8 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         slot_name=args.slot_name,
         buffer_bytes=args.buffer_mb * 1024 * 1024,
         max_slot_lag_bytes=args.max_slot_lag_mb * 1024 * 1024,
+        auth_token=os.environ.get(TOKEN_ENV) or None,
+        ssl_ca_file=args.ssl_ca_file,
     )
 
 

@@ -4,6 +4,7 @@ real libpq client (psycopg's ``pq`` layer) over TCP, query parsing, stream-endin
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import psycopg.pq
 import pytest
@@ -12,6 +13,8 @@ import trio.testing
 from prometheus_client import CollectorRegistry
 from psycopg.pq.abc import PGconn, PGresult
 
+from common.auth import JwtVerifier, Service
+from common.pgauth import JwtAuthenticator
 from common.pgclient import PgClientConnection
 from common.pgserver import PgServer, PgServerConfig
 from compute.page_client import PageClient, PageRequestFailed
@@ -42,6 +45,7 @@ from protocol.pagestream import (
     encode_response,
 )
 from protocol.pgwire.errors import PgError
+from tests.auth_helpers import AuthKit
 from tests.pageserver.page_service_fakes import ZERO_PAGE, FakeTimeline, page_image, slru_segment
 
 TENANT = TenantId(bytes(range(16)))
@@ -69,15 +73,27 @@ def make_timeline() -> FakeTimeline:
     return tl
 
 
-def make_server(tl: FakeTimeline, config: PageServiceConfig | None = None, **kw: object) -> PgServer:
+def make_server(tl: FakeTimeline, config: PageServiceConfig | None = None,
+                auth: AuthKit | None = None, **kw: object) -> PgServer:
+    """``auth``: JWTs required (docs/auth.md); ``connect_memory`` then sends a tenant token."""
     handler = PageServiceHandler(Lookup({(TENANT, TIMELINE): tl}), config, **kw)  # type: ignore[arg-type]
-    return PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None))
+    authenticator = None
+    if auth is not None:
+        authenticator = JwtAuthenticator(JwtVerifier.from_key_path(auth.public_path), Service.PAGESERVER)
+    return PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None), authenticator=authenticator)
 
 
-async def connect_memory(server: PgServer, nursery: trio.Nursery) -> PgClientConnection:
+async def connect_memory(server: PgServer, nursery: trio.Nursery, auth: AuthKit | None = None) -> PgClientConnection:
     client_stream, server_stream = trio.testing.memory_stream_pair()
     nursery.start_soon(server.serve_connection, server_stream)
-    return await PgClientConnection.open(client_stream, user="test")
+    password = None if auth is None else auth.tenant(TENANT)
+    return await PgClientConnection.open(client_stream, user="test", password=password)
+
+
+@pytest.fixture(params=["trust", "jwt"])
+def auth(request: pytest.FixtureRequest, tmp_path: Path) -> AuthKit | None:
+    """The hostile-input tests run with and without auth on (the default)."""
+    return AuthKit.create(tmp_path) if request.param == "jwt" else None
 
 
 def test_parse_query() -> None:
@@ -149,12 +165,12 @@ async def test_missing_timeline() -> None:
             await conn.aclose()
 
 
-async def test_bad_message_ends_stream_but_not_connection() -> None:
+async def test_bad_message_ends_stream_but_not_connection(auth: AuthKit | None) -> None:
     tl = make_timeline()
-    server = make_server(tl)
+    server = make_server(tl, auth=auth)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            conn = await connect_memory(server, nursery)
+            conn = await connect_memory(server, nursery, auth)
             client = await PageClient.start(conn, TENANT, TIMELINE)
             good = GetPageRequest(1, MAX, Lsn(0), REL, 1)
             await client.copy.send(encode_request(good, 3))
@@ -308,15 +324,15 @@ async def test_real_libpq_client(version: int) -> None:
             server.shutdown()
 
 
-async def test_hostile_connections_do_not_disturb_others() -> None:
+async def test_hostile_connections_do_not_disturb_others(auth: AuthKit | None) -> None:
     tl = make_timeline()
-    server = make_server(tl, PageServiceConfig(page_service_pipelining=PipelinedPipelining(8)))
+    server = make_server(tl, PageServiceConfig(page_service_pipelining=PipelinedPipelining(8)), auth=auth)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            good = await connect_memory(server, nursery)
+            good = await connect_memory(server, nursery, auth)
             client = await PageClient.start(good, TENANT, TIMELINE)
             for garbage in (b"\x02" + b"\x00" * 5, b"\x63", b"\x00" * 10):
-                bad = await connect_memory(server, nursery)
+                bad = await connect_memory(server, nursery, auth)
                 bad_client = await PageClient.start(bad, TENANT, TIMELINE)
                 await bad_client.copy.send(garbage)
                 with pytest.raises(PgError):

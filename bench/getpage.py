@@ -113,9 +113,11 @@ async def _write_steadily(timelines: list[Any], writes_per_s: float, pages: int)
             await mod.commit()
 
 
-async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per_s: float) -> None:
+async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per_s: float,
+                 security: str = "off") -> None:
     from prometheus_client import CollectorRegistry
 
+    from common.logging import setup_logging
     from common.pgserver import PgServer, PgServerConfig
     from pageserver.page_service.handler import PageServiceHandler
     from pageserver.page_service.metrics import PageServiceMetrics
@@ -125,6 +127,9 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
     from pageserver.tenant import Tenant
     from protocol.ids import TenantId, TimelineId
 
+    # Log lines to stderr: stdout is the pipe the driver reads the port from, and reads only
+    # twice; a connection's log lines there would fill it and stall the server.
+    setup_logging(level="warning")
     config = StorageConfig(
         validate_get=False,
         double_buffering=False,
@@ -149,7 +154,9 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
     registry = CollectorRegistry()
     metrics = PageServiceMetrics.register(registry)
     handler = PageServiceHandler(Lookup(), _page_service_config(mode), metrics)
-    server = PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None))
+    authenticator, ssl_context = _server_security(workdir.parent, security)
+    server = PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None),
+                      authenticator=authenticator, ssl_context=ssl_context)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.serve)
         if writes_per_s > 0:
@@ -162,6 +169,74 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
         print(json.dumps({"batching_factor": metrics.batching_factor()}), flush=True)
         server.shutdown()
         nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
+# Auth and TLS (--security off,auth,auth+tls): keys, a CA and a token written once per run into
+# the run's directory; the token goes to the client processes as a file (never on argv).
+
+SECURITY_MODES = ("off", "auth", "auth+tls")
+
+
+def _write_security(base: Path, targets: list[tuple[str, str]]) -> None:
+    from common.auth import Scope, encode_token, generate_keypair, load_private_key, write_secret
+    from common.tls import make_local_ca, make_node_cert
+    from protocol.ids import TenantId
+
+    priv, _ = generate_keypair(base / "auth")
+    key = load_private_key(priv)
+    for tenant, _timeline in targets:
+        token = encode_token(key, Scope.TENANT, TenantId.parse(tenant))
+        write_secret(base / "auth" / f"token-{tenant}", token.encode())
+    make_local_ca(base / "ca")
+    make_node_cert(base / "ca", base / "node", "bench")
+
+
+def _server_security(base: Path, security: str) -> tuple[Any, Any]:
+    if security == "off":
+        return None, None
+    from common.auth import JwtVerifier, Service
+    from common.pgauth import JwtAuthenticator
+    from common.tls import server_context
+
+    auth = JwtAuthenticator(JwtVerifier.from_key_path(base / "auth" / "auth_public_key.pem"),
+                            Service.PAGESERVER)
+    ctx = server_context(base / "node" / "server.crt", base / "node" / "server.key") \
+        if security == "auth+tls" else None
+    return auth, ctx
+
+
+def _client_security(base: Path, security: str, tenant: str) -> dict[str, Any]:
+    """``password`` / ``ssl_context`` keyword arguments of the page clients."""
+    if security == "off":
+        return {}
+    from common.tls import client_context
+
+    kw: dict[str, Any] = {"password": (base / "auth" / f"token-{tenant}").read_text()}
+    if security == "auth+tls":
+        kw["ssl_context"] = client_context(base / "ca" / "ca.crt")
+    return kw
+
+
+def _connect_cost(port: int, base: Path, security: str, tenant: str, timeline: str,
+                  n: int = 100) -> dict[str, float]:
+    """Connection set-up: TCP connect, (TLS handshake,) startup, (token check,) pagestream
+    open, close; ``n`` of them one after another; median and p95 in ms."""
+    import statistics
+
+    from compute.page_client import BlockingPageClient
+    from protocol.ids import TenantId, TimelineId
+
+    kw = _client_security(base, security, tenant)
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        BlockingPageClient.connect("localhost" if "ssl_context" in kw else "127.0.0.1", port,
+                                   TenantId.parse(tenant), TimelineId.parse(timeline), **kw).close()
+        times.append((time.perf_counter() - t) * 1e3)
+    times.sort()
+    return {"connect_ms_p50": round(statistics.median(times), 3),
+            "connect_ms_p95": round(times[int(0.95 * (n - 1))], 3)}
 
 
 def _page_service_config(mode: str) -> Any:
@@ -194,6 +269,8 @@ async def _client_loop(
     deadline: float,
     hist: Any,
     seed: int,
+    base: Path | None = None,
+    security: str = "off",
 ) -> int:
     from compute.page_client import PageClient
     from protocol.ids import TenantId, TimelineId
@@ -204,8 +281,10 @@ async def _client_loop(
     rng = random.Random(seed)
     sent_at: dict[int, float] = {}
     count = 0
+    kw = {} if base is None else _client_security(base, security, tenant)
     client = await PageClient.connect(
-        "127.0.0.1", port, TenantId.parse(tenant), TimelineId.parse(timeline)
+        "localhost" if "ssl_context" in kw else "127.0.0.1", port, TenantId.parse(tenant),
+        TimelineId.parse(timeline), **kw,
     )
     try:
 
@@ -237,6 +316,8 @@ async def _drive(
     pages: int,
     queue_depth: int,
     duration: float,
+    base: Path | None = None,
+    security: str = "off",
 ) -> tuple[int, Any, float]:
     """All clients as trio tasks of this process (``--client trio``: the ``PageClient``)."""
     from hdrh.histogram import HdrHistogram
@@ -250,7 +331,8 @@ async def _drive(
         hist = HdrHistogram(1, 60_000_000, 3)
         hists.append(hist)
         counts.append(
-            await _client_loop(port, tenant, timeline, pages, queue_depth, deadline, hist, seed)
+            await _client_loop(port, tenant, timeline, pages, queue_depth, deadline, hist, seed,
+                               base, security)
         )
 
     async with trio.open_nursery() as nursery:
@@ -273,6 +355,8 @@ def _process_client(
     start_at: float,
     duration: float,
     seed: int,
+    base: str | None = None,
+    security: str = "off",
 ) -> dict[str, Any]:
     """One client process (``--client process``): a ``BlockingPageClient`` in a closed loop.
 
@@ -291,8 +375,10 @@ def _process_client(
     rel = RelTag(*REL)
     rng = random.Random(seed)
     hist = HdrHistogram(1, 60_000_000, 3)
+    kw = {} if base is None else _client_security(Path(base), security, tenant)
     client = BlockingPageClient.connect(
-        "127.0.0.1", port, TenantId.parse(tenant), TimelineId.parse(timeline)
+        "localhost" if "ssl_context" in kw else "127.0.0.1", port, TenantId.parse(tenant),
+        TimelineId.parse(timeline), **kw,
     )
     sent_at: deque[float] = deque()
     clock = time.perf_counter
@@ -332,6 +418,8 @@ def _drive_processes(
     pages: int,
     queue_depth: int,
     duration: float,
+    base: Path | None = None,
+    security: str = "off",
 ) -> tuple[int, Any, float]:
     from hdrh.histogram import HdrHistogram
 
@@ -340,7 +428,8 @@ def _drive_processes(
     procs = []
     for i, (tenant, timeline) in enumerate(targets):
         for c in range(clients):
-            argv = [port, tenant, timeline, pages, queue_depth, start_at, duration, i * 1000 + c]
+            argv = [port, tenant, timeline, pages, queue_depth, start_at, duration, i * 1000 + c,
+                    None if base is None else str(base), security]
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "bench.getpage", "--client-process", json.dumps(argv)],
@@ -378,12 +467,15 @@ def _run_config(
     get_impl: str,
     cache: str,
     qd: int,
+    security: str = "off",
 ) -> dict[str, Any]:
-    serve = ["--serve", str(workdir), mode, get_impl, cache, str(args.writes_per_s)]
-    count, hist, elapsed, server_cpu_s, server = _measure(serve, "batching_factor", targets, args, qd)
+    serve = ["--serve", str(workdir), mode, get_impl, cache, str(args.writes_per_s), security]
+    count, hist, elapsed, server_cpu_s, server = _measure(serve, "batching_factor", targets, args, qd,
+                                                          security)
     return {
         "bench": "getpage",
         "target": "pagestore",
+        "security": security,
         "mode": mode,
         "get_impl": get_impl,
         "cache": cache,
@@ -395,6 +487,7 @@ def _run_config(
         "pages": args.pages,
         **_measured_fields(count, hist, elapsed, server_cpu_s),
         "batching_factor": round(server["batching_factor"], 2),
+        **{k: v for k, v in server.items() if k.startswith("connect_ms")},
     }
 
 
@@ -436,6 +529,7 @@ def _measure(
     targets: list[tuple[str, str]],
     args: argparse.Namespace,
     qd: int,
+    security: str = "off",
 ) -> tuple[int, Any, float, float, dict[str, Any]]:
     """Start a server process (``bench.getpage`` + ``serve_argv``; it prints its port as a
     JSON line, and a line with ``final_key`` when SIGTERM stops it), drive it with the
@@ -450,18 +544,20 @@ def _measure(
     try:
         assert proc.stdout is not None
         port = _read_json(proc.stdout, "port")["port"]
+        base = Path(serve_argv[1]).parent if serve_argv[0] == "--serve" else None
         cpu_before = _process_cpu_s(proc.pid)
         if args.client == "trio":
             count, hist, elapsed = trio.run(
-                _drive, port, targets, args.clients, args.pages, qd, args.duration
+                _drive, port, targets, args.clients, args.pages, qd, args.duration, base, security
             )
         else:
             count, hist, elapsed = _drive_processes(
-                port, targets, args.clients, args.pages, qd, args.duration
+                port, targets, args.clients, args.pages, qd, args.duration, base, security
             )
         server_cpu_s = _process_cpu_s(proc.pid) - cpu_before
+        cost = {} if base is None else _connect_cost(port, base, security, *targets[0])
         proc.send_signal(signal.SIGTERM)
-        final = _read_json(proc.stdout, final_key)
+        final = {**_read_json(proc.stdout, final_key), **cost}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
@@ -744,6 +840,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "connection: of any Python server); without a value both",
     )
     parser.add_argument(
+        "--security",
+        default="off",
+        help="comma list: off, auth (a tenant JWT checked at connection start), auth+tls (and "
+        "TLS, verified); each configuration is run once per security mode, side by side, and "
+        "its row carries connect_ms_p50/p95 (connection set-up, 100 in a row)",
+    )
+    parser.add_argument(
         "--writes-per-s",
         type=float,
         default=0.0,
@@ -761,6 +864,8 @@ _MEDIAN_FIELDS = (
     "batching_factor",
     "server_cpu_us_per_request",
     "vs_postgres",
+    "connect_ms_p50",
+    "connect_ms_p95",
 )
 
 
@@ -861,6 +966,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
         targets = trio.run(_build, workdir, args.tenants, args.pages)
+        securities = [s for s in args.security.split(",") if s]
+        if unknown_sec := set(securities) - set(SECURITY_MODES):
+            raise SystemExit(f"--security: unknown {sorted(unknown_sec)}; use {', '.join(SECURITY_MODES)}")
+        if securities != ["off"]:
+            _write_security(base, targets)
         print(
             json.dumps(
                 {
@@ -896,10 +1006,10 @@ def run(args: argparse.Namespace) -> int:
                     for cache in args.cache.split(","):
                         for mode in modes:
                             for qd in queue_depths:
-                                row = _run_config(
-                                    workdir, targets, config_args, mode, get_impl, cache, qd
-                                )
-                                _emit(ctx, row, (clients, get_impl, cache, mode, qd))
+                                for security in securities:
+                                    row = _run_config(workdir, targets, config_args, mode,
+                                                      get_impl, cache, qd, security)
+                                    _emit(ctx, row, (clients, get_impl, cache, mode, qd, security))
                 for kind in floors:
                     for qd in queue_depths:
                         _emit(ctx, _run_floor(kind, targets, config_args, qd), (clients, kind, qd))
@@ -919,9 +1029,10 @@ if __name__ == "__main__":
         print(json.dumps(_process_client(*json.loads(sys.argv[2]))), flush=True)
     elif len(sys.argv) == 3 and sys.argv[1] == "--null-serve":
         _null_serve(sys.argv[2])
-    elif len(sys.argv) == 7 and sys.argv[1] == "--serve":
+    elif len(sys.argv) == 8 and sys.argv[1] == "--serve":
         trio.run(
-            _serve, Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6])
+            _serve, Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6]),
+            sys.argv[7],
         )
     else:
         raise SystemExit("usage: pagestore bench getpage [options]")

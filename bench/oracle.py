@@ -687,7 +687,8 @@ class Oracle:
     async def _compare_all(self) -> None:
         assert self.env is not None
         async with await PageClient.connect("127.0.0.1", self.env.config.pageserver.pg,
-                                            TenantId.parse(self.tenant), TimelineId.parse(self.timeline)) as client:
+                                            TenantId.parse(self.tenant), TimelineId.parse(self.timeline),
+                                            **self.env.page_client_auth(self.tenant)) as client:
             for snap in [self.snapshots[-1], *self.snapshots[:-1]]:
                 res = await compare_snapshot(client, snap)
                 self.results.append(res)

@@ -418,7 +418,7 @@ class Demo:
                                                ("pgbench_accounts_pkey", btree_mask)]
         async with await PageClient.connect(
             "127.0.0.1", env.config.pageserver.pg, TenantId.parse(tenant), TimelineId.parse(timeline),
-            password=env.token(Scope.TENANT, tenant), ssl_context=env.client_ssl_context(),
+            **env.page_client_auth(tenant),
         ) as client:
             for relname, mask in relations:
                 path = await trio.to_thread.run_sync(pg.psql, f"SELECT pg_relation_filepath('{relname}')")

@@ -229,6 +229,10 @@ class LocalEnv:
     def client_ssl_context(self) -> ssl.SSLContext | None:
         return None if self.ca_file is None else client_context(self.ca_file)
 
+    def page_client_auth(self, tenant_id: str) -> dict[str, Any]:
+        """``password`` / ``ssl_context`` keywords of ``compute.page_client`` for a tenant."""
+        return {"password": self.token(Scope.TENANT, tenant_id), "ssl_context": self.client_ssl_context()}
+
     def pg_client_params(self, token: str | None) -> dict[str, str]:
         """``password`` / ``sslrootcert`` for ``common.pgclient.connect_with_params``."""
         params: dict[str, str] = {}

@@ -250,7 +250,8 @@ async def pagestream_checks(run: Run, snap: Snapshot, gone: dict[str, RelTag], w
     """The full comparison, plus existence of every pg_class relation and absence of the gone."""
     problems: list[str] = []
     async with await PageClient.connect("127.0.0.1", run.env.config.pageserver.pg,
-                                        TenantId.parse(run.tenant), TimelineId.parse(run.timeline)) as client:
+                                        TenantId.parse(run.tenant), TimelineId.parse(run.timeline),
+                                        **run.env.page_client_auth(run.tenant)) as client:
         for what, rel in gone.items():
             if await client.exists(rel, MAX_LSN, snap.lsn):
                 problems.append(f"{what} ({rel.spcnode}/{rel.dbnode}/{rel.relnode}) still exists on the pageserver")

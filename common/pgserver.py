@@ -79,6 +79,7 @@ import structlog
 import trio
 
 from common.pgcopy import CopyBothStream
+from common.tls_stream import TlsStream
 from protocol.buffer import WriteBuffer
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.ids import TenantId
@@ -582,7 +583,12 @@ class PgConnection:
             # Sent before our answer, so not protected by TLS (CVE-2021-23214's injection).
             raise RemoteProtocolError("unencrypted bytes after the SSLRequest")
         await self.send_bytes(b"S")
-        tls = trio.SSLStream(self._stream, ctx, server_side=True)
+        tls: TlsStream | trio.SSLStream[trio.abc.Stream]
+        if isinstance(self._stream, trio.SocketStream):
+            # Hands the handlers every record already received (pagestream batching).
+            tls = TlsStream(self._stream, ctx, server_side=True)
+        else:
+            tls = trio.SSLStream(self._stream, ctx, server_side=True)
         await tls.do_handshake()
         self._stream = tls
         self.tls = True

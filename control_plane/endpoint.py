@@ -516,7 +516,11 @@ def _spawn_pagefs(env: LocalEnv, ep: Endpoint, start_lsn: Lsn) -> int:
         *(["--read-only"] if ep.spec.read_only else ["--bridge-status", str(ep.bridge_status_path)]),
     )
     (ep.dir / "pagefs.cmd").write_text(shlex.join(cmd) + "\n")
-    return process.spawn(cmd, log_path=ep.pagefs_log, pid_path=ep.pagefs_pid_path)
+    # Its tenant token in its environment (never argv); the name is compute.pagefs.main's
+    # TOKEN_ENV (importing that module here would load pyfuse3).
+    token = env.token(Scope.TENANT, ep.spec.tenant_id)
+    return process.spawn(cmd, log_path=ep.pagefs_log, pid_path=ep.pagefs_pid_path,
+                         env={} if token is None else {"PAGESTORE_PAGEFS_TOKEN": token})
 
 
 def _mount_pagefs(ep: Endpoint, pid: int) -> None:

@@ -556,6 +556,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per configuration; the best is printed (noisy machines)")
     parser.add_argument("--dir", type=Path, default=None, help="where the safekeepers write (default: a temp dir)")
     parser.add_argument("--floor", nargs=4, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG: MiB/s and MiB per CPU-second per row, native beside python")
     parser.add_argument(
         "--impl", default="native,python",
         help="kernels of the safekeeper under test: native (Cython), python (PAGESTORE_PURE_PYTHON=1) or both, side by side",
@@ -643,6 +644,7 @@ def run(args: argparse.Namespace) -> int:
         mode, directory, start, total_bytes = args.floor
         return floor_serve(mode, Path(directory), Lsn(int(start)), int(total_bytes))
     base = Path(tempfile.mkdtemp(prefix="pagestore-bench-sk-", dir=args.dir))
+    rows: list[dict[str, object]] = []
     try:
         for fsync in (True, False):
             raws = [
@@ -672,6 +674,7 @@ def run(args: argparse.Namespace) -> int:
                             result = _repeat(args, base, fsync, real)
                             result["commit_advancing"] = commit
                             result["impl"] = impl
+                            rows.append(result)
                             print(json.dumps(result), flush=True)
                 if args.floors != "off" and msg_size >= MAX_SEND_SIZE and c == 0:
                     modes: list[str] = []
@@ -693,7 +696,46 @@ def run(args: argparse.Namespace) -> int:
                 del stream
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    if args.plot is not None:
+        plot_impls(rows, args.plot)
     return 0
+
+
+def plot_impls(rows: list[dict[str, object]], path: Path) -> None:
+    """Bars per configuration (size, fsync, coalescing): median MiB/s and median MiB per
+    safekeeper CPU-second, one bar per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def label(r: dict[str, object]) -> str:
+        size = int(r["msg_size"])  # type: ignore[call-overload]
+        name = f"{size // 1024} KiB" if size < 1 << 20 else f"{size >> 20} MiB"
+        return f"{name}\nfsync {'on' if r['fsync'] else 'off'}" + ("" if r["coalescing"] else "\nuncoalesced")
+
+    configs = list(dict.fromkeys(label(r) for r in rows))
+    impls = list(dict.fromkeys(str(r["impl"]) for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / max(len(impls), 1)
+    for ax, key, title in (
+        (axes[0], "median_mib_s", "WAL acknowledged, MiB/s (median)"),
+        (axes[1], "median_mib_per_cpu_s", "MiB per safekeeper CPU-second (median)"),
+    ):
+        for k, impl in enumerate(impls):
+            values = [
+                next((float(r[key]) for r in rows if label(r) == c and r["impl"] == impl), 0.0)  # type: ignore[arg-type]
+                for c in configs
+            ]
+            ax.bar([x + k * width for x in range(len(configs))], values, width, label=impl)
+        ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(configs))], configs)
+        ax.set_title(title, fontsize=10)
+        ax.set_yscale("log")
+        ax.legend()
+    fig.suptitle("pagestore bench wal-acceptor: native kernels vs pure-Python twins (one run)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -89,4 +89,6 @@ def describe() -> dict[str, str]:
     """What runs, for ``pagestore --version``, ``/v1/status`` and logs: ``impl`` and the
     CRC-32C kernel."""
     wal = require("protocol._wal_c")
+    for name in NATIVE_MODULES:
+        require(name)  # every one loads, and none is stale
     return {"impl": IMPL, "crc32c": str(wal.crc32c_kernel())}

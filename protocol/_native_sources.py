@@ -16,6 +16,7 @@ from typing import Final
 # repository root (the directory holding setup.py).
 NATIVE_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "protocol._wal_c": ("protocol/_wal_c.pyx", "protocol/_crc32c.h", "protocol/_bytes.h"),
+    "protocol._pq_c": ("protocol/_pq_c.pyx", "protocol/_bytes.h"),
 }
 
 # compiled module -> its pure-Python twin (the reference).

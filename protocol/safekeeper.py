@@ -354,6 +354,9 @@ class AppendRequest:
     generation: int = 0
     term_start_lsn: Lsn = INVALID_LSN  # v2 only (the walproposer sends 0)
     proposer_id: bytes = ZERO_UUID  # v2 only
+    # How many wire messages this request stands for: more than 1 for a run of continuing
+    # appends decoded as one (protocol.append_runs); not on the wire, not compared.
+    messages: int = attrs.field(default=1, eq=False)
 
     @property
     def wal_bytes(self) -> bytes:

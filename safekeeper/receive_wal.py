@@ -29,6 +29,7 @@ import structlog
 import trio
 
 from common.pgcopy import CopyBothStream
+from protocol.append_runs import decode_append_run
 from protocol.errors import INTERNAL_ERROR, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.safekeeper import (
@@ -48,6 +49,9 @@ log = structlog.get_logger("safekeeper.receive_wal")
 # fdatasyncs of consecutive write groups that may run at once (each group still answered
 # only after its own, in order).
 SYNCS_IN_FLIGHT = 2
+# WAL of one run of continuing AppendRequests decoded as one request (never more than the
+# connection's max_write_bytes): 128 messages of 1 KiB become one object and one copy.
+APPEND_RUN_BYTES = 128 * 1024
 
 Item = ProposerMessage | RemoteProtocolError
 GetTimeline = Callable[[TenantId, TimelineId, bool], Awaitable[Timeline | None]]
@@ -165,7 +169,7 @@ async def serve_wal_push(
                 else:
                     nursery.start_soon(
                         _read_views_stage, receive_views, send, version, budget,
-                        name="wal_push.read",
+                        min(cfg.max_write_bytes, APPEND_RUN_BYTES), name="wal_push.read",
                     )
                 nursery.start_soon(
                     _write_stage, copy, receive, timeline, version, cfg.max_write_bytes, budget,
@@ -218,8 +222,13 @@ async def _read_views_stage(
     out: trio.MemorySendChannel[Item],
     version: ProtocolVersion,
     budget: _ByteBudget,
+    run_bytes: int = 0,
 ) -> None:
-    """``_read_stage`` on zero-copy batches: one await per batch of received messages."""
+    """``_read_stage`` on zero-copy batches: one await per batch of received messages. Runs
+    of continuing v3 AppendRequests are decoded as one request each (``decode_append_run``:
+    one kernel call and one copy of their WAL instead of an object per message), up to
+    ``run_bytes`` of WAL (0: never, as without write coalescing, where every message is its
+    own write)."""
     decode = decode_proposer_message
     async with out:
         while True:
@@ -228,11 +237,24 @@ async def _read_views_stage(
             payloads = await receive_views()
             if payloads is None:
                 return
-            for payload in payloads:
-                try:
-                    item: Item = decode(payload, version)
-                except RemoteProtocolError as exc:
-                    item = exc
+            k = 0
+            n = len(payloads)
+            while k < n:
+                run = (
+                    decode_append_run(payloads, k, run_bytes)
+                    if run_bytes and version == 3
+                    else None
+                )
+                item: Item
+                if run is not None:
+                    item = run
+                    k += run.messages
+                else:
+                    try:
+                        item = decode(payloads[k], version)
+                    except RemoteProtocolError as exc:
+                        item = exc
+                    k += 1
                 if type(item) is AppendRequest:
                     budget.used += len(item.wal)
                 try:

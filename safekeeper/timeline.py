@@ -212,7 +212,7 @@ class Timeline:
         async with self.lock:
             try:
                 for msg in batch:
-                    self.stats.messages += 1
+                    self.stats.messages += msg.messages if type(msg) is AppendRequest else 1
                     if isinstance(msg, AppendRequest):
                         if self.storage.broken is not None:
                             # Before the acceptor: the refusal names the real cause.
@@ -342,7 +342,7 @@ class Timeline:
             storage.check_usable()
             try:
                 for msg in batch:
-                    self.stats.messages += 1
+                    self.stats.messages += msg.messages
                     refusal = acceptor.append(msg)
                     if refusal is not None:
                         replies.append(refusal)

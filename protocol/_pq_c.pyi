@@ -1,0 +1,15 @@
+"""Types of the compiled wire kernels (protocol/_pq_c.pyx); the reference is protocol/_pq_py.py."""
+
+from collections.abc import Sequence
+from typing import Final
+
+from typing_extensions import Buffer
+
+__all__ = ["IMPL", "coalesce_appends"]
+
+IMPL: Final = "native"
+SOURCE_HASH: Final[str]
+
+def coalesce_appends(
+    payloads: Sequence[Buffer], k: int, max_bytes: int
+) -> tuple[int, int, int, int, int, int, int, bytes]: ...

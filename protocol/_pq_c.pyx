@@ -1,0 +1,120 @@
+# Wire-message kernels in Cython: the compiled twin of protocol/_pq_py.py (the reference).
+#
+# Same names, signatures, results and error classes as the twin (tests/protocol/
+# test_native_pq.py). Every length from the wire is checked against the bytes that remain, in
+# 64-bit arithmetic, before it is used (native.md 6.1).
+"""Wire-message kernels, compiled (see protocol/_pq_py.py for the reference and the docs)."""
+
+from libc.stdint cimport uint32_t, uint64_t
+from libc.string cimport memcpy
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+
+cdef extern from "_bytes.h":
+    uint32_t ps_be32(const unsigned char *p) nogil
+    uint64_t ps_be64(const unsigned char *p) nogil
+
+cdef extern from *:
+    """
+    #ifndef PAGESTORE_SOURCE_HASH
+    #error "PAGESTORE_SOURCE_HASH is not defined: build with setup.py (pip install -e .)"
+    #endif
+    static const char *ps_pq_source_hash = PAGESTORE_SOURCE_HASH;
+    """
+    const char *ps_pq_source_hash
+
+__all__ = ["IMPL", "coalesce_appends"]
+
+IMPL = "native"
+SOURCE_HASH = ps_pq_source_hash.decode("ascii")
+
+cdef enum:
+    TAG_APPEND = 0x61
+    V3_HEADER = 45
+    MAX_SEND_SIZE = 16 * 8192
+
+_NOTHING = (0, 0, 0, 0, 0, 0, 0, b"")
+
+
+cdef inline bint _header(const unsigned char *p, Py_ssize_t n, uint32_t *gen, uint64_t *term,
+                         uint64_t *begin, uint64_t *end, uint64_t *commit, uint64_t *trunc) noexcept:
+    # The fast path's conditions, exactly: long enough, tag 'a', begin <= end, at most
+    # MAX_SEND_SIZE of WAL, and the WAL all there.
+    if n < V3_HEADER or p[0] != TAG_APPEND:
+        return False
+    gen[0] = ps_be32(p + 1)
+    term[0] = ps_be64(p + 5)
+    begin[0] = ps_be64(p + 13)
+    end[0] = ps_be64(p + 21)
+    commit[0] = ps_be64(p + 29)
+    trunc[0] = ps_be64(p + 37)
+    if end[0] < begin[0] or end[0] - begin[0] > MAX_SEND_SIZE:
+        return False
+    return <uint64_t>(n - V3_HEADER) >= end[0] - begin[0]
+
+
+def coalesce_appends(payloads, k, max_bytes):
+    """Coalesce a run of continuing v3 AppendRequests from ``payloads[k]``; see the twin."""
+    cdef Py_ssize_t count_all = len(payloads)
+    if not 0 <= k <= count_all:
+        raise IndexError(f"start {k} outside {count_all} payloads")
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes {max_bytes} is negative")
+    cdef uint64_t limit = max_bytes if max_bytes < (1 << 62) else (1 << 62)
+    cdef Py_ssize_t j, first_index = k
+    cdef Py_ssize_t taken = 0
+    cdef uint64_t total = 0, size
+    cdef uint32_t gen = 0, generation = 0
+    cdef uint64_t term = 0, run_term = 0, begin = 0, end = 0, c = 0, tr = 0
+    cdef uint64_t first = 0, last_end = 0, commit = 0, trunc = 0
+    cdef Py_buffer view
+    cdef bint ok
+    # Pass 1: how long the run is (each payload's buffer held only while it is read).
+    for j in range(first_index, count_all):
+        obj = payloads[j]
+        _as_bytes_buffer(obj, &view)
+        try:
+            ok = _header(<const unsigned char *>view.buf, view.len, &gen, &term, &begin, &end, &c, &tr)
+        finally:
+            PyBuffer_Release(&view)
+        if not ok:
+            break
+        size = end - begin
+        if taken:
+            if gen != generation or term != run_term or begin != last_end or total + size > limit:
+                break
+            if c > commit:
+                commit = c
+            if tr > trunc:
+                trunc = tr
+        else:
+            generation, run_term, first, commit, trunc = gen, term, begin, c, tr
+        total += size
+        last_end = end
+        taken += 1
+    if taken < 2:
+        return _NOTHING
+    # Pass 2: one copy of the run's WAL into one bytes object.
+    out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>total)
+    cdef char *dst = PyBytes_AS_STRING(out)
+    cdef uint64_t at = 0
+    for j in range(first_index, first_index + taken):
+        _as_bytes_buffer(payloads[j], &view)
+        try:
+            _header(<const unsigned char *>view.buf, view.len, &gen, &term, &begin, &end, &c, &tr)
+            size = end - begin
+            memcpy(dst + at, <const char *>view.buf + V3_HEADER, <size_t>size)
+            at += size
+        finally:
+            PyBuffer_Release(&view)
+    return taken, run_term, generation, first, last_end, commit, trunc, out
+
+
+cdef int _as_bytes_buffer(object obj, Py_buffer *view) except -1:
+    # As the twin's memoryview(x).cast("B"): any C-contiguous buffer, else TypeError (which
+    # is what the cast raises for a strided view; PyBUF_SIMPLE would say BufferError).
+    try:
+        PyObject_GetBuffer(obj, view, PyBUF_SIMPLE)
+    except BufferError as exc:
+        raise TypeError(f"not a C-contiguous buffer: {exc}") from None
+    return 0

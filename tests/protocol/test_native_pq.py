@@ -1,0 +1,163 @@
+"""The wire kernels: compiled (protocol/_pq_c.pyx) against the pure-Python twin.
+
+``coalesce_appends`` must give the same outcome in both (result, or the same error class) on
+well-formed runs, on runs broken anywhere (gaps, other terms or generations, truncated or
+mutated messages) and on random bytes; and a coalesced run must say exactly what its messages
+say one by one (the fold the acceptor does: first begin, last end, maximal commit and
+truncate, the WAL concatenated).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol import _pq_py
+from protocol.append_runs import decode_append_run
+from protocol.lsn import Lsn
+from protocol.safekeeper import (
+    MAX_SEND_SIZE,
+    TAG_APPEND,
+    V3_APPEND_HEADER_SIZE,
+    AppendRequest,
+    decode_proposer_message,
+    encode_message,
+)
+from tests.conftest import kernel
+
+PQ = "protocol._pq_c"
+
+
+def _outcome(fn: object, *args: object) -> tuple[object, ...]:
+    try:
+        return ("ok", fn(*args))  # type: ignore[operator]
+    except Exception as exc:
+        return ("err", type(exc).__name__)
+
+
+def _appends(sizes: list[int], start: int = 0x1000000, term: int = 3, gen: int = 1) -> list[bytes]:
+    out = []
+    at = start
+    for k, size in enumerate(sizes):
+        wal = bytes((at + i) & 0xFF for i in range(size))
+        out.append(encode_message(AppendRequest(term, Lsn(at), Lsn(at + size), Lsn(at + k), Lsn(at // 2), wal, generation=gen), 3))
+        at += size
+    return out
+
+
+@pytest.fixture(scope="module")
+def both() -> tuple[ModuleType, ModuleType]:
+    return kernel("native", PQ), kernel("python", PQ)
+
+
+def test_twin_constants_are_the_protocol_s() -> None:
+    assert _pq_py.TAG_APPEND == TAG_APPEND
+    assert _pq_py.V3_APPEND_HEADER.size == V3_APPEND_HEADER_SIZE
+    assert _pq_py.MAX_SEND_SIZE == MAX_SEND_SIZE
+
+
+def test_a_run_says_what_its_messages_say(impl: str) -> None:
+    coalesce = kernel(impl, PQ).coalesce_appends
+    payloads = _appends([100, 0, 1000, 8])
+    count, term, gen, begin, end, commit, trunc, wal = coalesce(payloads, 0, 1 << 20)
+    singles = [decode_proposer_message(p, 3) for p in payloads]
+    assert all(isinstance(m, AppendRequest) for m in singles)
+    assert count == 4
+    assert (term, gen) == (singles[0].term, singles[0].generation)  # type: ignore[union-attr]
+    assert begin == singles[0].begin_lsn and end == singles[-1].end_lsn  # type: ignore[union-attr]
+    assert commit == max(m.commit_lsn for m in singles)  # type: ignore[union-attr]
+    assert trunc == max(m.truncate_lsn for m in singles)  # type: ignore[union-attr]
+    assert wal == b"".join(bytes(m.wal) for m in singles)  # type: ignore[union-attr]
+
+
+def test_runs_stop_at_a_gap_another_term_generation_or_message(impl: str) -> None:
+    coalesce = kernel(impl, PQ).coalesce_appends
+    a = _appends([10, 10])
+    gap = _appends([10], start=0x1000000 + 21)
+    other_term = _appends([10], start=0x1000000 + 20, term=4)
+    other_gen = _appends([10], start=0x1000000 + 20, gen=2)
+    for tail in (gap, other_term, other_gen, [b"gnot an append"]):
+        assert coalesce(a + tail, 0, 1 << 20)[0] == 2
+    assert coalesce(a, 1, 1 << 20)[0] == 0  # one message alone: nothing to coalesce
+    assert coalesce(a, 2, 1 << 20)[0] == 0
+    assert coalesce(_appends([10, 10, 10]), 0, 25)[0] == 2  # max_bytes counts the whole run
+    assert coalesce(_appends([10, 10, 10]), 0, 0)[0] == 0
+
+
+@pytest.mark.parametrize(("k", "max_bytes", "error"), [(-1, 10, IndexError), (3, 10, IndexError), (0, -1, ValueError)])
+def test_bad_arguments(impl: str, k: int, max_bytes: int, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        kernel(impl, PQ).coalesce_appends(_appends([10, 10]), k, max_bytes)
+
+
+def test_malformed_messages_are_left_to_the_decoder(impl: str) -> None:
+    coalesce = kernel(impl, PQ).coalesce_appends
+    good = _appends([10, 10, 10])
+    truncated = good[1][:-1]  # the WAL is not all there
+    assert coalesce([good[0], truncated, good[2]], 0, 1 << 20)[0] == 0
+    lying = bytearray(good[1])
+    lying[21:29] = (0).to_bytes(8, "big")  # end before begin
+    assert coalesce([good[0], bytes(lying)], 0, 1 << 20)[0] == 0
+
+
+def test_decode_append_run_counts_its_messages() -> None:
+    run = decode_append_run(_appends([10, 20, 30]), 0, 1 << 20)
+    assert run is not None and run.messages == 3 and len(run.wal) == 60
+    assert decode_append_run(_appends([10]), 0, 1 << 20) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=12),
+    flips=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 3100), st.integers(1, 255)), max_size=3),
+    cuts=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 3100)), max_size=2),
+    k=st.integers(0, 12),
+    max_bytes=st.integers(0, 40000),
+    as_views=st.booleans(),
+)
+@pytest.mark.native
+def test_native_equals_twin_on_broken_runs(
+    both: tuple[ModuleType, ModuleType], sizes: list[int], flips: list[tuple[int, int, int]],
+    cuts: list[tuple[int, int]], k: int, max_bytes: int, as_views: bool,
+) -> None:
+    c, py = both
+    payloads = [bytearray(p) for p in _appends(sizes)]
+    for which, at, mask in flips:
+        p = payloads[which % len(payloads)]
+        p[at % len(p)] ^= mask
+    for which, at in cuts:
+        p = payloads[which % len(payloads)]
+        del p[at % (len(p) + 1):]
+    msgs: list[object] = [memoryview(p) if as_views else bytes(p) for p in payloads]
+    k = k % (len(msgs) + 1)
+    assert _outcome(c.coalesce_appends, msgs, k, max_bytes) == _outcome(py.coalesce_appends, msgs, k, max_bytes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(msgs=st.lists(st.binary(max_size=200).map(lambda b: b"a" + b), max_size=6), k=st.integers(0, 6))
+@pytest.mark.native
+def test_native_equals_twin_on_random_bytes(both: tuple[ModuleType, ModuleType], msgs: list[bytes], k: int) -> None:
+    c, py = both
+    k = k % (len(msgs) + 1)
+    assert _outcome(c.coalesce_appends, msgs, k, 1 << 20) == _outcome(py.coalesce_appends, msgs, k, 1 << 20)
+
+
+@pytest.mark.native
+def test_non_buffers_are_the_same_error(both: tuple[ModuleType, ModuleType]) -> None:
+    c, py = both
+    for payloads in (["text", b"x"], [memoryview(b"a" * 100)[::2], b"x"], [None]):
+        assert _outcome(c.coalesce_appends, payloads, 0, 10) == _outcome(py.coalesce_appends, payloads, 0, 10)
+
+
+@pytest.mark.native
+def test_stubtest_agrees_with_the_compiled_module() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", PQ, "--ignore-missing-stub"],
+        capture_output=True, text=True, check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -364,8 +364,11 @@ def start_endpoint(
     lsn: str | None = None,
     port: int | None = None,
     storage: str = "full",
+    settings: dict[str, str] | None = None,
     log: Any = print,
 ) -> Endpoint:
+    """``settings``: more PostgreSQL settings for this start (e.g. track_commit_timestamp),
+    over the endpoint's own."""
     t0 = time.monotonic()
     if storage not in ("full", "lazy"):
         raise LocalEnvError(f"--storage {storage!r}: use lazy or full")
@@ -463,7 +466,7 @@ def start_endpoint(
         phases["pagefs"] = time.monotonic() - mark
         mark = time.monotonic()
 
-    pg = postgres.PostgresInstance(datadir=ep.pgdata, port=spec.port, settings=_settings(spec))
+    pg = postgres.PostgresInstance(datadir=ep.pgdata, port=spec.port, settings={**_settings(spec), **(settings or {})})
     try:
         pg.start()
     except postgres.PostgresError as exc:

@@ -90,6 +90,7 @@ from pageserver.storage.key import (
     CONTROLFILE_KEY,
     DBDIR_KEY,
     SLRU_CLOG,
+    SLRU_COMMIT_TS,
     SLRU_MULTIXACT_MEMBERS,
     SLRU_MULTIXACT_OFFSETS,
     TWOPHASEDIR_KEY,
@@ -142,6 +143,7 @@ FORK_SUFFIX: Final = {0: "", 1: "_fsm", 2: "_vm", 3: "_init"}
 FORK_NAMES: Final = {0: "main", 1: "fsm", 2: "vm", 3: "init"}
 SLRU_DIRS: Final = {
     SLRU_CLOG: "pg_xact",
+    SLRU_COMMIT_TS: "pg_commit_ts",
     SLRU_MULTIXACT_OFFSETS: "pg_multixact/offsets",
     SLRU_MULTIXACT_MEMBERS: "pg_multixact/members",
 }
@@ -458,6 +460,10 @@ async def write_basebackup(
     if now is None:
         now = int(time.time())  # pg_control's and the checkpoint's time; mtime of the files
     ckpt = checkpoint_for_backup(await source.get_checkpoint(lsn), rec_lsn, now)
+    if control.track_commit_timestamp and ckpt.oldest_commit_ts_xid:
+        # every xid below nextXid that committed has its entry in pg_commit_ts (the stored
+        # checkpoint's newest is the last checkpoint's): one without an entry reads as NULL
+        ckpt = attrs.evolve(ckpt, newest_commit_ts_xid=max(3, ((ckpt.next_xid & 0xFFFF_FFFF) - 1)))
     wal_name, wal_seg, _, wal_end = wal_segment_with_checkpoint(
         lsn, ckpt, system_identifier=control.system_identifier, prev_lsn=prev_lsn
     )

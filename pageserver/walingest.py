@@ -43,7 +43,12 @@ import attrs
 import structlog
 import trio
 
-from pageserver.pg_control import SIZEOF_CHECKPOINT, CheckPoint
+from pageserver.pg_control import (
+    SIZEOF_CHECKPOINT,
+    CheckPoint,
+    encode_control_file,
+    parse_control_file,
+)
 from pageserver.pgdatadir import (
     DEFAULTTABLESPACE_OID,
     GLOBALTABLESPACE_OID,
@@ -59,6 +64,7 @@ from pageserver.storage.key import (
     INIT_FORKNUM,
     MAIN_FORKNUM,
     SLRU_CLOG,
+    SLRU_COMMIT_TS,
     SLRU_MULTIXACT_MEMBERS,
     SLRU_MULTIXACT_OFFSETS,
     VISIBILITYMAP_FORKNUM,
@@ -91,6 +97,7 @@ from pageserver.wal_receiver import (
     pgclient_connect,
 )
 from pageserver.walredo.clog import CLOG_XACTS_PER_PAGE as CLOG_XACTS_PER_PAGE
+from pageserver.walredo.commit_ts import COMMIT_TS_XACTS_PER_PAGE, commit_ts_page_precedes
 from pageserver.walredo.heap import vm_clears
 from pageserver.walredo.multixact import next_multi_offset
 from pageserver.walredo.visibilitymap import HEAPBLOCKS_PER_PAGE
@@ -123,6 +130,8 @@ from protocol.wal.record import (
 from protocol.wal.rmgr import (
     CLOG_TRUNCATE,
     CLOG_ZEROPAGE,
+    COMMIT_TS_TRUNCATE,
+    COMMIT_TS_ZEROPAGE,
     SMGR_TRUNCATE_FSM,
     SMGR_TRUNCATE_HEAP,
     SMGR_TRUNCATE_VM,
@@ -144,6 +153,7 @@ from protocol.wal.rmgr import (
     XLOG_MULTIXACT_ZERO_MEM_PAGE,
     XLOG_MULTIXACT_ZERO_OFF_PAGE,
     XLOG_NEXTOID,
+    XLOG_PARAMETER_CHANGE,
     XLOG_RELMAP_UPDATE,
     XLOG_SMGR_CREATE,
     XLOG_SMGR_TRUNCATE,
@@ -183,6 +193,9 @@ _RM_SMGR = int(RmgrId.SMGR)
 _RM_CLOG = int(RmgrId.CLOG)
 _RM_DBASE = int(RmgrId.DBASE)
 _RM_TBLSPC = int(RmgrId.TBLSPC)
+_RM_COMMIT_TS = int(RmgrId.COMMIT_TS)
+_PARAMETER_CHANGE = struct.Struct("<6i??")  # xl_parameter_change
+_COMMIT_TS_TRUNCATE = struct.Struct("<iI")  # pageno, oldestXid
 _RM_MULTIXACT = int(RmgrId.MULTIXACT)
 _RM_RELMAP = int(RmgrId.RELMAP)
 _RM_HEAP2 = int(RmgrId.HEAP2)
@@ -475,6 +488,9 @@ class WalIngest:
         self.tl = timeline
         self.w = writer if writer is not None else DatadirWriter(timeline)
         self.stats = IngestStats()
+        # track_commit_timestamp as the stored pg_control says (PARAMETER_CHANGE updates it);
+        # None until first needed
+        self._commit_ts_on: bool | None = None
         # (start, end) of the last record seen, applied or skipped: a basebackup at
         # last_record_lsn gives its checkpoint record this xl_prev.
         self.last_record: tuple[Lsn, Lsn] | None = None
@@ -1077,6 +1093,8 @@ class WalIngest:
         elif rmid == _RM_XLOG:
             if info in (XLOG_CHECKPOINT_SHUTDOWN, XLOG_CHECKPOINT_ONLINE):
                 await self._checkpoint(rec, mod)
+            elif info == XLOG_PARAMETER_CHANGE:
+                await self._parameter_change(rec, mod)
             elif info == XLOG_NEXTOID:
                 (next_oid,) = _unpack(_U32, rec, "NEXTOID")
                 cp = await mod.get_checkpoint()
@@ -1095,6 +1113,8 @@ class WalIngest:
             await self._dbase(rec, mod, info)
         elif rmid == _RM_TBLSPC:
             await self._tblspc(rec, mod, info)
+        elif rmid == _RM_COMMIT_TS:
+            await self._commit_ts(rec, mod, info)
         elif rmid == _RM_RELMAP:
             if info == XLOG_RELMAP_UPDATE:
                 db, spc, nbytes = _unpack(_RELMAP_UPDATE, rec, "RelMap/UPDATE")
@@ -1303,8 +1323,73 @@ class WalIngest:
                     await mod.put_rel_drop(rel)
         if prepared:
             await mod.drop_twophase_file(xid)
+        if committed and await self._track_commit_ts(mod):
+            await self._commit_ts_entries(rec, mod, (xid, *parsed.subxacts))
         for x in parsed.subxacts:
             await self._update_next_xid(mod, x)
+
+    # -- commit timestamps (pg_commit_ts) --
+
+    async def _track_commit_ts(self, mod: DatadirModification) -> bool:
+        if self._commit_ts_on is None:
+            try:
+                raw = await self.w.reader.get_control_file(self.tl.last_record_lsn)
+                self._commit_ts_on = parse_control_file(raw).track_commit_timestamp
+            except Exception:  # a timeline without pg_control (synthetic WAL in tests)
+                self._commit_ts_on = False
+        return self._commit_ts_on
+
+    async def _parameter_change(self, rec: DecodedRecord, mod: DatadirModification) -> None:
+        """The compute started with other settings: pg_control takes them (as PostgreSQL's redo
+        of PARAMETER_CHANGE does), track_commit_timestamp among them."""
+        conns, workers, senders, prepared, locks, wal_level, hints, track = _unpack(
+            _PARAMETER_CHANGE, rec, "XLOG/PARAMETER_CHANGE")
+        hints, track = bool(hints), bool(track)
+        try:
+            raw = await self.w.reader.get_control_file(self.tl.last_record_lsn)
+            control = parse_control_file(raw)
+        except Exception:
+            self._commit_ts_on = track
+            return
+        await mod.put_control_file(encode_control_file(attrs.evolve(
+            control, max_connections=conns, max_worker_processes=workers, max_wal_senders=senders,
+            max_prepared_xacts=prepared, max_locks_per_xact=locks, wal_level=wal_level,
+            wal_log_hints=hints, track_commit_timestamp=track)))
+        self._commit_ts_on = track
+
+    async def _commit_ts_entries(self, rec: DecodedRecord, mod: DatadirModification, xids: Sequence[int]) -> None:
+        """The raw commit record on every commit_ts page its xids live on (redo sets the
+        entries: walredo/commit_ts.py). The page active at the time track_commit_timestamp was
+        turned on is zeroed by PostgreSQL without WAL: a missing page starts as zeros here too."""
+        cp = mod.checkpoint if mod.checkpoint is not None else self.w.checkpoint
+        if cp is None:
+            cp = await mod.get_checkpoint()
+        if cp.oldest_commit_ts_xid == 0:
+            # the first commit with a timestamp (ActivateCommitTs keeps this range in memory
+            # until the next checkpoint); the basebackup extends newest to its nextXid
+            mod.put_checkpoint(attrs.evolve(cp, oldest_commit_ts_xid=xids[0], newest_commit_ts_xid=xids[0]))
+        for pageno in sorted({x // COMMIT_TS_XACTS_PER_PAGE for x in xids}):
+            segno, rpage = divmod(pageno, SLRU_PAGES_PER_SEGMENT)
+            size = await mod.get_slru_segment_size(SLRU_COMMIT_TS, segno)
+            will_init = size is None or rpage >= size  # the record starts the page from zeros
+            if size is None:
+                await mod.put_slru_segment_creation(SLRU_COMMIT_TS, segno, rpage + 1)
+            elif rpage >= size:
+                await mod.put_slru_extend(SLRU_COMMIT_TS, segno, rpage + 1)
+            await mod.put_slru_page(SLRU_COMMIT_TS, segno, rpage, PostgresRecord(will_init, rec.raw))
+
+    async def _commit_ts(self, rec: DecodedRecord, mod: DatadirModification, info: int) -> None:
+        if info == COMMIT_TS_ZEROPAGE:
+            (pageno,) = _unpack(_I32, rec, "CommitTs/ZEROPAGE")
+            await self._zero_slru_page(mod, SLRU_COMMIT_TS, pageno)
+        elif info == COMMIT_TS_TRUNCATE:
+            pageno, oldest_xid = _unpack(_COMMIT_TS_TRUNCATE, rec, "CommitTs/TRUNCATE")
+            cp = await mod.get_checkpoint()
+            mod.put_checkpoint(attrs.evolve(cp, oldest_commit_ts_xid=oldest_xid))
+            for segno in sorted(await mod.list_slru_segments(SLRU_COMMIT_TS)):
+                last = segno * SLRU_PAGES_PER_SEGMENT + SLRU_PAGES_PER_SEGMENT - 1
+                if commit_ts_page_precedes(last, pageno):  # whole segments before the cut
+                    await mod.drop_slru_segment(SLRU_COMMIT_TS, segno)
 
     async def _zero_slru_page(self, mod: DatadirModification, kind: int, pageno: int) -> None:
         if pageno < 0:

@@ -45,6 +45,7 @@ SECTION_MISC = 0x03
 SLRU_CLOG = 0
 SLRU_MULTIXACT_MEMBERS = 1
 SLRU_MULTIXACT_OFFSETS = 2
+SLRU_COMMIT_TS = 3  # pg_commit_ts (pagestore's own: Neon's pagestream SlruKind stops at 2)
 
 _SIZE_BLKNUM = 0xFFFF_FFFF
 

@@ -31,6 +31,7 @@ from pageserver.storage.key import (
     SECTION_REL,
     SECTION_SLRU,
     SLRU_CLOG,
+    SLRU_COMMIT_TS,
     SLRU_MULTIXACT_MEMBERS,
     SLRU_MULTIXACT_OFFSETS,
     VISIBILITYMAP_FORKNUM,
@@ -50,7 +51,7 @@ from pageserver.storage.value import (
     WalRecordValue,
 )
 from pageserver.walredo import bufpage as bp
-from pageserver.walredo import clog, multixact
+from pageserver.walredo import clog, commit_ts, multixact
 from pageserver.walredo.brin import redo_brin
 from pageserver.walredo.btree import redo_btree
 from pageserver.walredo.errors import RedoError, RedoValidationError
@@ -74,6 +75,7 @@ from protocol.lsn import Lsn
 from protocol.wal.record import BlockRef, DecodedRecord, decode_record
 from protocol.wal.rmgr import (
     CLOG_ZEROPAGE,
+    COMMIT_TS_ZEROPAGE,
     SMGR_TRUNCATE_VM,
     XLOG_MULTIXACT_CREATE_ID,
     XLOG_MULTIXACT_ZERO_MEM_PAGE,
@@ -233,6 +235,8 @@ class PostgresRedoManager:
                 raise RedoError(f"undecodable stored record: {exc.msg}", lsn=lsn) from None
             if isinstance(target, RelBlock):
                 return self.redo_page(target, page, rec)
+            if page is None and value.will_init:
+                page = bytearray(bp.BLCKSZ)  # a record that starts an SLRU page (commit_ts: the unlogged first page)
             return self._redo_slru(target, page, rec)
         if isinstance(value, TestRecord):
             raise RedoError("a Test record mixed with PostgreSQL records", lsn=lsn)
@@ -398,6 +402,16 @@ class PostgresRedoManager:
                     if page is None:
                         raise RedoError("CLOG page has no base image", lsn=lsn)
                     clog.clog_apply(page, target.pageno, parsed[1], parsed[0])
+                    return page
+        elif target.kind == SLRU_COMMIT_TS:
+            if rmid == RmgrId.COMMIT_TS and info == COMMIT_TS_ZEROPAGE:
+                return bytearray(bp.BLCKSZ)
+            if rmid == RmgrId.XACT:
+                commit = commit_ts.parse_commit(rec.xl_info, rec.xl_xid, rec.main_data, lsn)
+                if commit is not None:
+                    if page is None:
+                        raise RedoError("commit_ts page has no base image", lsn=lsn)
+                    commit_ts.set_entries(page, target.pageno, commit[1], commit[0], rec.origin or 0)
                     return page
         elif rmid == RmgrId.MULTIXACT:
             if info in (XLOG_MULTIXACT_ZERO_OFF_PAGE, XLOG_MULTIXACT_ZERO_MEM_PAGE):

@@ -16,6 +16,7 @@ from pageserver.pg_control import parse_control_file
 from pageserver.pgdatadir import DEFAULTTABLESPACE_OID, GLOBALTABLESPACE_OID
 from pageserver.storage.key import (
     SLRU_CLOG,
+    SLRU_COMMIT_TS,
     SLRU_MULTIXACT_MEMBERS,
     SLRU_MULTIXACT_OFFSETS,
     Key,
@@ -27,6 +28,7 @@ _REL_FILE = re.compile(r"^(\d+)(_fsm|_vm|_init)?(\.\d+)?$")
 _FORKS = {None: 0, "_fsm": 1, "_vm": 2, "_init": 3}
 _SLRU = {
     SLRU_CLOG: "pg_xact",
+    SLRU_COMMIT_TS: "pg_commit_ts",
     SLRU_MULTIXACT_OFFSETS: "pg_multixact/offsets",
     SLRU_MULTIXACT_MEMBERS: "pg_multixact/members",
 }

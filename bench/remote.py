@@ -29,6 +29,7 @@ from typing import Any
 
 import trio
 
+from common.logging import setup_logging
 from pageserver.remote_tenant import TenantRemote
 from pageserver.remote_timeline import RemoteTimelineClient
 from pageserver.storage.config import StorageConfig
@@ -239,6 +240,7 @@ async def _attach(endpoint: str, work: Path, mib: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    setup_logging(level="warning")  # stdout carries the JSON lines only; warnings go to stderr
     parts = set(args.parts.split(","))
     work = Path(tempfile.mkdtemp(prefix="pagestore-bench-remote-", dir=args.dir))
     server = None

@@ -7,14 +7,18 @@ processes; the nodes themselves are the trio programs.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from common.auth import TOKEN_ENV, Scope
 from control_plane import process
 from control_plane.http_client import ApiError, get_json, post_json, request_json
 from control_plane.local_env import LocalEnv, LocalEnvError, port_free
+from remote_storage.seaweedfs import s3_ready, weed_argv
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
@@ -30,6 +34,9 @@ def _pid_path(node_dir: Path) -> Path:
 
 
 def _node_cmd(env: LocalEnv, name: str) -> tuple[list[str], str]:
+    if name == "seaweedfs":
+        assert env.config.seaweedfs is not None
+        return weed_argv(env.seaweedfs_dir / "data", env.config.seaweedfs), env.config.seaweedfs.endpoint
     if name == "pageserver":
         return process.cli_command("pageserver", "-c", str(env.pageserver_config_path)), env.pageserver_http
     sk_id = int(name.removeprefix("safekeeper_"))
@@ -46,6 +53,9 @@ def _node_env(env: LocalEnv, name: str) -> dict[str, str]:
 
 
 def _node_ports(env: LocalEnv, name: str) -> list[int]:
+    if name == "seaweedfs":
+        assert env.config.seaweedfs is not None
+        return list(attrs.astuple(env.config.seaweedfs))
     if name == "pageserver":
         return [env.config.pageserver.pg, env.config.pageserver.http]
     ports = env.safekeeper_ports(int(name.removeprefix("safekeeper_")))
@@ -89,12 +99,15 @@ def start(env: LocalEnv, *, log: Any = print) -> None:
                     f"process (another cluster? see `ss -ltnp`)"
                 )
             stdout = node_dir / "stdout.log"
+            if name == "seaweedfs":
+                (node_dir / "data").mkdir(parents=True, exist_ok=True)
             pid = process.spawn(cmd, log_path=stdout, pid_path=_pid_path(node_dir),
                                 env=_node_env(env, name))
             started.append((name, node_dir, pid))
+            ready = (functools.partial(s3_ready, http) if name == "seaweedfs"
+                     else process.http_answers(f"{http}/v1/status"))
             try:
-                process.wait_until(f"starting {name}", process.http_answers(f"{http}/v1/status"),
-                                   timeout=START_TIMEOUT_S, pid=pid, log_path=stdout)
+                process.wait_until(f"starting {name}", ready, timeout=START_TIMEOUT_S, pid=pid, log_path=stdout)
             except process.ProcessError as exc:
                 raise ClusterError(str(exc)) from None
             log(f"started {name} (pid {pid}, HTTP {http})")
@@ -148,6 +161,14 @@ def status(env: LocalEnv) -> dict[str, Any]:
     nodes: list[dict[str, Any]] = []
     for name, node_dir in env.node_dirs():
         pid = process.running_pid(_pid_path(node_dir))
+        if name == "seaweedfs":
+            sw = env.config.seaweedfs
+            assert sw is not None
+            up = pid is not None and s3_ready(sw.endpoint)
+            nodes.append({"name": name, "pid": pid, "running": pid is not None, "pg_port": sw.s3,
+                          "http_port": sw.master, "http_ok": up,
+                          "error": None if up or pid is None else f"S3 at {sw.endpoint} does not answer"})
+            continue
         if name == "pageserver":
             ports = env.config.pageserver
             http = env.pageserver_http
@@ -187,6 +208,7 @@ def status(env: LocalEnv) -> dict[str, Any]:
                     "ancestor_lsn": info.get("ancestor_lsn"),
                     "last_record_lsn": info["last_record_lsn"],
                     "disk_consistent_lsn": info["disk_consistent_lsn"],
+                    "remote_consistent_lsn": info.get("remote_consistent_lsn"),
                     "wal_receiver_error": info.get("wal_receiver_error"),
                     "safekeepers": sk_timelines.pop(key, {}),
                 })
@@ -196,7 +218,8 @@ def status(env: LocalEnv) -> dict[str, Any]:
             "tenant_id": tenant_id, "timeline_id": timeline_id,
             "branch": env.branch_of_timeline(tenant_id, timeline_id),
             "ancestor_timeline_id": None, "ancestor_lsn": None, "last_record_lsn": None,
-            "disk_consistent_lsn": None, "wal_receiver_error": None, "safekeepers": sks,
+            "disk_consistent_lsn": None, "remote_consistent_lsn": None, "wal_receiver_error": None,
+            "safekeepers": sks,
         })
     return {
         "workdir": str(env.workdir),

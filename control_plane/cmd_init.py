@@ -5,7 +5,35 @@ from __future__ import annotations
 import argparse
 
 from control_plane.cmd_common import add_json, add_workdir, emit, guarded, workdir_of
-from control_plane.local_env import LocalEnv, plan_ports
+from control_plane.local_env import LocalEnv, LocalEnvConfig, LocalEnvError, plan_ports
+
+
+def with_remote_storage(cfg: LocalEnvConfig, spec: str, endpoint: str, *, free_ports: bool,
+                        port_offset: int) -> LocalEnvConfig:
+    """``--remote-storage`` into the cluster config (ports for a SeaweedFS node as the others')."""
+    import attrs
+
+    from remote_storage.seaweedfs import PORT_NAMES, SeaweedPorts
+
+    if spec in ("none", "local"):
+        return attrs.evolve(cfg, remote_storage=spec)
+    if spec == "seaweedfs":
+        if free_ports:
+            ports = SeaweedPorts.free()
+        else:
+            # weed's own defaults (S3 8333, master 9333, volume 8080, filer 8888), shifted
+            base = {"master": 9333, "master_grpc": 19333, "volume": 8080, "volume_grpc": 18080,
+                    "filer": 8888, "filer_grpc": 18888, "s3": 8333, "s3_grpc": 18333,
+                    "s3_iceberg": 8181, "s3_lance": 8182, "metrics": 9327}
+            ports = SeaweedPorts(*(base[n] + port_offset for n in PORT_NAMES))
+        return attrs.evolve(cfg, remote_storage="seaweedfs", seaweedfs=ports)
+    if spec.startswith("s3://"):
+        bucket, _, prefix = spec.removeprefix("s3://").partition("/")
+        if not bucket:
+            raise LocalEnvError(f"--remote-storage {spec}: no bucket (want s3://BUCKET/PREFIX)")
+        return attrs.evolve(cfg, remote_storage="s3", s3_bucket=bucket, s3_prefix=prefix.strip("/"),
+                            s3_endpoint=endpoint)
+    raise LocalEnvError(f"--remote-storage {spec!r}: want local, seaweedfs or s3://BUCKET/PREFIX")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +54,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "JWTs signed with the key init writes; see `pagestore token`)")
     parser.add_argument("--tls", action="store_true",
                         help="TLS on every port, certificates from a local CA written to <workdir>/ca")
+    parser.add_argument("--remote-storage", default="none", metavar="local|seaweedfs|s3://BUCKET/PREFIX",
+                        help="the pageserver's durable tier (docs/remote-storage.md): a directory of the "
+                             "cluster, a SeaweedFS node of the cluster, or an S3 bucket (default: none)")
+    parser.add_argument("--s3-endpoint", default="", help="S3 endpoint URL for s3://... (default: AWS)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing pagestore.toml")
     add_json(parser)
 
@@ -40,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     if args.validate_redo:
         cfg = attrs.evolve(cfg, validate_redo=True)
     cfg = attrs.evolve(cfg, auth=not args.no_auth, tls=args.tls)
+    cfg = with_remote_storage(cfg, args.remote_storage, args.s3_endpoint, free_ports=args.free_ports,
+                              port_offset=args.port_offset)
     env = LocalEnv.create(workdir_of(args), cfg, force=args.force)
     data = {
         "workdir": str(env.workdir),

@@ -27,9 +27,9 @@ def render(st: dict[str, Any]) -> str:
             commits = ", ".join(f"{k.removeprefix('safekeeper_')}:{v['commit_lsn']}"
                                 for k, v in sorted(t["safekeepers"].items())) or "-"
             rows.append([t["branch"] or "-", t["timeline_id"][:12], str(t["last_record_lsn"]),
-                         str(t["disk_consistent_lsn"]), commits])
+                         str(t["disk_consistent_lsn"]), str(t.get("remote_consistent_lsn")), commits])
         out += ["", table(rows, ["branch", "timeline", "last_record_lsn", "disk_consistent_lsn",
-                                 "safekeeper commit_lsn"])]
+                                 "remote_consistent_lsn", "safekeeper commit_lsn"])]
     if st["endpoints"]:
         out += ["", table(
             [[e["name"], e["branch"] or "-", str(e["port"]), "running" if e["running"] else "stopped",

@@ -53,6 +53,7 @@ from common.tls import (
 from control_plane.http_client import register_credentials
 from pageserver.config import PageserverConfig, load_pageserver_config
 from protocol.ids import TenantId
+from remote_storage.seaweedfs import SeaweedPorts
 from safekeeper.config import SafekeeperConfig
 from safekeeper.config import load_config as load_safekeeper_config
 
@@ -107,6 +108,16 @@ class LocalEnvConfig:
     auth: bool = True
     # TLS on every node port, certificates from the cluster's local CA (`init --tls`).
     tls: bool = False
+    # The pageserver's remote storage (docs/remote-storage.md): "none", "local" (a directory of
+    # the cluster), "seaweedfs" (a SeaweedFS node of the cluster) or "s3" (s3_bucket/s3_prefix
+    # at s3_endpoint, or AWS when that is empty).
+    remote_storage: str = attrs.field(
+        default="none", validator=attrs.validators.in_(("none", "local", "seaweedfs", "s3"))
+    )
+    s3_bucket: str = ""
+    s3_prefix: str = ""
+    s3_endpoint: str = ""
+    seaweedfs: SeaweedPorts | None = None
 
 
 def port_free(port: int) -> bool:
@@ -172,10 +183,38 @@ class LocalEnv:
         return self.workdir / "endpoints"
 
     def node_dirs(self) -> list[tuple[str, Path]]:
-        """(node name, directory) of every storage node, pageserver first."""
-        return [("pageserver", self.pageserver_dir)] + [
+        """(node name, directory) of every storage node, pageserver first, then the
+        safekeepers (in id order), then the SeaweedFS node if the cluster has one."""
+        nodes = [("pageserver", self.pageserver_dir)] + [
             (f"safekeeper_{i}", self.safekeeper_dir(i)) for i in self.safekeeper_ids
         ]
+        if self.config.remote_storage == "seaweedfs":
+            nodes.append(("seaweedfs", self.seaweedfs_dir))
+        return nodes
+
+    @property
+    def seaweedfs_dir(self) -> Path:
+        return self.workdir / "seaweedfs"
+
+    @property
+    def remote_storage_dir(self) -> Path:
+        return self.workdir / "remote_storage"
+
+    def remote_storage_table(self) -> dict[str, Any] | None:
+        c = self.config
+        if c.remote_storage == "local":
+            return {"kind": "local", "path": str(self.remote_storage_dir)}
+        if c.remote_storage == "seaweedfs":
+            assert c.seaweedfs is not None
+            # SeaweedFS without an identity config accepts any keys; boto3 needs some.
+            return {"kind": "s3", "endpoint": c.seaweedfs.endpoint, "bucket": "pagestore",
+                    "access_key_id": "pagestore", "secret_access_key": "pagestore", "create_bucket": True}
+        if c.remote_storage == "s3":
+            table: dict[str, Any] = {"kind": "s3", "bucket": c.s3_bucket, "prefix": c.s3_prefix}
+            if c.s3_endpoint:
+                table["endpoint"] = c.s3_endpoint
+            return table
+        return None
 
     @property
     def safekeeper_ids(self) -> list[int]:
@@ -330,6 +369,7 @@ class LocalEnv:
             **({"validate_redo": True} if self.config.validate_redo else {}),
             **self._auth_table(self.pageserver_dir),
             **({"ssl_ca_file": str(self.ca_dir / CA_CERT_NAME)} if self.config.tls else {}),
+            **({"remote_storage": rs} if (rs := self.remote_storage_table()) is not None else {}),
         }
 
     def _auth_table(self, node_dir: Path) -> dict[str, str]:

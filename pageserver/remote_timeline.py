@@ -43,12 +43,12 @@ from pathlib import Path
 import attrs
 import structlog
 import trio
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from pageserver import remote_layout
 from pageserver.storage.index_part import IndexPart
 from protocol.ids import TenantId, TimelineId
-from protocol.lsn import INVALID_LSN, format_lsn
+from protocol.lsn import INVALID_LSN
 from remote_storage import RemoteNotFoundError, RemoteStorage
 from remote_storage.retry import retry
 
@@ -62,6 +62,7 @@ DROPPED_DELETIONS = Counter(
     "pageserver_remote_dropped_deletions",
     "layer objects not deleted because the generation was no longer current (leaked, safe)",
 )
+UPLOAD_INDEX_SECONDS = Histogram("pageserver_remote_index_upload_seconds", "index_part.json uploads, retries included")
 QUEUED_OPS = Gauge("pageserver_remote_queued_operations", "operations waiting in upload queues")
 
 Validator = Callable[[], Awaitable[bool]]
@@ -384,9 +385,7 @@ class RemoteTimelineClient:
             log.warning("generation no longer current: remote_consistent_lsn not advanced",
                         tenant_id=self.tenant_id.hex, timeline_id=self.timeline_id.hex,
                         generation=self.generation)
-        log.debug("index uploaded", key=key, layers=len(part.layers),
-                  disk_consistent_lsn=format_lsn(part.disk_consistent_lsn),
-                  seconds=round(time.monotonic() - started, 3))
+        UPLOAD_INDEX_SECONDS.observe(time.monotonic() - started)
 
     async def _delete(self, keys: tuple[str, ...]) -> None:
         if not await self.validate():

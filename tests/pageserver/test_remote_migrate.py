@@ -4,9 +4,11 @@ restarted node re-attaches its tenants in a newer generation."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+import tarfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,12 +20,24 @@ import pytest
 from common.ports import free_port
 from tests.pageserver.node_helpers import REPO, running_node
 from tests.pageserver.test_node import _bootstrap, _copy_out
-from tests.pageserver.test_remote_node import _files
 from tests.tmpdirs import pg_tmpdir
 
 pytestmark = pytest.mark.postgres
 
+# pg_control and the WAL segment are made per request (the checkpoint record's time, and the
+# previous record's LSN, known only for WAL this process ingested itself); every relation
+# file, SLRU and map is the data and must be equal.
 GENERATED = {"global/pg_control", "pg_wal/000000010000000000000001"}
+
+
+def _files(tar: bytes) -> dict[str, bytes]:
+    out = {}
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+        for m in tf.getmembers():
+            f = tf.extractfile(m)
+            if f is not None:
+                out[m.name] = f.read()
+    return out
 
 
 def _call(url: str, method: str = "GET", body: object = None) -> object:

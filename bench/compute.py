@@ -8,9 +8,10 @@ run. One JSON line per measurement:
   (a primary's command returns after the walproposer bridge is elected, which reads do not wait
   for) and the basebackup size. The median of ``--repeat`` starts.
 - ``tps``: at ``--tps-scale``, pgbench select-only and tpcb-like on a lazy endpoint cold (just
-  started: every page comes from the page service) and warm (the second run), on a full
-  endpoint and on a plain local PostgreSQL (no walproposer, no safekeepers).
-- ``seqscan``: at the largest scale, a cold ``count(*)`` of ``pgbench_accounts`` on a fresh lazy
+  started: every page comes from the page service) and warm (after ``pg_prewarm`` of the pgbench
+  tables and indexes), on a full endpoint (cold and warm) and on a plain local PostgreSQL (warm;
+  no walproposer, no safekeepers).
+- ``seqscan``: at the largest scale, a cold ``sum(abalance)`` of ``pgbench_accounts`` on a fresh lazy
   endpoint: MB/s, and the GetPage batch sizes the page filesystem sent and the page service
   executed.
 
@@ -48,6 +49,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=2, help="pgbench -c")
     parser.add_argument("--repeat", type=int, default=3, help="starts per scale and storage")
     parser.add_argument("--no-seqscan", action="store_true")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="with --from: draw the start times of a saved run as this PNG (no run)")
+    parser.add_argument("--from", dest="from_file", type=Path, default=None, help="JSON lines of an earlier run")
 
 
 def emit(line: dict[str, Any]) -> None:
@@ -68,8 +72,9 @@ def query(port: int, sql: str) -> Any:
     return row[0] if row else None
 
 
-def timed_start(workdir: Path, name: str, storage: str) -> dict[str, Any]:
-    """Start an endpoint from a child process; the first answered query is polled meanwhile."""
+def timed_start(workdir: Path, name: str, storage: str, probe: str = "SELECT count(*) FROM pgbench_branches",
+                ) -> dict[str, Any]:
+    """Start an endpoint from a child process; the first answered ``probe`` is polled meanwhile."""
     port = free_port()
     t0 = time.monotonic()
     child = subprocess.Popen(
@@ -79,7 +84,7 @@ def timed_start(workdir: Path, name: str, storage: str) -> dict[str, Any]:
     first = None
     while first is None:
         try:
-            query(port, "SELECT count(*) FROM pgbench_branches")
+            query(port, probe)
             first = time.monotonic() - t0
         except psycopg.Error:
             if child.poll() is not None and child.returncode != 0:
@@ -92,6 +97,14 @@ def timed_start(workdir: Path, name: str, storage: str) -> dict[str, Any]:
     desc = json.loads(out)
     return {"first_query_s": round(first, 3), "cli_s": round(cli_s, 3), "start_seconds": desc["start_seconds"],
             "phases": desc["start_phases"], "port": port}
+
+
+def prewarm(port: int) -> None:
+    """Warm: every page of the pgbench tables and indexes read once (pg_prewarm reads them
+    into shared buffers; what does not fit stays in the kernel's page cache)."""
+    query(port, "CREATE EXTENSION IF NOT EXISTS pg_prewarm")
+    query(port, "SELECT sum(pg_prewarm(c.oid)) FROM pg_class c WHERE c.relname LIKE 'pgbench_%' "
+                "AND c.relkind IN ('r', 'i')")
 
 
 def pgbench_tps(port: int, *args: str) -> float:
@@ -130,7 +143,7 @@ def run_scale(root: Path, scale: int, args: argparse.Namespace, seqscan: bool) -
     cli(wd, "start")
     try:
         cli(wd, "tenant", "create")
-        load = timed_start(wd, "load", "full")
+        load = timed_start(wd, "load", "full", probe="SELECT 1")
         t = time.monotonic()
         PostgresInstance(Path("/nonexistent"), port=load["port"], started=True).pgbench("-i", "-s", str(scale), "-q")
         db_bytes = int(query(load["port"], "SELECT pg_database_size('postgres')"))
@@ -165,6 +178,7 @@ def tps_runs(wd: Path, scale: int, args: argparse.Namespace) -> None:
 
     lazy = timed_start(wd, "tps-lazy", "lazy")
     line("lazy-cold", "select-only", pgbench_tps(lazy["port"], *common, "-S"))
+    prewarm(lazy["port"])
     line("lazy-warm", "select-only", pgbench_tps(lazy["port"], *common, "-S"))
     line("lazy-warm", "tpcb-like", pgbench_tps(lazy["port"], *common))
     st = json.loads(http_get(pagefs_url(wd, "tps-lazy") + "/v1/status"))
@@ -172,7 +186,8 @@ def tps_runs(wd: Path, scale: int, args: argparse.Namespace) -> None:
                                                                    "bytes_cached", "getpage_batches")}})
     cli(wd, "endpoint", "stop", "tps-lazy")
     full = timed_start(wd, "tps-full", "full")
-    line("full", "select-only", pgbench_tps(full["port"], *common, "-S"))
+    line("full-cold", "select-only", pgbench_tps(full["port"], *common, "-S"))
+    prewarm(full["port"])
     line("full", "select-only", pgbench_tps(full["port"], *common, "-S"))
     line("full", "tpcb-like", pgbench_tps(full["port"], *common))
     cli(wd, "endpoint", "stop", "tps-full")
@@ -181,7 +196,7 @@ def tps_runs(wd: Path, scale: int, args: argparse.Namespace) -> None:
         pg.start()
         try:
             pg.pgbench("-i", "-s", str(scale), "-q")
-            line("plain", "select-only", pgbench_tps(pg.port, *common, "-S"))
+            prewarm(pg.port)
             line("plain", "select-only", pgbench_tps(pg.port, *common, "-S"))
             line("plain", "tpcb-like", pgbench_tps(pg.port, *common))
         finally:
@@ -195,7 +210,8 @@ def seqscan_run(wd: Path, scale: int) -> None:
     before_fs = histogram(http_get(pagefs_url(wd, "scan") + "/metrics"), "pagefs_getpage_batch_size")
     size = int(query(ep["port"], "SELECT pg_relation_size('pgbench_accounts')"))
     t = time.monotonic()
-    query(ep["port"], "SELECT count(*) FROM pgbench_accounts")
+    # sum(abalance) needs every heap page (count(*) could be an index-only scan)
+    query(ep["port"], "SELECT sum(abalance) FROM pgbench_accounts")
     secs = time.monotonic() - t
     after_ps = histogram(http_get(ps_http + "/metrics"), "pageserver_page_service_batch_size")
     after_fs = histogram(http_get(pagefs_url(wd, "scan") + "/metrics"), "pagefs_getpage_batch_size")
@@ -215,7 +231,37 @@ def _pageserver_http(wd: Path) -> str:
     return f"http://127.0.0.1:{cfg['pageserver']['http']}"
 
 
+def plot(lines: list[dict[str, Any]], out: Path) -> None:
+    """Start to first query and the CLI's own start time, lazy vs full, per scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    starts = [x for x in lines if x.get("metric") == "start"]
+    scales = sorted({x["scale"] for x in starts})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.35
+    for i, storage in enumerate(("lazy", "full")):
+        ys = [next((x["first_query_s"] for x in starts if x["scale"] == sc and x["storage"] == storage), 0.0)
+              for sc in scales]
+        ax.bar([j + (i - 0.5) * width for j in range(len(scales))], ys, width, label=f"{storage} endpoint")
+    ax.set_xticks(range(len(scales)), [f"scale {sc}" for sc in scales])
+    ax.set_ylabel("endpoint start -> first query answered (s)")
+    ax.set_title("pagestore bench compute: start time (median)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        if args.from_file is None:
+            print("pagestore bench compute: --plot needs --from FILE", file=sys.stderr)
+            return 2
+        lines = [json.loads(x) for x in args.from_file.read_text().splitlines() if x.startswith("{")]
+        plot(lines, args.plot)
+        return 0
     scales = [int(s) for s in args.scales.split(",") if s]
     with open("/proc/loadavg") as f:
         emit({"metric": "machine", "loadavg": f.read().split()[:3], "cpus": os.cpu_count()})

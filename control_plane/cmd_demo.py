@@ -22,6 +22,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", type=int, default=5, help="pgbench scale factor (default 5)")
     parser.add_argument("--duration", type=int, default=20, help="seconds of pgbench (default 20)")
     parser.add_argument("--clients", type=int, default=4, help="pgbench clients (default 4)")
+    parser.add_argument("--storage", choices=["lazy", "full"], default="lazy",
+                        help="storage of the branch and read-only endpoints (default lazy; main is full: "
+                             "the page check reads its files)")
     ports = parser.add_mutually_exclusive_group()
     ports.add_argument("--port-offset", type=int, default=0, help="add N to every default port")
     ports.add_argument("--free-ports", action="store_true", help="let the OS pick every port")
@@ -38,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     opts = DemoOptions(workdir=workdir_of(args), scale=args.scale, duration_s=args.duration,
                        clients=args.clients, port_offset=args.port_offset, free_ports=args.free_ports,
-                       stop_at_end=args.stop, auth=not args.no_auth, tls=args.tls)
+                       stop_at_end=args.stop, auth=not args.no_auth, tls=args.tls, storage=args.storage)
     console = Console()
 
     def on_failure(env: LocalEnv | None) -> None:

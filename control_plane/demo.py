@@ -77,6 +77,9 @@ class DemoOptions:
     safekeepers: int = 3
     auth: bool = True
     tls: bool = False
+    # The branch and read-only endpoints; main stays full: the page check compares the
+    # pageserver's pages with files PostgreSQL wrote itself.
+    storage: str = "lazy"
 
 
 @attrs.define
@@ -191,8 +194,8 @@ class Demo:
         if opts.auth:
             with self.step("tokens: the tenant's admitted by the pageserver, another tenant's refused"):
                 self._check_tokens()
-        with self.step("start endpoint main (PostgreSQL 15 + walproposer bridge)"):
-            endpoint.start_endpoint(env, "main", branch="main", log=self.log)
+        with self.step("start endpoint main (PostgreSQL 15 + walproposer bridge, full storage)"):
+            endpoint.start_endpoint(env, "main", branch="main", storage="full", log=self.log)
             self.result.endpoints["main"] = self._dsn("main")
             self.say(f"synchronous_standby_names = {self.pg('main').psql('SHOW synchronous_standby_names')}")
         with self.step(f"pgbench -i -s {opts.scale}"):
@@ -258,7 +261,10 @@ class Demo:
 
     def _dsn(self, name: str) -> str:
         assert self.env is not None
-        return str(endpoint.load_endpoint(self.env, name).describe()["dsn"])
+        ep = endpoint.load_endpoint(self.env, name)
+        self.say(f"endpoint {name}: {ep.spec.storage} storage, started in {ep.spec.start_seconds} s "
+                 f"({', '.join(f'{k} {v:.2f}' for k, v in (ep.spec.start_phases or {}).items())})")
+        return str(ep.describe()["dsn"])
 
     def _init(self) -> LocalEnv:
         workdir = self.opts.workdir.absolute()
@@ -354,7 +360,7 @@ class Demo:
         assert self.env is not None
         half = self.result.half_way
         assert half is not None
-        endpoint.start_endpoint(self.env, "half", branch="half", log=self.log)
+        endpoint.start_endpoint(self.env, "half", branch="half", storage=self.opts.storage, log=self.log)
         self.result.endpoints["half"] = self._dsn("half")
         seen = self.counts("half")
         self.result.branch_sees = seen
@@ -374,7 +380,8 @@ class Demo:
         assert self.env is not None
         after = self.result.quarter_way
         assert after is not None
-        endpoint.start_endpoint(self.env, "static", branch="main", lsn=after.lsn, log=self.log)
+        endpoint.start_endpoint(self.env, "static", branch="main", lsn=after.lsn, storage=self.opts.storage,
+                                log=self.log)
         self.result.endpoints["static"] = self._dsn("static")
         seen = self.counts("static")
         self.result.read_only_sees = seen

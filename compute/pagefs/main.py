@@ -61,6 +61,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-wal-log-hints", action="store_true",
                         help="PostgreSQL runs without wal_log_hints: keep PD_ALL_VISIBLE heap pages local (H1)")
     parser.add_argument("--connections", type=int, default=4, help="pagestream connections")
+    parser.add_argument("--read-ahead-kb", type=int, default=1024,
+                        help="the kernel's readahead on the mount: a sequential scan's reads are this large "
+                             "(one GetPage batch each); 0 leaves the kernel's default (128)")
     parser.add_argument("--wait-for", default=None,
                         help="a file whose appearance says the backing directory is ready (mount then)")
     parser.add_argument("--status-file", default=None)
@@ -140,6 +143,18 @@ def _bridge_commit_lsn(path: str | None) -> Lsn:
         return Lsn(0)  # not written yet: nothing beyond S is known to be durable
 
 
+def set_read_ahead(mountpoint: str, kb: int) -> None:
+    """``/sys/class/bdi/<major>:<minor>/read_ahead_kb`` of the mount (libfuse has no option for
+    it); a failure leaves the kernel's default and is logged."""
+    dev = os.stat(mountpoint).st_dev
+    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(kb))
+    except OSError as exc:
+        log.warning("readahead left at the kernel's default", path=path, error=str(exc))
+
+
 def fetch_listing(url: str, token: str | None) -> Listing:
     req = urllib.request.Request(url)
     if token:
@@ -205,6 +220,8 @@ async def amain(args: argparse.Namespace) -> None:
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pyfuse3.main)
+            if args.read_ahead_kb:  # in a thread: the stat is a FUSE request this loop answers
+                await trio.to_thread.run_sync(set_read_ahead, args.mountpoint, args.read_ahead_kb)
             await nursery.start(http.serve)
 
             async def durable_loop() -> None:

@@ -8,6 +8,7 @@ a failure is loud: a directory the demo did not make is refused with exit code 1
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,10 @@ def test_demo_runs_and_checks(pg_tmp_path: Path) -> None:
                     "--clients", "2", "--stop", "--json-result", str(result_path))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "every check passed" in proc.stdout
+    # main is full (its files are the page check's reference); the others are lazy endpoints
+    assert "endpoint main: full storage, started in" in proc.stdout
+    assert "endpoint half: lazy storage, started in" in proc.stdout
+    assert "endpoint static: lazy storage, started in" in proc.stdout
     r = json.loads(result_path.read_text())
     half, seen = r["half_way"], r["branch_sees"]
     assert (seen["sum_abalance"], seen["history_count"]) == (half["sum_abalance"], half["history_count"])
@@ -50,6 +55,7 @@ def test_demo_runs_and_checks(pg_tmp_path: Path) -> None:
         pid = read_pid(node_dir / "pid")
         assert pid is not None and not is_alive(pid)
     assert not list(workdir.glob("endpoints/*/pgdata/postmaster.pid"))
+    assert not any(os.path.ismount(m) for m in workdir.glob("endpoints/*/pagefs/mnt"))
 
 
 def test_demo_refuses_a_foreign_directory(tmp_path: Path) -> None:

@@ -516,6 +516,7 @@ def _spawn_pagefs(env: LocalEnv, ep: Endpoint, start_lsn: Lsn) -> int:
         "--tenant-id", ep.spec.tenant_id, "--timeline-id", ep.spec.timeline_id,
         "--start-lsn", format_lsn(start_lsn), "--status-file", str(ep.pagefs_status_path),
         "--log-file", str(ep.pagefs_log), "--wait-for", str(ep.pagefs_dir / "backing.ready"),
+        *(["--ca-file", str(env.ca_file)] if env.ca_file is not None else []),
         *(["--read-only"] if ep.spec.read_only else ["--bridge-status", str(ep.bridge_status_path)]),
     )
     (ep.dir / "pagefs.cmd").write_text(shlex.join(cmd) + "\n")

@@ -16,6 +16,7 @@ import json
 import os
 import pwd
 import signal
+import ssl
 import sys
 import time
 import urllib.request
@@ -51,7 +52,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-cache-size", type=int, default=1 << 30,
                         help="bytes of written pages kept before eviction (default 1 GiB)")
     parser.add_argument("--pageserver", required=True, help="host:port of the page service (libpq)")
-    parser.add_argument("--pageserver-http", required=True, help="http://host:port of the pageserver's API")
+    parser.add_argument("--pageserver-http", required=True, help="http(s)://host:port of the pageserver's API")
+    parser.add_argument("--ca-file", default=None, help="the CA certificate when the nodes use TLS")
     parser.add_argument("--tenant-id", required=True)
     parser.add_argument("--timeline-id", required=True)
     parser.add_argument("--start-lsn", required=True, help="S: the basebackup's LSN")
@@ -155,11 +157,12 @@ def set_read_ahead(mountpoint: str, kb: int) -> None:
         log.warning("readahead left at the kernel's default", path=path, error=str(exc))
 
 
-def fetch_listing(url: str, token: str | None) -> Listing:
+def fetch_listing(url: str, token: str | None, ca_file: str | None = None) -> Listing:
     req = urllib.request.Request(url)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(req, timeout=30) as resp:
+    ctx = ssl.create_default_context(cafile=ca_file) if ca_file else None
+    with urllib.request.urlopen(req, timeout=30, context=ctx) as resp:
         return Listing.from_json(json.loads(resp.read()))
 
 
@@ -173,6 +176,7 @@ async def amain(args: argparse.Namespace) -> None:
         fetch_listing,
         f"{args.pageserver_http}/v1/tenant/{tenant.hex}/timeline/{timeline.hex}/relations?at_lsn={format_lsn(start_lsn)}",
         token,
+        args.ca_file,
     )
     if args.wait_for:
         with trio.fail_after(300):
@@ -185,7 +189,7 @@ async def amain(args: argparse.Namespace) -> None:
     registry = CollectorRegistry()
     host, _, port = args.pageserver.rpartition(":")
     fetcher = PageFetcher(host, int(port), tenant, timeline, connections=args.connections, token=token,
-                          registry=registry)
+                          ca_file=args.ca_file, registry=registry)
     fs = PageFs(store, fetcher, Path(args.backing), uid=pw.pw_uid, gid=pw.pw_gid)
     fs.load(listing)
     registry.register(StoreCollector(fs))

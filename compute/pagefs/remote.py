@@ -20,7 +20,7 @@ import structlog
 import trio
 from prometheus_client import CollectorRegistry, Histogram
 
-from common.pgclient import connect
+from common.pgclient import connect_with_params
 from compute.page_client import PageClient
 from compute.pagefs.names import FSM
 from compute.pagefs.page_header import ZERO_PAGE
@@ -48,11 +48,15 @@ class PageFetcher:
         *,
         connections: int = 4,
         token: str | None = None,
+        ca_file: str | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.host, self.port = host, port
         self.tenant_id, self.timeline_id = tenant_id, timeline_id
-        self.token = token
+        # libpq keywords for common.pgclient.connect_with_params: the token as password, TLS
+        # verified against the cluster's CA
+        self.params = {"user": "pagestore", **({"password": token} if token else {}),
+                       **({"sslrootcert": ca_file} if ca_file else {})}
         self._idle: list[PageClient] = []
         self._slots = trio.Semaphore(connections)
         reg = registry or CollectorRegistry()
@@ -68,7 +72,7 @@ class PageFetcher:
     async def _client(self) -> PageClient:
         if self._idle:
             return self._idle.pop()
-        conn = await connect(self.host, self.port, user="pagestore", password=self.token)
+        conn = await connect_with_params(self.host, self.port, self.params)
         try:
             return await PageClient.start(conn, self.tenant_id, self.timeline_id, version=3)
         except BaseException:

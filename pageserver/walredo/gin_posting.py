@@ -77,12 +77,27 @@ def tids_to_ints(buf: bytes | bytearray | memoryview, pos: int, n: int) -> list[
 # --- one segment --------------------------------------------------------------------------
 
 
-# A varbyte number of two or more bytes: up to five continuation bytes and a final byte below
-# 0x80, or six continuation bytes and a 7th byte taken whole. Gaps between neighbouring TIDs
-# are mostly single bytes, so the codec handles runs of those at C speed and only these few
-# multi-byte numbers one by one.
-_MULTI = re.compile(rb"[\x80-\xff]{6}[\x00-\xff]|[\x80-\xff]{1,5}[\x00-\x7f]")
+# Gaps between neighbouring TIDs are mostly single varbyte bytes (below 0x80), so the codec
+# handles runs of those at C speed and only the few multi-byte numbers one by one: they are
+# found as runs of continuation bytes (0x80 set).
+_HIGH_RUN = re.compile(rb"[\x80-\xff]+")
 _HIGH_BYTES = bytes(range(0x80, 0x100))
+
+
+def _multi_spans(body: bytes, pos: int) -> list[tuple[int, int]]:
+    """(start, end) of each varbyte number of two or more bytes in ``body``: continuation
+    bytes then a final byte below 0x80, or six continuation bytes and a 7th taken whole."""
+    out = []
+    n = len(body)
+    for m in _HIGH_RUN.finditer(body):
+        s, e = m.span()
+        while s < e:
+            end = s + 7 if e - s >= 6 else e + 1
+            if end > n:
+                raise RedoError(f"varbyte number runs past its posting list at {pos}")
+            out.append((s, end))
+            s = end
+    return out
 
 
 def _varbyte_value(raw: bytes) -> int:
@@ -122,15 +137,11 @@ def _decode_gaps(body: bytes, pos: int) -> list[int]:
     """The gaps a segment's varbyte bytes encode (``pos``: where, for the error)."""
     gaps: list[int] = []
     at = 0
-    for m in _MULTI.finditer(body):
-        s, e = m.span()
+    for s, e in _multi_spans(body, pos):
         gaps.extend(body[at:s])
-        gaps.append(_varbyte_value(m.group()))
+        gaps.append(_varbyte_value(body[s:e]))
         at = e
-    rest = body[at:]
-    if rest and max(rest) > 0x7F:
-        raise RedoError(f"varbyte number runs past its posting list at {pos}")
-    gaps.extend(rest)
+    gaps.extend(body[at:])
     return gaps
 
 
@@ -173,13 +184,10 @@ def append_to_segment(buf: bytes | bytearray | memoryview, pos: int, end: int, i
     first = tid_to_int(buf, pos)
     body = bytes(buf[pos + SEGMENT_HEADER : pos + SEGMENT_HEADER + nbytes])
     last = first + sum(body)
-    high = len(body) - len(body.translate(None, _HIGH_BYTES))
-    if high:
-        for raw in _MULTI.findall(body):  # a multi-byte number counts its value, not its bytes
+    if len(body.translate(None, _HIGH_BYTES)) != len(body):
+        for s, e in _multi_spans(body, pos):  # a multi-byte number counts its value, not its bytes
+            raw = body[s:e]
             last += _varbyte_value(raw) - sum(raw)
-            high -= len(raw) - (raw[-1] < 0x80)
-        if high:  # continuation bytes outside any whole number: one runs past the end
-            raise RedoError(f"varbyte number runs past its posting list at {pos}")
     if not items or items[0] <= last:
         return None
     deltas = [b - a for a, b in pairwise([last, *items])]
@@ -208,7 +216,8 @@ def decode_segment(buf: bytes | bytearray | memoryview, pos: int, end: int) -> l
     nbytes = _U16.unpack_from(buf, pos + 6)[0]
     first = tid_to_int(buf, pos)
     body = bytes(buf[pos + SEGMENT_HEADER : pos + SEGMENT_HEADER + nbytes])
-    gaps = body if not body or max(body) < 0x80 else _decode_gaps(body, pos)
+    dense = len(body.translate(None, _HIGH_BYTES)) == len(body)
+    gaps = body if dense else _decode_gaps(body, pos)
     return list(accumulate(gaps, initial=first))
 
 

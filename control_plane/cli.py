@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench compute": ("bench.compute", "lazy vs full endpoints vs plain PostgreSQL: start to first query, TPS, cold seq scan"),
     "bench getpage": ("bench.getpage", "GetPage@LSN pages/s and latency: serial vs pipelined, queue depth, vs PostgreSQL get_raw_page"),
     "bench ingest": ("bench.ingest", "bulk WAL ingest MB/s: io_engine x write buffer x double buffering x sync mode"),
+    "bench native-kernels": ("bench.native_kernels", "each native (Cython) kernel beside its pure-Python twin: MiB/s of CPU, one run"),
     "bench read-path": ("bench.read_path", "get_vectored vs legacy gets: keys/s, preadv calls, deep L0 stack"),
     "bench redo": ("bench.redo", "pure-Python WAL redo: records/s per record type, page reconstruct time"),
     "bench redo-pages": ("bench.redo_pages", "rebuild time of GIN and BRIN pages against a btree leaf with as many records"),

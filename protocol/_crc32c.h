@@ -2,8 +2,8 @@
  *
  * Two kernels over a raw accumulator (no initial or final inversion here; the caller does
  * both, as PostgreSQL's INIT/FIN_CRC32C macros do):
- *   - ps_crc32c_hw: the SSE4.2 crc32 instruction, 8 bytes at a time. Only this function is
- *     compiled for SSE4.2 (a target attribute, never -msse4.2 for the whole file), so the
+ *   - ps_crc32c_hw: the SSE4.2 crc32 instruction, 8 bytes at a time, in three interleaved
+ *     chains over 1.5 KiB and more. Only these functions are compiled for SSE4.2 (a target attribute, never -msse4.2 for the whole file), so the
  *     compiler cannot put SSE4.2 instructions anywhere a CPU without it would run them.
  *   - ps_crc32c_sw: slicing-by-8 tables, for CPUs without SSE4.2 (and for tests, forced by
  *     PAGESTORE_CRC32C_SW=1).
@@ -63,8 +63,20 @@ static uint32_t ps_crc32c_sw(uint32_t crc, const unsigned char *p, size_t len)
 }
 
 #ifdef PS_CRC32C_X86
+/* Three independent chains over blocks of PS_CRC32C_BLOCK bytes hide the crc32 instruction's
+ * 3-cycle latency; the chains are joined with "shift through BLOCK zero bytes" tables
+ * (the update is affine: state(s, X) = shift(s, len X) ^ state(0, X)). */
+#define PS_CRC32C_BLOCK 512
+static uint32_t ps_crc32c_shift_tab[4][256];
+
+static inline uint32_t ps_crc32c_shift(uint32_t v)
+{
+    return ps_crc32c_shift_tab[0][v & 0xFFu] ^ ps_crc32c_shift_tab[1][(v >> 8) & 0xFFu] ^
+           ps_crc32c_shift_tab[2][(v >> 16) & 0xFFu] ^ ps_crc32c_shift_tab[3][v >> 24];
+}
+
 __attribute__((target("sse4.2")))
-static uint32_t ps_crc32c_hw(uint32_t crc, const unsigned char *p, size_t len)
+static uint32_t ps_crc32c_hw_1(uint32_t crc, const unsigned char *p, size_t len)
 {
     uint64_t c = crc;
     while (len >= 8) {
@@ -86,6 +98,28 @@ static uint32_t ps_crc32c_hw(uint32_t crc, const unsigned char *p, size_t len)
         crc = _mm_crc32_u8(crc, *p++);
     return crc;
 }
+
+__attribute__((target("sse4.2")))
+static uint32_t ps_crc32c_hw(uint32_t crc, const unsigned char *p, size_t len)
+{
+    while (len >= 3 * PS_CRC32C_BLOCK) {
+        uint64_t a = crc, b = 0, c = 0;
+        const unsigned char *pb = p + PS_CRC32C_BLOCK, *pc = p + 2 * PS_CRC32C_BLOCK;
+        for (size_t k = 0; k < PS_CRC32C_BLOCK; k += 8) {
+            uint64_t wa, wb, wc;
+            memcpy(&wa, p + k, 8);
+            memcpy(&wb, pb + k, 8);
+            memcpy(&wc, pc + k, 8);
+            a = _mm_crc32_u64(a, wa);
+            b = _mm_crc32_u64(b, wb);
+            c = _mm_crc32_u64(c, wc);
+        }
+        crc = ps_crc32c_shift(ps_crc32c_shift((uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)c;
+        p += 3 * PS_CRC32C_BLOCK;
+        len -= 3 * PS_CRC32C_BLOCK;
+    }
+    return ps_crc32c_hw_1(crc, p, len);
+}
 #endif
 
 typedef uint32_t (*ps_crc32c_fn)(uint32_t, const unsigned char *, size_t);
@@ -100,6 +134,11 @@ static int ps_crc32c_choose(int force_software)
     ps_crc32c_hardware = 0;
 #ifdef PS_CRC32C_X86
     if (!force_software && __builtin_cpu_supports("sse4.2")) {
+        static const unsigned char zeros[PS_CRC32C_BLOCK];
+        /* shift_tab[k][b]: the state b << 8k carried through BLOCK zero bytes (linear in it) */
+        for (int k = 0; k < 4; k++)
+            for (uint32_t b = 0; b < 256; b++)
+                ps_crc32c_shift_tab[k][b] = ps_crc32c_hw_1(b << (8 * k), zeros, PS_CRC32C_BLOCK);
         ps_crc32c_comp = ps_crc32c_hw;
         ps_crc32c_hardware = 1;
     }

@@ -12,7 +12,9 @@
 - ``attach``: a tenant with ``--attach-mib`` of layers (default 1024) in remote storage is
   attached by a fresh node with an empty disk: seconds to attach (list, index, reconcile: no
   layer downloaded), then the latency of the first read of one page (on-demand: fetches only the
-  layers it needs) and of a second read.
+  layers it needs: the image layer over that key) and of a second read. The tenant is 64 MiB
+  L0s with image layers over them (``compact(force_image=True)``), as reads see a tenant whose
+  compaction has run.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 
 from common.logging import setup_logging
@@ -202,7 +205,9 @@ def bench_ingest(endpoint: str, work: Path, mib: int) -> None:
 
 
 async def _attach(endpoint: str, work: Path, mib: int) -> dict[str, Any]:
-    cfg = _storage_config(64)
+    # L0s of 64 MiB, then image layers over the whole keyspace at the end (no L0 -> L1 merge:
+    # the images are what a steady-state tenant's reads end at)
+    cfg = attrs.evolve(_storage_config(64), compaction_threshold=1000)
     storage = make_remote_storage(_s3(endpoint, "bench-attach"))
     tenant_id, timeline_id = TenantId.generate(), TimelineId.generate()
     async with trio.open_nursery() as nursery:
@@ -210,6 +215,7 @@ async def _attach(endpoint: str, work: Path, mib: int) -> dict[str, Any]:
         tl = await tenant.create_timeline(timeline_id)
         t0 = time.perf_counter()
         await _ingest(tl, mib)
+        await tl.compact(force_image=True)
         assert tl.remote is not None
         await tl.remote.wait_uploaded()
         build_s = time.perf_counter() - t0

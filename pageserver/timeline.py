@@ -76,7 +76,7 @@ from pageserver.storage.ephemeral_file import EphemeralFile
 from pageserver.storage.index_part import IndexPart, write_index_part
 from pageserver.storage.inmemory_layer import InMemoryLayer, PutItem
 from pageserver.storage.io_engine import IoEngine
-from pageserver.storage.key import Key, KeySpace, key_hex, rel_size_key
+from pageserver.storage.key import KEY_MAX, Key, KeyRange, KeySpace, key_hex, key_next, rel_size_key
 from pageserver.storage.l0_worker import L0Worker
 from pageserver.storage.layer_file import (
     IndexBlockCache,
@@ -1070,15 +1070,22 @@ class Timeline:
         if not requests:
             return out
         lo, hi = min(requests), max(requests)
+        span = None if all_keys or hi == KEY_MAX else KeyRange(lo, key_next(hi))
         limit: int = max(requests.values())
         tl: Timeline | None = self
         while tl is not None:
+            # Below an image layer covering the whole span no read goes: the walk of every
+            # key ends there (at the latest).
+            image = None if span is None else tl._layer_map.newest_image_covering(span, limit)
+            floor = -1 if image is None else image.desc.image_lsn
             for layer in tl._layer_map:
                 d = layer.desc
-                if layer.resident or d.lsn_start > limit:
+                if layer.resident or d.lsn_start > limit or (layer is not image and d.lsn_end <= floor):
                     continue
                 if all_keys or (d.key_range.start <= hi and lo < d.key_range.end):
                     out.append((tl, layer))
+            if image is not None:
+                break
             limit = min(limit, tl.ancestor_lsn)
             tl = tl.ancestor
         return out

@@ -174,7 +174,7 @@ def wait_all(runners: list[ScheduleRunner], timeout: float) -> list[RegressRun]:
     """Wait for every run (each one's time is its own), killing all after ``timeout``."""
     deadline = time.monotonic() + timeout
     try:
-        while not all(r.poll() for r in runners):
+        while sum(r.poll() for r in runners) < len(runners):  # every one polled: each notes its own end
             if time.monotonic() > deadline:
                 late = [r.run.side for r in runners if not r.poll()]
                 raise PgRegressError(f"pg_regress on the {' and '.join(late)} side did not finish in "
@@ -368,7 +368,8 @@ class PgRegress:
     async def compare(self, snap: Snapshot) -> None:
         assert self.env is not None
         async with await PageClient.connect("127.0.0.1", self.env.config.pageserver.pg,
-                                            TenantId.parse(self.tenant), TimelineId.parse(self.timeline)) as client:
+                                            TenantId.parse(self.tenant), TimelineId.parse(self.timeline),
+                                            **self.env.page_client_auth(self.tenant)) as client:
             res = await compare_snapshot(client, snap)
         self.result.pages = res
         out = res.as_json()

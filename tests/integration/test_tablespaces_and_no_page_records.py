@@ -113,7 +113,8 @@ def test_tablespaces_messages_origins(pg_tmp_path: Path) -> None:
 
         async def compare() -> SnapshotResult:
             async with await PageClient.connect("127.0.0.1", env.config.pageserver.pg,
-                                                TenantId.parse(tenant), TimelineId.parse(timeline)) as client:
+                                                TenantId.parse(tenant), TimelineId.parse(timeline),
+                                                **env.page_client_auth(tenant)) as client:
                 return await compare_snapshot(client, snap)
 
         res = trio.run(compare)

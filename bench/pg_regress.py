@@ -354,7 +354,7 @@ class PgRegress:
             assert row is not None
             lsn = parse_lsn(str(row[0]))
         t0 = time.monotonic()
-        cluster.wait_for_lsn(self.env, self.tenant, self.timeline, lsn, timeout=self.opts.timeout_s)
+        wait_for_ingest(self.env, self.tenant, self.timeline, lsn, timeout=self.opts.timeout_s)
         self.emit({"checkpoint": format_lsn(lsn), "relations": len(rels),
                    "ingest_wait_s": round(time.monotonic() - t0, 1)})
         reference = None
@@ -408,6 +408,20 @@ class PgRegress:
         self.emit({"branch": format_lsn(lsn), "boot_and_query_s": round(time.monotonic() - t0, 1),
                    "catalog_equal": self.result.branch_catalog == self.result.main_catalog,
                    "main": self.result.main_catalog, "branch_catalog": self.result.branch_catalog})
+
+
+def wait_for_ingest(env: LocalEnv, tenant: str, timeline: str, lsn: Lsn, timeout: float) -> None:
+    """``cluster.wait_for_lsn`` that outlives a slow answer: a pageserver busy ingesting the
+    suite's WAL may not answer one status request in time; only the deadline ends the wait."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            cluster.wait_for_lsn(env, tenant, timeline, lsn, timeout=max(1.0, deadline - time.monotonic()))
+            return
+        except cluster.ClusterError as exc:
+            if time.monotonic() > deadline or "timed out" not in str(exc):
+                raise
+            time.sleep(1)
 
 
 def catalog_digest(dsn: str) -> list[str]:

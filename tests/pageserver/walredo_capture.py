@@ -137,7 +137,7 @@ def compare_with_files(
     return compared
 
 
-def _checkpoint() -> CheckPoint:
+def bare_checkpoint() -> CheckPoint:
     return CheckPoint(
         redo=Lsn(0), this_timeline_id=1, prev_timeline_id=1, full_page_writes=True,
         next_xid=3, next_oid=16384, next_multi=1, next_multi_offset=0, oldest_xid=3,
@@ -166,7 +166,7 @@ def ingest_and_read(
         tl = await tenant.create_timeline(TimelineId.generate())
         ing = WalIngest(tl)
         mod = ing.w.begin(Lsn(c.start))
-        mod.put_checkpoint(_checkpoint())
+        mod.put_checkpoint(bare_checkpoint())
         await mod.put_dbdir_creation(1663, db)
         await mod.put_slru_segment_creation(SLRU_CLOG, 0, 1)
         await mod.put_slru_page(SLRU_CLOG, 0, 0, Image(bytes(bp.BLCKSZ)))

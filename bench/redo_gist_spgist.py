@@ -1,6 +1,6 @@
 """Rebuild time of GiST and SP-GiST pages next to a btree page with the same number of records.
 
-``python -m bench.redo_gist_spgist`` starts a throwaway PostgreSQL 15 (wal_level replica,
+``pagestore bench redo-index`` starts a throwaway PostgreSQL 15 (wal_level replica,
 no consistency-checking images: production-sized records) with one table and three indexes
 created empty on it: btree (int), GiST (point), SP-GiST (point, quad tree). A few rounds of
 "insert 120 rows, delete them, VACUUM" keep each index's root a leaf page, so one page per
@@ -100,10 +100,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=10, help="insert/delete/VACUUM rounds (120 rows each)")
     parser.add_argument("--repeat", type=int, default=5, help="timing repetitions (best is kept)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    configure(parser)
     return run(parser.parse_args())
 
 

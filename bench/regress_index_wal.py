@@ -1,4 +1,4 @@
-"""PostgreSQL's regression suite as a redo check, offline: ``python -m bench.regress_index_wal``.
+"""PostgreSQL's regression suite as a redo check, offline: ``pagestore verify regress-wal``.
 
 A plain PostgreSQL 15 (no pagestore) with ``wal_consistency_checking`` set to the chosen
 resource managers runs the whole ``parallel_schedule`` (from ``scripts/setup-pg-regress``'s
@@ -84,11 +84,15 @@ def run(args: argparse.Namespace) -> int:
     return 0 if not report.failures else 1
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rmgrs", default="gist,spgist", help=f"comma-separated, of {', '.join(RMGRS)}")
     parser.add_argument("--max-connections", type=int, default=4, help="pg_regress --max-connections")
     parser.add_argument("--max-failures", type=int, default=200)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    configure(parser)
     return run(parser.parse_args())
 
 

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench native-kernels": ("bench.native_kernels", "each native (Cython) kernel beside its pure-Python twin: MiB/s of CPU, one run"),
     "bench read-path": ("bench.read_path", "get_vectored vs legacy gets: keys/s, preadv calls, deep L0 stack"),
     "bench redo": ("bench.redo", "pure-Python WAL redo: records/s per record type, page reconstruct time"),
+    "bench redo-index": ("bench.redo_gist_spgist", "rebuild time of GiST and SP-GiST pages next to a btree page with as many records"),
     "bench redo-pages": ("bench.redo_pages", "rebuild time of GIN and BRIN pages against a btree leaf with as many records"),
     "bench remote": ("bench.remote", "remote storage on SeaweedFS: upload MB/s vs a boto3 loop, ingest with uploads on/off, attach + first read of 1 GB"),
     "bench wal-codec": ("bench.wal_codec", "WAL encoder and stream decoder throughput (MB/s, records/s)"),
@@ -50,6 +51,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "waldump": ("control_plane.cmd_waldump", "print WAL records of segment files as JSON lines"),
     "token": ("control_plane.cmd_token", "print a JWT for a tenant (or a node-wide scope) signed with the cluster's key"),
     "verify oracle": ("bench.oracle", "every page and SLRU segment the pageserver serves vs PostgreSQL's files (masked)"),
+    "verify regress-wal": ("bench.regress_index_wal", "PostgreSQL's regression suite on plain PostgreSQL, chosen rmgrs' records replayed offline vs their verification images"),
     "verify pg-regress": ("bench.pg_regress", "PostgreSQL's regression suite on an endpoint vs plain PostgreSQL, then every page vs the files"),
     "walproposer": ("compute.walproposer.main", "stream a vanilla PostgreSQL's WAL to a quorum of safekeepers"),
 }

@@ -20,7 +20,6 @@ raises ``RedoError``, never a partial page.
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Sequence
 from itertools import accumulate, pairwise
@@ -79,8 +78,8 @@ def tids_to_ints(buf: bytes | bytearray | memoryview, pos: int, n: int) -> list[
 
 # Gaps between neighbouring TIDs are mostly single varbyte bytes (below 0x80), so the codec
 # handles runs of those at C speed and only the few multi-byte numbers one by one: they are
-# found as runs of continuation bytes (0x80 set).
-_HIGH_RUN = re.compile(rb"[\x80-\xff]+")
+# found as runs of continuation bytes (0x80 set), marked 1 by _MARK.
+_MARK = bytes(int(b > 0x7F) for b in range(256))
 _HIGH_BYTES = bytes(range(0x80, 0x100))
 
 
@@ -89,14 +88,19 @@ def _multi_spans(body: bytes, pos: int) -> list[tuple[int, int]]:
     bytes then a final byte below 0x80, or six continuation bytes and a 7th taken whole."""
     out = []
     n = len(body)
-    for m in _HIGH_RUN.finditer(body):
-        s, e = m.span()
+    mark = body.translate(_MARK)
+    s = mark.find(1)
+    while s >= 0:
+        e = mark.find(0, s)  # the run of continuation bytes is [s, e)
+        if e < 0:
+            e = n
         while s < e:
             end = s + 7 if e - s >= 6 else e + 1
             if end > n:
                 raise RedoError(f"varbyte number runs past its posting list at {pos}")
             out.append((s, end))
             s = end
+        s = mark.find(1, s)
     return out
 
 
@@ -179,24 +183,33 @@ def append_to_segment(buf: bytes | bytearray | memoryview, pos: int, end: int, i
     """The segment at ``pos`` with ``items`` (sorted) added, when they all follow its last
     item: the old bytes stay, the new gaps follow (what re-encoding the merged list gives,
     without decoding it). None when they do not all follow."""
-    segment_size(buf, pos, end)
-    nbytes = _U16.unpack_from(buf, pos + 6)[0]
-    first = tid_to_int(buf, pos)
-    body = bytes(buf[pos + SEGMENT_HEADER : pos + SEGMENT_HEADER + nbytes])
-    last = first + sum(body)
-    if len(body.translate(None, _HIGH_BYTES)) != len(body):
-        for s, e in _multi_spans(body, pos):  # a multi-byte number counts its value, not its bytes
+    if pos + SEGMENT_HEADER > end:
+        raise RedoError(f"truncated posting list header at {pos}")
+    hi, lo, off, nbytes = _SEG_HEAD.unpack_from(buf, pos)
+    body_end = pos + SEGMENT_HEADER + nbytes
+    if body_end + (nbytes & 1) > end:
+        raise RedoError(f"posting list at {pos} runs past {end}")
+    body = bytes(buf[pos + SEGMENT_HEADER : body_end])
+    # the last item: the first plus every gap (the bytes' sum, corrected for multi-byte gaps)
+    last = ((((hi << 16) | lo) << OFFSET_BITS) | off) + sum(body)
+    if len(body.translate(None, _HIGH_BYTES)) != nbytes:
+        for s, e in _multi_spans(body, pos):
             raw = body[s:e]
             last += _varbyte_value(raw) - sum(raw)
     if not items or items[0] <= last:
         return None
-    deltas = [b - a for a, b in pairwise([last, *items])]
-    if min(deltas) <= 0:
-        raise RedoError("posting list items are not strictly ascending")
-    new = body + _encode_gaps(deltas)
-    if len(new) > BLCKSZ - SEGMENT_HEADER:
+    if len(items) == 1:  # one new TID per heap row: the usual insert
+        more = _varbytes(items[0] - last)
+    else:
+        deltas = [b - a for a, b in pairwise([last, *items])]
+        if min(deltas) <= 0:
+            raise RedoError("posting list items are not strictly ascending")
+        more = _encode_gaps(deltas)
+    n = nbytes + len(more)
+    if n > BLCKSZ - SEGMENT_HEADER:
         return None
-    return _segment(first, new)
+    head = bytes(buf[pos : pos + 6]) + _U16.pack(n)
+    return head + body + more + b"\0" if n & 1 else head + body + more
 
 
 def segment_size(buf: bytes | bytearray | memoryview, pos: int, end: int) -> int:
@@ -338,6 +351,28 @@ def apply_actions(
     return out
 
 
+def _append_in_place(page: bytearray, lower: int, action: tuple[int, int, bytes | list[int] | None]) -> bool:
+    """The usual leaf insert: ADDITEMS to the last segment with items past its end. Its bytes
+    grow where they are (what ``apply_actions`` would write, without copying the page's other
+    segments out and back). False, having changed nothing, for any other case."""
+    segno, _action, items = action
+    assert isinstance(items, list)
+    unpack = _U16.unpack_from
+    pos = LEAF_DATA_START
+    for _ in range(segno):
+        if pos + SEGMENT_HEADER > lower:
+            return False
+        pos += SEGMENT_HEADER + ((unpack(page, pos + 6)[0] + 1) & ~1)
+    if pos + SEGMENT_HEADER > lower or pos + segment_size(page, pos, lower) != lower:
+        return False
+    seg = append_to_segment(page, pos, lower, items)
+    if seg is None or pos + len(seg) > LEAF_DATA_START + LEAF_DATA_MAX:
+        return False
+    page[pos : pos + len(seg)] = seg
+    bp.set_lower(page, pos + len(seg))
+    return True
+
+
 def recompress(page: bytearray, data: bytes | bytearray | memoryview) -> None:
     """ginRedoRecompress on a posting-tree leaf page (special area at BLCKSZ - 8)."""
     actions = parse_actions(data)
@@ -357,6 +392,8 @@ def recompress(page: bytearray, data: bytes | bytearray | memoryview) -> None:
         _U16.pack_into(page, maxoff_pos, 0)
     if not LEAF_DATA_START <= lower <= LEAF_DATA_START + LEAF_DATA_MAX:
         raise RedoError(f"posting leaf with pd_lower {lower}")
+    if len(actions) == 1 and actions[0][1] == SEGMENT_ADDITEMS and _append_in_place(page, lower, actions[0]):
+        return
     new = apply_actions(page[LEAF_DATA_START:lower], actions)
     if len(new) > LEAF_DATA_MAX:
         raise RedoError(f"recompressed leaf data of {len(new)} bytes does not fit the page")

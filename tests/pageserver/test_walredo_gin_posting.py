@@ -27,10 +27,12 @@ from pageserver.walredo.gin_posting import (
     SEGMENT_INSERT,
     SEGMENT_REPLACE,
     append_to_segment,
+    apply_actions,
     decode_segment,
     encode_segment,
     int_to_tid,
     merge_items,
+    parse_actions,
     recompress,
     split_segments,
     tids_to_ints,
@@ -173,6 +175,26 @@ def test_recompress_equals_model(case: tuple[list[list[int]], bytes, list[list[i
     assert page[LEAF_DATA_START : LEAF_DATA_START + len(data)] == data
     assert bp.get_lower(page) == LEAF_DATA_START + len(data)
     assert page[bp.BLCKSZ - 8 :] == before[bp.BLCKSZ - 8 :]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(sorted_tids, min_size=1, max_size=6), st.lists(st.integers(1, 5000), min_size=1, max_size=30), st.booleans())
+def test_in_place_append_equals_the_general_path(segments: list[list[int]], gaps: list[int], past_end: bool) -> None:
+    """A single ADDITEMS on the last segment (the in-place path) writes what the general
+    action walk writes, whether or not the items follow the segment's end."""
+    last = segments[-1]
+    start = last[-1] if past_end else last[0] - 1
+    base = max(start, 0)
+    add = sorted(v for v in set(accumulate(gaps, initial=base)) - {base} - set(last) if v < 0xFFFF_FFFF << 11)
+    if not add:
+        return
+    data = struct.pack("<HBBH", 1, len(segments) - 1, SEGMENT_ADDITEMS, len(add)) + b"".join(int_to_tid(v) for v in add)
+    page = _leaf_page(segments)
+    recompress(page, data)
+    old = _leaf_page(segments)
+    new = apply_actions(old[LEAF_DATA_START : bp.get_lower(old)], parse_actions(data))
+    assert page[LEAF_DATA_START : bp.get_lower(page)] == new
+    assert _page_segments(page)[-1] == sorted({*last, *add})
 
 
 def test_merge_items() -> None:

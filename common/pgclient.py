@@ -32,6 +32,7 @@ import structlog
 import trio
 
 from common.pgcopy import CopyBothStream
+from common.tls_stream import TlsStream
 from protocol.buffer import WriteBuffer
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.pgwire import CLOSED, NEED_DATA, BackendDecoder, sqlstate
@@ -126,7 +127,7 @@ async def connect(
             raise
 
 
-async def start_tls(stream: trio.abc.Stream, ctx: ssl.SSLContext, host: str) -> trio.SSLStream[trio.abc.Stream]:
+async def start_tls(stream: trio.abc.Stream, ctx: ssl.SSLContext, host: str) -> trio.abc.Stream:
     """SSLRequest, then the TLS handshake; ``PgError`` if the server does not do TLS."""
     await stream.send_all(m.encode(m.SSLRequest()))
     answer = await stream.receive_some(1)
@@ -138,7 +139,12 @@ async def start_tls(stream: trio.abc.Stream, ctx: ssl.SSLContext, host: str) -> 
         )
     if answer != b"S":
         raise RemoteProtocolError(f"unexpected answer {answer[:1]!r} to the SSLRequest")
-    tls = trio.SSLStream(stream, ctx, server_hostname=host)
+    tls: TlsStream | trio.SSLStream[trio.abc.Stream]
+    if isinstance(stream, trio.SocketStream):
+        # Every record already received per receive, no per-call buffer allocation.
+        tls = TlsStream(stream, ctx, server_side=False, server_hostname=host)
+    else:
+        tls = trio.SSLStream(stream, ctx, server_hostname=host)
     try:
         await tls.do_handshake()
     except trio.BrokenResourceError as exc:

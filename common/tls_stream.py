@@ -17,6 +17,7 @@ pagestream framing above detects truncation itself.
 from __future__ import annotations
 
 import ssl
+from typing import cast
 
 import trio
 
@@ -38,23 +39,44 @@ class TlsStream(trio.abc.Stream):
         self._obj = context.wrap_bio(
             self._in, self._out, server_side=server_side, server_hostname=server_hostname
         )
-        self._send_lock = trio.Lock()
+        # True while one task is sending the outgoing BIO. Not a trio.Lock: acquiring one is a
+        # schedule point per send, and the only second sender (a read that produced a TLS
+        # 1.3 post-handshake message) is rare.
+        self._sending = False
+        self._idle = trio.Event()
         self._eof = False
+        # Decrypted bytes land here: SSLObject.read(n) without a buffer allocates n bytes per
+        # call (a 256 KiB allocation per TLS record, and per call that finds none).
+        self._buf = bytearray(RECEIVE_SIZE)
+        self._view = memoryview(self._buf)
+        self._raw = bytearray(RECEIVE_SIZE)
+        self._raw_view = memoryview(self._raw)
 
     async def _flush(self) -> None:
-        if self._out.pending:
-            async with self._send_lock:
-                data = self._out.read()
-                if data:
-                    await self.transport_stream.send_all(data)
+        while self._sending:
+            await self._idle.wait()  # the other task's loop sends what is pending now
+        if not self._out.pending:
+            return
+        self._sending = True
+        try:
+            while self._out.pending:
+                await self.transport_stream.send_all(self._out.read())
+        finally:
+            self._sending = False
+            self._idle.set()
+            self._idle = trio.Event()
 
     async def _fill(self) -> None:
-        data = await self.transport_stream.receive_some(RECEIVE_SIZE)
-        if not data:
+        # recv_into one buffer: SocketStream.receive_some(n) allocates n bytes per call.
+        try:
+            n = await self.transport_stream.socket.recv_into(self._raw_view)
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+        if not n:
             self._eof = True
             self._in.write_eof()
         else:
-            self._in.write(data)
+            self._in.write(self._raw_view[:n])
 
     async def do_handshake(self) -> None:
         while True:
@@ -83,17 +105,18 @@ class TlsStream(trio.abc.Stream):
         return dict(cert) if cert else None
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        limit = max_bytes or RECEIVE_SIZE
-        chunks: list[bytes] = []
+        limit = min(max_bytes or RECEIVE_SIZE, RECEIVE_SIZE)
+        view = self._view
         have = 0
+        waited = False  # a receive that awaited the socket has had its schedule point
         while True:
             try:
                 while have < limit:
-                    piece = self._obj.read(limit - have)
-                    if not piece:
+                    # With a buffer, read() returns the count (typeshed says bytes).
+                    n = cast(int, self._obj.read(limit - have, view[have:limit]))
+                    if not n:
                         break
-                    chunks.append(piece)
-                    have += len(piece)
+                    have += n
             except ssl.SSLWantReadError:
                 pass
             except ssl.SSLZeroReturnError:
@@ -102,13 +125,12 @@ class TlsStream(trio.abc.Stream):
                 raise trio.BrokenResourceError(f"TLS error: {exc}") from exc
             if self._out.pending:
                 await self._flush()
-            if chunks:
-                await trio.lowlevel.checkpoint()
-                return b"".join(chunks)
-            if self._eof:
-                await trio.lowlevel.checkpoint()
-                return b""
+            if have or self._eof:
+                if not waited:
+                    await trio.lowlevel.checkpoint()
+                return bytes(view[:have])
             await self._fill()
+            waited = True
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         try:

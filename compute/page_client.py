@@ -285,6 +285,9 @@ class BlockingPageClient:
         # payload copied out once (a load driver's CPU is the server's competition).
         self._rbuf = bytearray()
         self._rpos = 0
+        # recv_into one buffer: recv(n) allocates n bytes per call (on a TLS socket per record).
+        self._recv_buf = bytearray(RECEIVE_SIZE)
+        self._recv_view = memoryview(self._recv_buf)
         self._in_flight: deque[Request] = deque()
         self._reqids = itertools.count(1)
         self._out = bytearray()
@@ -371,10 +374,10 @@ class BlockingPageClient:
                         end = 0
                     self._rpos = end
                     return tag, payload
-            data = self.sock.recv(RECEIVE_SIZE)
-            if not data:
+            n = self.sock.recv_into(self._recv_buf)
+            if not n:
                 raise trio.BrokenResourceError("server closed the connection")
-            buf += data
+            buf += self._recv_view[:n]
 
     def get_page(self, rel: RelTag, blkno: int, lsn: Lsn = MAX_LSN) -> bytes:
         nms = Lsn(0) if lsn == MAX_LSN else lsn

@@ -68,7 +68,8 @@ def cli(workdir: Path, *args: str) -> str:
 
 def query(port: int, sql: str) -> Any:
     with psycopg.connect(f"host=127.0.0.1 port={port} user=postgres dbname=postgres connect_timeout=2") as conn:
-        row = conn.execute(sql).fetchone()
+        cur = conn.execute(sql)
+        row = cur.fetchone() if cur.description is not None else None
     return row[0] if row else None
 
 

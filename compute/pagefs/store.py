@@ -247,7 +247,8 @@ class PageStore:
             else:
                 self.kept[Keep(self._slot_keep[slot])] -= 1
             self.cache.write(slot, page)
-            keep = self.page_keep(f, page)
+            # a file-level reason (H4) is for the file's life; unlogged is looked up at eviction
+            keep = f.keep_file or self.page_keep(f, page)
             self._slot_lsn[slot] = page_lsn(page)
             self._slot_keep[slot] = keep
             self.kept[keep] += 1

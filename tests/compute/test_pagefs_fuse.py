@@ -155,6 +155,26 @@ async def test_write_extend_truncate_unlink(mounted: tuple[Path, PageFs, FakeFet
     assert fs.store.metrics.writes >= 6
 
 
+async def test_large_and_unaligned_writes(mounted: tuple[Path, PageFs, FakeFetcher]) -> None:
+    """copydir writes 64 KiB at a time; a writer that is not PostgreSQL may write any range."""
+    mnt, _, _ = mounted
+    path = mnt / "base" / "5" / "16401"
+    big = b"".join(make_page(S + 8, fill=i + 1) for i in range(8))
+    await io(pwrite, path, big, 0, os.O_CREAT | os.O_EXCL)
+    assert await io(pread, path, len(big), 0) == big
+    await io(pwrite, path, b"\xee" * 100, BLCKSZ - 50)  # across a block boundary
+    got = await io(pread, path, 2 * BLCKSZ, 0)
+    assert got[BLCKSZ - 50 : BLCKSZ + 50] == b"\xee" * 100
+    assert got[: BLCKSZ - 50] == big[: BLCKSZ - 50] and got[BLCKSZ + 50 :] == big[BLCKSZ + 50 : 2 * BLCKSZ]
+    # an unaligned write into a page of the pageserver merges with it
+    rel = RelTag(1663, 5, 16384, 0)
+    await io(pwrite, mnt / "base" / "5" / "16384", b"\x01\x02", 30 * BLCKSZ + 10)
+    page = await io(pread, mnt / "base" / "5" / "16384", BLCKSZ, 30 * BLCKSZ)
+    want = bytearray(remote_page(rel, 30))
+    want[10:12] = b"\x01\x02"
+    assert page == bytes(want)
+
+
 async def test_directories_rename_and_io_errors(mounted: tuple[Path, PageFs, FakeFetcher]) -> None:
     mnt, fs, fetcher = mounted
     db = mnt / "base" / "16500"

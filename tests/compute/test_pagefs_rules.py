@@ -166,6 +166,7 @@ def test_h4_pages_of_a_new_database_stay(store: PageStore, durable: Durable) -> 
     # FILE_COPY copies carry the template's pd_lsn, which the pageserver cannot serve there
     f = store.new_file(rel(db=16500), 0, 0, keep=Keep.NEW_DATABASE)
     assert not _evicts(store, f, make_page(S - 0x100, fill=1), durable)
+    assert store.kept[Keep.NEW_DATABASE] == 1
 
 
 def test_unlogged_relations_and_init_forks_stay(store: PageStore, durable: Durable) -> None:

@@ -195,6 +195,30 @@ def test_unlogged_table_is_empty_after_a_restart(cluster: Path, capsys: pytest.C
     assert main.psql("SELECT v FROM scratch WHERE id = 1") == "again"
 
 
+def test_create_and_drop_database(cluster: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """CREATE DATABASE with both strategies (WAL_LOG; FILE_COPY, whose pages stay local: H4),
+    DROP DATABASE, and a restart that reads the new databases from the page service."""
+    wd = ["--workdir", str(cluster)]
+    cli.main(["endpoint", "stop", "main", *wd])  # one primary per branch (it may not exist yet)
+    pagestore_json(capsys, "endpoint", "start", "db", *wd, "--storage", "lazy")
+    main = pg_of(cluster, "db")
+    main.psql("CREATE DATABASE walcopy")
+    main.psql("CREATE DATABASE filecopy STRATEGY FILE_COPY")
+    main.psql("CREATE DATABASE dropped")
+    for db in ("walcopy", "filecopy"):
+        main.psql("CREATE TABLE t AS SELECT g FROM generate_series(1, 20000) g", dbname=db)
+    main.psql("DROP DATABASE dropped")
+    st = pagefs_http(cluster, "db", "GET", "/v1/status")
+    assert st["kept"]["new_database"] > 0, st
+    pagestore(capsys, "endpoint", "stop", "db", *wd)
+    pagestore_json(capsys, "endpoint", "start", "db", *wd, "--storage", "lazy")
+    main = pg_of(cluster, "db")
+    for db in ("walcopy", "filecopy"):
+        assert main.psql("SELECT count(*), sum(g) FROM t", dbname=db) == "20000|200010000"
+    assert main.psql("SELECT count(*) FROM pg_database WHERE datname = 'dropped'") == "0"
+    pagestore(capsys, "endpoint", "stop", "db", *wd)
+
+
 def test_without_dev_fuse_a_lazy_start_names_it(cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = os.path.exists
     monkeypatch.setattr(os.path, "exists", lambda p: False if str(p) == "/dev/fuse" else real(p))

@@ -183,7 +183,7 @@ class TenantManager:
                         disk_consistent_lsn=format_lsn(tl.disk_consistent_lsn),
                         last_record_lsn=format_lsn(tl.last_record_lsn),
                     )
-            for tl in tenant.timelines.values():
+            for tl in tenant.timelines.values() if self.remote_storage is not None else ():
                 # Let the upload queue drain for a while: the next start (here or elsewhere)
                 # then has less to re-ingest. Not for ever: the store may be down.
                 with trio.move_on_after(self.conf.shutdown_timeout_s * 2) as scope:

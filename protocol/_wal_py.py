@@ -119,15 +119,9 @@ def scan_records(buf: Buffer, i: int, n: int, base: int, seg_size: int) -> tuple
     """
     view = memoryview(buf).cast("B")
     _check_scan_args(len(view), i, n, base, seg_size)
-    # Slicing bytes is cheaper than slicing a memoryview (two slices per record): when the
-    # records are small, a bytes copy of the rest pays for itself; large ones use the view.
-    data: bytes | memoryview
-    if type(buf) is bytes:
-        data = buf
-    elif n - i >= 4 and _U32.unpack_from(view, i)[0] < _COPY_BELOW:
-        data = bytes(view[: n])
-    else:
-        data = view
+    # Slicing bytes is cheaper than slicing a memoryview (two slices per record); a caller
+    # that calls this per page (the tracker) makes one bytes copy per feed and passes that.
+    data: bytes | memoryview = buf if type(buf) is bytes else view
     crc32 = _crc()
     unpack = _REC_HEAD.unpack_from
     unpack_page = _PAGE_HEADER.unpack_from

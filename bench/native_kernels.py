@@ -7,9 +7,9 @@ twin module) and timed on the same inputs, interleaved round by round; every row
 "us_per_item": ..., "rounds": [...]}`` and one ``"ratio"`` line per kernel (native over python,
 median of the per-round ratios).
 
-Kernels: ``crc32c`` (8 KiB buffers), ``scan_records`` (synthetic WAL of ``--record-size``-byte
-records), ``tracker-1k`` / ``tracker-128k`` (``RecordTracker.feed`` in 1 KiB / 128 KiB pieces),
-``coalesce-1k`` (runs of 128 v3 AppendRequests of 1 KiB).
+Kernels: ``crc32c`` (8 KiB buffers), ``tracker-1k`` / ``tracker-128k`` (``RecordTracker.feed``
+over synthetic WAL of ``--record-size``-byte records in 1 KiB / 128 KiB pieces; its fast path is
+``scan_records``), ``coalesce-1k`` (runs of 128 v3 AppendRequests of 1 KiB).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 from protocol import _native
-from protocol.lsn import WAL_SEGMENT_SIZE, Lsn
+from protocol.lsn import Lsn
 from protocol.safekeeper import AppendRequest, encode_message
 from safekeeper.testing import synthetic_wal
 
@@ -34,6 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mib", type=int, default=64, help="MiB of WAL per round")
     parser.add_argument("--record-size", type=int, default=200, help="WAL record size in bytes")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each times both implementations")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG: CPU throughput per kernel, native beside python")
 
 
 def _modules(native_name: str) -> dict[str, ModuleType]:
@@ -59,19 +61,6 @@ def run(args: argparse.Namespace) -> int:
     def crc(m: ModuleType) -> Callable[[], object]:
         f = m.crc32c
         return lambda: [f(crc_buf) for _ in range(len(wal) // len(crc_buf))]
-
-    def scan(m: ModuleType) -> Callable[[], object]:
-        f = m.scan_records
-        view = memoryview(wal)
-
-        def go() -> None:
-            # page by page, as the tracker calls it (each page header is the caller's)
-            for page in range(0, len(wal) - 8192, 8192):
-                start = page + (40 if page % WAL_SEGMENT_SIZE == 0 else 24)
-                start = (start + 7) & ~7
-                f(view, start, page + 8192, BASE, WAL_SEGMENT_SIZE)
-
-        return go
 
     def tracker(piece: int) -> Callable[[ModuleType], Callable[[], object]]:
         def make(m: ModuleType) -> Callable[[], object]:
@@ -99,11 +88,11 @@ def run(args: argparse.Namespace) -> int:
 
     kernels: list[tuple[str, dict[str, ModuleType], Callable[[ModuleType], Callable[[], object]], int, int]] = [
         ("crc32c", wal_mods, crc, (len(wal) // len(crc_buf)) * len(crc_buf), len(wal) // len(crc_buf)),
-        ("scan_records", wal_mods, scan, len(wal), records),
         ("tracker-1k", wal_mods, tracker(1024), len(wal), records),
         ("tracker-128k", wal_mods, tracker(128 * 1024), len(wal), records),
         ("coalesce-1k", pq_mods, coalesce, runs * 128 * 1024, runs * 128),
     ]
+    rows: list[dict[str, object]] = []
     for name, mods, make, nbytes, items in kernels:
         times: dict[str, list[float]] = {impl: [] for impl in mods}
         for _ in range(max(args.rounds, 1)):
@@ -111,15 +100,44 @@ def run(args: argparse.Namespace) -> int:
                 times[impl].append(_cpu(make(mod)))
         for impl, ts in times.items():
             med = statistics.median(ts)
-            print(json.dumps({
+            row: dict[str, object] = {
                 "bench": "native-kernels", "kernel": name, "impl": impl,
                 "mib_s": round(nbytes / med / (1 << 20), 1) if med else None,
                 "us_per_item": round(med / items * 1e6, 3), "cpu_s_rounds": [round(t, 4) for t in ts],
                 "record_size": args.record_size,
-            }), flush=True)
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         ratios = [p / n for n, p in zip(times["native"], times["python"], strict=True) if n > 0]
         print(json.dumps({
             "bench": "native-kernels", "kernel": name, "ratio": "python_cpu / native_cpu",
             "median": round(statistics.median(ratios), 1) if ratios else None,
         }), flush=True)
+    if args.plot is not None:
+        plot(rows, args.plot)
     return 0
+
+
+def plot(rows: list[dict[str, object]], path: Path) -> None:
+    """One group of bars per kernel: MiB of input per CPU-second, native beside python."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kernels = list(dict.fromkeys(str(r["kernel"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for k, impl in enumerate(("native", "python")):
+        values = [
+            next((float(r["mib_s"] or 0) for r in rows if r["kernel"] == name and r["impl"] == impl), 0.0)  # type: ignore[arg-type]
+            for name in kernels
+        ]
+        ax.bar([x + 0.4 * k for x in range(len(kernels))], values, 0.4, label=impl)
+    ax.set_xticks([x + 0.2 for x in range(len(kernels))], kernels)
+    ax.set_yscale("log")
+    ax.set_ylabel("MiB per CPU-second (median)")
+    ax.set_title("pagestore bench native-kernels: compiled kernel vs pure-Python twin (one run)", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -712,11 +712,11 @@ def plot_impls(rows: list[dict[str, object]], path: Path) -> None:
     def label(r: dict[str, object]) -> str:
         size = int(r["msg_size"])  # type: ignore[call-overload]
         name = f"{size // 1024} KiB" if size < 1 << 20 else f"{size >> 20} MiB"
-        return f"{name}\nfsync {'on' if r['fsync'] else 'off'}" + ("" if r["coalescing"] else "\nuncoalesced")
+        return f"{name} fsync {'on' if r['fsync'] else 'off'}" + ("" if r["coalescing"] else " uncoal.")
 
     configs = list(dict.fromkeys(label(r) for r in rows))
     impls = list(dict.fromkeys(str(r["impl"]) for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(max(11.0, 1.1 * len(configs)), 5.2))
     width = 0.8 / max(len(impls), 1)
     for ax, key, title in (
         (axes[0], "median_mib_s", "WAL acknowledged, MiB/s (median)"),
@@ -728,7 +728,10 @@ def plot_impls(rows: list[dict[str, object]], path: Path) -> None:
                 for c in configs
             ]
             ax.bar([x + k * width for x in range(len(configs))], values, width, label=impl)
-        ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(configs))], configs)
+        ax.set_xticks(
+            [x + width * (len(impls) - 1) / 2 for x in range(len(configs))], configs,
+            rotation=55, ha="right", fontsize=8,
+        )
         ax.set_title(title, fontsize=10)
         ax.set_yscale("log")
         ax.legend()

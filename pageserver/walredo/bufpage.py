@@ -404,11 +404,15 @@ def _index_item(page: bytearray, offnum: int, nline: int, upper: int, special: i
 def _shift_items_below(page: bytearray, nline: int, offset: int, delta: int) -> None:
     """Move the line pointers of stored items at or below ``offset`` by ``delta`` bytes
     (their tuples were just moved by as much)."""
-    for i in range(1, nline + 1):
-        p = itemid_pos(i)
-        raw = _unpack_u32(page, p)[0]
-        if (raw >> 17) and (raw & 0x7FFF) <= offset:
-            _pack_u32(page, p, raw + delta)
+    if nline <= 0:
+        return
+    # all line pointers in one unpack/pack: a page holds hundreds of them
+    fmt = f"<{nline}I"
+    lps = struct.unpack_from(fmt, page, SIZE_OF_PAGE_HEADER)
+    struct.pack_into(
+        fmt, page, SIZE_OF_PAGE_HEADER,
+        *[raw + delta if (raw >> 17) and (raw & 0x7FFF) <= offset else raw for raw in lps],
+    )
 
 
 def page_index_tuple_delete(page: bytearray, offnum: int) -> None:
@@ -425,11 +429,13 @@ def page_index_tuple_delete(page: bytearray, offnum: int) -> None:
     lower -= ITEM_ID_SIZE
     LOWER_UPPER_SPECIAL.pack_into(page, OFF_LOWER, lower, upper, special)
     if lower > SIZE_OF_PAGE_HEADER:
-        for i in range(1, nline):
-            p = itemid_pos(i)
-            raw = _unpack_u32(page, p)[0]
-            if (raw & 0x7FFF) <= offset:
-                _pack_u32(page, p, raw + size)
+        # the remaining nline - 1 pointers in one unpack/pack: a page holds hundreds of them
+        fmt = f"<{nline - 1}I"
+        lps = struct.unpack_from(fmt, page, SIZE_OF_PAGE_HEADER)
+        struct.pack_into(
+            fmt, page, SIZE_OF_PAGE_HEADER,
+            *[raw + size if (raw & 0x7FFF) <= offset else raw for raw in lps],
+        )
 
 
 def page_index_multi_delete(page: bytearray, itemnos: Sequence[int]) -> None:

@@ -10,11 +10,15 @@ import ssl
 from pathlib import Path
 
 import attrs
+import structlog
+import trio
 
-from common.auth import JwtVerifier, Service
-from common.http import HttpAuth
+from common.auth import AuthKeyError, JwtVerifier, Service
+from common.http import HttpAuth, HttpError, Request, Router
 from common.pgauth import JwtAuthenticator
 from common.tls import server_context
+
+log = structlog.get_logger("auth")
 
 
 @attrs.frozen
@@ -22,6 +26,26 @@ class NodeSecurity:
     pg_authenticator: JwtAuthenticator | None
     http_auth: HttpAuth | None
     ssl_context: ssl.SSLContext | None
+    verifier: JwtVerifier | None = None
+
+    def add_reload_route(self, router: Router) -> None:
+        """``POST /v1/reload_auth_validation_keys`` (node-wide: ``pageserverapi`` on a
+        pageserver, ``safekeeperdata`` on a safekeeper): re-read the key path, so a key added
+        to (or removed from) the directory counts without a restart, on both ports. 400 when
+        auth is off; 500 naming the problem when the keys do not load (the old ones stay)."""
+        verifier = self.verifier
+
+        async def reload(_: Request) -> object:
+            if verifier is None:
+                raise HttpError(400, "auth is off on this node: there are no keys to reload")
+            try:
+                count = await trio.to_thread.run_sync(verifier.reload)
+            except AuthKeyError as exc:
+                raise HttpError(500, f"Error reloading public keys: {exc}") from None
+            log.info("auth keys reloaded", keys=count, path=str(verifier.key_path))
+            return {"keys": count}
+
+        router.add("POST", "/v1/reload_auth_validation_keys", reload)
 
     @classmethod
     def build(
@@ -41,4 +65,4 @@ class NodeSecurity:
         pg = JwtAuthenticator(verifier, service) if verifier and pg_auth_type == "NeonJWT" else None
         http = HttpAuth(verifier, service) if verifier and http_auth_type == "NeonJWT" else None
         ctx = None if ssl_files is None else server_context(*ssl_files)
-        return cls(pg, http, ctx)
+        return cls(pg, http, ctx, verifier)

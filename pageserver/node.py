@@ -113,8 +113,10 @@ class PageserverNode:
             authenticator=self.security.pg_authenticator,
             ssl_context=self.security.ssl_context,
         )
+        router = build_router(self.manager, self.registry)
+        self.security.add_reload_route(router)
         http = HttpServer(
-            build_router(self.manager, self.registry),
+            router,
             HttpServerConfig(host=http_host, port=http_port, shutdown_timeout_s=conf.shutdown_timeout_s),
             auth=self.security.http_auth,
             ssl_context=self.security.ssl_context,

@@ -86,6 +86,7 @@ def build_http_server(node: SafekeeperNode) -> HttpServer:
             )
         return tl.status()
 
+    node.security.add_reload_route(router)
     registry = new_registry()
     registry.register(_TimelineCollector(node))
     add_metrics_route(router, registry)

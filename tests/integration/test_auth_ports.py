@@ -250,3 +250,50 @@ async def test_safekeeper_ports(kits: tuple[AuthKit, TlsKit], tmp_path: Path) ->
             done = await trio.to_thread.run_sync(psql)
             assert done.returncode == 0, done.stderr
             assert "|1|" in done.stdout
+
+
+async def test_key_rotation_with_reload(tmp_path: Path) -> None:
+    """A key directory: add the new key, reload, both work; drop the old one, reload, the
+    old tokens are refused (HTTP and libpq share the keys)."""
+    old, new = AuthKit.create(tmp_path / "old"), AuthKit.create(tmp_path / "new")
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "old.pem").write_bytes(old.public_path.read_bytes())
+    conf = PageserverConfig(
+        workdir=tmp_path / "ps", listen_pg_addr="127.0.0.1:0", listen_http_addr="127.0.0.1:0",
+        pg_auth_type="NeonJWT", http_auth_type="NeonJWT", auth_validation_public_key_path=keys,
+        shutdown_timeout_s=1.0,
+    )
+    node = PageserverNode(conf)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        base = f"http://127.0.0.1:{node.http_port}"
+        old_admin, new_admin = old.token(Scope.PAGESERVERAPI), new.token(Scope.PAGESERVERAPI)
+        reload_url = f"{base}/v1/reload_auth_validation_keys"
+
+        def rotate() -> None:
+            assert http(f"{base}/v1/tenant", token=old_admin)[0] == 200
+            assert http(f"{base}/v1/tenant", token=new_admin)[0] == 403
+            (keys / "new.pem").write_bytes(new.public_path.read_bytes())
+            assert http(reload_url, "POST", old.tenant(OTHER), {})[0] == 403  # node-wide
+            assert http(reload_url, "POST", old_admin, {}) == (200, {"keys": 2})
+            assert http(f"{base}/v1/tenant", token=new_admin)[0] == 200
+            assert http(f"{base}/v1/tenant", token=old_admin)[0] == 200
+            (keys / "old.pem").unlink()
+            assert http(reload_url, "POST", new_admin, {}) == (200, {"keys": 1})
+            assert http(f"{base}/v1/tenant", token=old_admin)[0] == 403
+            (keys / "bad.pem").write_text("not a key")
+            status, body = http(reload_url, "POST", new_admin, {})
+            assert status == 500 and "bad.pem" in body["msg"]
+            assert http(f"{base}/v1/tenant", token=new_admin)[0] == 200  # the keys stayed
+
+        await trio.to_thread.run_sync(rotate)
+        port = node.pg_port
+        assert port is not None
+        with trio.fail_after(20):
+            with pytest.raises(PgError) as info:
+                await pgclient.connect("127.0.0.1", port, user="u", password=old.tenant(OTHER))
+            assert info.value.sqlstate == "28P01"
+            conn = await pgclient.connect("127.0.0.1", port, user="u", password=new.tenant(OTHER))
+            await conn.aclose()
+        node.stop()

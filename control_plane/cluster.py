@@ -125,7 +125,7 @@ def stop(env: LocalEnv, *, immediate: bool = False, log: Any = print) -> None:
 
     for ep in endpoint.list_endpoints(env):
         # A bridge outlives its PostgreSQL when that one crashed or was killed: stop it too.
-        if ep.running() or process.running_pid(ep.bridge_pid_path) is not None:
+        if ep.running() or process.running_pid(ep.bridge_pid_path) is not None or ep.pagefs_left():
             endpoint.stop_endpoint(env, ep.name, log=log)
     for name, node_dir in env.node_dirs():
         pid = process.running_pid(_pid_path(node_dir))

@@ -125,6 +125,12 @@ class Endpoint:
     def pagefs_log(self) -> Path:
         return self.dir / "pagefs.log"
 
+    def pagefs_left(self) -> bool:
+        """Its page filesystem runs, or its mount is still there (alive or with a dead daemon)."""
+        mnt = self.pagefs_mount
+        return (process.running_pid(self.pagefs_pid_path) is not None or os.path.ismount(mnt)
+                or _is_dead_mount(mnt))
+
     def pagefs_status(self) -> dict[str, Any] | None:
         try:
             data = json.loads(self.pagefs_status_path.read_text())

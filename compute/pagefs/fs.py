@@ -82,15 +82,28 @@ class Listing:
     databases: list[tuple[int, int, dict[int, dict[str, int]]]]  # (spc, db, relnode -> forks)
 
     @classmethod
-    def from_json(cls, data: dict[str, object]) -> Listing:
-        out = []
-        dbs = data.get("databases")
-        if not isinstance(dbs, list):
-            raise ValueError("relation listing without databases")
-        for d in dbs:
-            rels = {int(r["relnode"]): {str(k): int(v) for k, v in r["forks"].items()} for r in d["relations"]}
-            out.append((int(d["spcnode"]), int(d["dbnode"]), rels))
+    def from_json(cls, data: object) -> Listing:
+        """The pageserver's answer, checked: ``ListingError`` names what is wrong."""
+        try:
+            if not isinstance(data, dict) or not isinstance(data.get("databases"), list):
+                raise TypeError("no list of databases")
+            dbs = data["databases"]
+            out = []
+            for d in dbs:
+                rels: dict[int, dict[str, int]] = {}
+                for r in d["relations"]:
+                    forks = {str(k): int(v) for k, v in r["forks"].items()}
+                    if not set(forks) <= set(FORK_BY_NAME) or any(n < 0 or n > 0xFFFF_FFFF for n in forks.values()):
+                        raise ValueError(f"bad forks {forks!r}")
+                    rels[int(r["relnode"])] = forks
+                out.append((int(d["spcnode"]), int(d["dbnode"]), rels))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ListingError(f"malformed relation listing: {exc!r}") from None
         return cls(out)
+
+
+class ListingError(ValueError):
+    """The relation listing from the pageserver is not what ``GET .../relations`` answers."""
 
 
 class PageFs(pyfuse3.Operations):

@@ -16,7 +16,7 @@ import trio
 pyfuse3 = pytest.importorskip("pyfuse3")
 
 from compute.pagefs.cache_file import LocalPageFile  # noqa: E402
-from compute.pagefs.fs import DirNode, Listing, PageFs  # noqa: E402
+from compute.pagefs.fs import DirNode, Listing, ListingError, PageFs  # noqa: E402
 from compute.pagefs.page_header import BLCKSZ, make_page  # noqa: E402
 from compute.pagefs.remote import PageFetcher, PageFetchError  # noqa: E402
 from compute.pagefs.store import PageStore, RemoteRead  # noqa: E402
@@ -200,3 +200,14 @@ async def test_directories_rename_and_io_errors(mounted: tuple[Path, PageFs, Fak
         await io(pread, mnt / "base" / "5" / "16384_fsm", BLCKSZ, 0)
     assert exc.value.errno == 5
     assert fs.read_errors >= 1
+
+
+@pytest.mark.parametrize("bad", [
+    None, [], {}, {"databases": 3}, {"databases": [{"spcnode": 1663}]},
+    {"databases": [{"spcnode": 1663, "dbnode": 5, "relations": [{"relnode": 1, "forks": {"main": -1}}]}]},
+    {"databases": [{"spcnode": 1663, "dbnode": 5, "relations": [{"relnode": 1, "forks": {"x": 1}}]}]},
+    {"databases": [{"spcnode": "a", "dbnode": 5, "relations": []}]},
+])
+def test_a_malformed_listing_is_a_clear_error(bad: object) -> None:
+    with pytest.raises(ListingError, match="malformed relation listing"):
+        Listing.from_json(bad)

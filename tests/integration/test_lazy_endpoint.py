@@ -66,6 +66,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             yield workdir
         finally:
             cli.main(["stop", "--workdir", str(workdir), "--immediate"])
+            # `stop` unmounts every page filesystem, also of endpoints whose PostgreSQL died
+            assert not [m for m in workdir.glob("endpoints/*/pagefs/mnt") if os.path.ismount(m)]
 
 
 def pg_of(cluster: Path, name: str) -> PostgresInstance:

@@ -25,7 +25,9 @@ only its cache with it; ``pagestore endpoint start`` starts a new one with an em
   position (>= 0/1000000), the safekeepers hold WAL up to L, and none of the hazards below
   holds. Then R4: it is re-read at ``not_modified_since`` = max(L, S): never an older version
   than this compute wrote, since every logged change to it is at or below L and what differs
-  from the pageserver's page at L is hints only.
+  from the pageserver's page at L is hints only. The map of evicted LSNs is bounded: past the
+  bound an entry is dropped and its LSN becomes a floor for every read without an entry (R1
+  then uses max(floor, S)): a larger ``not_modified_since`` is always correct, it only waits.
 - R5. FSM pages are hints: always evictable, re-read at S (or L); a failed FSM read is zeros.
 - What is not in WAL never leaves the local cache: every fork of an unlogged relation (one with
   an ``_init`` file), init forks, pages whose pd_lsn is no real LSN (relations built without WAL:

@@ -109,6 +109,7 @@ class PageStore:
         primary: bool,
         durable_lsn: Callable[[], Lsn],
         wal_log_hints: bool,
+        max_evicted_entries: int = 1 << 20,
     ) -> None:
         self.cache = cache
         self.start_lsn = start_lsn
@@ -124,6 +125,13 @@ class PageStore:
         self._slot_keep = bytearray()
         self._hand = 0
         self.kept: dict[Keep, int] = dict.fromkeys(Keep, 0)
+        # The evicted-LSN map is bounded as Neon's last-written-LSN cache: past the bound an
+        # entry is dropped and its LSN raises a floor that every read without an entry uses
+        # (a larger not_modified_since is always correct; it only makes the read wait).
+        self.max_evicted_entries = max_evicted_entries
+        self.evicted_entries = 0
+        self.evicted_floor = Lsn(start_lsn)
+        self._evicted_files: dict[int, RelFile] = {}
 
     # -- LSNs -----------------------------------------------------------------------------
 
@@ -195,7 +203,7 @@ class PageStore:
                     sources.append(ZERO)  # extended here, or truncated and extended again
                     m.zero_reads += 1
                     continue
-                nms = self.start_lsn  # R1
+                nms = self.evicted_floor  # R1 (S, unless evicted entries were dropped)
             sources.append(-2 - len(remote))
             remote.append(RemoteRead(blk, f.blkno(blk), req, Lsn(nms)))
             m.misses += 1
@@ -232,7 +240,8 @@ class PageStore:
         if len(page) != BLCKSZ:
             raise ValueError(f"write_block needs {BLCKSZ} bytes, got {len(page)}")
         self.metrics.writes += 1
-        f.evicted.pop(blk, None)
+        if f.evicted.pop(blk, None) is not None:
+            self.evicted_entries -= 1
         slot = f.local.get(blk)
         if page == ZERO_PAGE:
             if slot is not None and slot != ZERO:
@@ -264,6 +273,7 @@ class PageStore:
                 self._free_slot(slot)
         for blk in [b for b in f.evicted if b >= nblocks]:
             del f.evicted[blk]
+            self.evicted_entries -= 1
         f.remote_limit = min(f.remote_limit, nblocks)
         f.size = size
 
@@ -315,8 +325,25 @@ class PageStore:
             lsn = self.start_lsn  # R5: serve what the pageserver has
         del f.local[blk]
         f.evicted[blk] = max(lsn, self.start_lsn)
+        self.evicted_entries += 1
+        self._evicted_files[id(f)] = f
         self._free_slot(slot)
         self.metrics.evictions += 1
+        if self.evicted_entries > self.max_evicted_entries:
+            self._drop_evicted_entry()
+
+    def _drop_evicted_entry(self) -> None:
+        """Forget one evicted block's LSN: the floor rises to it (module docstring of
+        ``compute.pagefs``, R4)."""
+        while self._evicted_files:
+            key, f = next(iter(self._evicted_files.items()))
+            if not f.evicted:
+                del self._evicted_files[key]
+                continue
+            blk = next(iter(f.evicted))
+            self.evicted_floor = Lsn(max(self.evicted_floor, f.evicted.pop(blk)))
+            self.evicted_entries -= 1
+            return
 
     def _evict_one(self) -> int | None:
         """Clock: clear reference bits until an evictable unreferenced slot comes by; give up

@@ -206,3 +206,22 @@ def test_clock_evicts_within_the_bound_and_grows_only_when_all_is_kept(tmp_path:
     for blk in range(6):
         assert s.assemble(s.plan_read(v, blk * BLCKSZ, BLCKSZ), []) == make_page(S + 8, fill=blk + 1)
     s.cache.close()
+
+
+def test_the_evicted_lsn_map_is_bounded(tmp_path: Path, durable: Durable) -> None:
+    s = PageStore(LocalPageFile(tmp_path / "cache", 64), start_lsn=S, primary=True,
+                  durable_lsn=lambda: durable.lsn, wal_log_hints=True, max_evicted_entries=2)
+    durable.lsn = Lsn(0x0F00_0000)
+    f = s.new_file(rel(), 0, 8)
+    lsns = [S + 0x100 * (i + 1) for i in range(3)]
+    for blk, lsn in enumerate(lsns):
+        s.write_block(f, blk, make_page(lsn, fill=blk + 1))
+    assert s.evict_all() == 3
+    assert s.evicted_entries == 2 and len(f.evicted) == 2
+    dropped = next(b for b in range(3) if b not in f.evicted)
+    assert s.evicted_floor == lsns[dropped]
+    # the dropped block, and blocks never written, are read at the floor: never older than L
+    nms = {r.blk: r.not_modified_since for r in s.plan_read(f, 0, 8 * BLCKSZ).remote}
+    assert nms[dropped] == lsns[dropped] and nms[7] == lsns[dropped]
+    assert all(nms[b] == lsns[b] for b in f.evicted)
+    s.cache.close()

@@ -5,7 +5,7 @@ from typing import Final
 
 from typing_extensions import Buffer
 
-__all__ = ["IMPL", "coalesce_appends"]
+__all__ = ["IMPL", "coalesce_appends", "take_frames"]
 
 IMPL: Final = "native"
 SOURCE_HASH: Final[str]
@@ -13,3 +13,6 @@ SOURCE_HASH: Final[str]
 def coalesce_appends(
     payloads: Sequence[Buffer], k: int, max_bytes: int
 ) -> tuple[int, int, int, int, int, int, int, bytes]: ...
+def take_frames(
+    data: Buffer, start: int, end: int, tag: int, max_length: int, limit: int
+) -> tuple[list[memoryview], int]: ...

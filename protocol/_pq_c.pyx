@@ -9,6 +9,8 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memcpy
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.list cimport PyList_Append
+from cpython.sequence cimport PySequence_GetSlice
 
 cdef extern from "_bytes.h":
     uint32_t ps_be32(const unsigned char *p) nogil
@@ -23,7 +25,7 @@ cdef extern from *:
     """
     const char *ps_pq_source_hash
 
-__all__ = ["IMPL", "coalesce_appends"]
+__all__ = ["IMPL", "coalesce_appends", "take_frames"]
 
 IMPL = "native"
 SOURCE_HASH = ps_pq_source_hash.decode("ascii")
@@ -118,3 +120,33 @@ cdef int _as_bytes_buffer(object obj, Py_buffer *view) except -1:
     except BufferError as exc:
         raise TypeError(f"not a C-contiguous buffer: {exc}") from None
     return 0
+
+
+def take_frames(data, start, end, tag, max_length, limit):
+    """Zero-copy framing of the complete ``tag`` messages in ``data[start:end]``; see the twin."""
+    cdef const unsigned char[::1] view = memoryview(data).cast("B")
+    cdef Py_ssize_t size = view.shape[0]
+    if not 0 <= start <= end <= size:
+        raise ValueError(f"frame range [{start}, {end}) is not inside {size} bytes")
+    if not 0 <= tag <= 255 or max_length < 0 or limit < 0:
+        raise ValueError(f"bad tag {tag}, max_length {max_length} or limit {limit}")
+    cdef Py_ssize_t s = start, e = end
+    cdef uint64_t cap = max_length if max_length < (1 << 40) else (1 << 40)
+    cdef Py_ssize_t count = 0, most = limit if limit < (1 << 40) else (1 << 40)
+    cdef unsigned char want = <unsigned char>tag
+    cdef uint64_t length
+    cdef const unsigned char *p = &view[0] if size else NULL
+    out = []
+    base = None
+    while e - s >= 5 and count < most:
+        length = ps_be32(p + s + 1)
+        # remaining-count form: no s + 1 + length computed before it is known to fit
+        if p[s] != want or length < 4 or length > cap or length > <uint64_t>(e - s - 1):
+            break
+        if base is None:
+            # one export for the batch, as the twin: its slices share it
+            base = memoryview(data).cast("B")
+        PyList_Append(out, PySequence_GetSlice(base, s + 5, s + 1 + <Py_ssize_t>length))
+        s += 1 + <Py_ssize_t>length
+        count += 1
+    return out, s

@@ -14,6 +14,12 @@ one pagestore uses (``PAGESTORE_PURE_PYTHON=1`` selects this one).
   "nothing to coalesce here" (then the other fields are 0 and ``wal`` empty): the caller
   decodes ``payloads[k]`` alone, which also reports what is wrong with a malformed message.
   "Well-formed" is exactly ``protocol.safekeeper.decode_proposer_message``'s fast path.
+- ``take_frames(data, start, end, tag, max_length, limit)``: PostgreSQL framing of the complete
+  messages with ``tag`` in ``data[start:end]`` (tag byte, then a big-endian length that counts
+  itself), their bodies as zero-copy ``memoryview``s of ``data`` (at most ``limit``), and the
+  index after the last one. It stops before the first message with another tag, a length
+  outside ``4..max_length`` or one not all in ``data[start:end]`` (the caller's decoder reports
+  bad lengths). ``protocol.buffer.ReceiveBuffer.take_frames`` is its caller.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["IMPL", "coalesce_appends"]
+__all__ = ["IMPL", "coalesce_appends", "take_frames"]
 
 IMPL: Final = "python"
 
@@ -35,6 +41,33 @@ V3_APPEND_HEADER: Final = struct.Struct(">BIQQQQQ")  # tag, generation, term, be
 MAX_SEND_SIZE: Final = 16 * 8192
 
 _NOTHING: Final = (0, 0, 0, 0, 0, 0, 0, b"")
+_TAG_LEN: Final = struct.Struct("!BI")
+
+
+def take_frames(
+    data: Buffer, start: int, end: int, tag: int, max_length: int, limit: int
+) -> tuple[list[memoryview], int]:
+    """See the module docstring."""
+    size = len(memoryview(data).cast("B"))
+    if not 0 <= start <= end <= size:
+        raise ValueError(f"frame range [{start}, {end}) is not inside {size} bytes")
+    if not 0 <= tag <= 255 or max_length < 0 or limit < 0:
+        raise ValueError(f"bad tag {tag}, max_length {max_length} or limit {limit}")
+    unpack = _TAG_LEN.unpack_from
+    out: list[memoryview] = []
+    base: memoryview | None = None
+    while end - start >= 5 and len(out) < limit:
+        msg_tag, length = unpack(data, start)
+        stop = start + 1 + length
+        if msg_tag != tag or length < 4 or length > max_length or stop > end:
+            break
+        if base is None:
+            # One export for the batch: its slices share it, so the array's reference
+            # count stays raised while any of them lives.
+            base = memoryview(data).cast("B")
+        out.append(base[start + 5 : stop])
+        start = stop
+    return out, start
 
 
 def coalesce_appends(

@@ -21,7 +21,14 @@ import struct
 import sys
 from typing import Final
 
+from protocol import _native
 from protocol.errors import PROTOCOL_VIOLATION, LocalProtocolError, RemoteProtocolError
+
+_native.require("protocol._pq_c")
+if _native.IMPL == "python":
+    from protocol._pq_py import take_frames as _take_frames
+else:
+    from protocol._pq_c import take_frames as _take_frames
 
 # Big-endian (network order) integer codecs, shared by all codecs in protocol/.
 U8: Final = struct.Struct("!B")
@@ -33,7 +40,6 @@ I32: Final = struct.Struct("!i")
 I64: Final = struct.Struct("!q")
 # PostgreSQL message header: tag byte + length (the length counts itself, not the tag).
 TAG_LEN: Final = struct.Struct("!cI")
-_TAG_LEN_INT: Final = struct.Struct("!BI")  # the same with the tag as an int
 
 CHARACTER_NOT_IN_REPERTOIRE: Final = "22021"
 
@@ -354,23 +360,11 @@ class ReceiveBuffer:
         as views, at most ``limit`` of them. Stops before the first message with another
         tag, a length outside ``4..max_length`` or one not fully buffered, and leaves it
         for the general decoder (which reports bad lengths)."""
-        data = self._data
-        start = first = self._start
-        end = self._end
-        unpack = _TAG_LEN_INT.unpack_from
-        out: list[memoryview] = []
-        base: memoryview | None = None
-        while end - start >= 5 and len(out) < limit:
-            msg_tag, length = unpack(data, start)
-            stop = start + 1 + length
-            if msg_tag != tag or length < 4 or length > max_length or stop > end:
-                break
-            if base is None:
-                # One export for the batch: its slices share it, so the array's reference
-                # count stays raised while any of them lives.
-                base = memoryview(data)
-            out.append(base[start + 5 : stop])
-            start = stop
+        # The loop is a kernel (protocol/_pq_c.pyx, twin protocol/_pq_py.py): one export of
+        # the array for the batch, its slices share it, so the array's reference count stays
+        # raised while any of them lives.
+        first = self._start
+        out, start = _take_frames(self._data, first, self._end, tag, max_length, limit)
         if out:
             self._lent = self._zero_copy = True
             self.consume(start - first)

@@ -161,3 +161,60 @@ def test_stubtest_agrees_with_the_compiled_module() -> None:
         capture_output=True, text=True, check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# --- take_frames (PostgreSQL framing, zero copy) ----------------------------------------------
+
+
+def _frames(bodies: list[bytes], tag: bytes = b"d") -> bytes:
+    return b"".join(tag + (4 + len(b)).to_bytes(4, "big") + b for b in bodies)
+
+
+def test_take_frames_cuts_complete_messages_as_views(impl: str) -> None:
+    take = kernel(impl, PQ).take_frames
+    data = bytearray(b"xx" + _frames([b"abc", b"", b"y" * 100]) + _frames([b"q"], b"Q"))
+    out, stop = take(data, 2, len(data), ord("d"), 1 << 20, 100)
+    assert [bytes(v) for v in out] == [b"abc", b"", b"y" * 100]
+    assert stop == 2 + 8 + 5 + 105
+    assert all(v.obj is out[0].obj for v in out)  # one export shared by the batch
+    assert take(data, 2, len(data), ord("d"), 1 << 20, 2)[1] == 2 + 8 + 5  # limit
+    assert take(data, 2, len(data), ord("d"), 50, 100)[1] == 2 + 8 + 5  # max_length
+    assert take(data, 2, len(data) - 1 - 6, ord("d"), 1 << 20, 100)[1] == 2 + 8 + 5  # incomplete
+
+
+@pytest.mark.parametrize("args", [(-1, 10, 100, 1, 5), (5, 4, 100, 1, 5), (0, 99, 100, 1, 5), (0, 10, 256, 1, 5), (0, 10, 100, -1, 5), (0, 10, 100, 1, -1)])
+def test_take_frames_bad_arguments(impl: str, args: tuple[int, ...]) -> None:
+    start, end, tag, max_length, limit = args
+    with pytest.raises(ValueError):
+        kernel(impl, PQ).take_frames(bytearray(20), start, end, tag, max_length, limit)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    bodies=st.lists(st.binary(max_size=300), max_size=8),
+    noise=st.binary(max_size=40),
+    flips=st.lists(st.tuples(st.integers(0, 3000), st.integers(1, 255)), max_size=3),
+    cut=st.integers(0, 3000),
+    max_length=st.sampled_from([0, 4, 50, 1 << 20, (1 << 32) - 1]),
+    limit=st.integers(0, 10),
+)
+@pytest.mark.native
+def test_take_frames_native_equals_twin(
+    both: tuple[ModuleType, ModuleType], bodies: list[bytes], noise: bytes,
+    flips: list[tuple[int, int]], cut: int, max_length: int, limit: int,
+) -> None:
+    c, py = both
+    data = bytearray(_frames(bodies) + noise)
+    for at, mask in flips:
+        if data:
+            data[at % len(data)] ^= mask
+    end = min(cut, len(data))
+
+    def outcome(m: ModuleType) -> tuple[object, ...]:
+        try:
+            out, stop = m.take_frames(data, 0, end, ord("d"), max_length, limit)
+        except Exception as exc:
+            return ("err", type(exc).__name__)
+        return ("ok", [bytes(v) for v in out], stop)
+
+    assert outcome(c) == outcome(py)

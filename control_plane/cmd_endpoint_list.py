@@ -18,6 +18,7 @@ def run(args: argparse.Namespace) -> int:
     data = [ep.describe() for ep in endpoint.list_endpoints(load_env(args))]
     emit(args, data, lambda d: table(
         [[e["name"], e["branch"] or "-", str(e["port"]), "running" if e["running"] else "stopped",
-          "read-only@" + e["basebackup_lsn"] if e["read_only"] else "primary", e["dsn"]] for e in d],
-        ["endpoint", "branch", "port", "state", "kind", "connect"]))
+          "read-only@" + e["basebackup_lsn"] if e["read_only"] else "primary", e["storage"], e["dsn"]]
+         for e in d],
+        ["endpoint", "branch", "port", "state", "kind", "storage", "connect"]))
     return 0

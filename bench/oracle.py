@@ -24,7 +24,10 @@ Masking beyond bufmask, each for a reason PostgreSQL itself has:
   relations without WAL, e.g. ``RelationAddExtraBlocks``), for the VM fork an initialized page
   with no bit set (``vm_extend``);
 - FSM forks are not WAL-logged at all: compared and reported, never a failure;
-- unlogged relations: only the init fork is WAL-logged, so only it is compared.
+- unlogged relations: only the init fork is WAL-logged, so only it is compared;
+- SP-GiST metapages (block 0): the last-used-page cache is rewritten without WAL
+  (``SpGistUpdateMetaPage``); where a reference standby is given, a metapage differing from
+  the file only there is accepted when it equals the standby's (``spgist_meta_as_postgres``).
 """
 
 from __future__ import annotations
@@ -267,6 +270,24 @@ def _vm_lost_as_postgres(served: bytes, local: bytes, reference: bytes | None) -
     return served[head:] == reference[head:]
 
 
+# SpGistMetaPageData after the page header: magicNumber u32, then lastUsedPages (8 x
+# (blkno u32, freeSpace i32)), which SpGistUpdateMetaPage rewrites without WAL
+_SPGIST_LUP_CACHE = (bp.SIZE_OF_PAGE_HEADER + 4, bp.SIZE_OF_PAGE_HEADER + 4 + 8 * 8)
+
+
+def _spgist_meta_as_postgres(served: bytes, local: bytes, reference: bytes | None, mask: MaskFn) -> bool:
+    """An SP-GiST metapage differing from the file only in its last-used-page cache, and equal
+    to PostgreSQL's own redo of the same WAL (``reference``: the standby's page): the cache is
+    a hint the primary never WAL-logs."""
+    if reference is None:
+        return False
+    a, b, r = _masked(served, 0, mask), _masked(local, 0, mask), _masked(reference, 0, mask)
+    if not (isinstance(a, bytes) and isinstance(b, bytes) and isinstance(r, bytes)) or a != r:
+        return False
+    lo, hi = _SPGIST_LUP_CACHE
+    return a[:lo] == b[:lo] and a[hi:] == b[hi:]
+
+
 def _reference_block(root: Path, rel: RelTag, blkno: int) -> bytes | None:
     try:
         page = read_datadir_block(root, rel, blkno)
@@ -304,6 +325,7 @@ class SnapshotResult:
     fsm_equal: int = 0
     sequences_logged_ahead: int = 0
     vm_bits_lost_as_postgres: int = 0  # VM pages with fewer bits than the file, as the standby's
+    spgist_meta_as_postgres: int = 0  # SP-GiST metapages whose unlogged page cache is the standby's
     skipped_unlogged_forks: int = 0
     slru_segments: int = 0
     slru_pages: int = 0
@@ -407,6 +429,10 @@ async def compare_snapshot(client: PageClient, snap: Snapshot,
                         served, local, _reference_block(snap.reference, fork.rel, blkno)):
                     diff = 0
                     res.vm_bits_lost_as_postgres += 1
+                elif kind == "spgist" and blkno == 0 and snap.reference is not None and _spgist_meta_as_postgres(
+                        served, local, _reference_block(snap.reference, fork.rel, blkno), mask):
+                    diff = 0
+                    res.spgist_meta_as_postgres += 1
                 elif kind == "sequence":
                     assert fork.info is not None
                     diff, note = compare_sequence(served, local, fork.info.seq_increment)

@@ -541,3 +541,29 @@ def page_append_items(page: bytearray, items: Sequence[bytes | bytearray | memor
     struct.pack_into(f"<{n}I", page, lower, *lps)
     LOWER_UPPER_SPECIAL.pack_into(page, OFF_LOWER, lower + ITEM_ID_SIZE * n, upper, special)
     return True
+
+
+def page_index_tuple_replace(page: bytearray, offnum: int, item: bytes | bytearray | memoryview) -> bool:
+    """PageIndexTupleDelete(offnum) then PageAddItem(item, offnum) in shuffle mode, in one
+    pass: the same bytes (the old tuple's space closed by moving the lower tuples up, the new
+    one placed at the new pd_upper, the line pointer at ``offnum`` replaced, the padding left
+    as it was). ``False`` (page unchanged) when the new item does not fit."""
+    lower, upper, special = _check_pointers(page)
+    nline = max_offset(page)
+    _, offset, size = _index_item(page, offnum, nline, upper, special)
+    size = maxalign(size)
+    newlen = len(item)
+    new_upper = upper + size - maxalign(newlen)
+    if lower > new_upper:
+        return False
+    if offset > upper:
+        page[upper + size : offset + size] = page[upper:offset]
+    fmt = f"<{nline}I"
+    lps = list(struct.unpack_from(fmt, page, SIZE_OF_PAGE_HEADER))
+    if nline > 1:
+        lps = [raw + size if (raw & 0x7FFF) <= offset else raw for raw in lps]
+    lps[offnum - 1] = new_upper | (LP_NORMAL << 15) | (newlen << 17)
+    struct.pack_into(fmt, page, SIZE_OF_PAGE_HEADER, *lps)
+    page[new_upper : new_upper + newlen] = item
+    _pack_u16(page, OFF_UPPER, new_upper)
+    return True

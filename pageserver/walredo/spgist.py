@@ -200,7 +200,10 @@ def add_or_replace(page: bytearray, tup: bytes, off: int, rec: DecodedRecord) ->
         if page[pos] & 3 != SPGIST_PLACEHOLDER:
             raise _err(rec, f"tuple to be replaced at offset {off} is not a placeholder")
         _add_counter(page, rec, 2, -1, "placeholder")
-        bp.page_index_tuple_delete(page, off)
+        # PageIndexTupleDelete + PageAddItem at the same offset, in one pass
+        if not bp.page_index_tuple_replace(page, off, tup):
+            raise _err(rec, f"failed to add tuple of size {len(tup)} at offset {off}")
+        return
     _add_at(page, tup, off, rec, "tuple")
 
 

@@ -27,3 +27,28 @@ def test_bulk_append_equals_one_at_a_time(prefill: list[bytes], items: list[byte
     bulk = bytearray(page)
     assert bp.page_append_items(bulk, items) is fits
     assert bulk == (one if fits else page)
+
+
+@given(items=st.lists(st.binary(min_size=8, max_size=300), min_size=1, max_size=30), data=st.data(), stale=st.integers(0, 255))
+def test_replace_equals_delete_then_add(items: list[bytes], data: st.DataObject, stale: int) -> None:
+    """``page_index_tuple_replace`` (SP-GiST's placeholder replacement) writes the same bytes
+    as PageIndexTupleDelete followed by PageAddItem at that offset."""
+    page = bp.new_page(8)
+    page[bp.SIZE_OF_PAGE_HEADER : bp.BLCKSZ - 8] = bytes([stale]) * (bp.BLCKSZ - 8 - bp.SIZE_OF_PAGE_HEADER)
+    for it in items:
+        if bp.page_add_item(page, it, 0, overwrite=False, is_heap=False) == 0:
+            break
+    n = bp.max_offset(page)
+    if n == 0:
+        return
+    off = data.draw(st.integers(1, n))
+    new = data.draw(st.binary(min_size=8, max_size=900))
+    one = bytearray(page)
+    bp.page_index_tuple_delete(one, off)
+    fits = bp.page_add_item(one, new, off, overwrite=False, is_heap=False) == off
+    fused = bytearray(page)
+    assert bp.page_index_tuple_replace(fused, off, new) is fits
+    if fits:
+        assert fused == one
+    else:
+        assert fused == page

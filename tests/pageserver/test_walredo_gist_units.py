@@ -97,3 +97,23 @@ def test_records_that_change_no_page_fail_on_one(rmid: int, info: int, main: byt
     key = rel_block_key(IDX.spc, IDX.db, IDX.rel, 0, 0)
     with pytest.raises(PageReconstructError, match=rf"{name}.*record ending at"):
         PostgresRedoManager().apply(key, bytes(page), [(Lsn(rec.end_lsn), PostgresRecord(False, rec.raw))])
+
+
+def test_spgist_metapage_cache_is_accepted_only_as_postgres_has_it() -> None:
+    """The oracle's SP-GiST metapage rule: differences confined to the last-used-page cache
+    pass when the served page equals the standby's; anything else is still a difference."""
+    from bench.oracle import _spgist_meta_as_postgres
+    from pageserver.walredo.mask import spg_mask
+
+    meta = bytearray(bp.BLCKSZ)
+    spgist.init_page(meta, spgist.SPGIST_META)
+    struct.pack_into("<I", meta, 24, 0xBA0BABEE)
+    bp.set_lower(meta, 24 + 4 + 64)
+    served = bytes(meta)
+    local = bytearray(meta)
+    struct.pack_into("<Ii", local, 28, 7, 4000)  # the primary cached block 7 with free space
+    assert _spgist_meta_as_postgres(served, bytes(local), served, spg_mask)
+    assert not _spgist_meta_as_postgres(served, bytes(local), None, spg_mask)  # no standby: no excuse
+    assert not _spgist_meta_as_postgres(served, bytes(local), bytes(local), spg_mask)  # standby differs
+    local[24] ^= 1  # the magic number is not part of the cache
+    assert not _spgist_meta_as_postgres(served, bytes(local), served, spg_mask)

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from common.pgclient import connect
+from protocol import _native
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import WAL_SEGMENT_SIZE, Lsn, format_lsn
 from protocol.pgwire.errors import PgError
@@ -188,6 +189,9 @@ async def test_coalescing_one_response_per_group(
             assert b"safekeeper_flush_lsn{" in metrics
             code, body = await http_get(sk.http_port, f"/v1/tenant/{'0' * 32}/timeline/{TIMELINE}")
             assert code == 404 and b"not found" in body
+            # /v1/status says which kernels run (native or the pure-Python twins)
+            code, body = await http_get(sk.http_port, "/v1/status")
+            assert code == 200 and json.loads(body)["impl"] == _native.IMPL
             sk.stop()
 
 

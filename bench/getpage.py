@@ -1006,7 +1006,9 @@ def run(args: argparse.Namespace) -> int:
                     for cache in args.cache.split(","):
                         for mode in modes:
                             for qd in queue_depths:
-                                for security in securities:
+                                # Rotated per round: no security mode always runs first.
+                                shift = round_no % len(securities)
+                                for security in securities[shift:] + securities[:shift]:
                                     row = _run_config(workdir, targets, config_args, mode,
                                                       get_impl, cache, qd, security)
                                     _emit(ctx, row, (clients, get_impl, cache, mode, qd, security))

@@ -567,3 +567,41 @@ def page_index_tuple_replace(page: bytearray, offnum: int, item: bytes | bytearr
     page[new_upper : new_upper + newlen] = item
     _pack_u16(page, OFF_UPPER, new_upper)
     return True
+
+
+def page_index_tuple_replace_many(page: bytearray, pairs: Sequence[tuple[int, bytes | bytearray | memoryview]]) -> int:
+    """``page_index_tuple_replace`` for each (offnum, item) in order, with the line-pointer
+    array kept unpacked across them (SP-GiST picksplits reuse dozens of placeholders on one
+    page). Returns how many were done; the first that does not fit stops the run, with the
+    page as the single calls would have left it."""
+    lower, upper, special = _check_pointers(page)
+    nline = max_offset(page)
+    fmt = f"<{nline}I"
+    lps = list(struct.unpack_from(fmt, page, SIZE_OF_PAGE_HEADER))
+    done = 0
+    try:
+        for offnum, item in pairs:
+            if offnum <= 0 or offnum > nline:
+                raise PageError(f"invalid index offnum: {offnum}")
+            raw = lps[offnum - 1]
+            length = raw >> 17
+            offset = raw & 0x7FFF
+            if offset < upper or offset + length > special or offset != maxalign(offset):
+                raise PageError(f"corrupted line pointer: offset = {offset}, size = {length}")
+            size = maxalign(length)
+            newlen = len(item)
+            new_upper = upper + size - maxalign(newlen)
+            if lower > new_upper:
+                break
+            if offset > upper:
+                page[upper + size : offset + size] = page[upper:offset]
+            if nline > 1:
+                lps = [r + size if (r & 0x7FFF) <= offset else r for r in lps]
+            lps[offnum - 1] = new_upper | (LP_NORMAL << 15) | (newlen << 17)
+            page[new_upper : new_upper + newlen] = item
+            upper = new_upper
+            done += 1
+    finally:
+        struct.pack_into(fmt, page, SIZE_OF_PAGE_HEADER, *lps)
+        _pack_u16(page, OFF_UPPER, upper)
+    return done

@@ -208,23 +208,43 @@ def add_or_replace(page: bytearray, tup: bytes, off: int, rec: DecodedRecord) ->
 
 
 def add_or_replace_many(page: bytearray, pairs: Sequence[tuple[int, bytes]], rec: DecodedRecord) -> None:
-    """add_or_replace of each (offset, tuple) in order; runs that append at the end of the
-    page (a split's new page) go in one write."""
-    run: list[bytes] = []
-    nxt = bp.max_offset(page) + 1
-    for off, tup in pairs:
-        if off == nxt:
-            run.append(tup)
-            nxt += 1
-            continue
-        if run:
-            if not bp.page_append_items(page, run):
-                raise _err(rec, f"failed to add {len(run)} tuples")
-            run = []
-        add_or_replace(page, tup, off, rec)
+    """add_or_replace of each (offset, tuple) in order. Runs that append at the end of the
+    page (a split's new page) go in one write; runs that reuse placeholders in one pass over
+    the line pointers."""
+    i = 0
+    n = len(pairs)
+    while i < n:
         nxt = bp.max_offset(page) + 1
-    if run and not bp.page_append_items(page, run):
-        raise _err(rec, f"failed to add {len(run)} tuples")
+        j = i
+        while j < n and pairs[j][0] == nxt + (j - i):
+            j += 1
+        if j > i:
+            if not bp.page_append_items(page, [t for _, t in pairs[i:j]]):
+                raise _err(rec, f"failed to add {j - i} tuples")
+            i = j
+            continue
+        maxoff = nxt - 1
+        while j < n and 1 <= pairs[j][0] <= maxoff:
+            j += 1
+        if j == i:
+            add_or_replace(page, pairs[i][1], pairs[i][0], rec)  # reports the bad offset
+            i += 1
+            continue
+        run = pairs[i:j]
+        for off, _ in run:
+            pos, _len = _item_pos(page, off, rec)
+            if page[pos] & 3 != SPGIST_PLACEHOLDER:
+                raise _err(rec, f"tuple to be replaced at offset {off} is not a placeholder")
+        if len({off for off, _ in run}) != len(run):
+            # the same slot twice: the second must see the first's tuple, so go one by one
+            for off, tup in run:
+                add_or_replace(page, tup, off, rec)
+            i = j
+            continue
+        _add_counter(page, rec, 2, -len(run), "placeholder")
+        if bp.page_index_tuple_replace_many(page, run) != len(run):
+            raise _err(rec, "failed to add a tuple in place of a placeholder")
+        i = j
 
 
 def form_dead(state: int, blkno: int, offnum: int, xid: int) -> bytes:

@@ -52,3 +52,23 @@ def test_replace_equals_delete_then_add(items: list[bytes], data: st.DataObject,
         assert fused == one
     else:
         assert fused == page
+
+
+@given(items=st.lists(st.binary(min_size=8, max_size=200), min_size=1, max_size=40), data=st.data(), stale=st.integers(0, 255))
+def test_replace_many_equals_one_at_a_time(items: list[bytes], data: st.DataObject, stale: int) -> None:
+    page = bp.new_page(8)
+    page[bp.SIZE_OF_PAGE_HEADER : bp.BLCKSZ - 8] = bytes([stale]) * (bp.BLCKSZ - 8 - bp.SIZE_OF_PAGE_HEADER)
+    for it in items:
+        if bp.page_add_item(page, it, 0, overwrite=False, is_heap=False) == 0:
+            break
+    n = bp.max_offset(page)
+    pairs = data.draw(st.lists(st.tuples(st.integers(1, n), st.binary(min_size=8, max_size=400)), max_size=20))
+    one = bytearray(page)
+    done_one = 0
+    for off, new in pairs:
+        if not bp.page_index_tuple_replace(one, off, new):
+            break
+        done_one += 1
+    many = bytearray(page)
+    assert bp.page_index_tuple_replace_many(many, pairs) == done_one
+    assert many == one

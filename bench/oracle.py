@@ -134,7 +134,8 @@ class Snapshot:
     latest: bool = False  # compare GetPage@latest rather than @lsn
     # PostgreSQL's own redo of the same WAL to ``lsn`` (a standby's data directory after a
     # restartpoint): where present, a VM page with fewer bits than the file is accepted when
-    # the standby lost exactly the same ones
+    # the standby lost exactly the same ones, and an SP-GiST metapage when it equals the
+    # standby's (its lastUsedPages cache is updated without WAL)
     reference: Path | None = None
 
 
@@ -425,10 +426,6 @@ async def compare_snapshot(client: PageClient, snap: Snapshot,
                     diff = 0
                 elif kind == "vm" and _is_zero(served) and _empty_vm_page(local):
                     diff = 0  # a VM page read as new is an empty one (vm_readbuf)
-                elif kind == "vm" and snap.reference is not None and _vm_lost_as_postgres(
-                        served, local, _reference_block(snap.reference, fork.rel, blkno)):
-                    diff = 0
-                    res.vm_bits_lost_as_postgres += 1
                 elif kind == "spgist" and blkno == 0 and snap.reference is not None and _spgist_meta_as_postgres(
                         served, local, _reference_block(snap.reference, fork.rel, blkno), mask):
                     diff = 0
@@ -445,6 +442,11 @@ async def compare_snapshot(client: PageClient, snap: Snapshot,
                     else:
                         diff = _diff(served, local)
                         note = f"served: {a}" if isinstance(a, str) else f"file: {b!s}"
+                if diff and kind == "vm" and snap.reference is not None and _vm_lost_as_postgres(
+                        served, local, _reference_block(snap.reference, fork.rel, blkno)):
+                    # bits no redo can rebuild from WAL: exactly PostgreSQL's own redo's page
+                    diff = 0
+                    res.vm_bits_lost_as_postgres += 1
                 if diff == 0:
                     res.equal[kind] += 1
                 else:

@@ -237,6 +237,7 @@ class PgRegressResult:
                 "unreadable_reasons": dict(pages.unreadable_reasons.most_common(20)),
                 "forks": pages.forks, "fsm_pages": pages.fsm_pages,
                 "vm_bits_lost_as_postgres": pages.vm_bits_lost_as_postgres,
+                "spgist_meta_as_postgres": pages.spgist_meta_as_postgres,
                 "other_mismatches": len(pages.mismatches) - sum(pages.unreadable.values())
                 - sum(pages.different.values()),
             }

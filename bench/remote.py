@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         endpoint = args.endpoint
         if endpoint is None:
-            server = SeaweedServer(work / "seaweedfs")
+            server = SeaweedServer(work / "seaweedfs", volume_size_limit_mb=256)
             server.start()
             endpoint = server.endpoint
         emit({"part": "setup", "endpoint": endpoint, "seaweedfs_started": server is not None,

@@ -122,9 +122,12 @@ def stop_pid(pid: int, *, grace_s: float = 5.0) -> None:
 class SeaweedServer:
     """One ``weed server -s3`` child process with its own ports and data directory."""
 
-    def __init__(self, data_dir: Path, ports: SeaweedPorts | None = None) -> None:
+    def __init__(self, data_dir: Path, ports: SeaweedPorts | None = None, *, volume_size_limit_mb: int = 1024) -> None:
         self.data_dir = data_dir
         self.ports = ports if ports is not None else SeaweedPorts.free()
+        # SeaweedFS makes at most (free disk / volume size) volumes, several per bucket: small
+        # volumes for servers that hold many buckets
+        self.volume_size_limit_mb = volume_size_limit_mb
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -136,7 +139,7 @@ class SeaweedServer:
         log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 (the child keeps it)
         try:
             self.proc = subprocess.Popen(
-                weed_argv(self.data_dir, self.ports), stdout=log, stderr=subprocess.STDOUT,
+                weed_argv(self.data_dir, self.ports, volume_size_limit_mb=self.volume_size_limit_mb), stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, cwd=self.data_dir, start_new_session=True,
             )
         finally:

@@ -45,7 +45,7 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     endpoint URL. Tests make their own bucket (``s3_config`` below) so they never share keys."""
     from remote_storage.seaweedfs import SeaweedServer
 
-    server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"))
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"), volume_size_limit_mb=64)
     server.start()
     try:
         yield server.endpoint
@@ -58,11 +58,13 @@ _BUCKETS = iter(range(1, 1 << 30))
 
 @pytest.fixture
 def s3_config(seaweedfs: str) -> object:
-    """An ``S3StorageConfig`` for a fresh bucket of the session's SeaweedFS."""
+    """An ``S3StorageConfig`` for a fresh prefix in the session's SeaweedFS bucket. One bucket
+    for all: SeaweedFS gives every bucket its own collection of volumes, and dozens of them
+    exhausted the test machine's disk (uploads then failed and were retried for ever)."""
     from remote_storage.config import S3StorageConfig
 
     return S3StorageConfig(
-        bucket=f"test-{os.getpid()}-{next(_BUCKETS)}", endpoint=seaweedfs, prefix="pfx",
+        bucket="pagestore-tests", endpoint=seaweedfs, prefix=f"test-{os.getpid()}-{next(_BUCKETS)}",
         access_key_id="test", secret_access_key="test", create_bucket=True, timeout_s=30.0,
     )
 

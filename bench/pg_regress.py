@@ -316,25 +316,32 @@ class PgRegress:
                 conn.execute("SELECT pg_reload_conf()")
             if self.opts.standby:
                 self.standby = Standby.start(self.opts.workdir / "standby", self.port)
-            runners = [ScheduleRunner("pagestore", stage, self.port, schedule)]
-            if plain is not None:
-                runners.append(ScheduleRunner("postgres", stage, plain.port, schedule))
-            self.emit({"phase": "pg_regress", "schedule": self.opts.schedule,
-                       "sides": [r.run.side for r in runners]})
-            runs = wait_all(runners, self.opts.timeout_s)
-            for r in runs:
-                self.emit(r.as_json())
-            self.result.endpoint_run = runs[0]
-            self.result.plain_run = runs[1] if len(runs) > 1 else None
-            snap = self.quiesce_and_checkpoint()
-            self.result.lsn = format_lsn(snap.lsn)
-            trio.run(self.compare, snap)
-            if self.standby is not None:
-                self.standby.stop()
+            try:
+                snap = self.run_suite_and_compare(stage, schedule, plain)
+            finally:  # also when a step fails: no standby is left running
+                if self.standby is not None:
+                    self.standby.stop()
             if self.opts.branch_check:
                 self.branch_check(snap.lsn)
         self.result.seconds = round(time.monotonic() - started, 1)
         return self.result
+
+    def run_suite_and_compare(self, stage: Path, schedule: Path,
+                              plain: postgres.PostgresInstance | None) -> Snapshot:
+        runners = [ScheduleRunner("pagestore", stage, self.port, schedule)]
+        if plain is not None:
+            runners.append(ScheduleRunner("postgres", stage, plain.port, schedule))
+        self.emit({"phase": "pg_regress", "schedule": self.opts.schedule,
+                   "sides": [r.run.side for r in runners]})
+        runs = wait_all(runners, self.opts.timeout_s)
+        for r in runs:
+            self.emit(r.as_json())
+        self.result.endpoint_run = runs[0]
+        self.result.plain_run = runs[1] if len(runs) > 1 else None
+        snap = self.quiesce_and_checkpoint()
+        self.result.lsn = format_lsn(snap.lsn)
+        trio.run(self.compare, snap)
+        return snap
 
     def quiesce_and_checkpoint(self) -> Snapshot:
         """Autovacuum off and idle, the catalogs read, CHECKPOINT: the files equal the WAL to L."""

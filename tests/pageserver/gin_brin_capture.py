@@ -20,25 +20,19 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
-import trio
 
 from compute.postgres import PostgresInstance
-from pageserver.pgdatadir import Datadir, RelTag
-from pageserver.storage.reconstruct import PageReconstructError
 from pageserver.storage.value import PostgresRecord, WalRecordValue
-from pageserver.tenant import Tenant
-from pageserver.walingest import WalIngest
 from pageserver.walredo import bufpage as bp
 from pageserver.walredo.errors import RedoError
 from pageserver.walredo.gin_posting import parse_actions
-from pageserver.walredo.manager import REDO_ROUTINES, PostgresRedoManager, RedoStats, RelBlock
+from pageserver.walredo.manager import PostgresRedoManager, RedoStats, RelBlock
 from pageserver.walredo.mask import masked
 from pageserver.walredo.verify import VERIFY_SETTINGS, read_wal
-from protocol.ids import TenantId, TimelineId
-from protocol.lsn import Lsn, parse_lsn
+from protocol.lsn import parse_lsn
 from protocol.wal.record import DecodedRecord
 from protocol.wal.rmgr import RmgrId
-from tests.pageserver.test_walingest import CONFIG, _checkpoint
+from tests.pageserver.index_redo import ingest_and_read
 from tests.tmpdirs import pg_tmpdir
 
 SETTINGS = {**VERIFY_SETTINGS, "shared_buffers": "32MB", "wal_compression": "lz4"}
@@ -263,40 +257,11 @@ def ingest_then_read(
     the safekeepers' stream would), then read every block at the last LSN twice: once with
     resource manager ``rmid``'s redo taken out (what a pageserver without it stored and
     served), once with it, from the same stored values. Returns the errors of the first read
-    and the pages of the second, per relfilenode."""
+    and the pages of the second, per relfilenode (``index_redo.ingest_and_read`` does the work)."""
     nodes = set(nodes)
     mine = [r for r in records if r.blocks and all(b.rel in nodes for b in r.blocks)]
-    spc, db = mine[0].blocks[0].spc, mine[0].blocks[0].db
-
-    async def run() -> tuple[list[str], dict[int, dict[int, bytes]]]:
-        tenant = Tenant(tmp_path, TenantId.generate(), CONFIG, redo=PostgresRedoManager())
-        tl = await tenant.create_timeline(TimelineId.generate())
-        ing = WalIngest(tl)
-        mod = ing.w.begin(Lsn(mine[0].lsn))
-        mod.put_checkpoint(_checkpoint(next_xid=1 << 20))
-        await mod.put_dbdir_creation(spc, db)
-        await mod.commit()
-        for r in mine:
-            await ing.ingest_record(r)
-        lsn = tl.last_record_lsn
-        dd = Datadir(tl)
-        errors = []
-        saved = REDO_ROUTINES.pop(rmid)
-        try:
-            for node in nodes:
-                tag = RelTag(spc, db, node, 0)
-                for b in range(await dd.get_rel_size(tag, lsn)):
-                    try:
-                        await dd.get_page(tag, b, lsn)
-                    except PageReconstructError as exc:
-                        errors.append(str(exc))
-        finally:
-            REDO_ROUTINES[rmid] = saved
-        out: dict[int, dict[int, bytes]] = {}
-        for node in nodes:
-            tag = RelTag(spc, db, node, 0)
-            out[node] = {b: await dd.get_page(tag, b, lsn) for b in range(await dd.get_rel_size(tag, lsn))}
-        await tenant.shutdown()
-        return errors, out
-
-    return trio.run(run)
+    errors, pages = ingest_and_read(tmp_path, mine, nodes, unsupported=rmid, forks=(0,), validate=False)
+    out: dict[int, dict[int, bytes]] = {node: {} for node in nodes}
+    for blk, page in pages.items():
+        out[blk.rel][blk.blkno] = bytes(page)
+    return errors, out

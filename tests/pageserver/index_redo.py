@@ -3,7 +3,7 @@ PostgreSQL's files, and rebuild pages through WAL ingest and ``Datadir.get_page`
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import trio
@@ -80,19 +80,26 @@ def unbuilt_blocks(pg: PostgresInstance, pages: Pages, db: int, rel: int) -> lis
 
 
 def ingest_and_read(
-    tmp_path: Path, recs: list[DecodedRecord], rels: Iterable[int], *, unsupported: int | None = None
+    tmp_path: Path,
+    recs: Sequence[DecodedRecord],
+    rels: Iterable[int],
+    *,
+    unsupported: int | None = None,
+    forks: Sequence[int] = (0, 3),
+    validate: bool = True,
 ) -> tuple[list[str], Pages]:
     """Feed ``recs`` (real records of relations ``rels`` in one database) through WAL ingest
     into a fresh timeline, then read every block of those relations at the last LSN.
 
     With ``unsupported`` (a resource manager id), the pages are first read with that
     resource manager's redo taken out, as before it existed: the errors are returned. The
-    second read, with it back and nothing re-ingested, gives the pages."""
+    second read, with it back and nothing re-ingested, gives the pages. ``forks`` are the
+    forks read; ``validate`` checks every verification image the records carry."""
     db = recs[0].blocks[0].db
     spc = recs[0].blocks[0].spc
 
     async def run() -> tuple[list[str], Pages]:
-        tenant = Tenant(tmp_path, TenantId.generate(), INGEST_CONFIG, redo=PostgresRedoManager(validate=True))
+        tenant = Tenant(tmp_path, TenantId.generate(), INGEST_CONFIG, redo=PostgresRedoManager(validate=validate))
         tl = await tenant.create_timeline(TimelineId.generate())
         ing = WalIngest(tl)
         mod = ing.w.begin(Lsn(recs[0].lsn))
@@ -105,7 +112,7 @@ def ingest_and_read(
         dd = Datadir(tl)
         tags = []
         for rel in rels:
-            for fork in (0, 3):
+            for fork in forks:
                 tag = RelTag(spc, db, rel, fork)
                 if await dd.rel_exists(tag, lsn):
                     tags += [(tag, blkno) for blkno in range(await dd.get_rel_size(tag, lsn))]

@@ -602,6 +602,34 @@ def workload_c(conn: psycopg.Connection[Any], rows: int) -> None:
     x("VACUUM pgbench_history")
 
 
+@attrs.frozen
+class OracleCluster:
+    """A running local cluster with one tenant and its primary endpoint ``main``."""
+
+    env: LocalEnv
+    tenant: str
+    timeline: str
+    port: int
+    pgdata: Path
+
+
+@contextmanager
+def oracle_cluster(workdir: Path, safekeepers: int) -> Iterator[OracleCluster]:
+    """Start a cluster (free ports, no fsync on the safekeepers, ``validate_redo`` on), a
+    tenant and its primary endpoint; stop everything at once on the way out."""
+    cfg = attrs.evolve(plan_ports(safekeepers, free_ports=True),
+                       safekeeper_no_sync=True, validate_redo=True)
+    env = LocalEnv.create(workdir, cfg)
+    quiet: Callable[[str], None] = lambda _msg: None  # noqa: E731
+    try:
+        cluster.start(env, log=quiet)
+        t = cluster.create_tenant(env, None, None, set_default=True)
+        ep = endpoint.start_endpoint(env, "main", log=quiet)
+        yield OracleCluster(env, t["tenant_id"], str(t["timeline_id"]), ep.spec.port, ep.pgdata)
+    finally:
+        cluster.stop(env, immediate=True, log=quiet)
+
+
 class Oracle:
     """One run: cluster, workload with checkpoints and copies, comparisons, teardown."""
 
@@ -624,20 +652,10 @@ class Oracle:
 
     @contextmanager
     def cluster(self) -> Iterator[LocalEnv]:
-        cfg = attrs.evolve(plan_ports(self.opts.safekeepers, free_ports=True),
-                           safekeeper_no_sync=True, validate_redo=True)
-        env = LocalEnv.create(self.opts.workdir, cfg)
-        self.env = env
-        quiet: Callable[[str], None] = lambda _msg: None  # noqa: E731
-        try:
-            cluster.start(env, log=quiet)
-            t = cluster.create_tenant(env, None, None, set_default=True)
-            self.tenant, self.timeline = t["tenant_id"], str(t["timeline_id"])
-            ep = endpoint.start_endpoint(env, "main", log=quiet)
-            self.port, self.pgdata = ep.spec.port, ep.pgdata
-            yield env
-        finally:
-            cluster.stop(env, immediate=True, log=quiet)
+        with oracle_cluster(self.opts.workdir, self.opts.safekeepers) as oc:
+            self.env, self.tenant, self.timeline = oc.env, oc.tenant, oc.timeline
+            self.port, self.pgdata = oc.port, oc.pgdata
+            yield oc.env
 
     def pgbench(self, *args: str) -> str:
         return postgres.PostgresInstance(self.pgdata, port=self.port, started=True).pgbench(*args)

@@ -46,12 +46,12 @@ import attrs
 import psycopg
 import trio
 
-from bench.oracle import Snapshot, SnapshotResult, catalog_rels, compare_snapshot
+from bench.oracle import Snapshot, SnapshotResult, catalog_rels, compare_snapshot, oracle_cluster
 from bench.standby import Standby
 from compute import postgres
 from compute.page_client import PageClient
 from control_plane import cluster, endpoint
-from control_plane.local_env import LocalEnv, plan_ports
+from control_plane.local_env import LocalEnv
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn, parse_lsn
 
@@ -275,20 +275,10 @@ class PgRegress:
 
     @contextmanager
     def cluster(self) -> Iterator[LocalEnv]:
-        cfg = attrs.evolve(plan_ports(self.opts.safekeepers, free_ports=True),
-                           safekeeper_no_sync=True, validate_redo=True)
-        env = LocalEnv.create(self.opts.workdir / "cluster", cfg)
-        self.env = env
-        quiet: Callable[[str], None] = lambda _msg: None  # noqa: E731
-        try:
-            cluster.start(env, log=quiet)
-            t = cluster.create_tenant(env, None, None, set_default=True)
-            self.tenant, self.timeline = t["tenant_id"], str(t["timeline_id"])
-            ep = endpoint.start_endpoint(env, "main", log=quiet)
-            self.port, self.pgdata = ep.spec.port, ep.pgdata
-            yield env
-        finally:
-            cluster.stop(env, immediate=True, log=quiet)
+        with oracle_cluster(self.opts.workdir / "cluster", self.opts.safekeepers) as oc:
+            self.env, self.tenant, self.timeline = oc.env, oc.tenant, oc.timeline
+            self.port, self.pgdata = oc.port, oc.pgdata
+            yield oc.env
 
     @contextmanager
     def plain_postgres(self) -> Iterator[postgres.PostgresInstance | None]:

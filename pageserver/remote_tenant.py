@@ -13,7 +13,9 @@ an index in remote storage:
   renamed, the directory fsynced) with bounded retries;
 - the local ``index_part.json`` is rewritten as the remote one.
 
-Then ``Tenant.load`` opens the directory as usual. Timelines only the local directory has (the
+Then the deletion lists an earlier process of this node persisted for the tenant are run or
+dropped (``recover_deletions``, ``pageserver.deletion_queue``), and ``Tenant.load`` opens the
+directory as usual. Timelines only the local directory has (the
 node ran without remote storage, or it crashed before their first upload) are kept and
 uploaded whole. The generation comes from the control plane when the node has one
 (``pageserver.control_plane_client``); a node without one issues its own: one above every
@@ -33,6 +35,7 @@ import structlog
 import trio
 
 from pageserver import remote_layout
+from pageserver.deletion_queue import DROPPED_LIST_KEYS, RECOVERED_KEYS, DeletionList, DeletionQueue
 from pageserver.remote_timeline import (
     Pins,
     RemoteTimelineClient,
@@ -59,6 +62,9 @@ class TenantRemote:
     generation: int
     validate: Validator = always_valid
     parallel_uploads: int = 8
+    # The node's persisted deletion queue (None: deletions are not persisted; a crash between
+    # an index and its deletions leaks the objects).
+    deletions: DeletionQueue | None = None
 
 
 async def list_remote_tenants(storage: RemoteStorage) -> list[TenantId]:
@@ -173,7 +179,51 @@ async def prepare_tenant_dir(
                  timeline_id=timeline_id.hex, index_generation=index_gen, generation=remote.generation,
                  layers=len(part.layers), remote_only=len(missing),
                  disk_consistent_lsn=format_lsn(part.disk_consistent_lsn))
+    if remote.deletions is not None:
+        await recover_deletions(remote, remote.deletions, tenant_id, found)
     return found, remote_only
+
+
+def _named_keys(tenant_id: TenantId, timeline_id: TimelineId, part: IndexPart) -> set[str]:
+    return {remote_layout.layer_key(tenant_id, timeline_id, name, gen) for name, gen in part.generations.items()}
+
+
+async def recover_deletions(
+    remote: TenantRemote, queue: DeletionQueue, tenant_id: TenantId, indexes: dict[TimelineId, IndexPart]
+) -> int:
+    """Run the deletion lists a previous process of this node left for the tenant
+    (``pageserver.deletion_queue``): only those of the generation just before ours, only once
+    ours is validated, and never a key the timeline's current index (``indexes``) names.
+    Returns how many objects were deleted."""
+    lists: list[DeletionList] = await trio.to_thread.run_sync(queue.lists, tenant_id)
+    if not lists:
+        return 0
+    mine = [dl for dl in lists if dl.generation + 1 == remote.generation and dl.timeline_id in indexes]
+    drop = [dl for dl in lists if dl not in mine]
+    if mine and not await remote.validate():
+        drop, mine = lists, []
+    deleted = 0
+    for dl in mine:
+        named = _named_keys(tenant_id, dl.timeline_id, indexes[dl.timeline_id])
+        # Named still: the index that dropped them never went up (a crash before its upload).
+        keys = tuple(k for k in dl.keys if k not in named)
+        if keys:
+            await retry(functools.partial(remote.storage.delete_objects, keys),
+                        what=f"delete {len(keys)} objects of a recovered deletion list")
+            RECOVERED_KEYS.inc(len(keys))
+        log.info("recovered deletion list executed", tenant_id=tenant_id.hex, timeline_id=dl.timeline_id.hex,
+                 list_generation=dl.generation, generation=remote.generation, deleted=len(keys),
+                 still_named=len(dl.keys) - len(keys))
+        deleted += len(keys)
+        await trio.to_thread.run_sync(queue.done, dl)
+    for dl in drop:
+        DROPPED_LIST_KEYS.inc(len(dl.keys))
+        log.warning("deletion list dropped (objects leak): not written in the previous generation "
+                    "of this attachment, or ours is not valid", tenant_id=tenant_id.hex,
+                    timeline_id=dl.timeline_id.hex, list_generation=dl.generation,
+                    generation=remote.generation, keys=len(dl.keys))
+        await trio.to_thread.run_sync(queue.done, dl)
+    return deleted
 
 
 def make_client(
@@ -189,5 +239,5 @@ def make_client(
     return RemoteTimelineClient(
         remote.storage, tenant_id, timeline_id, remote.generation, local_dir,
         remote_index=remote_index, validate=remote.validate, pins=pins, on_unpinned=on_unpinned,
-        parallel_uploads=remote.parallel_uploads,
+        parallel_uploads=remote.parallel_uploads, deletions=remote.deletions,
     )

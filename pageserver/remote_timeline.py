@@ -17,9 +17,11 @@ flight, every index goes up after the layers it names, and a Delete runs only af
 without those layers is uploaded; it then asks ``validate`` (is my generation still current?)
 and drops the deletion if not: a newer attachment may be using them (the objects leak, which is
 safe). Deletions are executed by this worker, in queue order, so a deletion never overtakes a
-later upload of the same key. The queue is not persisted: after a crash the remote index is the
-authority (``pageserver.remote_tenant``), and a crash between an index and its deletions leaks
-the unlinked objects (never a dangling reference).
+later upload of the same key. The upload queue itself is not persisted: after a crash the
+remote index is the authority (``pageserver.remote_tenant``). The deletions are: with a
+``DeletionQueue`` (``pageserver.deletion_queue``) each Delete is written to local disk before
+the index that enables it is uploaded and forgotten only after its DELETE succeeded, so a crash
+between an index and its deletions does not leak the unlinked objects.
 
 ``remote_consistent_lsn`` is the ``disk_consistent_lsn`` of the last uploaded index, once
 ``validate`` confirmed the generation: the WAL receiver reports it to the safekeepers, which
@@ -46,6 +48,7 @@ import trio
 from prometheus_client import Counter, Gauge, Histogram
 
 from pageserver import remote_layout
+from pageserver.deletion_queue import DeletionList, DeletionQueue
 from pageserver.storage.index_part import IndexPart
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN
@@ -88,9 +91,12 @@ class UploadIndex:
     part: IndexPart
 
 
-@attrs.frozen
+@attrs.define(eq=False)
 class Delete:
     keys: tuple[str, ...]
+    # Its list in the node's deletion queue, written before the index that drops the keys
+    # goes up (None: no queue, or not yet written).
+    persisted: DeletionList | None = None
 
 
 @attrs.frozen(eq=False)
@@ -174,6 +180,7 @@ class RemoteTimelineClient:
         pins: Pins | None = None,
         on_unpinned: Callable[[], Awaitable[None]] | None = None,
         parallel_uploads: int = 8,
+        deletions: DeletionQueue | None = None,
     ) -> None:
         self.storage = storage
         self.tenant_id = tenant_id
@@ -184,6 +191,7 @@ class RemoteTimelineClient:
         self.pins = pins if pins is not None else Pins()
         self._on_unpinned = on_unpinned
         self.parallel_uploads = parallel_uploads
+        self.deletions = deletions
         # The remote objects of the last scheduled index: name -> (size, generation)
         self._layers: dict[str, tuple[int, int]] = {}
         self.remote_consistent_lsn = INVALID_LSN  # visible: uploaded and validated
@@ -323,10 +331,17 @@ class RemoteTimelineClient:
                     self._pop()
                     op = self._ops[0]
                     assert isinstance(op, UploadIndex)
+                if len(self._ops) > 1 and isinstance(self._ops[1], Delete):
+                    # The deletions this index enables go to disk first: a crash after the
+                    # upload must not leak them (recovery: pageserver.deletion_queue).
+                    await self._persist(self._ops[1])
                 await self._upload_index(op.part)
                 self._pop()
             elif isinstance(op, Delete):
+                await self._persist(op)
                 await self._delete(op.keys)
+                if op.persisted is not None and self.deletions is not None:
+                    await trio.to_thread.run_sync(self.deletions.done, op.persisted)
                 self._pop()
             else:
                 op.done.set()
@@ -335,6 +350,18 @@ class RemoteTimelineClient:
     def _pop(self) -> None:
         self._ops.popleft()
         QUEUED_OPS.dec()
+
+    async def _persist(self, op: Delete) -> None:
+        if self.deletions is None or op.persisted is not None:
+            return
+        deletions = self.deletions
+
+        def write() -> DeletionList:
+            return deletions.persist(self.tenant_id, self.timeline_id, self.generation, op.keys)
+
+        # A local disk error is retried like a remote one: the index must not go up before
+        # the list is durable.
+        op.persisted = await retry(lambda: trio.to_thread.run_sync(write), what="persist a deletion list")
 
     async def _retry(self, what: str, fn: Callable[[], Awaitable[object]]) -> None:
         async def attempt() -> object:

@@ -28,6 +28,7 @@ import trio
 
 from pageserver.config import PageserverConfig, split_addr
 from pageserver.control_plane_client import ControlPlaneClient
+from pageserver.deletion_queue import DeletionQueue
 from pageserver.import_datadir import DatadirImportError, bootstrap_timeline, import_datadir
 from pageserver.remote_tenant import TenantRemote, highest_generation, list_remote_tenants
 from pageserver.storage.io_engine import fsync_dir
@@ -98,6 +99,8 @@ class TenantManager:
         self.control_plane: ControlPlaneClient | None = (
             None if conf.control_plane_api is None else ControlPlaneClient(conf.control_plane_api, conf.id)
         )
+        # Remote deletions persisted across restarts (opened in ``start``).
+        self.deletions: DeletionQueue | None = None
 
     @property
     def tenants_dir(self) -> Path:
@@ -115,6 +118,8 @@ class TenantManager:
         """Load every tenant of the workdir and start WAL receivers."""
         self._nursery = nursery
         self.tenants_dir.mkdir(parents=True, exist_ok=True)
+        if self.remote_storage is not None:
+            self.deletions = await trio.to_thread.run_sync(DeletionQueue, self.conf.workdir / "deletion")
         found: list[TenantId] = []
         for entry in sorted(self.tenants_dir.iterdir()):
             if entry.name.startswith(TMP_PREFIX):
@@ -145,6 +150,8 @@ class TenantManager:
             )
             self.tenants[tenant_id] = tenant
             log.info("tenant loaded", tenant_id=tenant_id.hex, timelines=len(tenant.timelines))
+        if self.deletions is not None:
+            await trio.to_thread.run_sync(self.deletions.drop_except, list(self.tenants))
         for tenant in self.tenants.values():
             self._start_background_jobs(tenant)
             for tl in tenant.timelines.values():
@@ -207,8 +214,9 @@ class TenantManager:
             else:
                 generation = await highest_generation(self.remote_storage, tenant_id) + 1
         if cp is None:
-            return TenantRemote(self.remote_storage, generation)
-        return TenantRemote(self.remote_storage, generation, functools.partial(cp.validate, tenant_id, generation))
+            return TenantRemote(self.remote_storage, generation, deletions=self.deletions)
+        return TenantRemote(self.remote_storage, generation, functools.partial(cp.validate, tenant_id, generation),
+                            deletions=self.deletions)
 
     # -- attach and detach ----------------------------------------------------------------------
 
@@ -258,6 +266,9 @@ class TenantManager:
             del self.tenants[tenant_id]
             await tenant.shutdown()
             await trio.to_thread.run_sync(functools.partial(shutil.rmtree, tenant.path, ignore_errors=True))
+            if self.deletions is not None:
+                # What the drain above did not delete leaks: the next attachment is elsewhere.
+                await trio.to_thread.run_sync(self.deletions.drop_tenant, tenant_id, "detached")
             log.info("tenant detached", tenant_id=tenant_id.hex)
 
     async def wait_remote(self, tl: Timeline) -> None:

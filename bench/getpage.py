@@ -363,49 +363,48 @@ def _process_client(
     Starts at ``start_at`` (``time.monotonic``, shared by all processes on Linux) so every
     client measures the same window; returns count, end time and the encoded histogram.
     """
-    from collections import deque
+    from collections import Counter
 
     from hdrh.histogram import HdrHistogram
 
     from compute.page_client import BlockingPageClient
+    from protocol._native import require
     from protocol.ids import TenantId, TimelineId
-    from protocol.lsn import MAX_LSN, Lsn
-    from protocol.pagestream import ErrorResponse, GetPageRequest, RelTag
 
-    rel = RelTag(*REL)
-    rng = random.Random(seed)
+    # The closed loop is the load-generator kernel (native, or its twin under
+    # PAGESTORE_PURE_PYTHON=1): recv_into, feed, sendall; no Python per request.
+    loads = require("protocol._getpage_load_c")
     hist = HdrHistogram(1, 60_000_000, 3)
     kw = {} if base is None else _client_security(Path(base), security, tenant)
     client = BlockingPageClient.connect(
         "localhost" if "ssl_context" in kw else "127.0.0.1", port, TenantId.parse(tenant),
         TimelineId.parse(timeline), **kw,
     )
-    sent_at: deque[float] = deque()
-    clock = time.perf_counter
-    count = 0
+    load = loads.GetPageLoad(REL, pages, seed, first_reqid=client.next_reqid())
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    ns = time.perf_counter_ns
     with client:
-
-        def new_request() -> GetPageRequest:
-            sent_at.append(clock())
-            return GetPageRequest(client.next_reqid(), MAX_LSN, Lsn(0), rel, rng.randrange(pages))
-
+        sock = client.sock
         time.sleep(max(0.0, start_at - time.monotonic()))
-        deadline = clock() + duration
-        client.send(*[new_request() for _ in range(queue_depth)])
-        while True:
-            response = client.receive()
-            now = clock()
-            if isinstance(response, ErrorResponse):
-                raise RuntimeError(f"GetPage failed: {response.message}")
-            hist.record_value(max(1, int((now - sent_at.popleft()) * 1e6)))
-            count += 1
-            if now < deadline:
-                client.send(new_request())
-            elif client.in_flight == 0:
-                break
+        cpu0 = time.process_time()
+        deadline = ns() + int(duration * 1e9)
+        sock.sendall(load.requests(queue_depth, ns()))
+        while load.in_flight:
+            n = sock.recv_into(buf)
+            if not n:
+                raise RuntimeError("the server closed the connection")
+            now = ns()
+            out = load.feed(view[:n], now, now < deadline)
+            if out:
+                sock.sendall(out)
+        cpu_s = time.process_time() - cpu0
+    for value, times in Counter(load.latencies_us()).items():
+        hist.record_value(value, times)
     encoded = hist.encode()
     return {
-        "count": count,
+        "count": load.count,
+        "cpu_s": cpu_s,
         "ended": time.monotonic(),
         "hist": encoded.decode() if isinstance(encoded, bytes) else encoded,
     }
@@ -420,7 +419,8 @@ def _drive_processes(
     duration: float,
     base: Path | None = None,
     security: str = "off",
-) -> tuple[int, Any, float]:
+    env: dict[str, str] | None = None,
+) -> tuple[int, Any, float, float]:
     from hdrh.histogram import HdrHistogram
 
     # Far enough ahead for every process to start and connect before the window opens.
@@ -436,19 +436,21 @@ def _drive_processes(
                     stdout=subprocess.PIPE,
                     text=True,
                     cwd=Path(__file__).resolve().parent.parent,
+                    env=env,
                 )
             )
     total = HdrHistogram(1, 60_000_000, 3)
-    count, end = 0, start_at
+    count, end, cpu_s = 0, start_at, 0.0
     for proc in procs:
         out, _ = proc.communicate(timeout=duration + 60)
         if proc.returncode != 0:
             raise RuntimeError(f"a benchmark client process failed (exit {proc.returncode})")
         got = json.loads(out.strip().splitlines()[-1])
         count += got["count"]
+        cpu_s += got["cpu_s"]
         end = max(end, got["ended"])
         total.add(HdrHistogram.decode(got["hist"]))
-    return count, total, end - start_at
+    return count, total, end - start_at, cpu_s
 
 
 def _read_json(stream: Any, key: str) -> dict[str, Any]:
@@ -475,6 +477,7 @@ def _run_config(
     return {
         "bench": "getpage",
         "target": "pagestore",
+        "impl": args.kernels,
         "security": security,
         "mode": mode,
         "get_impl": get_impl,
@@ -487,7 +490,7 @@ def _run_config(
         "pages": args.pages,
         **_measured_fields(count, hist, elapsed, server_cpu_s),
         "batching_factor": round(server["batching_factor"], 2),
-        **{k: v for k, v in server.items() if k.startswith("connect_ms")},
+        **{k: v for k, v in server.items() if k.startswith(("connect_ms", "client_cpu"))},
     }
 
 
@@ -496,22 +499,27 @@ def _run_floor(
 ) -> dict[str, Any]:
     """One FLOOR row: the same clients against a null server (``null-trio`` or
     ``null-blocking``, see ``pageserver.page_service.null_server``) in its own process."""
-    count, hist, elapsed, server_cpu_s, _ = _measure(
+    count, hist, elapsed, server_cpu_s, final = _measure(
         ["--null-serve", kind], "stopped", targets, args, qd
     )
     return {
         "bench": "getpage",
         "target": kind,
+        "impl": args.kernels,
         "floor": True,
         "client": args.client,
         "tenants": args.tenants,
         "clients_per_tenant": args.clients,
         "queue_depth": qd,
         **_measured_fields(count, hist, elapsed, server_cpu_s),
+        **{k: v for k, v in final.items() if k.startswith("client_cpu")},
     }
 
 
-def _measured_fields(count: int, hist: Any, elapsed: float, server_cpu_s: float) -> dict[str, Any]:
+def _measured_fields(
+    count: int, hist: Any, elapsed: float, server_cpu_s: tuple[float, float]
+) -> dict[str, Any]:
+    user_s, sys_s = server_cpu_s
     return {
         "duration_s": round(elapsed, 2),
         "request_count": count,
@@ -519,7 +527,9 @@ def _measured_fields(count: int, hist: Any, elapsed: float, server_cpu_s: float)
         "latency_mean_us": round(hist.get_mean_value(), 1),
         **{f"latency_p{p}_us": hist.get_value_at_percentile(p) for p in (50, 95, 99, 99.9, 99.99)},
         # The server is idle while the clients start, so this is (almost) all serving.
-        "server_cpu_us_per_request": round(server_cpu_s / count * 1e6, 1) if count else None,
+        "server_cpu_us_per_request": round((user_s + sys_s) / count * 1e6, 1) if count else None,
+        # of which in the kernel (socket calls, preadv): what no Python-side change removes
+        "server_sys_us_per_request": round(sys_s / count * 1e6, 1) if count else None,
     }
 
 
@@ -530,16 +540,20 @@ def _measure(
     args: argparse.Namespace,
     qd: int,
     security: str = "off",
-) -> tuple[int, Any, float, float, dict[str, Any]]:
+) -> tuple[int, Any, float, tuple[float, float], dict[str, Any]]:
     """Start a server process (``bench.getpage`` + ``serve_argv``; it prints its port as a
     JSON line, and a line with ``final_key`` when SIGTERM stops it), drive it with the
-    configured clients; return count, histogram, elapsed s, server CPU s, the final line."""
+    configured clients; return count, histogram, elapsed s, server CPU s, the final line.
+    Server and client processes run the kernels ``args.kernels`` names (``python``: with
+    PAGESTORE_PURE_PYTHON=1)."""
+    env = _kernel_env(args.kernels)
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.getpage", *serve_argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
         cwd=Path(__file__).resolve().parent.parent,
+        env=env,
     )
     try:
         assert proc.stdout is not None
@@ -547,21 +561,43 @@ def _measure(
         base = Path(serve_argv[1]).parent if serve_argv[0] == "--serve" else None
         cpu_before = _process_cpu_s(proc.pid)
         if args.client == "trio":
+            cpu0 = time.process_time()
             count, hist, elapsed = trio.run(
                 _drive, port, targets, args.clients, args.pages, qd, args.duration, base, security
             )
+            client_cpu_s = time.process_time() - cpu0
         else:
-            count, hist, elapsed = _drive_processes(
-                port, targets, args.clients, args.pages, qd, args.duration, base, security
+            count, hist, elapsed, client_cpu_s = _drive_processes(
+                port, targets, args.clients, args.pages, qd, args.duration, base, security, env
             )
-        server_cpu_s = _process_cpu_s(proc.pid) - cpu_before
+        cpu_after = _process_cpu_s(proc.pid)
+        server_cpu_s = (cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1])
         cost = {} if base is None else _connect_cost(port, base, security, *targets[0])
         proc.send_signal(signal.SIGTERM)
         final = {**_read_json(proc.stdout, final_key), **cost}
+        if count:
+            # The load generator's own CPU: it must stay well below the server's for the rows
+            # to measure the server (PostgreSQL's is pgbench, in C).
+            final["client_cpu_us_per_request"] = round(client_cpu_s / count * 1e6, 1)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
     return count, hist, elapsed, server_cpu_s, final
+
+
+KERNELS = ("native", "python")
+
+
+def _kernel_env(kernels: str) -> dict[str, str]:
+    """The environment of a bench process running the ``kernels`` implementation."""
+    from protocol._native import ENV_VAR
+
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    if kernels == "python":
+        env[ENV_VAR] = "1"
+    elif kernels != "native":
+        raise SystemExit(f"--impl: unknown {kernels!r}; use {', '.join(KERNELS)}")
+    return env
 
 
 def _null_serve(kind: str) -> None:
@@ -593,11 +629,11 @@ def _null_serve(kind: str) -> None:
     print(json.dumps({"stopped": kind}), flush=True)
 
 
-def _process_cpu_s(pid: int) -> float:
-    """utime + stime of process ``pid`` in seconds (``/proc/<pid>/stat``, Linux)."""
+def _process_cpu_s(pid: int) -> tuple[float, float]:
+    """(utime, stime) of process ``pid`` in seconds (``/proc/<pid>/stat``, Linux)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return int(fields[11]) / _CLOCK_TICKS, int(fields[12]) / _CLOCK_TICKS
 
 
 _CLOCK_TICKS: float = float(os.sysconf("SC_CLK_TCK"))
@@ -847,6 +883,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "its row carries connect_ms_p50/p95 (connection set-up, 100 in a row)",
     )
     parser.add_argument(
+        "--impl",
+        default="native",
+        help="comma list: native (the compiled kernels), python (the pure-Python twins, "
+        "PAGESTORE_PURE_PYTHON=1); server and client processes of a row run the same; "
+        "every configuration is run once per implementation, side by side",
+    )
+    parser.add_argument(
         "--writes-per-s",
         type=float,
         default=0.0,
@@ -863,6 +906,8 @@ _MEDIAN_FIELDS = (
     "latency_p99.9_us",
     "batching_factor",
     "server_cpu_us_per_request",
+    "server_sys_us_per_request",
+    "client_cpu_us_per_request",
     "vs_postgres",
     "connect_ms_p50",
     "connect_ms_p95",
@@ -990,6 +1035,9 @@ def run(args: argparse.Namespace) -> int:
         if unknown := set(floors) - {"null-trio", "null-blocking"}:
             raise SystemExit(f"--floor: unknown {sorted(unknown)}; use null-trio, null-blocking")
         queue_depths = [int(q) for q in args.queue_depth.split(",")]
+        impls = [k for k in args.impl.split(",") if k]
+        for kernels in impls:
+            _kernel_env(kernels)  # an unknown name fails before anything runs
         for round_no in range(args.rounds):
             for clients in client_counts:
                 config_args = argparse.Namespace(**{**vars(args), "clients": clients})
@@ -1009,12 +1057,20 @@ def run(args: argparse.Namespace) -> int:
                                 # Rotated per round: no security mode always runs first.
                                 shift = round_no % len(securities)
                                 for security in securities[shift:] + securities[:shift]:
-                                    row = _run_config(workdir, targets, config_args, mode,
-                                                      get_impl, cache, qd, security)
-                                    _emit(ctx, row, (clients, get_impl, cache, mode, qd, security))
+                                    for kernels in impls:
+                                        row = _run_config(
+                                            workdir, targets,
+                                            argparse.Namespace(**{**vars(config_args),
+                                                                  "kernels": kernels}),
+                                            mode, get_impl, cache, qd, security,
+                                        )
+                                        _emit(ctx, row, (clients, get_impl, cache, mode, qd,
+                                                         security, kernels))
+                # The null servers use no kernels; their clients run the first --impl's.
+                floor_args = argparse.Namespace(**{**vars(config_args), "kernels": impls[0]})
                 for kind in floors:
                     for qd in queue_depths:
-                        _emit(ctx, _run_floor(kind, targets, config_args, qd), (clients, kind, qd))
+                        _emit(ctx, _run_floor(kind, targets, floor_args, qd), (clients, kind, qd))
         summary = [_median_row(r) for r in rows.values()]
         if args.rounds > 1:
             for row in summary:

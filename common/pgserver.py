@@ -447,17 +447,38 @@ class PgConnection:
         memory under a live view, so views may be queued (e.g. for a ``pwritev``) while
         receiving goes on. Holding views pins receive memory (``ReceiveBuffer.ARENA_SIZE``
         arrays), so queue them only as far as the consumer's bound allows."""
+        return await self._copy_receive(stream, None)
+
+    async def copy_receive_scan(
+        self, stream: CopyBothStream, scan: Callable[[bytearray, int, int, int], int]
+    ) -> list[memoryview] | None:
+        """The kernel form of ``copy_receive_views``: first ``scan`` runs over the receive
+        buffer itself (``FrontendDecoder.copy_data_scan``: it consumes complete CopyData
+        messages it understands and keeps their result); if it took something, ``[]``.
+        Otherwise the next CopyData payload as a one-view list, as ``copy_receive_views``
+        (waiting for bytes when nothing complete is buffered), or ``None`` once the client
+        ended the COPY."""
+        return await self._copy_receive(stream, scan)
+
+    async def _copy_receive(
+        self, stream: CopyBothStream, scan: Callable[[bytearray, int, int, int], int] | None
+    ) -> list[memoryview] | None:
         if not stream.can_receive:
             raise LocalProtocolError("this copy stream is send-only")
         received = False
+        decoder = self._decoder
         while not stream.finished_receiving:
-            views = self._decoder.copy_data_views()
+            if scan is not None and decoder.copy_data_scan(scan):
+                if not received:
+                    await trio.lowlevel.checkpoint()
+                return []
+            views = decoder.copy_data_views() if scan is None else decoder.copy_data_views(1)
             if views:
                 if not received:
                     # A checkpoint per batch, as receive_message has per message.
                     await trio.lowlevel.checkpoint()
                 return views
-            ev = self._decoder.next_event()
+            ev = decoder.next_event()
             if ev is NEED_DATA:
                 await self._receive_more()
                 received = True

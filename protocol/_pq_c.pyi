@@ -5,7 +5,7 @@ from typing import Final
 
 from typing_extensions import Buffer
 
-__all__ = ["IMPL", "coalesce_appends", "take_frames"]
+__all__ = ["IMPL", "coalesce_appends", "take_append_run", "take_frames"]
 
 IMPL: Final = "native"
 SOURCE_HASH: Final[str]
@@ -16,3 +16,6 @@ def coalesce_appends(
 def take_frames(
     data: Buffer, start: int, end: int, tag: int, max_length: int, limit: int
 ) -> tuple[list[memoryview], int]: ...
+def take_append_run(
+    data: Buffer, start: int, end: int, max_length: int, out: Buffer, max_bytes: int
+) -> tuple[int, int, int, int, int, int, int, int]: ...

@@ -25,7 +25,7 @@ cdef extern from *:
     """
     const char *ps_pq_source_hash
 
-__all__ = ["IMPL", "coalesce_appends", "take_frames"]
+__all__ = ["IMPL", "coalesce_appends", "take_append_run", "take_frames"]
 
 IMPL = "native"
 SOURCE_HASH = ps_pq_source_hash.decode("ascii")
@@ -39,7 +39,7 @@ _NOTHING = (0, 0, 0, 0, 0, 0, 0, b"")
 
 
 cdef inline bint _header(const unsigned char *p, Py_ssize_t n, uint32_t *gen, uint64_t *term,
-                         uint64_t *begin, uint64_t *end, uint64_t *commit, uint64_t *trunc) noexcept:
+                         uint64_t *begin, uint64_t *end, uint64_t *commit, uint64_t *trunc) noexcept nogil:
     # The fast path's conditions, exactly: long enough, tag 'a', begin <= end, at most
     # MAX_SEND_SIZE of WAL, and the WAL all there.
     if n < V3_HEADER or p[0] != TAG_APPEND:
@@ -150,3 +150,90 @@ def take_frames(data, start, end, tag, max_length, limit):
         s += 1 + <Py_ssize_t>length
         count += 1
     return out, s
+
+
+# -- take_append_run: framing + AppendRequest decoding + coalescing in one pass -------------
+
+cdef enum:
+    TAG_COPY_DATA = 0x64
+    # From this many input bytes the loop runs without the GIL (below it the release and
+    # re-acquisition would cost more than the copy).
+    NOGIL_FROM = 65536
+
+cdef struct _Run:
+    Py_ssize_t pos
+    Py_ssize_t count
+    uint32_t generation
+    uint64_t term, first, last_end, commit, trunc
+
+
+cdef void _append_run(const unsigned char *p, Py_ssize_t pos, Py_ssize_t e, uint64_t lmax,
+                      unsigned char *d, uint64_t cap, _Run *run) noexcept nogil:
+    # Every length is compared with what remains (e - pos, a non-negative Py_ssize_t),
+    # widened to 64 bits, before any pointer moves past it (native.md 6.1).
+    cdef uint64_t length, total = 0, n
+    cdef uint32_t gen = 0
+    cdef uint64_t term = 0, begin = 0, stop = 0, c = 0, tr = 0
+    cdef const unsigned char *body
+    run.count = 0
+    while e - pos >= 5:
+        if p[pos] != TAG_COPY_DATA:
+            break
+        length = ps_be32(p + pos + 1)
+        if length < 4 or length > lmax or length > <uint64_t>(e - pos - 1):
+            break
+        body = p + pos + 5
+        if not _header(body, <Py_ssize_t>(length - 4), &gen, &term, &begin, &stop, &c, &tr):
+            break
+        n = stop - begin
+        if run.count:
+            if gen != run.generation or term != run.term or begin != run.last_end or n > cap - total:
+                break
+            if c > run.commit:
+                run.commit = c
+            if tr > run.trunc:
+                run.trunc = tr
+        else:
+            if n > cap:
+                break
+            run.generation, run.term, run.first, run.commit, run.trunc = gen, term, begin, c, tr
+        if n:
+            memcpy(d + total, body + V3_HEADER, <size_t>n)
+        total += n
+        run.last_end = stop
+        run.count += 1
+        pos += 1 + <Py_ssize_t>length
+    run.pos = pos
+
+
+def take_append_run(data, start, end, max_length, out, max_bytes):
+    """Frame, decode and coalesce a run of v3 AppendRequests straight from received bytes,
+    copying their WAL into ``out``; see the twin."""
+    cdef const unsigned char[::1] src = memoryview(data).cast("B")
+    cdef Py_ssize_t size = src.shape[0]
+    if not 0 <= start <= end <= size:
+        raise ValueError(f"frame range [{start}, {end}) is not inside {size} bytes")
+    if max_length < 0 or max_bytes < 0:
+        raise ValueError(f"bad max_length {max_length} or max_bytes {max_bytes}")
+    out_view = memoryview(out).cast("B")
+    if out_view.readonly:
+        raise TypeError("take_append_run needs a writable output buffer")
+    cdef unsigned char[::1] dst = out_view
+    cdef Py_ssize_t s = start, e = end
+    cdef uint64_t lmax = max_length if max_length < (1 << 40) else (1 << 40)
+    cdef uint64_t cap = max_bytes if max_bytes < (1 << 40) else (1 << 40)
+    if cap > <uint64_t>dst.shape[0]:
+        cap = <uint64_t>dst.shape[0]
+    cdef const unsigned char *p = &src[0] if size else NULL
+    cdef unsigned char *d = &dst[0] if dst.shape[0] else NULL
+    cdef _Run run
+    if e - s >= NOGIL_FROM:
+        # src and dst hold their exports: neither buffer can be resized meanwhile
+        with nogil:
+            _append_run(p, s, e, lmax, d, cap, &run)
+    else:
+        _append_run(p, s, e, lmax, d, cap, &run)
+    if not run.count:
+        return (start, 0, 0, 0, 0, 0, 0, 0)
+    return (run.pos, run.count, run.term, run.generation, run.first, run.last_end, run.commit,
+            run.trunc)

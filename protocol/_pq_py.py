@@ -20,6 +20,18 @@ one pagestore uses (``PAGESTORE_PURE_PYTHON=1`` selects this one).
   index after the last one. It stops before the first message with another tag, a length
   outside ``4..max_length`` or one not all in ``data[start:end]`` (the caller's decoder reports
   bad lengths). ``protocol.buffer.ReceiveBuffer.take_frames`` is its caller.
+- ``take_append_run(data, start, end, max_length, out, max_bytes)``: the safekeeper's receive
+  path in one pass over the receive buffer. From ``data[start:end]`` (raw pgwire bytes), the
+  longest run of complete CopyData messages (tag ``d``, length in ``4..max_length``) whose
+  payloads are well-formed v3 AppendRequests continuing each other (as ``coalesce_appends``),
+  with at most ``min(max_bytes, len(out))`` bytes of WAL; their WAL is copied into ``out``
+  from offset 0 (``out`` is a writable buffer the caller reuses; it must not overlap
+  ``data``). Returns ``(stop, count, term, generation, begin_lsn, end_lsn, commit_lsn,
+  truncate_lsn)``: ``stop`` is the index after the last message taken, the WAL is
+  ``out[:end_lsn - begin_lsn]``. ``count`` 0 (then ``stop == start`` and the other fields 0)
+  means the first message is not one the run takes (another tag or message, incomplete,
+  malformed, or more WAL than fits): the caller's general decoder handles it, and reports
+  what is wrong with it. No object is made per message.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["IMPL", "coalesce_appends", "take_frames"]
+__all__ = ["IMPL", "coalesce_appends", "take_append_run", "take_frames"]
 
 IMPL: Final = "python"
 
@@ -103,3 +115,58 @@ def coalesce_appends(
     if len(parts) < 2:
         return _NOTHING
     return len(parts), term, generation, first, last_end, commit, trunc, b"".join(parts)
+
+
+_NO_RUN: Final = (0, 0, 0, 0, 0, 0)
+
+
+def take_append_run(
+    data: Buffer, start: int, end: int, max_length: int, out: Buffer, max_bytes: int
+) -> tuple[int, int, int, int, int, int, int, int]:
+    """See the module docstring."""
+    src = memoryview(data).cast("B")
+    size = len(src)
+    if not 0 <= start <= end <= size:
+        raise ValueError(f"frame range [{start}, {end}) is not inside {size} bytes")
+    if max_length < 0 or max_bytes < 0:
+        raise ValueError(f"bad max_length {max_length} or max_bytes {max_bytes}")
+    dst = memoryview(out).cast("B")
+    if dst.readonly:
+        raise TypeError("take_append_run needs a writable output buffer")
+    cap = min(max_bytes, len(dst))
+    frame = _TAG_LEN.unpack_from
+    header = V3_APPEND_HEADER.unpack_from
+    hsize = V3_APPEND_HEADER.size
+    pos = start
+    count = total = 0
+    term = generation = first = last_end = commit = trunc = 0
+    while end - pos >= 5:
+        tag, length = frame(src, pos)
+        # remaining-count form, as take_frames: the whole message must be in data[pos:end]
+        if tag != 0x64 or length < 4 or length > max_length or length > end - pos - 1:
+            break
+        body = pos + 5
+        body_len = length - 4
+        if body_len < hsize or src[body] != TAG_APPEND:
+            break
+        _, gen, t, begin, stop, c, tr = header(src, body)
+        if stop < begin or stop - begin > MAX_SEND_SIZE or body_len - hsize < stop - begin:
+            break
+        n = stop - begin
+        if count:
+            if gen != generation or t != term or begin != last_end or total + n > cap:
+                break
+            commit = max(commit, c)
+            trunc = max(trunc, tr)
+        else:
+            if n > cap:
+                break
+            generation, term, first, commit, trunc = gen, t, begin, c, tr
+        dst[total : total + n] = src[body + hsize : body + hsize + n]
+        total += n
+        last_end = stop
+        count += 1
+        pos = body + body_len
+    if not count:
+        return (start, 0, *_NO_RUN)
+    return pos, count, term, generation, first, last_end, commit, trunc

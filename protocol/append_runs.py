@@ -5,6 +5,13 @@ compiled ``protocol/_pq_c.pyx`` or its pure-Python twin, as ``protocol._native``
 ``decode_append_run`` wraps it: the run as one ``AppendRequest`` whose ``messages`` says how
 many wire messages it stands for, or None when ``payloads[k]`` must be decoded alone.
 
+``AppendRunTaker`` is the receive path without per-message objects: handed to
+``PgConnection.copy_receive_scan``, it runs ``take_append_run`` (same contract file) over the
+connection's raw receive buffer, which frames the CopyData messages, decodes their
+AppendRequest headers and copies the run's WAL into one of a few reused output buffers, all in
+one call. A buffer is reused only once nothing refers to it any more (the run's WAL view
+lives until its write group was written), so a run's bytes never change under it.
+
 Why this is the same as decoding each message: the acceptor checks every append of a run
 against the same generation and term, each one starts where the previous ended, and of their
 ``commit_lsn`` and ``truncate_lsn`` it keeps only the maxima; the WAL is written as one
@@ -13,8 +20,9 @@ contiguous piece either way (a write group).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from protocol import _native
 from protocol.lsn import Lsn
@@ -23,13 +31,13 @@ from protocol.safekeeper import AppendRequest
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["IMPL", "coalesce_appends", "decode_append_run"]
+__all__ = ["IMPL", "AppendRunTaker", "coalesce_appends", "decode_append_run", "take_append_run"]
 
 _native.require("protocol._pq_c")
 if _native.IMPL == "python":
-    from protocol._pq_py import IMPL, coalesce_appends
+    from protocol._pq_py import IMPL, coalesce_appends, take_append_run
 else:
-    from protocol._pq_c import IMPL, coalesce_appends
+    from protocol._pq_c import IMPL, coalesce_appends, take_append_run
 
 
 def decode_append_run(payloads: Sequence[Buffer], k: int, max_bytes: int) -> AppendRequest | None:
@@ -41,3 +49,58 @@ def decode_append_run(payloads: Sequence[Buffer], k: int, max_bytes: int) -> App
     return AppendRequest(
         term, Lsn(begin), Lsn(end), Lsn(commit), Lsn(trunc), wal, generation=gen, messages=count
     )
+
+
+class AppendRunTaker:
+    """The scanner ``PgConnection.copy_receive_scan`` runs over the receive buffer: each call
+    takes at most one run of continuing v3 AppendRequests (at most ``run_bytes`` of WAL),
+    which ``take()`` then returns as one ``AppendRequest`` whose ``wal`` is a view of an
+    output buffer of this taker's pool."""
+
+    __slots__ = ("_pool", "_run", "run_bytes")
+
+    # Output buffers kept for reuse. The safekeeper's byte budget (ingest_queue_bytes) bounds
+    # how many runs are queued or being written at once; beyond this many, a run gets a
+    # buffer of its own that is not kept.
+    MAX_POOL: Final = 16
+
+    def __init__(self, run_bytes: int) -> None:
+        if run_bytes <= 0:
+            raise ValueError(f"run_bytes must be positive, got {run_bytes}")
+        self.run_bytes = run_bytes
+        self._pool: list[bytearray] = []
+        self._run: AppendRequest | None = None
+
+    def _free_buffer(self) -> bytearray:
+        pool = self._pool
+        for k in range(len(pool)):
+            # References: the list's and getrefcount's argument; a live view of it adds one.
+            if sys.getrefcount(pool[k]) == 2:
+                return pool[k]
+        buf = bytearray(self.run_bytes)
+        if len(pool) < self.MAX_POOL:
+            pool.append(buf)
+        return buf
+
+    def __call__(self, data: bytearray, start: int, end: int, max_length: int) -> int:
+        if self._run is not None:
+            return start  # the last run was not taken yet
+        out = self._free_buffer()
+        stop, count, term, gen, begin, end_lsn, commit, trunc = take_append_run(
+            data, start, end, max_length, out, self.run_bytes
+        )
+        if count:
+            self._run = AppendRequest(
+                term, Lsn(begin), Lsn(end_lsn), Lsn(commit), Lsn(trunc),
+                memoryview(out)[: end_lsn - begin], generation=gen, messages=count,
+            )
+        return stop
+
+    def take(self) -> AppendRequest | None:
+        """The run the last call took, if it took one (then it is forgotten here)."""
+        run, self._run = self._run, None
+        return run
+
+    @property
+    def pool_size(self) -> int:
+        return len(self._pool)

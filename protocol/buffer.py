@@ -19,6 +19,7 @@ from __future__ import annotations
 import builtins
 import struct
 import sys
+from collections.abc import Callable
 from typing import Final
 
 from protocol import _native
@@ -370,6 +371,23 @@ class ReceiveBuffer:
             self.consume(start - first)
         return out
 
+    def scan(self, fn: Callable[[bytearray, int, int, int], int], max_length: int) -> int:
+        """Let ``fn`` consume complete messages at the front straight from the array:
+        ``fn(array, start, end, max_length)`` returns the index where it stopped, and the
+        bytes before it are consumed. ``fn`` must copy what it keeps (the array is reused
+        once consumed). Returns the number of bytes consumed. A buffer that is scanned
+        streams: it receives into ``ARENA_SIZE`` arrays, compacted in place."""
+        if self._window is not None:
+            raise LocalProtocolError("scan() while a writable() window is out")
+        first = self._start
+        stop = fn(self._data, first, self._end, max_length)
+        if not first <= stop <= self._end:
+            raise LocalProtocolError(f"scan stopped at {stop}, outside [{first}, {self._end}]")
+        if stop > first:
+            self._zero_copy = True
+            self.consume(stop - first)
+        return stop - first
+
     def consume(self, n: int) -> None:
         self._start += n
         if self._start == self._end:
@@ -383,6 +401,9 @@ class ReceiveBuffer:
                 self._data = bytearray()
         elif (
             not self._lent
+            # A streaming buffer keeps its array's size: _move_to_fresh compacts it in place
+            # when room runs out (deleting the prefix would shrink it and force a new array).
+            and not self._zero_copy
             and self._start >= self._COMPACT_MIN
             and self._start * 2 >= self._end
         ):

@@ -237,6 +237,7 @@ class SafekeeperHandler:
                         cmd.allow_timeline_creation,
                         self.node.ingest,
                         partial(conn.copy_receive_views, copy),
+                        partial(conn.copy_receive_scan, copy),
                     )
                 except RemoteProtocolError as exc:
                     # Neon closes the stream on any proposer error: FATAL ends the connection.

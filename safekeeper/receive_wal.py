@@ -14,6 +14,12 @@ Shape (the design card's "drain memory channels into coalesced writes"):
   and hands the batch to ``Timeline.process_batch``: one ``pwritev`` per segment, one
   ``fdatasync``, one AppendResponse. ``max_write_bytes = 0`` turns coalescing off: one
   write + flush + reply per message.
+- On a pgwire connection the reader does not see messages at all for the common case: it
+  hands an ``AppendRunTaker`` to ``copy_receive_scan``, whose kernel frames the CopyData
+  messages in the receive buffer, decodes their AppendRequest headers and copies each run of
+  continuing appends' WAL into a reused buffer, one call per run (up to ``RUN_BYTES``):
+  no object per message. Anything else (another message, a malformed one) comes back as a
+  payload and is decoded as before.
 - Both live in one nursery: an error in either cancels the other and ends the connection;
   WAL already flushed stays. CopyDone or EOF from the proposer ends the reader; the writer
   drains the channel and returns.
@@ -29,7 +35,7 @@ import structlog
 import trio
 
 from common.pgcopy import CopyBothStream
-from protocol.append_runs import decode_append_run
+from protocol.append_runs import AppendRunTaker, decode_append_run
 from protocol.errors import INTERNAL_ERROR, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.safekeeper import (
@@ -52,12 +58,17 @@ SYNCS_IN_FLIGHT = 2
 # WAL of one run of continuing AppendRequests decoded as one request (never more than the
 # connection's max_write_bytes): 128 messages of 1 KiB become one object and one copy.
 APPEND_RUN_BYTES = 128 * 1024
+# WAL of one run taken straight from the receive buffer (AppendRunTaker; never more than the
+# connection's max_write_bytes): no per-message object, so a run may be a whole write group.
+RUN_BYTES = 1 << 20
 
 Item = ProposerMessage | RemoteProtocolError
 GetTimeline = Callable[[TenantId, TimelineId, bool], Awaitable[Timeline | None]]
 # A batch of CopyData payloads already received, as views of the receive buffer; None at
 # the end of the stream (``PgConnection.copy_receive_views``).
 ReceiveViews = Callable[[], Awaitable[list[memoryview] | None]]
+# ``PgConnection.copy_receive_scan`` of the stream: the scanner runs over the receive buffer.
+ReceiveScan = Callable[[AppendRunTaker], Awaitable[list[memoryview] | None]]
 
 
 @attrs.frozen
@@ -126,13 +137,16 @@ async def serve_wal_push(
     allow_timeline_creation: bool,
     cfg: IngestConfig,
     receive_views: ReceiveViews | None = None,
+    receive_scan: ReceiveScan | None = None,
 ) -> None:
     """Run the proposer protocol on ``copy`` until the proposer stops or an error ends it.
 
     ``ids`` are the tenant and timeline of the connection's startup options; the greeting
     must name the same. ``receive_views``, when given, is the zero-copy receive of the same
     stream: AppendRequests then carry views of the receive buffer all the way to ``pwritev``
-    (the buffer never reuses memory under a live view)."""
+    (the buffer never reuses memory under a live view). ``receive_scan``, when given, is
+    the kernel receive of the same stream (see the module docstring); it is used for v3
+    streams with coalescing on."""
     payload = await copy.receive()
     if payload is None:
         return
@@ -161,8 +175,14 @@ async def serve_wal_push(
         send, receive = trio.open_memory_channel[Item](max(cfg.ingest_queue, 1))
         budget = _ByteBudget(cfg.ingest_queue_bytes)
         try:
+            run_bytes = min(cfg.max_write_bytes, RUN_BYTES)
             async with trio.open_nursery() as nursery:
-                if receive_views is None:
+                if receive_scan is not None and version == 3 and run_bytes > 0:
+                    nursery.start_soon(
+                        _read_scan_stage, receive_scan, send, version, budget,
+                        AppendRunTaker(run_bytes), name="wal_push.read",
+                    )
+                elif receive_views is None:
                     nursery.start_soon(
                         _read_stage, copy, send, version, budget, name="wal_push.read"
                     )
@@ -257,6 +277,46 @@ async def _read_views_stage(
                     k += 1
                 if type(item) is AppendRequest:
                     budget.used += len(item.wal)
+                try:
+                    out.send_nowait(item)
+                except trio.WouldBlock:
+                    await out.send(item)
+                if isinstance(item, RemoteProtocolError):
+                    return
+
+
+async def _read_scan_stage(
+    receive_scan: ReceiveScan,
+    out: trio.MemorySendChannel[Item],
+    version: ProtocolVersion,
+    budget: _ByteBudget,
+    taker: AppendRunTaker,
+) -> None:
+    """The reader on the receive kernel: one ``AppendRequest`` per run the taker copied out
+    of the receive buffer; whatever it left (another message, or a malformed one, which the
+    decoder then reports) is decoded on its own."""
+    decode = decode_proposer_message
+    async with out:
+        while True:
+            if budget.used > budget.limit:
+                await budget.wait_below()
+            payloads = await receive_scan(taker)
+            if payloads is None:
+                return
+            run = taker.take()
+            items: list[Item] = []
+            if run is not None:
+                budget.used += len(run.wal)
+                items.append(run)
+            for payload in payloads:
+                try:
+                    item: Item = decode(payload, version)
+                except RemoteProtocolError as exc:
+                    item = exc
+                if type(item) is AppendRequest:
+                    budget.used += len(item.wal)
+                items.append(item)
+            for item in items:
                 try:
                     out.send_nowait(item)
                 except trio.WouldBlock:

@@ -204,6 +204,16 @@ class _Decoder:
             return []
         return self._buf.take_frames(_COPY_DATA_TAG, self.max_message_len, limit)
 
+    def copy_data_scan(self, fn: Callable[[bytearray, int, int, int], int]) -> int:
+        """The kernel form of ``copy_data_views``: ``fn(array, start, end, max_message_len)``
+        consumes complete messages straight from the receive buffer and returns where it
+        stopped (see ``ReceiveBuffer.scan``); it must leave anything it does not understand
+        (another tag, a bad length, an incomplete message) for ``next_event``. Returns the
+        bytes consumed (0 when the decoder is unusable)."""
+        if self._error is not None:
+            return 0
+        return self._buf.scan(fn, self.max_message_len)
+
     def _fail(self, msg: str, code: str = sqlstate.PROTOCOL_VIOLATION) -> RemoteProtocolError:
         self._error = RemoteProtocolError(msg, sqlstate=code)
         return self._error
@@ -291,6 +301,11 @@ class FrontendDecoder(_Decoder):
         if self._in_startup:
             return []
         return super().copy_data_views(limit)
+
+    def copy_data_scan(self, fn: Callable[[bytearray, int, int, int], int]) -> int:
+        if self._in_startup:
+            return 0
+        return super().copy_data_scan(fn)
 
     def _next_startup(self) -> m.StartupPacket | Sentinel:
         buf = self._buf

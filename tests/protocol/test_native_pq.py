@@ -207,3 +207,200 @@ def test_take_frames_native_equals_twin(
         return ("ok", [bytes(v) for v in out], stop)
 
     assert outcome(c) == outcome(py)
+
+
+# --- take_append_run (framing + AppendRequest decoding + coalescing from the raw stream) ------
+
+
+def _run_outcome(m: ModuleType, data: bytes | bytearray, start: int, end: int, max_length: int, out_size: int, max_bytes: int) -> tuple[object, ...]:
+    out = bytearray(b"\xee" * out_size)
+    try:
+        r = m.take_append_run(data, start, end, max_length, out, max_bytes)
+    except Exception as exc:
+        return ("err", type(exc).__name__)
+    # the result, the WAL it names, and that nothing beyond it in ``out`` was touched
+    n = r[5] - r[4]
+    return ("ok", r, bytes(out[:n]), out[n:] == b"\xee" * (out_size - n))
+
+
+def test_take_append_run_says_what_its_messages_say(impl: str) -> None:
+    take = kernel(impl, PQ).take_append_run
+    payloads = _appends([100, 0, 1000, 8])
+    data = bytearray(b"xx" + _frames(payloads) + _frames([b"q"], b"Q"))
+    out = bytearray(1 << 20)
+    stop, count, term, gen, begin, end, commit, trunc = take(data, 2, len(data), 1 << 20, out, 1 << 20)
+    singles = [decode_proposer_message(p, 3) for p in payloads]
+    assert all(isinstance(m, AppendRequest) for m in singles)
+    assert count == 4 and stop == 2 + sum(5 + len(p) for p in payloads)
+    assert (term, gen) == (singles[0].term, singles[0].generation)  # type: ignore[union-attr]
+    assert begin == singles[0].begin_lsn and end == singles[-1].end_lsn  # type: ignore[union-attr]
+    assert commit == max(m.commit_lsn for m in singles)  # type: ignore[union-attr]
+    assert trunc == max(m.truncate_lsn for m in singles)  # type: ignore[union-attr]
+    assert out[: end - begin] == b"".join(bytes(m.wal) for m in singles)  # type: ignore[union-attr]
+    # one message is a run too (unlike coalesce_appends): nothing is made per message
+    assert take(data, 2, 2 + 5 + len(payloads[0]), 1 << 20, out, 1 << 20)[:2] == (2 + 5 + len(payloads[0]), 1)
+
+
+def test_take_append_run_stops_where_the_general_decoder_must_take_over(impl: str) -> None:
+    take = kernel(impl, PQ).take_append_run
+    a = _frames(_appends([10, 10]))
+    one = 5 + len(_appends([10])[0])
+    out = bytearray(1 << 20)
+    tails = {
+        "gap": _frames(_appends([10], start=0x1000000 + 21)),
+        "other term": _frames(_appends([10], start=0x1000000 + 20, term=4)),
+        "other generation": _frames(_appends([10], start=0x1000000 + 20, gen=2)),
+        "not an append": _frames([b"gnot an append"]),
+        "another tag": _frames(_appends([10], start=0x1000000 + 20), b"D"),
+        "incomplete": _frames(_appends([10], start=0x1000000 + 20))[:-1],
+        "length below 4": b"d\0\0\0\x03" + b"\0" * 60,
+        "header only": b"d\0\0\0\x10",
+    }
+    for name, tail in tails.items():
+        data = a + tail
+        assert take(data, 0, len(data), 1 << 20, out, 1 << 20)[:2] == (2 * one, 2), name
+    # the first message not taken: count 0, stop == start, nothing else said
+    assert take(a, 0, len(a), 1 << 20, out, 9) == (0, 0, 0, 0, 0, 0, 0, 0)  # more WAL than max_bytes
+    assert take(a, 0, len(a), 1 << 20, bytearray(9), 100)[1] == 0  # more WAL than fits in out
+    assert take(a, 0, len(a), one - 2, out, 100)[1] == 0  # longer than max_length
+    assert take(a, 0, one - 1, 1 << 20, out, 100)[1] == 0  # cut by end
+    assert take(a, 3, len(a), 1 << 20, out, 100)[1] == 0  # not at a message start
+    # the run's size limits: max_bytes and the room in out both count
+    assert take(a, 0, len(a), 1 << 20, out, 19)[:2] == (one, 1)
+    assert take(a, 0, len(a), 1 << 20, bytearray(19), 100)[:2] == (one, 1)
+    assert take(a, 0, len(a), 1 << 20, bytearray(20), 100)[:2] == (2 * one, 2)
+    truncated = bytearray(a)
+    truncated[one + 5 + 21 : one + 5 + 29] = (0x1000000 + 10 + 11).to_bytes(8, "big")  # claims 11 bytes of WAL, has 10
+    assert take(truncated, 0, len(truncated), 1 << 20, out, 100)[:2] == (one, 1)
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "max_length", "max_bytes"),
+    [(-1, 10, 100, 100), (5, 4, 100, 100), (0, 99, 100, 100), (0, 10, -1, 100), (0, 10, 100, -1)],
+)
+def test_take_append_run_bad_arguments(impl: str, start: int, end: int, max_length: int, max_bytes: int) -> None:
+    with pytest.raises(ValueError):
+        kernel(impl, PQ).take_append_run(bytearray(20), start, end, max_length, bytearray(10), max_bytes)
+
+
+@pytest.mark.native
+def test_take_append_run_bad_buffers_are_the_same_error(both: tuple[ModuleType, ModuleType]) -> None:
+    c, py = both
+    data = _frames(_appends([10]))
+    cases: list[tuple[object, object]] = [
+        (data, b"read-only out"), (data, memoryview(bytearray(64))[::2]), ("text", bytearray(10)),
+        (memoryview(bytearray(data))[::2], bytearray(10)), (data, None),
+    ]
+    for src, out in cases:
+        a = _outcome(c.take_append_run, src, 0, 0, 100, out, 100)
+        assert a[0] == "err" and a == _outcome(py.take_append_run, src, 0, 0, 100, out, 100), (src, out)
+
+
+@settings(max_examples=250, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=10),
+    flips=st.lists(st.tuples(st.integers(0, 40000), st.integers(1, 255)), max_size=3),
+    noise=st.binary(max_size=30),
+    start=st.integers(0, 60),
+    cut=st.integers(0, 40000),
+    max_length=st.sampled_from([0, 4, 49, 50, 1100, 1 << 20, (1 << 32) - 1]),
+    out_size=st.sampled_from([0, 1, 1000, 3000, 40000]),
+    max_bytes=st.integers(0, 40000),
+)
+@pytest.mark.native
+def test_take_append_run_native_equals_twin(
+    both: tuple[ModuleType, ModuleType], sizes: list[int], flips: list[tuple[int, int]],
+    noise: bytes, start: int, cut: int, max_length: int, out_size: int, max_bytes: int,
+) -> None:
+    c, py = both
+    data = bytearray(noise[: start % 8] + _frames(_appends(sizes)) + noise)
+    for at, mask in flips:
+        data[at % len(data)] ^= mask
+    start = min(start % 8 if start < 50 else start, len(data))
+    end = max(start, min(cut, len(data)))
+    args = (data, start, end, max_length, out_size, max_bytes)
+    assert _run_outcome(c, *args) == _run_outcome(py, *args)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=400).map(lambda b: b"d" + b), max_length=st.sampled_from([4, 60, 1 << 20]))
+@pytest.mark.native
+def test_take_append_run_native_equals_twin_on_random_bytes(both: tuple[ModuleType, ModuleType], data: bytes, max_length: int) -> None:
+    c, py = both
+    args = (data, 0, len(data), max_length, 500, 500)
+    assert _run_outcome(c, *args) == _run_outcome(py, *args)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 2000), min_size=1, max_size=12),
+    splits=st.lists(st.integers(1, 3000), min_size=1, max_size=8),
+    run_bytes=st.sampled_from([1, 2000, 5000, 1 << 20]),
+)
+def test_the_taker_over_a_stream_cut_anywhere_says_what_the_messages_say(
+    sizes: list[int], splits: list[int], run_bytes: int
+) -> None:
+    """The receive path's contract (style rule 10: any segmentation): bytes arriving in
+    pieces of any size, taken by ``AppendRunTaker`` through ``ReceiveBuffer.scan`` and, where
+    it takes nothing, decoded one message at a time, give the same appends as decoding every
+    message alone: the same WAL in order, the same end LSN, the maximal commit LSN."""
+    from protocol.append_runs import AppendRunTaker
+    from protocol.buffer import ReceiveBuffer
+
+    payloads = _appends(sizes)
+    stream = _frames(payloads)
+    singles = [decode_proposer_message(p, 3) for p in payloads]
+    buf = ReceiveBuffer(arena_size=4096)
+    taker = AppendRunTaker(run_bytes)
+    wal = bytearray()
+    commits: list[int] = []
+    messages = 0
+    at = k = 0
+    while at < len(stream) or len(buf):
+        if at < len(stream):
+            step = splits[k % len(splits)]
+            k += 1
+            buf.append(stream[at : at + step])
+            at += step
+        while True:
+            if buf.scan(taker, 1 << 20):
+                run = taker.take()
+                assert run is not None
+                wal += run.wal
+                commits.append(run.commit_lsn)
+                messages += run.messages
+                continue
+            views = buf.take_frames(ord("d"), 1 << 20, 1)
+            if not views:
+                break
+            msg = decode_proposer_message(views[0], 3)
+            assert isinstance(msg, AppendRequest)
+            wal += msg.wal
+            commits.append(msg.commit_lsn)
+            messages += 1
+        if at >= len(stream):
+            break
+    assert len(buf) == 0 and messages == len(payloads)
+    assert wal == b"".join(bytes(m.wal) for m in singles)  # type: ignore[union-attr]
+    assert max(commits) == max(m.commit_lsn for m in singles)  # type: ignore[union-attr]
+
+
+def test_the_taker_never_reuses_a_buffer_under_a_live_run() -> None:
+    from protocol.append_runs import AppendRunTaker
+
+    data = bytearray(_frames(_appends([100, 100])))
+    one = len(data) // 2
+    taker = AppendRunTaker(150)
+    assert taker(data, 0, len(data), 1 << 20) == one  # 150 bytes: the second does not fit
+    first = taker.take()
+    assert first is not None and taker.take() is None
+    kept = bytes(first.wal)
+    assert taker(data, one, len(data), 1 << 20) == len(data)
+    second = taker.take()
+    assert second is not None and bytes(first.wal) == kept  # another buffer: the first is live
+    assert taker.pool_size == 2
+    kept_second = bytes(second.wal)
+    del first
+    assert taker(data, 0, one, 1 << 20) == one and taker.pool_size == 2  # the free one is reused
+    third = taker.take()
+    assert third is not None and bytes(third.wal) == kept and bytes(second.wal) == kept_second

@@ -61,6 +61,12 @@ itself; the configurations are every L0 writer times every pre-check setting, in
 each round. ``precheck_cpu_s`` is the pre-check children's CPU time up to the end of the
 ingest (a child that already exited counts 0); ``precheck_messages`` how many big XLogData
 messages the child checked during the ingest and how many went unchecked (while it started).
+
+The kernels (``--impl native,python``): each run of the ingest goes into a fresh spawned
+process whose ``PAGESTORE_PURE_PYTHON`` selects the compiled kernels or their pure-Python twins
+(``impl`` in the result and summary lines; the CPU and RSS figures are that process's), every
+implementation times every other setting, interleaved in each round. Without the option the
+ingest runs in this process, with whatever it imported.
 """
 
 from __future__ import annotations
@@ -89,6 +95,7 @@ from pageserver.wal_precheck import WalPrecheck
 from pageserver.wal_receiver import WalReceiverConfig
 from pageserver.walingest import TimelineWalIngest
 from pageserver.walredo.manager import PostgresRedoManager
+from protocol import _native
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import (
     WAL_SEGMENT_SIZE,
@@ -132,6 +139,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="ingest runs per configuration, interleaved (default 1)")
     parser.add_argument("--precheck", default="on",
                         help="comma-separated WAL pre-check settings to compare (on, off)")
+    parser.add_argument("--impl", default=None,
+                        help="comma-separated kernel implementations to compare (native, python): "
+                             "each run in a fresh process with PAGESTORE_PURE_PYTHON set to match "
+                             "(default: this process's, in-process)")
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -227,6 +238,59 @@ def _prechecks(text: str) -> list[bool]:
             raise SystemExit(f"--precheck: unknown setting {name!r} (on, off)")
         out.append(name == "on")
     return out
+
+
+def _impls(text: str | None) -> list[str | None]:
+    if text is None:
+        return [None]
+    out: list[str | None] = []
+    for name in text.split(","):
+        if name not in ("native", "python"):
+            raise SystemExit(f"--impl: unknown implementation {name!r} (native, python)")
+        out.append(name)
+    return out
+
+
+def _ingest_child(queue: Any, *args: Any) -> None:
+    """A spawned process's run of ``_ingest`` (its imports chose the kernels from the
+    environment it was started with): the result dict, or the error's text, on ``queue``."""
+    try:
+        queue.put(trio.run(_ingest, *args))
+    except BaseException as exc:
+        queue.put(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _ingest_in(impl: str | None, *args: Any) -> dict[str, Any]:
+    """``_ingest`` in this process (``impl`` None), or in a fresh spawned process whose
+    ``PAGESTORE_PURE_PYTHON`` selects ``impl``: its CPU and RSS figures are that process's."""
+    if impl is None:
+        result: dict[str, Any] = trio.run(_ingest, *args)
+        return result
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    saved = os.environ.get(_native.ENV_VAR)
+    if impl == "python":
+        os.environ[_native.ENV_VAR] = "1"
+    else:
+        os.environ.pop(_native.ENV_VAR, None)
+    try:
+        child = ctx.Process(target=_ingest_child, args=(queue, *args))
+        child.start()
+    finally:
+        if saved is None:
+            os.environ.pop(_native.ENV_VAR, None)
+        else:
+            os.environ[_native.ENV_VAR] = saved
+    got = queue.get()
+    child.join()
+    if isinstance(got, str):
+        raise RuntimeError(f"the {impl} ingest failed: {got}")
+    if got["impl"] != impl:
+        raise RuntimeError(f"asked for the {impl} kernels, the child ran {got['impl']}")
+    return dict(got)
 
 
 def _worker_cpu_s(pid: int | None) -> float:
@@ -328,6 +392,7 @@ async def _ingest(
         "l0_worker_jobs": worker_jobs,
         "l0_pending_at_ingest_end": pending,
         "background_flush_wait_s": round(background_wait_s, 2),
+        "impl": _native.IMPL,
         "records": stats.records,
         "values": stats.values,
         "ingest_mb_per_s": round(wal_bytes / MB / ingest_s, 2),
@@ -422,12 +487,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         trio.run(run_initdb, root / "init")
         pg, start, end, recovery_s = _prepare(root, args)
-        configs = [(w, c) for w in _l0_writers(args.l0_writer) for c in _prechecks(args.precheck)]
-        runs: dict[tuple[str, bool], list[dict[str, Any]]] = {c: [] for c in configs}
+        configs = [(w, c, i) for i in _impls(args.impl) for w in _l0_writers(args.l0_writer)
+                   for c in _prechecks(args.precheck)]
+        runs: dict[tuple[str, bool, str | None], list[dict[str, Any]]] = {c: [] for c in configs}
         for round_no in range(max(1, args.rounds)):
-            for writer, precheck in configs:
-                tenant_dir = f"tenant-{writer}-{precheck}-{round_no}"
-                result = trio.run(_ingest, root, pg, end, args, writer, tenant_dir, precheck)
+            for writer, precheck, impl in configs:
+                tenant_dir = f"tenant-{writer}-{precheck}-{impl}-{round_no}"
+                result = _ingest_in(impl, root, pg, end, args, writer, tenant_dir, precheck)
                 shutil.rmtree(root / tenant_dir, ignore_errors=True)
                 result = {
                     "bench": "bulk_ingest",
@@ -439,13 +505,14 @@ def run(args: argparse.Namespace) -> int:
                     "io_engine": args.io_engine,
                     "round": round_no,
                 }
-                runs[writer, precheck].append(result)
+                runs[writer, precheck, impl].append(result)
                 _emit(result)
         if args.floor_runs > 0:
             first = runs[configs[0]][0]
             _floors(root, parse_lsn(first["ingest_start"]), end, recovery_s, args.floor_runs)
-        for (name, precheck), results in runs.items():
-            summary: dict[str, Any] = {"bench": "bulk_ingest_summary", "l0_writer": name,
+        for (name, precheck, _impl), results in runs.items():
+            summary: dict[str, Any] = {"bench": "bulk_ingest_summary", "impl": results[0]["impl"],
+                                       "l0_writer": name,
                                        "precheck": "on" if precheck else "off", "runs": len(results),
                                        "pg_recovery_s": round(recovery_s, 2)}
             for field in ("ingest_s", "ingest_cpu_s", "us_per_record_cpu", "precheck_cpu_s",

@@ -14,8 +14,13 @@ Harnesses (``NAME``):
 - ``record-tracker``: ``RecordTracker.feed`` over pieces. Input: start (u16 LE, 8-byte words
   after LSN 0x2000000), segment size choice (u8), piece length (u8, x 37 bytes), then WAL.
 - ``crc32c``: ``crc32c`` with a seed and a split. Input: seed (u32 LE), split (u16 LE), data.
+- ``same-run``: ``protocol._ingest_c.same_run``, the pageserver's run of like records. Input:
+  offset (u8), extra stride (u8, 0-7 used), count (u8), VM byte offset (u8, 0: none), then the
+  record bytes (xl_tot_len read from the first record's header); the LSN of the first record
+  is fixed.
 
-The seed corpus is synthetic WAL (``safekeeper.testing.synthetic_wal``) in these formats;
+The seed corpus is synthetic WAL (``safekeeper.testing.synthetic_wal``; for ``same-run``, runs of
+like records from ``like_records``) in these formats;
 ``--corpus DIR`` keeps it and what the run finds. Not part of the test run: it needs the
 ``fuzz`` extra (``pip install -e '.[fuzz]'``: atheris) and runs for as long as it is told.
 """
@@ -32,7 +37,11 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-HARNESSES = ("scan-records", "record-tracker", "crc32c")
+HARNESSES = ("scan-records", "record-tracker", "crc32c", "same-run")
+# the compiled module each harness fuzzes (its twin is the reference)
+MODULES = {"scan-records": "protocol._wal_c", "record-tracker": "protocol._wal_c", "crc32c": "protocol._wal_c",
+           "same-run": "protocol._ingest_c"}
+RUN_LSN = 0x2000000 + 8192 + 24  # LSN of the first record of a same-run input
 BASE = 0x2000000
 SEG_CHOICES = (1, 2, 2048)
 PAGE = 8192
@@ -70,10 +79,39 @@ def run(args: argparse.Namespace) -> int:
     return proc.returncode
 
 
+def like_records(count: int, tot_len: int, stride: int, pos: int, vm_at: int = 0, seed: int = 0) -> bytes:
+    """``count`` CRC-valid records like each other, ``stride`` bytes apart, the first at LSN
+    ``pos`` (each ``xl_prev`` the start of the one before): a bulk load's heap page, as the
+    ingest kernel's ``same_run`` takes it. Byte ``vm_at`` (when > 0) has its VM bit clear."""
+    import random
+    import struct
+
+    from protocol._wal_py import crc32c
+
+    rng = random.Random(seed)
+    layout = rng.randbytes(22)
+    out = bytearray()
+    for i in range(count):
+        payload = bytearray(layout + rng.randbytes(tot_len - 46))
+        if vm_at > 0:
+            payload[vm_at - 24] &= 0xFE
+        head = struct.pack("<IIQBB2x", tot_len, 0x1234, pos + (i - 1) * stride, 0x00, 10)
+        crc = crc32c(head, crc32c(payload))
+        out += head + crc.to_bytes(4, "little") + payload + bytes(stride - tot_len)
+    return bytes(out)
+
+
 def write_seeds(name: str, corpus: Path) -> None:
     from protocol.lsn import Lsn
     from safekeeper.testing import synthetic_wal
 
+    if name == "same-run":
+        for k, (tot_len, count) in enumerate(((59, 120), (203, 36), (250, 30))):
+            stride = (tot_len + 7) & ~7
+            vm_at = 0 if k == 1 else tot_len - 3
+            seed = bytes([0, 0, count - 1, vm_at]) + like_records(count, tot_len, stride, RUN_LSN, vm_at, seed=k)
+            (corpus / f"seed-run-{tot_len}").write_bytes(seed)
+        return
     for k, size in enumerate((26, 200, 3000, 9000)):
         wal = synthetic_wal(Lsn(BASE), 40_000 if size > 1000 else 12_000, record_size=size)
         if name == "scan-records":
@@ -142,18 +180,35 @@ def _harness(name: str, native: ModuleType, twin: ModuleType) -> Callable[[bytes
         if whole != twin.crc32c(body, seed) or native.crc32c(body[split:], native.crc32c(body[:split], seed)) != whole:
             raise AssertionError(f"crc32c differs on {len(body)} bytes, seed {seed:#x}, split {split}")
 
-    return {"scan-records": scan_records, "record-tracker": record_tracker, "crc32c": crc32c}[name]
+    def same_run(data: bytes) -> None:
+        if len(data) < 8:
+            return
+        o, extra, k, vm_at = data[0], data[1] % 8, data[2], data[3]
+        buf = data[4:]
+        tot_len = int.from_bytes(buf[o : o + 4].ljust(4, b"\0"), "little") % 4096
+        stride = ((tot_len + 7) & ~7) + 8 * extra
+        args = (buf, o, RUN_LSN, tot_len, stride, k, vm_at)
+        a, b = _outcome(native.same_run, *args), _outcome(twin.same_run, *args)
+        if a != b:
+            raise AssertionError(f"same_run differs: native {a} twin {b}")
+
+    return {"scan-records": scan_records, "record-tracker": record_tracker, "crc32c": crc32c,
+            "same-run": same_run}[name]
 
 
 def _fuzz_main(argv: list[str]) -> None:
     import atheris
 
     name = argv[1]
-    from protocol import _native
+    import importlib
 
-    native = _native.load_native("protocol._wal_c")
+    from protocol import _native
+    from protocol._native_sources import TWINS
+
+    module = MODULES[name]
+    native = _native.load_native(module)
     with atheris.instrument_imports():
-        import protocol._wal_py as twin
+        twin = importlib.import_module(TWINS[module])
     atheris.Setup([argv[0], *argv[2:]], _harness(name, native, twin))
     atheris.Fuzz()
 

@@ -105,6 +105,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ, Lsn, format_lsn, segment_file_name
 from protocol.pgwire.sqlstate import DATA_CORRUPTED
 from protocol.wal import crc as _crcmod
+from protocol.wal.ingest_kernel import same_run
 from protocol.wal.reader import (
     SIMPLE_HEADERS,
     SIMPLE_PAYLOAD_AT,
@@ -232,16 +233,15 @@ _PG_RECORD_HEADS = (encode_postgres_record(False, b""), encode_postgres_record(T
 _PD_LSN = struct.Struct("<II")
 
 
-# Runs of like records (``_same_run``): a record taken by the fused path through the "same
-# as the one before" shortcut is checked together with up to the rest of its page's records
-# when at least this many more could follow on the page.
+# Runs of like records (``_same_run``, the ingest kernel ``protocol.wal.ingest_kernel.same_run``):
+# a record taken by the fused path through the "same as the one before" shortcut is checked
+# together with up to the rest of its page's records when at least this many more could follow
+# on the page.
 _RUN_MIN = 4
-# per record of a run: (xl_tot_len, xl_xid), xl_prev, (xl_info, xl_rmid, padding), xl_crc, and
-# the 22 layout bytes (SIMPLE_HEADERS)
-_RUN_HEAD = "8sQ4sI22s"
-_RUN_ONE = struct.Struct("<" + _RUN_HEAD)
 _EVEN_BYTES = bytes(range(0, 256, 2))
 _NO_CLAIMS: Sequence[int] = ()
+# (a module global, so that tests can count its calls)
+_same_run = same_run
 
 
 @lru_cache(maxsize=1024)
@@ -249,59 +249,6 @@ def _run_struct(one: str, gap: int, count: int) -> struct.Struct:
     """``count`` times ``one``, ``gap`` pad bytes between two (none after the last, so an
     unpack never reads past the last record)."""
     return struct.Struct("<" + f"{gap}x".join([one] * count))
-
-
-def _same_prefix(got: Sequence[object], want: object) -> int:
-    """How many items at the start of ``got`` equal ``want``."""
-    for i, x in enumerate(got):
-        if x != want:
-            return i
-    return len(got)
-
-
-def _first_difference(a: Sequence[object], b: Sequence[object]) -> int:
-    """The first index where two sequences of one length (that differ) differ."""
-    return next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-
-
-def _same_run(
-    buf: bytes, o: int, pos: int, tot_len: int, stride: int, k: int, vm_at: int
-) -> tuple[int, tuple[bytes, ...]]:
-    """The fused path's run of like records: of the ``k`` records that would start at
-    ``o + stride``, ``o + 2 * stride``... (all inside the page and the input), how many in a
-    row are like the record at ``o`` (LSN ``pos``, already checked and taken through the
-    shortcut, so its layout, block, xid and VM test are decided) -- the same ``xl_tot_len``,
-    ``xl_xid``, ``xl_info``, ``xl_rmid`` (and header padding) and 22 layout bytes, ``xl_prev``
-    the start of the record before, the INSERT's flags byte at ``vm_at`` (when > 0) without
-    the VM bit, CRC-32C right -- so each passes every test the per-record loop would make.
-    Returns that count ``m`` and the raw bytes of the record at ``o`` and of those ``m``.
-    A few C calls per run instead of a loop iteration per record: struct unpacks of every
-    record's header fields and of its two CRC pieces, tuple compares, one ``crc32c`` map.
-    (``pageserver.wal_runs`` makes the same byte checks ahead, in another process:
-    ``_claimed_run`` then does the rest.)"""
-    h8, _prev, irp, _crc, sig = _RUN_ONE.unpack_from(buf, o)
-    first = o + stride
-    heads = _run_struct(_RUN_HEAD, stride - _RUN_ONE.size, k).unpack_from(buf, first)
-    m = k
-    for col, want in ((heads[0::5], h8), (heads[2::5], irp), (heads[4::5], sig)):
-        if col.count(want) != k:
-            m = min(m, _same_prefix(col, want))
-    if m:
-        prevs = heads[1 : 5 * m : 5]
-        chain = tuple(range(pos, pos + m * stride, stride))
-        if prevs != chain:
-            m = _first_difference(prevs, chain)
-    if m and vm_at > 0:
-        m = _vm_kept(buf, first + vm_at, stride, m)
-    if m:
-        crc32c = _crcmod.crc32c
-        crc_pieces = _run_struct(f"20s4x{tot_len - SIZE_OF_XLOG_RECORD}s", stride - tot_len, m)
-        pieces = crc_pieces.unpack_from(buf, first)
-        crcs = tuple(map(crc32c, pieces[0::2], map(crc32c, pieces[1::2])))
-        want_crcs = heads[3 : 5 * m : 5]
-        if crcs != want_crcs:
-            m = _first_difference(crcs, want_crcs)
-    return m, _run_struct(f"{tot_len}s", stride - tot_len, m + 1).unpack_from(buf, o)
 
 
 def _claimed_run(

@@ -18,6 +18,7 @@ NATIVE_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "protocol._wal_c": ("protocol/_wal_c.pyx", "protocol/_crc32c.h", "protocol/_bytes.h"),
     "protocol._pq_c": ("protocol/_pq_c.pyx", "protocol/_bytes.h"),
     "protocol._getpage_load_c": ("protocol/_getpage_load_c.pyx", "protocol/_bytes.h"),
+    "protocol._ingest_c": ("protocol/_ingest_c.pyx", "protocol/_crc32c.h", "protocol/_bytes.h"),
 }
 
 # compiled module -> its pure-Python twin (the reference).

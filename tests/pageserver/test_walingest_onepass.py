@@ -3,7 +3,7 @@ the one just taken in a few C calls; the run is one item, ``Timeline.put_mixed_n
 ``InMemoryLayer.try_put_mixed`` store it without a tuple or a loop iteration per value) store
 exactly what the batch path and ``put`` store.
 
-- ``_same_run`` against a per-record reference of the checks it stands for (hypothesis:
+- ``_same_run`` (``protocol.wal.ingest_kernel.same_run``, both implementations) against a per-record reference of the checks it stands for (hypothesis:
   a bulk load's page with any one record changed: a byte anywhere, the VM bit, the xid, the
   length, the resource manager, the block, a stale ``xl_prev`` or trailing bytes made
   CRC-valid);
@@ -37,6 +37,7 @@ from protocol.lsn import Lsn
 from protocol.wal.encoder import BlockSpec
 from protocol.wal.record import record_crc
 from protocol.wal.rmgr import RmgrId
+from tests.conftest import kernel
 from tests.pageserver import test_walingest_fused as fz
 
 _HEAD = struct.Struct("<IIQBB2xI")  # xl_tot_len, xl_xid, xl_prev, xl_info, xl_rmid, xl_crc
@@ -116,9 +117,11 @@ def _bulk_with_change(
     change=st.sampled_from(_CHANGES),
     seed=st.integers(0, 2**31),
 )
-def test_same_run_is_the_per_record_checks(n: int, at: int, change: str, seed: int) -> None:
-    """``_same_run`` from every record of the WAL that starts a run (its layout read as the
-    fused path reads it) gives the count the per-record checks give, and the raw records."""
+def test_same_run_is_the_per_record_checks(impl: str, n: int, at: int, change: str, seed: int) -> None:
+    """``_same_run`` (the ingest kernel, compiled and twin) from every record of the WAL that
+    starts a run (its layout read as the fused path reads it) gives the count the per-record
+    checks give, and the raw records."""
+    same_run = kernel(impl, "protocol._ingest_c").same_run
     wal, spans = _bulk_with_change(n, at % n, change, seed)
     calls = 0
     for i, (start, _end) in enumerate(spans[:-1]):
@@ -136,7 +139,7 @@ def test_same_run_is_the_per_record_checks(n: int, at: int, change: str, seed: i
         if k < 1:
             continue
         want = _reference_run(wal, o, start, tot_len, stride, k, main_at + 2)
-        got, raws = walingest._same_run(wal, o, start, tot_len, stride, k, main_at + 2)
+        got, raws = same_run(wal, o, start, tot_len, stride, k, main_at + 2)
         assert got == want, (i, change)
         assert list(raws) == [wal[o + j * stride : o + j * stride + tot_len] for j in range(got + 1)]
         calls += 1

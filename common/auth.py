@@ -24,15 +24,22 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import jwt
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+        Ed25519PrivateKey,
+        Ed25519PublicKey,
+    )
+
+# PyJWT and cryptography are imported where a key or a token is handled, not here: every
+# command that only names a Scope (the CLI's endpoint start, a node's config) would pay
+# their import (~0.1 s of CPU) for nothing.
 
 ALGORITHM = "EdDSA"  # pinned: the only algorithm a token may use
 LEEWAY_S = 60
@@ -97,6 +104,9 @@ class AuthKeyError(Exception):
 
 
 def _load_public_key(path: Path) -> Ed25519PublicKey:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     try:
         key = serialization.load_pem_public_key(path.read_bytes())
     except (OSError, ValueError) as exc:
@@ -123,6 +133,9 @@ def load_public_keys(path: Path) -> list[Ed25519PublicKey]:
 def generate_keypair(directory: Path) -> tuple[Path, Path]:
     """A new Ed25519 keypair: ``auth_private_key.pem`` (PKCS#8, mode 0600, written so that it
     is never readable by others, not even for a moment) and ``auth_public_key.pem`` (SPKI)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     directory.mkdir(parents=True, exist_ok=True)
     private = Ed25519PrivateKey.generate()
     priv_path = directory / PRIVATE_KEY_NAME
@@ -155,6 +168,9 @@ def write_secret(path: Path, data: bytes) -> None:
 
 
 def load_private_key(path: Path) -> Ed25519PrivateKey:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except (OSError, ValueError, TypeError) as exc:
@@ -185,6 +201,8 @@ def encode_token(
     claims["iat"] = int(issued)
     if ttl_s is not None:
         claims["exp"] = int(issued + ttl_s)
+    import jwt
+
     return jwt.encode(claims, key, algorithm=ALGORITHM)
 
 
@@ -237,6 +255,8 @@ class JwtVerifier:
                             "'Authorization: Bearer' (HTTP)")
         if token.count(".") != 2 or len(token) > 8192:
             raise AuthError("malformed", "malformed token", "not a JWT (three dot-separated parts)")
+        import jwt
+
         options: dict[str, Any] = {
             "require": ["scope"],
             "verify_nbf": False,

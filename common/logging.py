@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-import structlog
+# structlog is imported by the functions below, not here: a config module that only needs
+# LEVELS (the safekeeper's, which the CLI loads) does not pay for it.
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 
@@ -29,6 +30,8 @@ _open_files: list[TextIO] = []
 
 
 def shared_processors() -> list[Any]:
+    import structlog
+
     return [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -41,6 +44,8 @@ def setup_logging(
     *, log_file: Path | None = None, level: str = "info", force_tty: bool | None = None
 ) -> None:
     """Configure structlog for this process (see the module docstring)."""
+    import structlog
+
     if level not in LEVELS:
         raise ValueError(f"unknown log level {level!r}, expected one of {', '.join(LEVELS)}")
     for f in _open_files:

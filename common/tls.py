@@ -17,13 +17,15 @@ import datetime
 import ipaddress
 import ssl
 from pathlib import Path
-
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from typing import TYPE_CHECKING
 
 from common.auth import write_secret
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+# cryptography is imported by the functions that make keys and certificates (``init``), not
+# here: a command that only needs an SSL context does not pay for it.
 
 CA_CERT_NAME = "ca.crt"
 CA_KEY_NAME = "ca.key"
@@ -48,6 +50,8 @@ def client_context(ca_file: Path) -> ssl.SSLContext:
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    from cryptography.hazmat.primitives import serialization
+
     write_secret(path, key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     ))
@@ -59,6 +63,11 @@ def _now() -> datetime.datetime:
 
 def make_local_ca(directory: Path) -> tuple[Path, Path]:
     """A self-signed CA: ``ca.crt`` and ``ca.key`` (0600) in ``directory``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
     directory.mkdir(parents=True, exist_ok=True)
     # P-256 rather than Ed25519: psql/libpq and every OpenSSL client accept it.
     key = ec.generate_private_key(ec.SECP256R1())
@@ -92,6 +101,11 @@ def make_node_cert(
     ca_dir: Path, directory: Path, common_name: str, names: tuple[str, ...] = DEFAULT_SAN
 ) -> tuple[Path, Path]:
     """``server.crt`` / ``server.key`` (0600) in ``directory``, signed by the CA in ``ca_dir``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
     ca_key = serialization.load_pem_private_key((ca_dir / CA_KEY_NAME).read_bytes(), password=None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
     ca_cert = x509.load_pem_x509_certificate((ca_dir / CA_CERT_NAME).read_bytes())

@@ -26,21 +26,19 @@ election decides for a timeline the safekeepers already know).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
 import shutil
 import subprocess
-import tarfile
 import time
 from pathlib import Path
 from typing import Any
 
 import attrs
 import cattrs
-import trio
 
-from common import pgclient
 from common.auth import TOKEN_ENV, Scope
 from compute import postgres
 from control_plane import cluster, process
@@ -209,48 +207,32 @@ def _pick_port(env: LocalEnv, name: str) -> int:
 # -- basebackup -----------------------------------------------------------------------------------
 
 
-async def _fetch_basebackup(host: str, port: int, tenant_id: str, timeline_id: str, lsn: Lsn,
-                            out: Path, lazy: bool = False, auth: dict[str, str] | None = None) -> int:
-    # The default message limit holds: basebackup sends CopyData of at most 256 KiB
-    # (pageserver.basebackup.CHUNK_BYTES), also for the 16 MiB WAL segment.
-    conn = await pgclient.connect_with_params(host, port, {"user": "pagestore", **(auth or {})})
-    try:
-        flags = " --lazy" if lazy else ""
-        copy = await conn.copy_out(f"basebackup {tenant_id} {timeline_id} {format_lsn(lsn)}{flags}")
-        size = 0
-        with open(out, "wb") as f:
-            while True:
-                chunk = await copy.receive()
-                if chunk is None:
-                    break
-                f.write(chunk)
-                size += len(chunk)
-        await conn.finish_copy()
-    finally:
-        await conn.aclose()
-    return size
-
-
 def fetch_basebackup(env: LocalEnv, tenant_id: str, timeline_id: str, lsn: Lsn, out: Path,
                      *, lazy: bool = False) -> int:
     """Write the pageserver's basebackup tar at ``lsn`` to ``out``; returns its size."""
+    # trio and the libpq client are imported here, not at the top: a lazy start never needs
+    # them in this process (its page filesystem fetches the lazy basebackup).
+    import trio
+
+    from compute import basebackup
+
     try:
-        return trio.run(_fetch_basebackup, "127.0.0.1", env.config.pageserver.pg, tenant_id,
-                        timeline_id, lsn, out, lazy,
-                        env.pg_client_params(env.token(Scope.TENANT, tenant_id)))
+        with open(out, "wb") as f:
+            return trio.run(functools.partial(
+                basebackup.fetch, "127.0.0.1", env.config.pageserver.pg, tenant_id, timeline_id, lsn, f,
+                lazy=lazy, params=env.pg_client_params(env.token(Scope.TENANT, tenant_id))))
     except Exception as exc:
         raise EndpointError(f"basebackup {tenant_id} {timeline_id} {format_lsn(lsn)} failed: {exc}") from exc
 
 
 def _untar(tar_path: Path, pgdata: Path) -> None:
-    with tarfile.open(tar_path) as tar:
-        for member in tar.getmembers():
-            target = (pgdata / member.name).resolve()
-            if not (target == pgdata.resolve() or pgdata.resolve() in target.parents):
-                raise EndpointError(f"basebackup member {member.name!r} points outside the data directory")
-        tar.extractall(pgdata, filter="data")
-    postgres.chown_to_postgres(pgdata)
-    os.chmod(pgdata, 0o700)
+    from compute import basebackup
+
+    with open(tar_path, "rb") as f:
+        try:
+            basebackup.unpack(f, pgdata)
+        except basebackup.BasebackupError as exc:
+            raise EndpointError(str(exc)) from None
 
 
 # -- start / stop -------------------------------------------------------------------------------
@@ -361,6 +343,39 @@ def _base_settings(spec: EndpointSpec) -> dict[str, str]:
     return s
 
 
+def _start_lsn(env: LocalEnv, tenant: str, timeline: str, lsn: str | None, ep_dir: Path, log: Any) -> Lsn:
+    """Where the compute starts: ``lsn`` for a read-only endpoint (once the pageserver has
+    it); for a primary, where the timeline's committed WAL ends, once the pageserver has
+    ingested it."""
+    if lsn is not None:
+        try:
+            at = parse_lsn(lsn)
+        except RemoteProtocolError as exc:
+            raise LocalEnvError(f"--lsn {lsn!r}: {exc}") from None
+        info = cluster.timeline_info(env, tenant, timeline)
+        if at > parse_lsn(info["last_record_lsn"]):
+            cluster.wait_for_lsn(env, tenant, timeline, at, timeout=30)
+    else:
+        states = _safekeeper_states(env, tenant, timeline)
+        sk_flush = max((parse_lsn(st["flush_lsn"]) for st in states), default=None)
+        sk_commit = max((parse_lsn(st["commit_lsn"]) for st in states), default=None)
+        if sk_flush is not None and sk_commit is not None and sk_flush > sk_commit:
+            # Only committed WAL reaches the pageserver: without a new term committing this
+            # tail the wait below could never end.
+            log(f"the safekeepers hold uncommitted WAL up to {format_lsn(sk_flush)} (committed: "
+                f"{format_lsn(sk_commit)}): committing it in a new term")
+            ep_dir.mkdir(parents=True, exist_ok=True)
+            sk_flush = _sync_safekeepers(env, ep_dir, tenant, timeline, states)
+        info = cluster.timeline_info(env, tenant, timeline)
+        if sk_flush is not None and sk_flush > parse_lsn(info["last_record_lsn"]):
+            log(f"waiting for the pageserver to ingest the safekeepers' WAL up to {format_lsn(sk_flush)}")
+            info = cluster.wait_for_lsn(env, tenant, timeline, sk_flush, timeout=120)
+        at = parse_lsn(info["last_record_lsn"])
+    if at % 8:
+        raise EndpointError(f"LSN {format_lsn(at)} is not a record boundary (not 8-byte aligned)")
+    return at
+
+
 def start_endpoint(
     env: LocalEnv,
     name: str,
@@ -413,64 +428,43 @@ def start_endpoint(
                     "(stop it, or start a read-only endpoint with --lsn)"
                 )
 
-    # Where the compute starts.
-    if read_only:
-        assert lsn is not None
-        try:
-            at = parse_lsn(lsn)
-        except RemoteProtocolError as exc:
-            raise LocalEnvError(f"--lsn {lsn!r}: {exc}") from None
-        info = cluster.timeline_info(env, tenant, timeline)
-        if at > parse_lsn(info["last_record_lsn"]):
-            cluster.wait_for_lsn(env, tenant, timeline, at, timeout=30)
-    else:
-        states = _safekeeper_states(env, tenant, timeline)
-        sk_flush = max((parse_lsn(st["flush_lsn"]) for st in states), default=None)
-        sk_commit = max((parse_lsn(st["commit_lsn"]) for st in states), default=None)
-        if sk_flush is not None and sk_commit is not None and sk_flush > sk_commit:
-            # Only committed WAL reaches the pageserver: without a new term committing this
-            # tail the wait below could never end.
-            log(f"the safekeepers hold uncommitted WAL up to {format_lsn(sk_flush)} (committed: "
-                f"{format_lsn(sk_commit)}): committing it in a new term")
-            ep_dir.mkdir(parents=True, exist_ok=True)
-            sk_flush = _sync_safekeepers(env, ep_dir, tenant, timeline, states)
-        info = cluster.timeline_info(env, tenant, timeline)
-        if sk_flush is not None and sk_flush > parse_lsn(info["last_record_lsn"]):
-            log(f"waiting for the pageserver to ingest the safekeepers' WAL up to {format_lsn(sk_flush)}")
-            info = cluster.wait_for_lsn(env, tenant, timeline, sk_flush, timeout=120)
-        at = parse_lsn(info["last_record_lsn"])
-    if at % 8:
-        raise EndpointError(f"LSN {format_lsn(at)} is not a record boundary (not 8-byte aligned)")
-
     spec = EndpointSpec(name=name, tenant_id=tenant, timeline_id=timeline, branch=branch,
-                        port=port or _pick_port(env, name), basebackup_lsn=format_lsn(at),
+                        port=port or _pick_port(env, name), basebackup_lsn="",
                         read_only=read_only, storage=storage)
     ep_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(ep_dir, 0o755)
     ep = Endpoint(env, spec)
-    tar_path = ep_dir / "basebackup.tar"
+    # A lazy endpoint's page filesystem starts first: its Python start-up (the longest step)
+    # overlaps finding the start LSN; it then fetches the lazy basebackup and the relation
+    # listing itself, unpacks the data directory and mounts.
+    pagefs = _spawn_pagefs(env, ep) if storage == "lazy" else None
+    try:
+        at = _start_lsn(env, tenant, timeline, lsn, ep_dir, log)
+    except BaseException:
+        if pagefs is not None:
+            _stop_pagefs(ep, lambda _m: None)
+        raise
+    spec = attrs.evolve(spec, basebackup_lsn=format_lsn(at))
+    ep = Endpoint(env, spec)
     started = time.monotonic()
     phases = {"prepare": started - t0}
-    # The page filesystem's process starts now: its imports and the relation listing overlap
-    # the basebackup; it mounts once the backing directory is ready.
-    pagefs_pid = _spawn_pagefs(env, ep, at) if storage == "lazy" else None
-    try:
-        size = fetch_basebackup(env, tenant, timeline, at, tar_path, lazy=storage == "lazy")
+    if pagefs is not None:
+        _mount_pagefs(ep, pagefs, at)
+        st = ep.pagefs_status() or {}
+        phases["pagefs"] = time.monotonic() - started
+        phases.update({f"pagefs_{k}": v for k, v in (st.get("start_phases") or {}).items()})
+        log(f"basebackup --lazy of {branch} at {format_lsn(at)}: {st.get('basebackup_bytes', 0) / 1e6:.1f} MB; "
+            f"page filesystem mounted in {phases['pagefs']:.2f} s")
+    else:
+        tar_path = ep_dir / "basebackup.tar"
+        size = fetch_basebackup(env, tenant, timeline, at, tar_path)
         postgres.make_postgres_dir(ep.pgdata)
         _untar(tar_path, ep.pgdata)
-    except BaseException:
-        _stop_pagefs(ep, lambda _m: None)
-        raise
-    tar_path.unlink()
-    log(f"basebackup{' --lazy' if storage == 'lazy' else ''} of {branch} at {format_lsn(at)}: "
-        f"{size / 1e6:.1f} MB in {time.monotonic() - started:.1f} s")
+        tar_path.unlink()
+        log(f"basebackup of {branch} at {format_lsn(at)}: {size / 1e6:.1f} MB in {time.monotonic() - started:.1f} s")
+        phases["basebackup"] = time.monotonic() - started
     (ep_dir / "endpoint.json").write_text(json.dumps(cattrs.unstructure(spec), indent=2) + "\n")
     mark = time.monotonic()
-    phases["basebackup"] = mark - started
-    if pagefs_pid is not None:
-        _mount_pagefs(ep, pagefs_pid)
-        phases["pagefs"] = time.monotonic() - mark
-        mark = time.monotonic()
 
     pg = postgres.PostgresInstance(datadir=ep.pgdata, port=spec.port, settings={**_settings(spec), **(settings or {})})
     try:
@@ -507,21 +501,22 @@ def start_endpoint(
 PAGEFS_START_TIMEOUT_S = 60.0
 
 
-def _spawn_pagefs(env: LocalEnv, ep: Endpoint, start_lsn: Lsn) -> int:
-    """Start ``pagestore pagefs``; it waits for ``pagefs/backing.ready`` before it mounts."""
+def _spawn_pagefs(env: LocalEnv, ep: Endpoint) -> subprocess.Popen[bytes]:
+    """Start ``pagestore pagefs`` before the start LSN is known: it reads it from its stdin
+    (``_mount_pagefs``) and exits if the pipe closes first (this command failed or died)."""
     backing, mnt = ep.pagefs_dir / "backing", ep.pagefs_mount
     backing.mkdir(parents=True)
     mnt.mkdir()
     os.chmod(ep.pagefs_dir, 0o755)
     ep.pagefs_status_path.unlink(missing_ok=True)
     cmd = process.cli_command(
-        "pagefs", "--mountpoint", str(mnt), "--backing", str(backing),
+        "pagefs", "--mountpoint", str(mnt), "--backing", str(backing), "--pgdata", str(ep.pgdata),
         "--cache-file", str(ep.pagefs_dir / "cache.pages"),
         "--local-cache-size", str(env.config.local_cache_size),
         "--pageserver", f"127.0.0.1:{env.config.pageserver.pg}", "--pageserver-http", env.pageserver_http,
         "--tenant-id", ep.spec.tenant_id, "--timeline-id", ep.spec.timeline_id,
-        "--start-lsn", format_lsn(start_lsn), "--status-file", str(ep.pagefs_status_path),
-        "--log-file", str(ep.pagefs_log), "--wait-for", str(ep.pagefs_dir / "backing.ready"),
+        "--start-lsn", "-", "--status-file", str(ep.pagefs_status_path),
+        "--log-file", str(ep.pagefs_log), "--spawned-at", repr(time.time()),
         *(["--ca-file", str(env.ca_file)] if env.ca_file is not None else []),
         *(["--read-only"] if ep.spec.read_only else ["--bridge-status", str(ep.bridge_status_path)]),
     )
@@ -529,26 +524,29 @@ def _spawn_pagefs(env: LocalEnv, ep: Endpoint, start_lsn: Lsn) -> int:
     # Its tenant token in its environment (never argv); the name is compute.pagefs.main's
     # TOKEN_ENV (importing that module here would load pyfuse3).
     token = env.token(Scope.TENANT, ep.spec.tenant_id)
-    return process.spawn(cmd, log_path=ep.pagefs_log, pid_path=ep.pagefs_pid_path,
-                         env={} if token is None else {"PAGESTORE_PAGEFS_TOKEN": token})
+    return process.spawn_piped(cmd, log_path=ep.pagefs_log, pid_path=ep.pagefs_pid_path,
+                               env={} if token is None else {"PAGESTORE_PAGEFS_TOKEN": token})
 
 
-def _mount_pagefs(ep: Endpoint, pid: int) -> None:
-    """Move the lazy basebackup's base/ and global/ into the page filesystem's backing
-    directory, link them from the data directory to the mount, and wait until it is mounted."""
-    backing, mnt = ep.pagefs_dir / "backing", ep.pagefs_mount
-    for sub in ("base", "global"):
-        (ep.pgdata / sub).rename(backing / sub)
-        (ep.pgdata / sub).symlink_to(mnt / sub)
-    (ep.pagefs_dir / "backing.ready").touch()
+def _mount_pagefs(ep: Endpoint, proc: subprocess.Popen[bytes], start_lsn: Lsn) -> None:
+    """Hand the page filesystem its start LSN and wait until it has unpacked the lazy
+    basebackup into the data directory and mounted."""
     try:
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(f"{format_lsn(start_lsn)}\n".encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died: the wait below reports its log
         process.wait_until(f"page filesystem of endpoint {ep.name!r} mounted",
                            lambda: bool((ep.pagefs_status() or {}).get("mounted")),
-                           timeout=PAGEFS_START_TIMEOUT_S, pid=pid, log_path=ep.pagefs_log, interval=0.01)
-    except process.ProcessError as exc:
-        process.stop_pid(pid, timeout=2, what="page filesystem")
-        _unmount(mnt)
-        raise EndpointError(str(exc)) from None
+                           timeout=PAGEFS_START_TIMEOUT_S, pid=proc.pid, log_path=ep.pagefs_log, interval=0.005)
+    except BaseException as exc:
+        process.stop_pid(proc.pid, timeout=2, what="page filesystem")
+        _unmount(ep.pagefs_mount)
+        if isinstance(exc, process.ProcessError):
+            raise EndpointError(str(exc)) from None
+        raise
 
 
 def _unmount(mnt: Path) -> None:

@@ -34,12 +34,24 @@ def spawn(cmd: Sequence[str], *, log_path: Path, pid_path: Path, cwd: Path | Non
           env: Mapping[str, str] | None = None) -> int:
     """Start ``cmd`` detached; returns its pid (also written to ``pid_path``). ``env`` is added
     to this process's environment (secrets such as tokens go there, never into ``cmd``)."""
+    return _spawn(cmd, log_path=log_path, pid_path=pid_path, cwd=cwd, env=env, stdin=subprocess.DEVNULL).pid
+
+
+def spawn_piped(cmd: Sequence[str], *, log_path: Path, pid_path: Path, cwd: Path | None = None,
+                env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``spawn``, with a pipe to the process's stdin: for a process started before everything
+    it needs is known (it reads the rest from the pipe, and sees EOF if this process dies)."""
+    return _spawn(cmd, log_path=log_path, pid_path=pid_path, cwd=cwd, env=env, stdin=subprocess.PIPE)
+
+
+def _spawn(cmd: Sequence[str], *, log_path: Path, pid_path: Path, cwd: Path | None,
+           env: Mapping[str, str] | None, stdin: int) -> subprocess.Popen[bytes]:
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             list(cmd),
             cwd=cwd or ROOT,
             env=None if env is None else {**os.environ, **env},
-            stdin=subprocess.DEVNULL,
+            stdin=stdin,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -48,7 +60,7 @@ def spawn(cmd: Sequence[str], *, log_path: Path, pid_path: Path, cwd: Path | Non
     # unrelated process that was later given the same pid.
     started = start_time(proc.pid)
     pid_path.write_text(f"{proc.pid}" + (f" {started}" if started is not None else "") + "\n")
-    return proc.pid
+    return proc
 
 
 def _read_pid_file(pid_path: Path) -> tuple[int, int | None] | None:

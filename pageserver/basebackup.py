@@ -212,6 +212,11 @@ class BackupSource(Protocol):
 
     async def get_rel_size(self, rel: RelFork, lsn: Lsn) -> int: ...
 
+    async def get_rel_sizes(self, spcnode: int, dbnode: int, rels: Sequence[tuple[int, int]],
+                            lsn: Lsn) -> list[int]:
+        """``get_rel_size`` of many (relnode, forknum) of one database at once (the listing)."""
+        ...
+
     async def get_relmap_file(self, spcnode: int, dbnode: int, lsn: Lsn) -> bytes | None:
         """The 512-byte pg_filenode.map, or None when the directory has none."""
         ...
@@ -364,6 +369,50 @@ class TarWriter:
         await self.file_data(data)
         await self.end_file(len(data))
 
+    async def add_sparse_file(self, name: str, data: bytes | bytearray, *, granule: int = 8192) -> None:
+        """``data`` as a GNU sparse member (old GNU format, type ``S``): only its ``granule``-
+        aligned runs that are not all zeros are stored; an extractor (GNU tar, Python's
+        tarfile) writes those and makes the file ``len(data)`` bytes long, the rest a hole."""
+        runs: list[tuple[int, int]] = []
+        zero = bytes(granule)
+        view = memoryview(data)
+        for off in range(0, len(data), granule):
+            # slicing bytes and == is a memcmp; comparing a memoryview is element by element
+            if data[off : off + granule] != zero[: min(granule, len(data) - off)]:
+                if runs and runs[-1][0] + runs[-1][1] == off:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + min(granule, len(data) - off))
+                else:
+                    runs.append((off, min(granule, len(data) - off)))
+        if not runs or runs[-1][0] + runs[-1][1] != len(data):
+            runs.append((len(data), 0))  # GNU tar's convention: a last empty run at the end
+        stored = sum(n for _, n in runs)
+        self.files += 1
+        header = bytearray(self._header(name, stored, tarfile.REGTYPE, 0o600))
+        blk = len(header) - tarfile.BLOCKSIZE  # a long name comes first as its own blocks
+        header[blk + 156 : blk + 157] = tarfile.GNUTYPE_SPARSE
+        extra: list[bytes] = []
+        for i, (off, n) in enumerate(runs):
+            entry = _octal12(off) + _octal12(n)
+            if i < 4:  # four runs in the header itself, 21 per extension block after it
+                header[blk + 386 + 24 * i : blk + 410 + 24 * i] = entry
+            else:
+                j = (i - 4) % 21
+                if j == 0:
+                    extra.append(b"")
+                extra[-1] += entry
+        header[blk + 482] = 1 if extra else 0
+        header[blk + 483 : blk + 495] = _octal12(len(data))
+        header[blk + 148 : blk + 156] = b" " * 8
+        header[blk + 148 : blk + 156] = b"%06o\0 " % sum(header[blk : blk + tarfile.BLOCKSIZE])
+        await self._emit(header)
+        for k, part in enumerate(extra):
+            block = bytearray(part.ljust(504, b"\0") + bytes(8))
+            block[504] = 1 if k < len(extra) - 1 else 0
+            await self._emit(block)
+        for off, n in runs:
+            await self._emit(view[off : off + n])
+        await self.end_file(stored)
+
     async def begin_file(self, name: str, size: int) -> None:
         self.files += 1
         await self._emit(self._header(name, size, tarfile.REGTYPE, 0o600))
@@ -383,6 +432,11 @@ class TarWriter:
         out, self._buf = bytes(self._buf), bytearray()
         for i in range(0, len(out), CHUNK_BYTES):
             await self._send(out[i : i + CHUNK_BYTES])
+
+
+def _octal12(n: int) -> bytes:
+    """A 12-byte tar number field: 11 octal digits and a NUL."""
+    return b"%011o\0" % n
 
 
 @attrs.frozen
@@ -537,7 +591,12 @@ async def write_basebackup(
         await tar.add_file(f"pg_twophase/{xid:08X}", await source.get_twophase_file(xid, lsn))
 
     await tar.add_file("global/pg_control", encode_control_file(new_control))
-    await tar.add_file(f"pg_wal/{wal_name}", wal_seg)
+    if lazy:
+        # A lazy endpoint's start waits for this tar: the segment's zeros (all but a page or
+        # two of its 16 MiB) go as a hole.
+        await tar.add_sparse_file(f"pg_wal/{wal_name}", wal_seg)
+    else:
+        await tar.add_file(f"pg_wal/{wal_name}", wal_seg)
     await tar.close()
     return BackupResult(lsn, rec_lsn, wal_end, tar.files, tar.bytes_raw)
 
@@ -600,11 +659,14 @@ async def relation_listing(source: BackupSource, lsn: Lsn) -> RelationListing:
     for spcnode, dbnode in sorted(await source.list_dbdirs(lsn)):
         has_map = await source.get_relmap_file(spcnode, dbnode, lsn) is not None
         rels: dict[int, dict[str, int]] = {}
-        for relnode, forknum in sorted(await source.list_rels(spcnode, dbnode, lsn)):
+        forks = sorted(await source.list_rels(spcnode, dbnode, lsn))
+        for relnode, forknum in forks:
             if forknum not in FORK_NAMES:
                 raise BasebackupError(f"relation {relnode} has unknown fork {forknum}")
-            rels.setdefault(relnode, {})[FORK_NAMES[forknum]] = await source.get_rel_size(
-                RelFork(spcnode, dbnode, relnode, forknum), lsn)
+        # one read of every size key of the database: a lazy endpoint's start waits for this
+        sizes = await source.get_rel_sizes(spcnode, dbnode, forks, lsn)
+        for (relnode, forknum), nblocks in zip(forks, sizes, strict=True):
+            rels.setdefault(relnode, {})[FORK_NAMES[forknum]] = nblocks
         dbs.append(ListedDatabase(spcnode, dbnode, has_map,
                                   [ListedRelation(r, f) for r, f in sorted(rels.items())]))
     return RelationListing(format_lsn(lsn), dbs)
@@ -634,6 +696,10 @@ class TimelineBackupSource:
 
     async def get_rel_size(self, rel: RelFork, lsn: Lsn) -> int:
         return await self.datadir.get_rel_size(RelTag(rel.spcnode, rel.dbnode, rel.relnode, rel.forknum), lsn)
+
+    async def get_rel_sizes(self, spcnode: int, dbnode: int, rels: Sequence[tuple[int, int]],
+                            lsn: Lsn) -> list[int]:
+        return await self.datadir.get_rel_sizes(spcnode, dbnode, rels, lsn)
 
     async def get_relmap_file(self, spcnode: int, dbnode: int, lsn: Lsn) -> bytes | None:
         if not self._relmaps.get((spcnode, dbnode), False):

@@ -43,7 +43,6 @@ from pageserver.page_service.config import (
     register_hooks,
 )
 from pageserver.storage.config import StorageConfig
-from pageserver.wal_receiver import DEFAULT_PRECHECK_MIN_BYTES
 from remote_storage import LocalStorageConfig, RemoteStorageConfig
 from remote_storage import register_hooks as register_remote_hooks
 
@@ -52,6 +51,10 @@ AUTH_TYPES = ("Trust", "NeonJWT")
 
 DEFAULT_PG_PORT = 64000
 DEFAULT_HTTP_PORT = 9898
+# XLogData messages this big or bigger are pre-checked (a catch-up's, not a live compute's).
+# Here rather than in pageserver.wal_receiver: loading a config (every CLI command does) must
+# not import the WAL receiver and trio.
+DEFAULT_PRECHECK_MIN_BYTES = 32 * 1024
 
 
 def _addr_ok(value: str) -> bool:

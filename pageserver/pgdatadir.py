@@ -197,6 +197,29 @@ class Datadir:
         raw = await self._get_opt(rel_dir_key(rel.spc, rel.db), lsn)
         return raw is not None and (rel.rel, rel.fork) in decode_rel_dir(raw)
 
+    async def get_rel_sizes(self, spc: int, db: int, rels: Sequence[tuple[int, int]], lsn: Lsn) -> list[int]:
+        """``get_rel_size`` of each (relnode, forknum) of one database, in one read of the
+        relation directory and every size key."""
+        dkey = rel_dir_key(spc, db)
+        skeys = [rel_size_key(spc, db, r, f) for r, f in rels]
+        got = await self.tl.get_vectored_results([dkey, *skeys], lsn)
+        rdir = got[dkey]
+        if not isinstance(rdir, bytes) and not isinstance(rdir, MissingKeyError):
+            raise rdir
+        present = decode_rel_dir(rdir) if isinstance(rdir, bytes) else set()
+        out: list[int] = []
+        for (r, f), skey in zip(rels, skeys, strict=True):
+            if (r, f) not in present:
+                if f in (FSM_FORKNUM, VISIBILITYMAP_FORKNUM):
+                    out.append(0)
+                    continue
+                raise RelNotFoundError(f"relation {RelTag(spc, db, r, f)} does not exist at {format_lsn(lsn)}")
+            size = got[skey]
+            if not isinstance(size, bytes):
+                raise size
+            out.append(decode_nblocks(size))
+        return out
+
     async def get_rel_size(self, rel: RelTag, lsn: Lsn) -> int:
         """Blocks in the fork; 0 for a missing FSM/VM fork; ``RelNotFoundError`` otherwise."""
         dkey = rel_dir_key(rel.spc, rel.db)

@@ -64,6 +64,7 @@ import trio
 from prometheus_client import Counter
 
 from common import pgclient
+from pageserver.config import DEFAULT_PRECHECK_MIN_BYTES
 from pageserver.wal_precheck import WalPrecheck, WalPrecheckError
 from pageserver.wal_runs import MAX_PIECE
 from protocol.errors import PROTOCOL_VIOLATION, RemoteProtocolError
@@ -211,8 +212,6 @@ class SafekeeperLagging(Exception):
         self.position = position
 
 
-# XLogData messages this big or bigger are pre-checked (a catch-up's, not a live compute's).
-DEFAULT_PRECHECK_MIN_BYTES = 32 * 1024
 # Sessions in a row ending with a pre-check failure after which the receiver stops using it.
 PRECHECK_FAILURES_TO_DISABLE = 3
 

@@ -1,6 +1,10 @@
 """``pagestore pagefs``: the page filesystem of one lazy endpoint, as a process the control
-plane supervises (like the walproposer bridge). It fetches the relation listing at the start
-LSN from the pageserver's HTTP API, builds the tree over the backing directory, mounts it,
+plane supervises (like the walproposer bridge). ``endpoint start`` spawns it first, before it
+knows the start LSN S (``--start-lsn -``: S is the first line of stdin), so that its Python
+start-up overlaps the control plane's; then, at once, it fetches the relation listing at S
+from the pageserver's HTTP API and the lazy basebackup at S from the page service, which it
+unpacks into the new data directory (``--pgdata``: its ``base/`` and ``global/`` become the
+backing directory and links to the mount). It builds the tree, mounts it,
 writes ``--status-file`` (``"mounted": true`` once PostgreSQL may start) every second, and
 serves ``/metrics`` and ``/v1/status`` (and ``POST /v1/evict``: drop every page the rules allow)
 on ``--http-port``. SIGTERM or SIGINT unmounts and exits.
@@ -12,6 +16,7 @@ A tenant token for the page service (when auth is on) comes from the environment
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import pwd
@@ -33,6 +38,7 @@ from prometheus_client.registry import Collector
 from common.http import HttpServer, HttpServerConfig, Request, Response, Router
 from common.logging import LEVELS, setup_logging
 from common.metrics import add_metrics_route
+from compute import basebackup, postgres
 from compute.pagefs.cache_file import LocalPageFile
 from compute.pagefs.fs import Listing, PageFs
 from compute.pagefs.page_header import BLCKSZ
@@ -56,7 +62,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ca-file", default=None, help="the CA certificate when the nodes use TLS")
     parser.add_argument("--tenant-id", required=True)
     parser.add_argument("--timeline-id", required=True)
-    parser.add_argument("--start-lsn", required=True, help="S: the basebackup's LSN")
+    parser.add_argument("--start-lsn", required=True,
+                        help="S: the endpoint's start LSN; '-': read it from the first line of stdin (the control "
+                             "plane starts this process before it knows S; EOF first: exit)")
+    parser.add_argument("--pgdata", default=None,
+                        help="fetch the lazy basebackup at S and unpack it into this (new) data directory; its "
+                             "base/ and global/ move into --backing and become links to the mount")
     parser.add_argument("--read-only", action="store_true", help="a read-only endpoint: every read at S")
     parser.add_argument("--bridge-status", default=None,
                         help="the walproposer bridge's status file: its commit_lsn is what the safekeepers hold")
@@ -66,8 +77,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--read-ahead-kb", type=int, default=1024,
                         help="the kernel's readahead on the mount: a sequential scan's reads are this large "
                              "(one GetPage batch each); 0 leaves the kernel's default (128)")
-    parser.add_argument("--wait-for", default=None,
-                        help="a file whose appearance says the backing directory is ready (mount then)")
+    parser.add_argument("--spawned-at", type=float, default=None,
+                        help="wall-clock time this process was started (the status's start_phases count from it)")
     parser.add_argument("--status-file", default=None)
     parser.add_argument("--http-port", type=int, default=0)
     parser.add_argument("--user", default="postgres", help="owner of every file (PostgreSQL's user)")
@@ -105,12 +116,14 @@ class StoreCollector(Collector):
         yield k
 
 
-def status(fs: PageFs, http_port: int | None, started: float) -> dict[str, object]:
+def status(fs: PageFs, http_port: int | None, started: float, start: dict[str, Any]) -> dict[str, object]:
+    """``start``: how the start went (``start_phases`` in seconds, ``basebackup_bytes``)."""
     s, m, f = fs.store, fs.store.metrics, fs.fetcher
     return {
         "pid": os.getpid(),
         "mounted": True,
         "mounted_in_s": round(started, 3),
+        **start,
         "http_port": http_port,
         "start_lsn": format_lsn(s.start_lsn),
         "durable_lsn": format_lsn(s.durable_lsn()),
@@ -166,39 +179,95 @@ def fetch_listing(url: str, token: str | None, ca_file: str | None = None) -> Li
         return Listing.from_json(json.loads(resp.read()))
 
 
+# The directories of the data directory that are the page filesystem's.
+PAGEFS_DIRS = ("base", "global")
+
+
+async def read_start_lsn() -> Lsn:
+    """The first line of stdin (``--start-lsn -``)."""
+    line = await trio.to_thread.run_sync(sys.stdin.readline)
+    if not line.strip():
+        raise StartError("stdin closed before the start LSN came (the endpoint start gave up)")
+    return parse_lsn(line.strip())
+
+
+class StartError(Exception):
+    """The page filesystem could not start; the message says why."""
+
+
+def prepare_pgdata(tar: io.BytesIO, pgdata: Path, backing: Path, mountpoint: Path) -> None:
+    """Unpack the lazy basebackup into the new data directory, move its ``base/`` and
+    ``global/`` (the ordinary files there: PG_VERSION, relmapper files, pg_control, the init
+    forks of unlogged relations) into the backing directory, and link them to the mount."""
+    postgres.make_postgres_dir(pgdata)
+    tar.seek(0)
+    basebackup.unpack(tar, pgdata)
+    for sub in PAGEFS_DIRS:
+        (pgdata / sub).rename(backing / sub)
+        (pgdata / sub).symlink_to(mountpoint / sub)
+
+
 async def amain(args: argparse.Namespace) -> None:
     started = time.monotonic()
+    phases: dict[str, float] = {}
+    if args.spawned_at is not None:  # interpreter start-up and imports
+        phases["imports"] = round(time.time() - args.spawned_at, 3)
     token = os.environ.get(TOKEN_ENV) or None
     tenant, timeline = TenantId.parse(args.tenant_id), TimelineId.parse(args.timeline_id)
-    start_lsn = parse_lsn(args.start_lsn)
+    start_lsn = await read_start_lsn() if args.start_lsn == "-" else parse_lsn(args.start_lsn)
+    phases["wait_lsn"] = round(time.monotonic() - started, 3)
     pw = pwd.getpwnam(args.user)
-    listing = await trio.to_thread.run_sync(
-        fetch_listing,
-        f"{args.pageserver_http}/v1/tenant/{tenant.hex}/timeline/{timeline.hex}/relations?at_lsn={format_lsn(start_lsn)}",
-        token,
-        args.ca_file,
-    )
-    if args.wait_for:
-        with trio.fail_after(300):
-            while not os.path.exists(args.wait_for):
-                await trio.sleep(0.005)
+    host, _, port = args.pageserver.rpartition(":")
+    # libpq keywords of the page service connections (and the basebackup's): the token as
+    # password, TLS verified against the cluster's CA
+    params = {**({"password": token} if token else {}), **({"sslrootcert": args.ca_file} if args.ca_file else {})}
+    tar = io.BytesIO()
+    got: dict[str, Listing] = {}
+
+    async def listing_task() -> None:
+        t = time.monotonic()
+        got["listing"] = await trio.to_thread.run_sync(
+            fetch_listing,
+            f"{args.pageserver_http}/v1/tenant/{tenant.hex}/timeline/{timeline.hex}/relations"
+            f"?at_lsn={format_lsn(start_lsn)}",
+            token,
+            args.ca_file,
+        )
+        phases["listing"] = round(time.monotonic() - t, 3)
+
+    async def basebackup_task() -> None:
+        t = time.monotonic()
+        await basebackup.fetch(host, int(port), tenant.hex, timeline.hex, start_lsn, tar, lazy=True, params=params)
+        phases["basebackup"] = round(time.monotonic() - t, 3)
+        t = time.monotonic()
+        await trio.to_thread.run_sync(prepare_pgdata, tar, Path(args.pgdata), Path(args.backing),
+                                      Path(args.mountpoint))
+        phases["unpack"] = round(time.monotonic() - t, 3)
+
+    # The listing and the lazy basebackup at once: both only read at S.
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(listing_task)
+        if args.pgdata:
+            nursery.start_soon(basebackup_task)
+    listing = got["listing"]
     durable = Lsn(0)
     cache = LocalPageFile(Path(args.cache_file), max(1, args.local_cache_size // BLCKSZ))
     store = PageStore(cache, start_lsn=start_lsn, primary=not args.read_only, durable_lsn=lambda: durable,
                       wal_log_hints=not args.no_wal_log_hints)
     registry = CollectorRegistry()
-    host, _, port = args.pageserver.rpartition(":")
     fetcher = PageFetcher(host, int(port), tenant, timeline, connections=args.connections, token=token,
                           ca_file=args.ca_file, registry=registry)
     fs = PageFs(store, fetcher, Path(args.backing), uid=pw.pw_uid, gid=pw.pw_gid)
+    t = time.monotonic()
     fs.load(listing)
+    phases["tree"] = round(time.monotonic() - t, 3)
     registry.register(StoreCollector(fs))
     router = Router()
     add_metrics_route(router, registry)
     http = HttpServer(router, HttpServerConfig(port=args.http_port))
 
     async def status_route(_: Request) -> Response:
-        return Response.json(status(fs, http.port, mounted_in))
+        return Response.json(status(fs, http.port, mounted_in, start))
 
     async def evict_route(_: Request) -> Response:
         # The kernel's page cache forgets the relation files too, so that the next reads reach
@@ -215,11 +284,15 @@ async def amain(args: argparse.Namespace) -> None:
     router.add("POST", "/v1/evict", evict_route)
 
     options = set(pyfuse3.default_options) | {"fsname=pagefs", "allow_other"}
+    t = time.monotonic()
     pyfuse3.init(fs, args.mountpoint, options)
+    phases["mount"] = round(time.monotonic() - t, 3)
     mounted_in = time.monotonic() - started
+    start = {"start_phases": phases, "basebackup_bytes": tar.tell() if args.pgdata else 0}
     if args.status_file:  # PostgreSQL may start now
-        _replace(args.status_file, json.dumps(status(fs, None, mounted_in)))
+        _replace(args.status_file, json.dumps(status(fs, None, mounted_in, start)))
     log.info("mounted", mountpoint=args.mountpoint, start_lsn=format_lsn(start_lsn), seconds=round(mounted_in, 3),
+             phases=phases,
              relations=sum(len(r) for _, _, r in listing.databases))
     try:
         async with trio.open_nursery() as nursery:
@@ -238,7 +311,7 @@ async def amain(args: argparse.Namespace) -> None:
                 while True:
                     if args.status_file:
                         await trio.to_thread.run_sync(_replace, args.status_file,
-                                                      json.dumps(status(fs, http.port, mounted_in)))
+                                                      json.dumps(status(fs, http.port, mounted_in, start)))
                     await trio.sleep(1)
 
             nursery.start_soon(durable_loop)

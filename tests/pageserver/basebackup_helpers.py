@@ -63,6 +63,10 @@ class DirectorySource:
             segno += 1
         return total
 
+    async def get_rel_sizes(self, spcnode: int, dbnode: int, rels: Sequence[tuple[int, int]],
+                            lsn: Lsn) -> list[int]:
+        return [await self.get_rel_size(RelFork(spcnode, dbnode, r, f), lsn) for r, f in rels]
+
     async def get_relmap_file(self, spcnode: int, dbnode: int, lsn: Lsn) -> bytes | None:
         path = self._db_path(spcnode, dbnode) / "pg_filenode.map"
         return path.read_bytes() if path.exists() else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import shutil
+import subprocess
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from compute.postgres import initdb
 from pageserver.basebackup import (
     BackupCommand,
+    TarWriter,
     parse_backup_command,
     relation_listing,
     write_basebackup,
@@ -108,3 +110,53 @@ def test_lazy_flag_parses() -> None:
     cmd = parse_backup_command("basebackup", (t, tl, "0/16B5A50", "--lazy", "--replica"))
     assert isinstance(cmd, BackupCommand) and cmd.lazy and cmd.replica and not cmd.gzip
     assert not parse_backup_command("basebackup", (t, tl)).lazy
+
+
+async def test_lazy_tar_carries_the_wal_segment_as_a_hole(datadirs: tuple[Path, Path], tmp_path: Path) -> None:
+    """The 16 MiB segment goes as a GNU sparse member: Python's tarfile and GNU tar both
+    extract the same bytes as the full tar's plain member, as a file with a hole."""
+    small, _ = datadirs
+    lazy, full = await _tar(small, lazy=True), await _tar(small, lazy=False)
+    assert len(lazy) < 1 << 20  # the segment is 16 MiB
+    with tarfile.open(fileobj=io.BytesIO(full)) as tf:
+        [name] = [m.name for m in tf.getmembers() if m.name.startswith("pg_wal/") and m.isfile()]
+        f = tf.extractfile(name)
+        assert f is not None
+        want = f.read()
+    assert len(want) == 16 << 20
+    with tarfile.open(fileobj=io.BytesIO(lazy)) as tf:
+        member = tf.getmember(name)
+        assert member.type == tarfile.GNUTYPE_SPARSE and member.size == len(want)
+        tf.extractall(tmp_path / "py", members=[member], filter="data")
+    gnu = tmp_path / "gnu"
+    gnu.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(gnu), name], input=lazy, check=True)
+    for root in (tmp_path / "py", gnu):
+        path = root / name
+        assert path.read_bytes() == want
+        assert path.stat().st_blocks * 512 < 1 << 20  # a hole, not 16 MiB of zeros
+
+
+async def test_sparse_member_with_many_runs(tmp_path: Path) -> None:
+    """More runs than the header holds (4) go into extension blocks (21 each)."""
+    data = bytearray(8192 * 120)
+    for i in range(0, 120, 2):  # 60 runs of one page each
+        data[i * 8192 : i * 8192 + 5] = b"page%d" % (i % 10)
+    chunks: list[bytes] = []
+
+    async def send(b: bytes) -> None:
+        chunks.append(b)
+
+    tar = TarWriter(send, mtime=1_700_000_000)
+    await tar.add_sparse_file("x/sparse", data)
+    await tar.add_file("x/after", b"next member")
+    await tar.close()
+    raw = b"".join(chunks)
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tf:
+        tf.extractall(tmp_path / "py", filter="data")
+    assert (tmp_path / "py/x/sparse").read_bytes() == bytes(data)
+    assert (tmp_path / "py/x/after").read_bytes() == b"next member"
+    (tmp_path / "gnu").mkdir()
+    subprocess.run(["tar", "-x", "-C", str(tmp_path / "gnu")], input=raw, check=True)
+    assert (tmp_path / "gnu/x/sparse").read_bytes() == bytes(data)
+    assert (tmp_path / "gnu/x/after").read_bytes() == b"next member"

@@ -19,7 +19,6 @@ answers:
 from __future__ import annotations
 
 import bisect
-import errno
 import itertools
 import os
 import time
@@ -31,6 +30,18 @@ import attrs
 import trio
 from crc32c import crc32c
 
+from pageserver.storage._blobs_select import (
+    BlobChecksumError as _BlobChecksumError,
+)
+from pageserver.storage._blobs_select import (
+    BlobOutsideRead as _BlobOutsideRead,
+)
+from pageserver.storage._blobs_select import (
+    ShortRead as _ShortRead,
+)
+from pageserver.storage._blobs_select import (
+    gather_blobs as _gather_blobs,
+)
 from pageserver.storage.io_engine import IoEngine
 from pageserver.storage.key import KEY_SIZE, Key, KeyRange, key_next
 from pageserver.storage.layer_file import (
@@ -48,7 +59,6 @@ from pageserver.storage.layer_file import (
 )
 from pageserver.storage.reconstruct import KeyState
 from pageserver.storage.value import (
-    TAG_IMAGE,
     VALUE_DECODERS,
     Image,
     Value,
@@ -91,50 +101,14 @@ class ReadContext:
 _nowait = [hasattr(os, "RWF_NOWAIT")]
 
 
-def _do_reads(jobs: list[tuple[int, int, int]]) -> tuple[list[tuple[bytearray, int]], int]:
-    """Blocking part of ``execute_reads``: one preadv per planned read, into one buffer each;
-    returns the buffers with their byte counts, and the number of preadv calls.
-
-    Cold reads are not done one disk round trip after another: reads are tried with
-    ``RWF_NOWAIT`` until one finds its data missing from the page cache; then
-    ``POSIX_FADV_WILLNEED`` asks the kernel for it and every later read at once (the disk
-    serves them concurrently), and the reads wait for their data in turn. A hot batch pays
-    nothing for this (its preadvs simply carry the flag)."""
-    out: list[tuple[bytearray, int]] = []
-    calls = 0
-    probe = _nowait[0]
-    for n, (fd, offset, total) in enumerate(jobs):
-        buf = bytearray(total)
-        got = 0
-        if probe:
-            calls += 1
-            try:
-                got = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
-            except BlockingIOError:
-                got = 0
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                _nowait[0] = probe = False
-            if got < total and probe:
-                probe = False
-                if n + 1 < len(jobs):  # (one read alone gains nothing from it)
-                    for fd2, offset2, total2 in jobs[n:]:
-                        os.posix_fadvise(fd2, offset2, total2, os.POSIX_FADV_WILLNEED)
-        while got < total:
-            calls += 1
-            more = os.preadv(fd, [memoryview(buf)[got:]] if got else [buf], offset + got)
-            if more == 0:
-                break
-            got += more
-        out.append((buf, got))
-    return out, calls
-
-
 async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:
     """Perform every planned read; returns the decoded value of every blob slot (an image as
     its bare page bytes: its encoding is the tag and the page, so no ``Image`` is built only
-    to be taken apart again by ``KeyState.resolve``)."""
+    to be taken apart again by ``KeyState.resolve``).
+
+    The reads, their CRC checks and the image copies are one call of the blob-gather kernel
+    (``_blobs_c.gather_blobs``, or its twin ``_blobs_py``), run by the IO engine: on the
+    threadpool engine the native kernel reads and checks without the GIL."""
     if not ctx.reads:
         return []
     engine = ctx.reads[0][0].engine
@@ -144,32 +118,41 @@ async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:
     if len(jobs) != len(ctx.reads):
         closed = next(r for r, *_ in ctx.reads if r.file.closed)
         raise LayerClosedError(closed.path)
-    results, calls = await engine.run_sync(_do_reads, jobs)
-    engine.stats.preadvs += calls
-    values: list[Value | bytes] = []
-    append = values.append
+    spans = [(first, count) for _, _, _, first, count in ctx.reads]
     blobs = ctx.blobs
-    decoders = VALUE_DECODERS
-    n_tags = len(decoders)
-    for (reader, offset, total, first, count), (buf, got) in zip(ctx.reads, results, strict=True):
-        if got != total:
-            raise LayerCorruptionError(reader.path, f"short read at {offset}: {got} of {total} bytes")
-        engine.stats.bytes_read += got
-        view = memoryview(buf)
-        for slot in range(first, first + count):
-            off, length, crc = blobs[slot]
-            start = off - offset
-            data = view[start : start + length]
-            # reader.check_blob inlined (a call per blob is measurable here); the length
-            # always matches: the read covers its blobs and came back whole
-            if crc32c(data) != crc:
-                reader.check_blob(off, length, crc, data)
-            # decode_value's dispatch inlined; what it would reject goes to it for the error
-            tag = data[0] if length else n_tags
-            if tag == TAG_IMAGE:
-                append(bytes(data[1:]))
-            elif tag < n_tags:
-                append(decoders[tag](data[1:]))
+    try:
+        raw, kinds, calls, supported = await engine.run_sync(
+            _gather_blobs, jobs, spans, blobs, _nowait[0]
+        )
+    except _ShortRead as exc:
+        n, got, total = exc.args
+        reader, offset = ctx.reads[n][0], ctx.reads[n][1]
+        raise LayerCorruptionError(reader.path, f"short read at {offset}: {got} of {total} bytes") from None
+    except (_BlobOutsideRead, _BlobChecksumError) as exc:
+        n, slot = exc.args
+        off = blobs[slot][0]
+        what = "checksum mismatch" if isinstance(exc, _BlobChecksumError) else "outside its read"
+        raise LayerCorruptionError(ctx.reads[n][0].path, f"blob at offset {off} {what}") from None
+    if not supported:
+        _nowait[0] = False
+    engine.stats.preadvs += calls
+    engine.stats.bytes_read += sum(total for _, _, total in jobs)
+    values: list[Value | bytes]
+    if 0 not in kinds:
+        values = raw  # type: ignore[assignment]  # all images: the bare pages
+    else:
+        # decode_value's dispatch inlined; what it would reject goes to it for the error
+        decoders = VALUE_DECODERS
+        n_tags = len(decoders)
+        values = []
+        append = values.append
+        for data, kind in zip(raw, kinds, strict=True):
+            if kind:
+                append(data)
+                continue
+            tag = data[0] if data else n_tags
+            if tag < n_tags:
+                append(decoders[tag](memoryview(data)[1:]))
             else:
                 append(decode_value(data))
     ctx.vectored_reads += len(jobs)

@@ -26,7 +26,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from pageserver.storage import delta_layer, read_path
+from pageserver.storage import _blobs_py, delta_layer, read_path
 from pageserver.storage.config import StorageConfig
 from pageserver.storage.delta_layer import (
     ZERO_LSN,
@@ -380,10 +380,16 @@ async def test_cold_vectored_reads_prefetch_and_agree(tmp_path: Path, monkeypatc
             prefetched.append((fd_, offset, length))
         real_fadvise(fd_, offset, length, advice)
 
+    # The prefetch is seen through the twin (the compiled kernel calls posix_fadvise from C,
+    # where no spy reaches); the compiled one must then read the same cold batch the same.
+    selected = delta_layer._gather_blobs
+    monkeypatch.setattr(delta_layer, "_gather_blobs", _blobs_py.gather_blobs)
     monkeypatch.setattr(os, "posix_fadvise", spy)
     cold = await vectored()
     if delta_layer._nowait[0]:
         assert prefetched, "a cold batch asks the kernel for its reads at once"
+    monkeypatch.setattr(delta_layer, "_gather_blobs", selected)
+    assert await vectored() == cold
     monkeypatch.setattr(delta_layer, "_nowait", [False])  # plain preadvs, no probe
     plain = await vectored()
     assert cold == plain

@@ -1,0 +1,168 @@
+"""The blob gather of a vectored read (kernel 3): compiled (pageserver/storage/_blobs_c.pyx)
+against the pure-Python twin, on real files.
+
+Both read the planned reads, check every blob's bounds and CRC-32C, and hand out images as
+bare pages and other values whole; on hostile plans (blobs outside their read, wrong CRCs,
+reads past the end of the file, spans that do not follow each other, negative lengths, a
+closed descriptor) both fail with the same error class naming the same read and slot.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from crc32c import crc32c
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pageserver.storage import _blobs_py
+from pageserver.storage.value import TAG_IMAGE
+from tests.conftest import kernel
+
+BLOBS = "pageserver.storage._blobs_c"
+
+
+def _outcome(mod: ModuleType, *args: object) -> tuple[object, ...]:
+    try:
+        values, kinds, _calls, supported = mod.gather_blobs(*args)
+    except Exception as exc:
+        return ("err", type(exc).__name__, exc.args)
+    return ("ok", values, kinds, supported)
+
+
+@pytest.fixture
+def blob_file(tmp_path: Path) -> Iterator[tuple[int, list[tuple[int, int, int]], bytes]]:
+    """A file of 4096 header bytes, then blobs: images (tag 0 + 8192) and other values."""
+    data = bytearray(b"\xee" * 4096)
+    blobs = []
+    for i in range(12):
+        body = bytes([TAG_IMAGE]) + bytes([i]) * 8192 if i % 3 else bytes([1 + i % 4]) + b"rec" * (i + 1)
+        blobs.append((len(data), len(body), crc32c(body)))
+        data += body
+    path = tmp_path / "blobs"
+    path.write_bytes(bytes(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield fd, blobs, bytes(data)
+    finally:
+        os.close(fd)
+
+
+def _plan(fd: int, blobs: list[tuple[int, int, int]], groups: list[int]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    jobs, spans, slot = [], [], 0
+    for size in groups:
+        if slot + size > len(blobs):
+            break
+        first, last = blobs[slot], blobs[slot + size - 1]
+        jobs.append((fd, first[0], last[0] + last[1] - first[0]))
+        spans.append((slot, size))
+        slot += size
+    return jobs, spans
+
+
+def test_twin_tag_is_the_value_format_s() -> None:
+    assert _blobs_py.TAG_IMAGE == TAG_IMAGE
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_images_come_out_bare_and_values_whole(impl: str, blob_file: tuple[int, list[tuple[int, int, int]], bytes], probe: bool) -> None:
+    fd, blobs, data = blob_file
+    jobs, spans = _plan(fd, blobs, [3, 1, 5, 3])
+    values, kinds, calls, supported = kernel(impl, BLOBS).gather_blobs(jobs, spans, blobs, probe)
+    assert calls >= len(jobs) and supported
+    for (off, length, _), value, kind in zip(blobs, values, kinds, strict=True):
+        blob = data[off : off + length]
+        assert (value, kind) == ((blob[1:], 1) if blob[0] == TAG_IMAGE else (blob, 0))
+
+
+def _hostile(fd: int, blobs: list[tuple[int, int, int]], size: int) -> dict[str, tuple[object, ...]]:
+    jobs, spans = _plan(fd, blobs, [4, 4, 4])
+    bad_crc = list(blobs)
+    bad_crc[5] = (bad_crc[5][0], bad_crc[5][1], bad_crc[5][2] ^ 1)
+    outside = list(blobs)
+    outside[7] = (outside[7][0] + 10, outside[7][1], outside[7][2])  # the last of read 1
+    before = list(blobs)
+    before[4] = (before[4][0] - 1, before[4][1], before[4][2])
+    past_end = [(fd, size - 100, 200)]
+    return {
+        "bad_crc": (jobs, spans, bad_crc, True),
+        "outside": (jobs, spans, outside, True),
+        "before": (jobs, spans, before, False),
+        "past_end": (past_end, [(0, 0)], [], True),
+        "gap": (jobs, [(0, 4), (5, 4), (8, 4)], blobs, True),
+        "short_spans": (jobs, spans[:2], blobs, True),
+        "extra_blobs": (jobs[:2], spans[:2], blobs, True),
+        "negative_length": ([(fd, 4096, -1)], [(0, 0)], [], True),
+        "negative_blob": (jobs[:1], spans[:1], [(blobs[0][0], -5, 0)] + blobs[1:4], True),
+        "closed_fd": ([(987654, 4096, 10)], [(0, 0)], [], False),
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "error"),
+    [
+        ("bad_crc", "BlobChecksumError"),
+        ("outside", "BlobOutsideRead"),
+        ("before", "BlobOutsideRead"),
+        ("past_end", "ShortRead"),
+        ("gap", "ValueError"),
+        ("short_spans", "ValueError"),
+        ("extra_blobs", "ValueError"),
+        ("negative_length", "ValueError"),
+        ("negative_blob", "BlobOutsideRead"),
+        ("closed_fd", "OSError"),
+    ],
+)
+def test_hostile_plans(impl: str, blob_file: tuple[int, list[tuple[int, int, int]], bytes], case: str, error: str) -> None:
+    fd, blobs, data = blob_file
+    mod = kernel(impl, BLOBS)
+    args = _hostile(fd, blobs, len(data))[case]
+    with pytest.raises(Exception) as info:
+        mod.gather_blobs(*args)
+    assert type(info.value).__name__ == error
+    if case == "bad_crc":
+        assert info.value.args == (1, 5)
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("case", ["bad_crc", "outside", "before", "past_end", "gap", "negative_blob", "closed_fd"])
+def test_native_equals_twin_on_hostile_plans(blob_file: tuple[int, list[tuple[int, int, int]], bytes], case: str) -> None:
+    fd, blobs, data = blob_file
+    args = _hostile(fd, blobs, len(data))[case]
+    assert _outcome(kernel("native", BLOBS), *args) == _outcome(kernel("python", BLOBS), *args)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    groups=st.lists(st.integers(1, 5), min_size=1, max_size=6),
+    shifts=st.lists(st.tuples(st.integers(0, 11), st.integers(-20, 20), st.integers(-3, 3)), max_size=2),
+    probe=st.booleans(),
+)
+@pytest.mark.native
+def test_native_equals_twin_on_mutated_plans(
+    tmp_path_factory: pytest.TempPathFactory, groups: list[int],
+    shifts: list[tuple[int, int, int]], probe: bool,
+) -> None:
+    path = tmp_path_factory.mktemp("blobs") / "f"
+    data = bytearray(4096)
+    blobs = []
+    for i in range(12):
+        body = bytes([TAG_IMAGE if i % 2 else 2]) + bytes([i]) * (100 + 37 * i)
+        blobs.append((len(data), len(body), crc32c(body)))
+        data += body
+    path.write_bytes(bytes(data))
+    for which, d_off, d_len in shifts:
+        off, length, crc = blobs[which]
+        blobs[which] = (off + d_off, length + d_len, crc)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        jobs, spans = _plan(fd, blobs, groups)
+        used = sum(c for _, c in spans)
+        args = (jobs, spans, blobs[:used], probe)
+        assert _outcome(kernel("native", BLOBS), *args) == _outcome(kernel("python", BLOBS), *args)
+    finally:
+        os.close(fd)

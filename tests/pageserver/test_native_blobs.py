@@ -97,7 +97,7 @@ def _hostile(fd: int, blobs: list[tuple[int, int, int]], size: int) -> dict[str,
         "short_spans": (jobs, spans[:2], blobs, True),
         "extra_blobs": (jobs[:2], spans[:2], blobs, True),
         "negative_length": ([(fd, 4096, -1)], [(0, 0)], [], True),
-        "negative_blob": (jobs[:1], spans[:1], [(blobs[0][0], -5, 0)] + blobs[1:4], True),
+        "negative_blob": (jobs[:1], spans[:1], [(blobs[0][0], -5, 0), *blobs[1:4]], True),
         "closed_fd": ([(987654, 4096, 10)], [(0, 0)], [], False),
     }
 

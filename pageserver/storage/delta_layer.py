@@ -30,18 +30,7 @@ import attrs
 import trio
 from crc32c import crc32c
 
-from pageserver.storage._blobs_select import (
-    BlobChecksumError as _BlobChecksumError,
-)
-from pageserver.storage._blobs_select import (
-    BlobOutsideRead as _BlobOutsideRead,
-)
-from pageserver.storage._blobs_select import (
-    ShortRead as _ShortRead,
-)
-from pageserver.storage._blobs_select import (
-    gather_blobs as _gather_blobs,
-)
+from pageserver.storage import _blobs_select
 from pageserver.storage.io_engine import IoEngine
 from pageserver.storage.key import KEY_SIZE, Key, KeyRange, key_next
 from pageserver.storage.layer_file import (
@@ -99,6 +88,11 @@ class ReadContext:
 # preadv2's RWF_NOWAIT (Linux >= 4.14): read only what the page cache holds. Switched off for
 # good the first time a file system refuses it.
 _nowait = [hasattr(os, "RWF_NOWAIT")]
+# the blob-gather kernel (a module attribute, so tests can put the twin in its place)
+_gather_blobs = _blobs_select.gather_blobs
+_ShortRead = _blobs_select.ShortRead
+_BlobOutsideRead = _blobs_select.BlobOutsideRead
+_BlobChecksumError = _blobs_select.BlobChecksumError
 
 
 async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:

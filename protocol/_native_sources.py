@@ -19,6 +19,7 @@ NATIVE_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "protocol._pq_c": ("protocol/_pq_c.pyx", "protocol/_bytes.h"),
     "protocol._getpage_load_c": ("protocol/_getpage_load_c.pyx", "protocol/_bytes.h"),
     "protocol._ingest_c": ("protocol/_ingest_c.pyx", "protocol/_crc32c.h", "protocol/_bytes.h"),
+    "protocol._pagestream_c": ("protocol/_pagestream_c.pyx", "protocol/_bytes.h"),
     "pageserver.storage._blobs_c": ("pageserver/storage/_blobs_c.pyx", "protocol/_crc32c.h"),
 }
 

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Literal, TypeAlias
 
 import attrs
 
+from protocol import _native
 from protocol.buffer import Buffer, ReceiveBuffer
 from protocol.errors import (
     INTERNAL_ERROR,
@@ -41,6 +42,16 @@ from protocol.errors import (
 from protocol.lsn import Lsn
 
 PagestreamVersion: TypeAlias = Literal[2, 3]
+
+# The batch codec kernel (protocol/_pagestream_c.pyx, or its twin): every GetPage of a receive
+# buffer decoded at once, a batch's responses encoded into one buffer.
+_native.require("protocol._pagestream_c")
+if _native.IMPL == "python":
+    from protocol._pagestream_py import decode_getpages as decode_getpages
+    from protocol._pagestream_py import encode_getpage_responses
+else:
+    from protocol._pagestream_c import decode_getpages as decode_getpages
+    from protocol._pagestream_c import encode_getpage_responses
 
 BLCKSZ: Final = 8192
 SLRU_PAGES_PER_SEGMENT: Final = 32
@@ -421,6 +432,18 @@ class ResponseWriter:
         else:
             buf += _V2_TAG.pack(_GET_PAGE_TAG)
         buf += page
+
+    def get_pages(self, requests: Sequence[GetPageRequest], pages: Sequence[Buffer]) -> None:
+        """``get_page`` for a whole batch: one kernel call sizes the buffer once and copies
+        every header and page in (nothing is written if a page is not ``BLCKSZ`` bytes)."""
+        if self.framed:
+            try:
+                encode_getpage_responses(self.buf, self.version == 3, requests, pages)
+            except ValueError as exc:
+                raise LocalProtocolError(str(exc)) from None
+            return
+        for req, page in zip(requests, pages, strict=True):
+            self.get_page(req, page)
 
     def error(self, req: Request | ErrorResponse, message: str) -> None:
         raw = message.encode("utf-8", errors="replace").replace(b"\0", b"?") + b"\0"

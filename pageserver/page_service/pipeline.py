@@ -96,6 +96,7 @@ from protocol.pagestream import (
     ResponseWriter,
     StreamEnd,
     _NeedData,
+    decode_getpages,
     decode_request,
 )
 
@@ -250,6 +251,8 @@ class DirectStreamIO:
         "_fd",
         "_idle_timeout_s",
         "_pos",
+        "_ready",
+        "_ready_at",
         "_rels",
         "_sock",
         "_unyielded",
@@ -281,7 +284,10 @@ class DirectStreamIO:
         self._sock = sock
         self._fd = sock.fileno() if sock is not None else -1
         self._unyielded = 0
-        self._rels: dict[tuple[int, ...], RelTag] = {}
+        self._rels: dict[tuple[int, int, int, int], RelTag] = {}
+        # GetPages decoded by the batch kernel and not yet returned (from ``_ready_at``)
+        self._ready: list[GetPageRequest] = []
+        self._ready_at = 0
         # trio.current_time() when the reader parked waiting for the client, else None; only
         # kept when there is an idle timeout (``enforce_idle_timeout`` reads it).
         self._waiting_since: float | None = None
@@ -367,31 +373,39 @@ class DirectStreamIO:
             await trio.sleep_until(since + idle)
 
     def receive_nowait(self) -> Request | StreamEnd | None:
+        if self._ready_at < len(self._ready):
+            req = self._ready[self._ready_at]
+            self._ready_at += 1
+            return req
         if self._pos == len(self._buf) and not self._eof:
             return None  # how every burst ends: nothing buffered, nothing to decode
         event = self._next_event()
         return None if event is NEED_DATA else event
 
     def _next_event(self) -> Request | StreamEnd | _NeedData:
+        if self._ready_at < len(self._ready):
+            req = self._ready[self._ready_at]
+            self._ready_at += 1
+            return req
         buf, fast = self._buf, self._fast
         while True:
             pos = self._pos
             have = len(buf) - pos
             if have >= fast.size and buf[pos] == 0x64 and buf[pos + 5] == _GET_PAGE:
-                v = fast.unpack_from(buf, pos)
-                if v[1] == fast.size - 1:  # exactly a GetPage, no trailing bytes
-                    self._consume(fast.size)
-                    # A compute reads few relations at a time: reuse their (immutable) tags
-                    # rather than building one per request.
-                    key = v[-5:-1]
-                    rel = self._rels.get(key)
-                    if rel is None:
-                        if len(self._rels) >= MAX_CACHED_RELS:
-                            self._rels.clear()
-                        rel = self._rels[key] = RelTag(*key)
-                    if self._v3:
-                        return GetPageRequest(v[3], v[4], v[5], rel, v[-1])
-                    return GetPageRequest(0, v[3], v[4], rel, v[-1])
+                # Every well-formed GetPage already received, decoded at once by the batch
+                # kernel (exactly a GetPage: CopyData, exact length, GetPage tag); the first
+                # message that is not one stays for the protocol decoder below. Relation
+                # tags are reused (a compute reads few relations at a time).
+                got: list[GetPageRequest]
+                got, end = decode_getpages(
+                    buf, pos, len(buf), self._v3, MAX_READ_BURST, GetPageRequest, RelTag,
+                    self._rels,
+                )
+                if got:
+                    self._consume(end - pos)
+                    if len(got) > 1:
+                        self._ready, self._ready_at = got, 1
+                    return got[0]
             decoder = self._decoder
             if have >= 5:
                 length = _U32.unpack_from(buf, pos + 1)[0]
@@ -455,6 +469,8 @@ class DirectStreamIO:
 
     def take_unread(self) -> bytes:
         """Bytes received after the end of the stream (CopyDone): the libpq loop's again."""
+        # (GetPages decoded but not served were read, as a pipelined burst is: they go too)
+        self._ready, self._ready_at = [], 0
         rest = bytes(self._buf[self._pos :])
         self._buf.clear()
         self._pos = 0
@@ -467,7 +483,6 @@ _FRAMED_GETPAGE_V3: Final = struct.Struct(">BIBQQQIIIBI")
 _FRAMED_GETPAGE_V2: Final = struct.Struct(">BIBQQIIIBI")
 _U32: Final = struct.Struct(">I")
 COMPACT_AT: Final = 256 * 1024
-MAX_CACHED_RELS: Final = 1024
 
 
 class ByteSink(Protocol):
@@ -711,15 +726,19 @@ async def _execute_getpages(
             timeline, [PageRead(p.request.rel, p.request.blkno, p.lsn) for p in batch]  # type: ignore[union-attr]
         )
     failed = 0
-    for p, outcome in zip(batch, results, strict=True):
-        request = cast(GetPageRequest, p.request)
-        if isinstance(outcome, PageRequestError):
-            writer.error(request, str(outcome))
-            failed += 1
-        elif outcome is None:
-            raise AssertionError(f"no result for {request!r}")
-        else:
-            writer.get_page(request, outcome)
+    if all(type(outcome) is bytes for outcome in results):
+        # the common batch: every page read; one kernel call frames all the answers
+        writer.get_pages([cast(GetPageRequest, p.request) for p in batch], results)  # type: ignore[arg-type]
+    else:
+        for p, outcome in zip(batch, results, strict=True):
+            request = cast(GetPageRequest, p.request)
+            if isinstance(outcome, PageRequestError):
+                writer.error(request, str(outcome))
+                failed += 1
+            elif outcome is None:
+                raise AssertionError(f"no result for {request!r}")
+            else:
+                writer.get_page(request, outcome)
     if ctx.metrics is not None:
         if failed:
             ctx.metrics.count("get_page", False, failed)

@@ -18,6 +18,13 @@ Harnesses (``NAME``):
   offset (u8), extra stride (u8, 0-7 used), count (u8), VM byte offset (u8, 0: none), then the
   record bytes (xl_tot_len read from the first record's header); the LSN of the first record
   is fixed.
+- ``pagestream-getpages``: ``protocol._pagestream_c.decode_getpages``, the page service's
+  batch decode of a receive buffer. Input: version (u8: even v2, odd v3), start (u8), limit
+  (u8), then the stream bytes; the decoded requests and the end position must be equal.
+- ``getpage-load``: ``GetPageLoad.feed`` of ``bench getpage``'s client, the server's bytes.
+  Input: requests in flight (u8), piece length (u8, x 97 bytes), resend (u8), then the
+  response stream; every piece's returned requests, the count and the latencies must be equal
+  (or the same error class).
 
 The seed corpus is synthetic WAL (``safekeeper.testing.synthetic_wal``; for ``same-run``, runs of
 like records from ``like_records``) in these formats;
@@ -36,11 +43,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-HARNESSES = ("scan-records", "record-tracker", "crc32c", "same-run")
+if TYPE_CHECKING:
+    from protocol.pagestream import GetPageRequest
+
+HARNESSES = ("scan-records", "record-tracker", "crc32c", "same-run", "pagestream-getpages",
+             "getpage-load")
 # the compiled module each harness fuzzes (its twin is the reference)
 MODULES = {"scan-records": "protocol._wal_c", "record-tracker": "protocol._wal_c", "crc32c": "protocol._wal_c",
-           "same-run": "protocol._ingest_c"}
+           "same-run": "protocol._ingest_c", "pagestream-getpages": "protocol._pagestream_c",
+           "getpage-load": "protocol._getpage_load_c"}
 RUN_LSN = 0x2000000 + 8192 + 24  # LSN of the first record of a same-run input
 BASE = 0x2000000
 SEG_CHOICES = (1, 2, 2048)
@@ -105,6 +118,9 @@ def write_seeds(name: str, corpus: Path) -> None:
     from protocol.lsn import Lsn
     from safekeeper.testing import synthetic_wal
 
+    if name in ("pagestream-getpages", "getpage-load"):
+        _pagestream_seeds(name, corpus)
+        return
     if name == "same-run":
         for k, (tot_len, count) in enumerate(((59, 120), (203, 36), (250, 30))):
             stride = (tot_len + 7) & ~7
@@ -121,6 +137,39 @@ def write_seeds(name: str, corpus: Path) -> None:
         else:
             seed = (k * 0x9E3779B1 & 0xFFFFFFFF).to_bytes(4, "little") + (77 * k).to_bytes(2, "little") + wal[:5000]
         (corpus / f"seed-{size}").write_bytes(seed)
+
+
+def _pagestream_seeds(name: str, corpus: Path) -> None:
+    from protocol.lsn import Lsn
+    from protocol.pagestream import GetPageRequest, RelTag, ResponseWriter, encode_request_into
+
+    rel = RelTag(1663, 5, 16384, 0)
+    for k, n in enumerate((1, 4, 32)):
+        if name == "pagestream-getpages":
+            buf = bytearray()
+            for i in range(n):
+                encode_request_into(buf, GetPageRequest(i, Lsn(0x10 + i), Lsn(0), rel, i), 3, framed=True)
+            (corpus / f"seed-{n}").write_bytes(bytes([1, 0, 200]) + bytes(buf))
+        else:
+            from protocol._getpage_load_py import GetPageLoad
+
+            load = GetPageLoad((1663, 5, 16384, 0), 100, seed=n)
+            dec_reqs = _load_requests(load.requests(n, 0))
+            w = ResponseWriter(3)
+            for r in dec_reqs:
+                w.get_page(r, bytes([k]) * 8192)
+            (corpus / f"seed-{n}").write_bytes(bytes([n, 3 + k, 1]) + bytes(w.take()))
+
+
+def _load_requests(data: bytes) -> list[GetPageRequest]:
+    from protocol.pagestream import GetPageRequest, RequestStreamDecoder
+
+    dec = RequestStreamDecoder(3)
+    dec.receive_data(data)
+    out: list[GetPageRequest] = []
+    while isinstance(ev := dec.next_event(), GetPageRequest):
+        out.append(ev)
+    return out
 
 
 def _outcome(fn: Callable[..., object], *args: object) -> tuple[object, ...]:
@@ -192,8 +241,43 @@ def _harness(name: str, native: ModuleType, twin: ModuleType) -> Callable[[bytes
         if a != b:
             raise AssertionError(f"same_run differs: native {a} twin {b}")
 
+    def pagestream_getpages(data: bytes) -> None:
+        from protocol.pagestream import GetPageRequest, RelTag
+
+        if len(data) < 3:
+            return
+        v3, body = bool(data[0] & 1), data[3:]
+        start = data[1] % (len(body) + 1)
+        args = (body, start, len(body), v3, data[2], GetPageRequest, RelTag)
+        a = _outcome(native.decode_getpages, *args, {})
+        b = _outcome(twin.decode_getpages, *args, {})
+        if a != b:
+            raise AssertionError(f"decode_getpages differs: native {a} twin {b}")
+
+    def getpage_load(data: bytes) -> None:
+        if len(data) < 3:
+            return
+        n, step, resend, body = data[0] % 64, 97 * (data[1] + 1), bool(data[2] & 1), data[3:]
+
+        def trace(mod: ModuleType) -> list[object]:
+            load = mod.GetPageLoad((1663, 5, 16384, 0), 100, seed=n)
+            out: list[object] = [load.requests(n, 0)]
+            for i, at in enumerate(range(0, len(body), step)):
+                try:
+                    out.append(load.feed(body[at : at + step], 1000 * (i + 1), resend))
+                except Exception as exc:
+                    out.append(("err", type(exc).__name__))
+                    return out
+            out.append((load.count, load.in_flight, list(load.latencies_us())))
+            return out
+
+        a, b = trace(native), trace(twin)
+        if a != b:
+            raise AssertionError(f"GetPageLoad differs: native {a[-1:]} twin {b[-1:]}")
+
     return {"scan-records": scan_records, "record-tracker": record_tracker, "crc32c": crc32c,
-            "same-run": same_run}[name]
+            "same-run": same_run, "pagestream-getpages": pagestream_getpages,
+            "getpage-load": getpage_load}[name]
 
 
 def _fuzz_main(argv: list[str]) -> None:

@@ -16,7 +16,7 @@ import trio
 from common.auth import AuthKeyError, JwtVerifier, Service
 from common.http import HttpAuth, HttpError, Request, Router
 from common.pgauth import JwtAuthenticator
-from common.tls import server_context
+from common.tls import reload_server_context, server_context
 
 log = structlog.get_logger("auth")
 
@@ -27,6 +27,8 @@ class NodeSecurity:
     http_auth: HttpAuth | None
     ssl_context: ssl.SSLContext | None
     verifier: JwtVerifier | None = None
+    # (ssl_cert_file, ssl_key_file): what ``POST /v1/reload_tls_certificates`` re-reads
+    ssl_files: tuple[Path, Path] | None = None
 
     def add_reload_route(self, router: Router) -> None:
         """``POST /v1/reload_auth_validation_keys`` (node-wide: ``pageserverapi`` on a
@@ -46,6 +48,22 @@ class NodeSecurity:
             return {"keys": count}
 
         router.add("POST", "/v1/reload_auth_validation_keys", reload)
+        ctx, files = self.ssl_context, self.ssl_files
+
+        async def reload_tls(_: Request) -> object:
+            if ctx is None or files is None:
+                raise HttpError(400, "TLS is off on this node: there is no certificate to reload")
+            try:
+                await trio.to_thread.run_sync(reload_server_context, ctx, *files)
+            except (OSError, ssl.SSLError) as exc:
+                log.warning("TLS certificate reload refused", cert=str(files[0]), reason=str(exc))
+                raise HttpError(500, f"Error reloading the TLS certificate: {exc}") from None
+            log.info("TLS certificate reloaded", cert=str(files[0]))
+            return {"cert": str(files[0])}
+
+        # Node-wide like the key reload (the router's auth checks the scope): a renewed
+        # certificate counts for new connections on both ports without a restart.
+        router.add("POST", "/v1/reload_tls_certificates", reload_tls)
 
     @classmethod
     def build(
@@ -65,4 +83,4 @@ class NodeSecurity:
         pg = JwtAuthenticator(verifier, service) if verifier and pg_auth_type == "NeonJWT" else None
         http = HttpAuth(verifier, service) if verifier and http_auth_type == "NeonJWT" else None
         ctx = None if ssl_files is None else server_context(*ssl_files)
-        return cls(pg, http, ctx, verifier)
+        return cls(pg, http, ctx, verifier, ssl_files)

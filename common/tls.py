@@ -42,6 +42,25 @@ def server_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
     return ctx
 
 
+def reload_server_context(ctx: ssl.SSLContext, cert_file: Path, key_file: Path) -> None:
+    """Load a new certificate chain and key into the live ``ctx`` (``server_context``'s):
+    connections made from now on present them, open ones keep theirs. The files are read
+    once and the pair is checked on a scratch context first, so a missing file, a bad PEM or a
+    key that does not match the certificate raises ``ssl.SSLError``/``OSError`` and leaves
+    ``ctx`` serving the old pair (OpenSSL would otherwise keep a new certificate beside the
+    old key)."""
+    import tempfile
+
+    cert, key = cert_file.read_bytes(), key_file.read_bytes()
+    with tempfile.TemporaryDirectory(prefix="pagestore-tls-") as tmp:
+        cert_copy, key_copy = Path(tmp) / "server.crt", Path(tmp) / "server.key"
+        cert_copy.write_bytes(cert)
+        key_copy.touch(0o600)
+        key_copy.write_bytes(key)
+        server_context(cert_copy, key_copy)  # the pair loads and matches
+        ctx.load_cert_chain(str(cert_copy), str(key_copy))
+
+
 def client_context(ca_file: Path) -> ssl.SSLContext:
     """Verify the server's chain up to ``ca_file`` and its name (SAN) against the host."""
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca_file))

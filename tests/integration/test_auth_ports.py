@@ -297,3 +297,55 @@ async def test_key_rotation_with_reload(tmp_path: Path) -> None:
             conn = await pgclient.connect("127.0.0.1", port, user="u", password=new.tenant(OTHER))
             await conn.aclose()
         node.stop()
+
+
+def _presented(port: int, ctx: ssl.SSLContext, *, pg: bool) -> bytes:
+    """The certificate (DER) a new connection to ``port`` is shown: HTTPS from the first
+    byte, or on the libpq port after an SSLRequest."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+        if pg:
+            raw.sendall((8).to_bytes(4, "big") + (80877103).to_bytes(4, "big"))
+            assert raw.recv(1) == b"S"
+        with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+            der = tls.getpeercert(binary_form=True)
+            assert der is not None
+            return der
+
+
+async def test_certificate_reload(kits: tuple[AuthKit, TlsKit], tmp_path: Path) -> None:
+    """``POST /v1/reload_tls_certificates``: a renewed certificate is presented on both ports
+    to new connections without a restart; a key that does not match, or a missing file, is
+    refused with 500 and the old pair stays; the route is node-wide (a tenant token: 403)."""
+    from common.tls import make_node_cert
+
+    auth, tls = kits
+    ctx = client_context(tls.ca_cert)
+    async with pageserver(tmp_path / "ps", auth, tls) as node:
+        assert node.pg_port is not None and node.http_port is not None
+        pg_port, http_port = node.pg_port, node.http_port
+        base = f"https://localhost:{http_port}"
+        url, admin = f"{base}/v1/reload_tls_certificates", auth.token(Scope.PAGESERVERAPI)
+
+        def renew() -> None:
+            first = _presented(pg_port, ctx, pg=True)
+            assert _presented(http_port, ctx, pg=False) == first
+            renewed_cert, renewed_key = make_node_cert(tls.cert.parent.parent / "ca", tmp_path / "renewed", "test-node")
+            old_key = tls.key.read_bytes()
+            tls.key.write_bytes(renewed_key.read_bytes())  # a key that does not match the cert
+            status, body = http(url, "POST", admin, {}, ctx)
+            assert status == 500 and "TLS certificate" in body["msg"]
+            tls.key.write_bytes(old_key)
+            assert _presented(pg_port, ctx, pg=True) == first  # the old pair stayed
+            assert http(url, "POST", auth.tenant(OTHER), {}, ctx)[0] == 403  # node-wide
+            tls.cert.write_bytes(renewed_cert.read_bytes())
+            tls.key.write_bytes(renewed_key.read_bytes())
+            assert http(url, "POST", admin, {}, ctx)[0] == 200
+            second = _presented(pg_port, ctx, pg=True)
+            assert second != first and _presented(http_port, ctx, pg=False) == second
+            tls.cert.unlink()
+            assert http(url, "POST", admin, {}, ctx)[0] == 500  # missing: refused, kept
+            assert _presented(pg_port, ctx, pg=True) == second
+
+        await trio.to_thread.run_sync(renew)

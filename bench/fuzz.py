@@ -25,9 +25,14 @@ Harnesses (``NAME``):
   Input: requests in flight (u8), piece length (u8, x 97 bytes), resend (u8), then the
   response stream; every piece's returned requests, the count and the latencies must be equal
   (or the same error class).
+- ``take-append-run``: ``protocol._pq_c.take_append_run`` (the safekeeper's receive kernel:
+  CopyData framing, AppendRequest headers, coalescing into an output buffer). Input: start
+  (u8), max_length choice (u8), output size (u16 LE), max_bytes (u16 LE), then raw pgwire
+  bytes. Both must return the same tuple and write the same bytes into ``out`` (and none
+  beyond the run's WAL).
 
 The seed corpus is synthetic WAL (``safekeeper.testing.synthetic_wal``; for ``same-run``, runs of
-like records from ``like_records``) in these formats;
+like records from ``like_records``; for ``take-append-run``, push streams of it) in these formats;
 ``--corpus DIR`` keeps it and what the run finds. Not part of the test run: it needs the
 ``fuzz`` extra (``pip install -e '.[fuzz]'``: atheris) and runs for as long as it is told.
 """
@@ -49,11 +54,12 @@ if TYPE_CHECKING:
     from protocol.pagestream import GetPageRequest
 
 HARNESSES = ("scan-records", "record-tracker", "crc32c", "same-run", "pagestream-getpages",
-             "getpage-load")
+             "getpage-load", "take-append-run")
 # the compiled module each harness fuzzes (its twin is the reference)
 MODULES = {"scan-records": "protocol._wal_c", "record-tracker": "protocol._wal_c", "crc32c": "protocol._wal_c",
            "same-run": "protocol._ingest_c", "pagestream-getpages": "protocol._pagestream_c",
-           "getpage-load": "protocol._getpage_load_c"}
+           "getpage-load": "protocol._getpage_load_c", "take-append-run": "protocol._pq_c"}
+MAX_LENGTHS = (0, 4, 50, 1100, 1 << 20, (1 << 32) - 1)
 RUN_LSN = 0x2000000 + 8192 + 24  # LSN of the first record of a same-run input
 BASE = 0x2000000
 SEG_CHOICES = (1, 2, 2048)
@@ -121,6 +127,9 @@ def write_seeds(name: str, corpus: Path) -> None:
     if name in ("pagestream-getpages", "getpage-load"):
         _pagestream_seeds(name, corpus)
         return
+    if name == "take-append-run":
+        _append_run_seeds(corpus)
+        return
     if name == "same-run":
         for k, (tot_len, count) in enumerate(((59, 120), (203, 36), (250, 30))):
             stride = (tot_len + 7) & ~7
@@ -170,6 +179,31 @@ def _load_requests(data: bytes) -> list[GetPageRequest]:
     while isinstance(ev := dec.next_event(), GetPageRequest):
         out.append(ev)
     return out
+
+
+def _append_run_seeds(corpus: Path) -> None:
+    """Push streams as a walproposer sends them: CopyData frames of v3 AppendRequests of
+    synthetic WAL, some runs broken by another message or another term."""
+    from protocol.lsn import Lsn
+    from protocol.safekeeper import AppendRequest, encode_message
+    from safekeeper.testing import synthetic_wal
+
+    def frame(payload: bytes) -> bytes:
+        return b"d" + (4 + len(payload)).to_bytes(4, "big") + payload
+
+    for k, (piece, total) in enumerate(((100, 2000), (1024, 12_000), (3000, 9000), (0, 0))):
+        wal = synthetic_wal(Lsn(BASE), max(total, 1), record_size=64)[:total]
+        stream = bytearray()
+        at = 0
+        for off in range(0, max(total, 1), max(piece, 1)):
+            part = wal[off : off + piece]
+            msg = AppendRequest(2, Lsn(BASE + at), Lsn(BASE + at + len(part)), Lsn(BASE + at), Lsn(BASE), part, generation=1)
+            stream += frame(encode_message(msg, 3))
+            at += len(part)
+        if k == 2:
+            stream += frame(b"v" + bytes(12))  # another message ends the run
+        params = bytes([0, 4]) + (16_000).to_bytes(2, "little") + (9000 + 1000 * k).to_bytes(2, "little")
+        (corpus / f"seed-run-{k}").write_bytes(params + bytes(stream))
 
 
 def _outcome(fn: Callable[..., object], *args: object) -> tuple[object, ...]:
@@ -275,9 +309,33 @@ def _harness(name: str, native: ModuleType, twin: ModuleType) -> Callable[[bytes
         if a != b:
             raise AssertionError(f"GetPageLoad differs: native {a[-1:]} twin {b[-1:]}")
 
+    def take_append_run(data: bytes) -> None:
+        if len(data) < 6:
+            return
+        stream = data[6:]
+        start = min(data[0], len(stream))
+        max_length = MAX_LENGTHS[data[1] % len(MAX_LENGTHS)]
+        out_size = int.from_bytes(data[2:4], "little")
+        max_bytes = int.from_bytes(data[4:6], "little")
+
+        def run(m: ModuleType) -> tuple[object, ...]:
+            out = bytearray(b"\xee" * out_size)
+            outcome = _outcome(m.take_append_run, stream, start, len(stream), max_length, out, max_bytes)
+            return (*outcome, bytes(out))
+
+        a, b = run(native), run(twin)
+        if a != b:
+            raise AssertionError(f"take_append_run differs: native {a[:2]} twin {b[:2]}")
+        if a[0] == "ok":
+            r = a[1]
+            assert isinstance(r, tuple)
+            n = r[5] - r[4]
+            if a[2][n:] != b"\xee" * (out_size - n):  # type: ignore[index]
+                raise AssertionError("take_append_run wrote past the run's WAL")
+
     return {"scan-records": scan_records, "record-tracker": record_tracker, "crc32c": crc32c,
             "same-run": same_run, "pagestream-getpages": pagestream_getpages,
-            "getpage-load": getpage_load}[name]
+            "getpage-load": getpage_load, "take-append-run": take_append_run}[name]
 
 
 def _fuzz_main(argv: list[str]) -> None:

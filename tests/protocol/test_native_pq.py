@@ -9,7 +9,8 @@ truncate, the WAL concatenated).
 
 from __future__ import annotations
 
-from types import ModuleType
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -404,3 +405,34 @@ def test_the_taker_never_reuses_a_buffer_under_a_live_run() -> None:
     assert taker(data, 0, one, 1 << 20) == one and taker.pool_size == 2  # the free one is reused
     third = taker.take()
     assert third is not None and bytes(third.wal) == kept and bytes(second.wal) == kept_second
+
+
+def test_fuzz_harness_takes_its_seeds_and_catches_a_planted_difference(tmp_path: Path) -> None:
+    """``pagestore fuzz take-append-run``'s harness (atheris itself is not needed here): its
+    seeds are push streams the twin takes runs from, and a kernel that copies one byte too
+    many, or answers differently, fails it."""
+    from bench import fuzz
+
+    twin = kernel("python", PQ)
+    seeds = tmp_path / "corpus"
+    seeds.mkdir()
+    fuzz.write_seeds("take-append-run", seeds)
+    same = fuzz._harness("take-append-run", twin, twin)
+
+    def overwrites(data: bytes, start: int, end: int, max_length: int, out: bytearray, max_bytes: int) -> tuple[int, ...]:
+        r = twin.take_append_run(data, start, end, max_length, out, max_bytes)
+        n = r[5] - r[4]
+        if n < len(out):
+            out[n] = 0
+        return r
+
+    taken = 0
+    for seed in sorted(seeds.iterdir()):
+        data = seed.read_bytes()
+        same(data)
+        stream = data[6:]
+        taken += twin.take_append_run(stream, 0, len(stream), 1 << 20, bytearray(16_000), 16_000)[1]
+        lying = fuzz._harness("take-append-run", SimpleNamespace(take_append_run=overwrites), twin)  # type: ignore[arg-type]
+        with pytest.raises(AssertionError, match="differs"):
+            lying(data)
+    assert taken > 3  # the seeds are real runs

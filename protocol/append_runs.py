@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Final
 
 from protocol import _native
 from protocol.lsn import Lsn
-from protocol.safekeeper import AppendRequest
+from protocol.safekeeper import MAX_SEND_SIZE, AppendRequest
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -55,45 +55,61 @@ class AppendRunTaker:
     """The scanner ``PgConnection.copy_receive_scan`` runs over the receive buffer: each call
     takes at most one run of continuing v3 AppendRequests (at most ``run_bytes`` of WAL),
     which ``take()`` then returns as one ``AppendRequest`` whose ``wal`` is a view of an
-    output buffer of this taker's pool."""
+    arena of this taker's pool.
 
-    __slots__ = ("_pool", "_run", "run_bytes")
+    Runs are packed one after the other into the current arena: a run holds only what was
+    received when it was taken (often much less than ``run_bytes``), so an arena per run
+    would pin far more memory than the WAL in flight. An arena is left when less than one
+    largest message (``MAX_SEND_SIZE``) of room remains, and reused once no view of it is
+    left (its last run was written)."""
 
-    # Output buffers kept for reuse. The safekeeper's byte budget (ingest_queue_bytes) bounds
-    # how many runs are queued or being written at once; beyond this many, a run gets a
-    # buffer of its own that is not kept.
-    MAX_POOL: Final = 16
+    __slots__ = ("_arena", "_arena_size", "_at", "_pool", "_run", "run_bytes")
+
+    # Arenas kept for reuse. The safekeeper's byte budget (ingest_queue_bytes) bounds the WAL
+    # queued or being written, hence the arenas in use (runs are packed); beyond this many,
+    # an arena is not kept once left.
+    MAX_POOL: Final = 8
 
     def __init__(self, run_bytes: int) -> None:
         if run_bytes <= 0:
             raise ValueError(f"run_bytes must be positive, got {run_bytes}")
         self.run_bytes = run_bytes
+        self._arena_size = 2 * max(run_bytes, MAX_SEND_SIZE)
         self._pool: list[bytearray] = []
+        self._arena: bytearray | None = None
+        self._at = 0
         self._run: AppendRequest | None = None
 
-    def _free_buffer(self) -> bytearray:
+    def _free_arena(self) -> bytearray:
         pool = self._pool
         for k in range(len(pool)):
             # References: the list's and getrefcount's argument; a live view of it adds one.
             if sys.getrefcount(pool[k]) == 2:
                 return pool[k]
-        buf = bytearray(self.run_bytes)
+        arena = bytearray(self._arena_size)
         if len(pool) < self.MAX_POOL:
-            pool.append(buf)
-        return buf
+            pool.append(arena)
+        return arena
 
     def __call__(self, data: bytearray, start: int, end: int, max_length: int) -> int:
         if self._run is not None:
             return start  # the last run was not taken yet
-        out = self._free_buffer()
+        arena, at = self._arena, self._at
+        if arena is None or len(arena) - at < MAX_SEND_SIZE:
+            self._arena = None  # not a reference of its own while the pool is searched
+            arena, at = self._free_arena(), 0
+            self._arena, self._at = arena, 0
+        room = len(arena) - at
         stop, count, term, gen, begin, end_lsn, commit, trunc = take_append_run(
-            data, start, end, max_length, out, self.run_bytes
+            data, start, end, max_length, memoryview(arena)[at:], min(self.run_bytes, room)
         )
         if count:
+            n = end_lsn - begin
             self._run = AppendRequest(
                 term, Lsn(begin), Lsn(end_lsn), Lsn(commit), Lsn(trunc),
-                memoryview(out)[: end_lsn - begin], generation=gen, messages=count,
+                memoryview(arena)[at : at + n], generation=gen, messages=count,
             )
+            self._at = at + n
         return stop
 
     def take(self) -> AppendRequest | None:
@@ -103,4 +119,5 @@ class AppendRunTaker:
 
     @property
     def pool_size(self) -> int:
+        """Arenas kept (in use or free)."""
         return len(self._pool)

@@ -386,25 +386,37 @@ def test_the_taker_over_a_stream_cut_anywhere_says_what_the_messages_say(
     assert max(commits) == max(m.commit_lsn for m in singles)  # type: ignore[union-attr]
 
 
-def test_the_taker_never_reuses_a_buffer_under_a_live_run() -> None:
+def test_the_taker_packs_runs_and_never_reuses_an_arena_under_a_live_run() -> None:
     from protocol.append_runs import AppendRunTaker
 
-    data = bytearray(_frames(_appends([100, 100])))
-    one = len(data) // 2
-    taker = AppendRunTaker(150)
-    assert taker(data, 0, len(data), 1 << 20) == one  # 150 bytes: the second does not fit
-    first = taker.take()
-    assert first is not None and taker.take() is None
-    kept = bytes(first.wal)
-    assert taker(data, one, len(data), 1 << 20) == len(data)
-    second = taker.take()
-    assert second is not None and bytes(first.wal) == kept  # another buffer: the first is live
-    assert taker.pool_size == 2
-    kept_second = bytes(second.wal)
-    del first
-    assert taker(data, 0, one, 1 << 20) == one and taker.pool_size == 2  # the free one is reused
-    third = taker.take()
-    assert third is not None and bytes(third.wal) == kept and bytes(second.wal) == kept_second
+    piece = 64 * 1024
+    data = bytearray(_frames(_appends([piece] * 8)))
+    one = len(data) // 8
+    taker = AppendRunTaker(piece)  # one message per run; arenas of 2 x 128 KiB
+    runs = []
+    for k in range(3):
+        assert taker(data, k * one, len(data), 1 << 20) == (k + 1) * one
+        run = taker.take()
+        assert run is not None and taker.take() is None
+        runs.append(run)
+    kept = [bytes(r.wal) for r in runs]
+    assert taker.pool_size == 1  # packed: three runs, one arena
+    assert runs[1].wal.obj is runs[0].wal.obj
+    # 64 KiB of room left, less than one largest message: the fourth run needs another
+    # arena, and the first is still live
+    assert taker(data, 3 * one, len(data), 1 << 20) == 4 * one
+    fourth = taker.take()
+    assert fourth is not None and fourth.wal.obj is not runs[0].wal.obj and taker.pool_size == 2
+    assert [bytes(r.wal) for r in runs] == kept
+    first_arena = id(runs[0].wal.obj)  # (not a reference: that would keep it in use)
+    del runs, run
+    # (the fourth arena fills up; then the first one, free now, is taken again)
+    for k in (4, 5, 6):
+        assert taker(data, k * one, len(data), 1 << 20) == (k + 1) * one
+        last = taker.take()
+        assert last is not None
+    assert id(last.wal.obj) == first_arena and taker.pool_size == 2
+    assert bytes(fourth.wal) == bytes(data[3 * one + 5 + 45 : 4 * one])
 
 
 def test_fuzz_harness_takes_its_seeds_and_catches_a_planted_difference(tmp_path: Path) -> None:

@@ -386,6 +386,11 @@ def test_the_taker_over_a_stream_cut_anywhere_says_what_the_messages_say(
     assert max(commits) == max(m.commit_lsn for m in singles)  # type: ignore[union-attr]
 
 
+def _arena(run: AppendRequest | None) -> object:
+    assert run is not None and isinstance(run.wal, memoryview)
+    return run.wal.obj
+
+
 def test_the_taker_packs_runs_and_never_reuses_an_arena_under_a_live_run() -> None:
     from protocol.append_runs import AppendRunTaker
 
@@ -401,21 +406,21 @@ def test_the_taker_packs_runs_and_never_reuses_an_arena_under_a_live_run() -> No
         runs.append(run)
     kept = [bytes(r.wal) for r in runs]
     assert taker.pool_size == 1  # packed: three runs, one arena
-    assert runs[1].wal.obj is runs[0].wal.obj
+    assert _arena(runs[1]) is _arena(runs[0])
     # 64 KiB of room left, less than one largest message: the fourth run needs another
     # arena, and the first is still live
     assert taker(data, 3 * one, len(data), 1 << 20) == 4 * one
     fourth = taker.take()
-    assert fourth is not None and fourth.wal.obj is not runs[0].wal.obj and taker.pool_size == 2
+    assert fourth is not None and _arena(fourth) is not _arena(runs[0]) and taker.pool_size == 2
     assert [bytes(r.wal) for r in runs] == kept
-    first_arena = id(runs[0].wal.obj)  # (not a reference: that would keep it in use)
+    first_arena = id(_arena(runs[0]))  # (not a reference: that would keep it in use)
     del runs, run
     # (the fourth arena fills up; then the first one, free now, is taken again)
     for k in (4, 5, 6):
         assert taker(data, k * one, len(data), 1 << 20) == (k + 1) * one
         last = taker.take()
         assert last is not None
-    assert id(last.wal.obj) == first_arena and taker.pool_size == 2
+    assert id(_arena(last)) == first_arena and taker.pool_size == 2
     assert bytes(fourth.wal) == bytes(data[3 * one + 5 + 45 : 4 * one])
 
 
@@ -432,7 +437,7 @@ def test_fuzz_harness_takes_its_seeds_and_catches_a_planted_difference(tmp_path:
     same = fuzz._harness("take-append-run", twin, twin)
 
     def overwrites(data: bytes, start: int, end: int, max_length: int, out: bytearray, max_bytes: int) -> tuple[int, ...]:
-        r = twin.take_append_run(data, start, end, max_length, out, max_bytes)
+        r: tuple[int, ...] = twin.take_append_run(data, start, end, max_length, out, max_bytes)
         n = r[5] - r[4]
         if n < len(out):
             out[n] = 0

@@ -10,7 +10,9 @@ run. One JSON line per measurement:
 - ``tps``: at ``--tps-scale``, pgbench select-only and tpcb-like on a lazy endpoint cold (just
   started: every page comes from the page service) and warm (after ``pg_prewarm`` of the pgbench
   tables and indexes), on a full endpoint (cold and warm) and on a plain local PostgreSQL (warm;
-  no walproposer, no safekeepers).
+  no walproposer, no safekeepers). The lazy endpoint (on main) and the full one (on a branch of
+  main at the same LSN) run at the same time and their warm runs alternate, ``--tps-repeat``
+  rounds; ``tps_ratio`` is the lazy/full ratio of the medians.
 - ``seqscan``: at the largest scale, a cold ``sum(abalance)`` of ``pgbench_accounts`` on a fresh lazy
   endpoint: MB/s, and the GetPage batch sizes the page filesystem sent and the page service
   executed.
@@ -48,6 +50,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=int, default=10, help="pgbench -T of each TPS run")
     parser.add_argument("--clients", type=int, default=2, help="pgbench -c")
     parser.add_argument("--repeat", type=int, default=3, help="starts per scale and storage")
+    parser.add_argument("--tps-repeat", type=int, default=3,
+                        help="rounds of the warm TPS runs, lazy and full alternating")
     parser.add_argument("--no-seqscan", action="store_true")
     parser.add_argument("--plot", type=Path, default=None,
                         help="with --from: draw the start times of a saved run as this PNG (no run)")
@@ -74,13 +78,13 @@ def query(port: int, sql: str) -> Any:
 
 
 def timed_start(workdir: Path, name: str, storage: str, probe: str = "SELECT count(*) FROM pgbench_branches",
-                ) -> dict[str, Any]:
+                branch: str = "main") -> dict[str, Any]:
     """Start an endpoint from a child process; the first answered ``probe`` is polled meanwhile."""
     port = free_port()
     t0 = time.monotonic()
     child = subprocess.Popen(
         process.cli_command("endpoint", "start", name, "--storage", storage, "--port", str(port), "--json",
-                            "--workdir", str(workdir)),
+                            "--branch-name", branch, "--workdir", str(workdir)),
         cwd=process.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = None
     while first is None:
@@ -170,27 +174,38 @@ def run_scale(root: Path, scale: int, args: argparse.Namespace, seqscan: bool) -
 
 
 def tps_runs(wd: Path, scale: int, args: argparse.Namespace) -> None:
+    """A lazy endpoint on main and a full endpoint on a branch of it at the same LSN run side
+    by side: their pgbench runs alternate (``--tps-repeat`` rounds), so that the machine's
+    load changes both alike; the medians and the lazy/full ratio are printed."""
     t, c = str(args.seconds), str(args.clients)
     common = ["-n", "-T", t, "-c", c]
 
-    def line(target: str, mode: str, tps: float) -> None:
+    def line(target: str, mode: str, tps: float, **extra: Any) -> None:
         emit({"metric": "tps", "scale": scale, "target": target, "mode": mode, "tps": round(tps, 1),
-              "clients": args.clients, "seconds": args.seconds})
+              "clients": args.clients, "seconds": args.seconds, **extra})
 
     lazy = timed_start(wd, "tps-lazy", "lazy")
     line("lazy-cold", "select-only", pgbench_tps(lazy["port"], *common, "-S"))
     prewarm(lazy["port"])
-    line("lazy-warm", "select-only", pgbench_tps(lazy["port"], *common, "-S"))
-    line("lazy-warm", "tpcb-like", pgbench_tps(lazy["port"], *common))
+    cli(wd, "timeline", "branch", "--branch-name", "tps-full", "--ancestor-branch-name", "main")
+    full = timed_start(wd, "tps-full", "full", branch="tps-full")
+    line("full-cold", "select-only", pgbench_tps(full["port"], *common, "-S"))
+    prewarm(full["port"])
+    for mode, flags in (("select-only", ["-S"]), ("tpcb-like", [])):
+        got: dict[str, list[float]] = {"lazy-warm": [], "full": []}
+        for i in range(args.tps_repeat):
+            for target, ep in (("lazy-warm", lazy), ("full", full)):
+                tps = pgbench_tps(ep["port"], *common, *flags)
+                got[target].append(tps)
+                line(target, mode, tps, round=i)
+        med = {k: statistics.median(v) for k, v in got.items()}
+        emit({"metric": "tps_ratio", "scale": scale, "mode": mode, "lazy_warm_tps": round(med["lazy-warm"], 1),
+              "full_tps": round(med["full"], 1), "lazy_over_full": round(med["lazy-warm"] / med["full"], 3),
+              "rounds": args.tps_repeat})
     st = json.loads(http_get(pagefs_url(wd, "tps-lazy") + "/v1/status"))
     emit({"metric": "pagefs", "scale": scale, **{k: st[k] for k in ("hits", "misses", "writes", "evictions",
                                                                    "bytes_cached", "getpage_batches")}})
     cli(wd, "endpoint", "stop", "tps-lazy")
-    full = timed_start(wd, "tps-full", "full")
-    line("full-cold", "select-only", pgbench_tps(full["port"], *common, "-S"))
-    prewarm(full["port"])
-    line("full", "select-only", pgbench_tps(full["port"], *common, "-S"))
-    line("full", "tpcb-like", pgbench_tps(full["port"], *common))
     cli(wd, "endpoint", "stop", "tps-full")
     with postgres_tmpdir("bench-compute-plain-") as tmp:
         pg = PostgresInstance.create(tmp / "pg", {"wal_level": "replica", "shared_buffers": "128MB"})

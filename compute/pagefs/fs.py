@@ -120,6 +120,10 @@ class PageFs(pyfuse3.Operations):
         now = time.time_ns()
         self.nodes[ROOT] = DirNode(ROOT, ROOT, b"", backing, now)
         self.read_errors = 0
+        # The buffer every relation read is assembled into. One is enough: pyfuse3 hands the
+        # buffer a read handler returns to the kernel (fuse_reply_buf) before any other task
+        # runs, and assembling has no await, so no two reads ever fill it at once.
+        self._read_buf = bytearray(128 * BLCKSZ)
 
     # -- building the tree --------------------------------------------------------------------
 
@@ -412,14 +416,17 @@ class PageFs(pyfuse3.Operations):
         node.parent, node.name, node.backing = new_parent.ino, name_new, new_path
         new_parent.children[name_new] = ino
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    # pyfuse3's stub says bytes; its fuse_read takes any contiguous buffer (PyObject_GetBuffer)
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         node, fd = self._fds[fh]
         if fd >= 0:
             return os.pread(fd, size, off)
         assert isinstance(node, RelNode) and node.file is not None
         return await self._read_rel(node.file, off, size)
 
-    async def _read_rel(self, f: RelFile, off: int, size: int) -> bytes:
+    async def _read_rel(self, f: RelFile, off: int, size: int) -> bytes | memoryview:
+        """The bytes of a relation read: a view of the shared read buffer (valid until the next
+        read; ``write`` copies what it needs)."""
         while True:
             plan = self.store.plan_read(f, off, size)
             try:
@@ -428,8 +435,11 @@ class PageFs(pyfuse3.Operations):
                 self.read_errors += 1
                 log.error("read failed", file=str(f.rel), segno=f.segno, offset=off, error=str(exc))
                 raise pyfuse3.FUSEError(errno.EIO) from None
+            need = len(plan.sources) * BLCKSZ
+            if len(self._read_buf) < need:
+                self._read_buf = bytearray(need)
             try:
-                return self.store.assemble(plan, pages)
+                return self.store.assemble_into(plan, pages, self._read_buf)
             except ReadRetry:
                 continue
 

@@ -79,8 +79,9 @@ class PageFetcher:
             await conn.aclose()
             raise
 
-    async def fetch(self, rel: RelTag, reads: Sequence[RemoteRead]) -> list[bytes]:
-        """The pages of ``reads`` (one batch), in order."""
+    async def fetch(self, rel: RelTag, reads: Sequence[RemoteRead]) -> list[bytes | memoryview]:
+        """The pages of ``reads`` (one batch), in order: views into the response messages (no
+        copy; the caller copies each once, into the kernel's read buffer)."""
         if not reads:
             return []
         async with self._slots:
@@ -104,10 +105,10 @@ class PageFetcher:
             self.pages += len(reads)
             self.batch_size.observe(len(reads))
             self.latency.observe(time.monotonic() - started)
-        out: list[bytes] = []
+        out: list[bytes | memoryview] = []
         for r, resp in zip(reads, responses, strict=True):
             if isinstance(resp, GetPageResponse):
-                out.append(bytes(resp.page))
+                out.append(resp.page)
             elif isinstance(resp, ErrorResponse) and rel.forknum == FSM:
                 out.append(ZERO_PAGE)
             elif isinstance(resp, ErrorResponse):

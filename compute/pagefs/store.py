@@ -213,25 +213,34 @@ class PageStore:
         """The bytes of a planned read, ``pages`` answering its remote reads in order. A block
         written while its remote read was in flight is served from the local page file (the
         newer version, R2)."""
+        return bytes(self.assemble_into(plan, pages, bytearray(len(plan.sources) * BLCKSZ)))
+
+    def assemble_into(self, plan: ReadPlan, pages: Sequence[bytes | memoryview], buf: bytearray) -> memoryview:
+        """``assemble`` into ``buf`` (at least ``len(plan.sources)`` blocks): a view of it. One
+        copy per page, no per-read allocation (a sequential scan's reads are 1 MiB)."""
         f = plan.file
         if f.epoch != plan.epoch:
             raise ReadRetry()
         if len(pages) != len(plan.remote):
             raise ValueError(f"{len(pages)} pages for {len(plan.remote)} remote reads")
-        out = bytearray()
+        out = memoryview(buf)
+        pos = 0
+        local = f.local
+        first = plan.first_blk
         for i, src in enumerate(plan.sources):
-            blk = plan.first_blk + i
             if src < ZERO:
-                slot = f.local.get(blk)
+                slot = local.get(first + i)
                 if slot is None:
                     page = pages[-2 - src]
                     if len(page) != BLCKSZ:
                         raise ValueError(f"a remote page of {len(page)} bytes")
-                    out += page
+                    out[pos : pos + BLCKSZ] = page
+                    pos += BLCKSZ
                     continue
                 src = slot
-            out += ZERO_PAGE if src == ZERO else self.cache.read(src)
-        return bytes(out[plan.start : plan.start + plan.length])
+            out[pos : pos + BLCKSZ] = ZERO_PAGE if src == ZERO else self.cache.read(src)
+            pos += BLCKSZ
+        return out[plan.start : plan.start + plan.length]
 
     # -- writes ---------------------------------------------------------------------------
 

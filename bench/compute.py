@@ -15,7 +15,9 @@ run. One JSON line per measurement:
   rounds; ``tps_ratio`` is the lazy/full ratio of the medians.
 - ``seqscan``: at the largest scale, a cold ``sum(abalance)`` of ``pgbench_accounts`` on a fresh lazy
   endpoint: MB/s, and the GetPage batch sizes the page filesystem sent and the page service
-  executed.
+  executed; twice: right after the load (``pages: wal``: the page service rebuilds every page
+  from the load's WAL records) and after the pageserver compacted main with image layers
+  (``pages: images``: its steady state).
 
 Each scale gets its own cluster (``init --free-ports --no-sync``: the safekeepers skip fsync, so
 the safekeeper disk is not what is measured). The data is loaded through a full endpoint
@@ -167,7 +169,9 @@ def run_scale(root: Path, scale: int, args: argparse.Namespace, seqscan: bool) -
         if scale == args.tps_scale:
             tps_runs(wd, scale, args)
         if seqscan:
-            seqscan_run(wd, scale)
+            seqscan_run(wd, scale, "wal")
+            emit({"metric": "compaction", "scale": scale, "seconds": round(compact_with_images(wd), 1)})
+            seqscan_run(wd, scale, "images")
     finally:
         subprocess.run(process.cli_command("stop", "--workdir", str(wd), "--immediate"), cwd=process.ROOT,
                        capture_output=True, check=False)
@@ -219,7 +223,24 @@ def tps_runs(wd: Path, scale: int, args: argparse.Namespace) -> None:
             pg.stop("immediate")
 
 
-def seqscan_run(wd: Path, scale: int) -> None:
+def compact_with_images(wd: Path) -> float:
+    """Flush the pageserver's in-memory layer and compact main with image layers: the pages
+    are then materialized, as a pageserver has them in its steady state. Returns seconds."""
+    from control_plane.http_client import request_json
+    from control_plane.local_env import LocalEnv
+
+    env = LocalEnv.load(wd)
+    tenant = env.resolve_tenant(None)
+    url = f"{env.pageserver_http}/v1/tenant/{tenant}/timeline/{env.timeline_of_branch(tenant, 'main')}"
+    t = time.monotonic()
+    request_json("PUT", f"{url}/checkpoint", timeout=1800)
+    request_json("PUT", f"{url}/compact?force_image=true", timeout=1800)
+    return time.monotonic() - t
+
+
+def seqscan_run(wd: Path, scale: int, pages: str) -> None:
+    """``pages``: ``wal`` (right after the load: the page service rebuilds each page from
+    WAL records) or ``images`` (after ``compact_with_images``)."""
     ep = timed_start(wd, "scan", "lazy")
     ps_http = _pageserver_http(wd)
     before_ps = histogram(http_get(ps_http + "/metrics"), "pageserver_page_service_batch_size")
@@ -233,7 +254,7 @@ def seqscan_run(wd: Path, scale: int) -> None:
     after_fs = histogram(http_get(pagefs_url(wd, "scan") + "/metrics"), "pagefs_getpage_batch_size")
     fs_batches = after_fs[1] - before_fs[1]
     ps_batches = after_ps[1] - before_ps[1]
-    emit({"metric": "seqscan", "scale": scale, "table_bytes": size, "seconds": round(secs, 3),
+    emit({"metric": "seqscan", "scale": scale, "pages": pages, "table_bytes": size, "seconds": round(secs, 3),
           "mb_per_s": round(size / secs / 1e6, 1),
           "pagefs_batches": int(fs_batches),
           "pagefs_mean_batch": round((after_fs[0] - before_fs[0]) / fs_batches, 1) if fs_batches else None,

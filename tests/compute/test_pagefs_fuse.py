@@ -40,7 +40,7 @@ class FakeFetcher(PageFetcher):
         self.seen: list[list[RemoteRead]] = []
         self.fail = False
 
-    async def fetch(self, rel: RelTag, reads: Sequence[RemoteRead]) -> list[bytes]:
+    async def fetch(self, rel: RelTag, reads: Sequence[RemoteRead]) -> list[bytes | memoryview]:
         if self.fail:
             raise PageFetchError("the page service is gone")
         if reads:

@@ -59,6 +59,7 @@ import attrs
 import trio
 
 from common.pgserver import IdleTimeout
+from common.tls_stream import TlsStream
 from pageserver.page_service.config import (
     PageServiceConfig,
     PipelinedPipelining,
@@ -255,6 +256,7 @@ class DirectStreamIO:
         "_ready_at",
         "_rels",
         "_sock",
+        "_tls",
         "_unyielded",
         "_v3",
         "_waiting_since",
@@ -282,6 +284,9 @@ class DirectStreamIO:
         self._eof = False
         sock = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._sock = sock
+        # Over TLS the same: decrypt what is there and write what the socket takes without
+        # an event-loop iteration (TlsStream's nowait paths), park only when it must.
+        self._tls = stream if isinstance(stream, TlsStream) else None
         self._fd = sock.fileno() if sock is not None else -1
         self._unyielded = 0
         self._rels: dict[tuple[int, int, int, int], RelTag] = {}
@@ -318,7 +323,23 @@ class DirectStreamIO:
             # No cancel scope per wait for the idle timeout (entering and leaving one costs
             # more than decoding a request): ``enforce_idle_timeout`` watches ``_waiting_since``.
             timed = self._idle_timeout_s != math.inf
-            if self._sock is None:
+            tls = self._tls
+            data: bytes | bytearray
+            if tls is not None:
+                got = tls.receive_nowait(MAX_RECV)
+                if got is None:
+                    if tls.unsent:
+                        await tls.flush()
+                    if timed:
+                        self._waiting_since = trio.current_time()
+                    try:
+                        await tls.wait_readable()
+                    finally:
+                        self._waiting_since = None
+                    self._unyielded = 0
+                    continue
+                data = got
+            elif self._sock is None:
                 if timed:
                     self._waiting_since = trio.current_time()
                 try:
@@ -445,6 +466,9 @@ class DirectStreamIO:
         """Write what the socket takes now; the rest (``None`` when all went, or always the
         whole of ``data`` on a stream that is not a socket) is for ``send_all``."""
         view = memoryview(data)
+        if self._tls is not None:
+            # encrypted now; what the socket did not take waits in the stream (send_all flushes)
+            return None if self._tls.send_nowait(view) else memoryview(b"")
         if self._sock is None:
             return view
         sent, n = 0, len(view)
@@ -458,6 +482,11 @@ class DirectStreamIO:
         return None
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._tls is not None:
+            if data:
+                self._tls.send_nowait(data)
+            await self._tls.flush()
+            return
         if self._sock is None:
             await self.stream.send_all(data)
             return

@@ -70,3 +70,40 @@ async def test_handshake_with_unknown_ca_fails(tls: TlsKit, tmp_path: Path) -> N
         assert server_errors and "unknown ca" in str(server_errors[0])
         await client.aclose()
         await server.aclose()
+
+
+async def test_nowait_paths_keep_the_bytes_in_order(tls: TlsKit) -> None:
+    """``receive_nowait`` / ``send_nowait`` / ``flush`` (the page service's fast paths): None
+    when nothing is there, every buffered record when something is; a send larger than the
+    socket takes is finished by ``flush``, in order with an ordinary ``send_all`` after it."""
+    with trio.fail_after(20):
+        server, client = await _pair(tls, tls.ca_cert)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.do_handshake)
+            await client.do_handshake()
+        assert server.receive_nowait(1 << 20) is None
+        for i in range(5):
+            await client.send_all(b"req %d;" % i)
+        await trio.sleep(0.2)
+        assert server.receive_nowait(1 << 20) == b"".join(b"req %d;" % i for i in range(5))
+        big = bytes(range(256)) * 4096 * 8  # 8 MiB: more than the socket buffers hold
+        received = bytearray()
+
+        async def drain() -> None:
+            while len(received) < len(big) + 4:
+                received.extend(await client.receive_some(1 << 20))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain)
+            if not server.send_nowait(big):
+                assert server.unsent
+                await server.flush()
+            await server.send_all(b"tail")
+        assert bytes(received) == big + b"tail"
+        await client.aclose()
+        got = server.receive_nowait(100)
+        while got is None:
+            await server.wait_readable()
+            got = server.receive_nowait(100)
+        assert got == b""  # close_notify, then EOF
+        await server.aclose()

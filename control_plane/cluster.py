@@ -33,12 +33,22 @@ def _pid_path(node_dir: Path) -> Path:
     return node_dir / "pid"
 
 
+def _is_pageserver(name: str) -> bool:
+    return name == "pageserver" or name.startswith("pageserver_")
+
+
 def _node_cmd(env: LocalEnv, name: str) -> tuple[list[str], str]:
     if name == "seaweedfs":
         assert env.config.seaweedfs is not None
         return weed_argv(env.seaweedfs_dir / "data", env.config.seaweedfs), env.config.seaweedfs.endpoint
-    if name == "pageserver":
-        return process.cli_command("pageserver", "-c", str(env.pageserver_config_path)), env.pageserver_http
+    if name == "storage_controller":
+        assert env.storage_controller_url is not None
+        return (process.cli_command("storage-controller", "-c", str(env.storage_controller_config_path)),
+                env.storage_controller_url)
+    if _is_pageserver(name):
+        ps_id = env.pageserver_id(name)
+        return (process.cli_command("pageserver", "-c", str(env.pageserver_config_path_of(ps_id))),
+                env.pageserver_http_of(ps_id))
     sk_id = int(name.removeprefix("safekeeper_"))
     return (
         process.cli_command("safekeeper", "-c", str(env.safekeeper_config_path(sk_id))),
@@ -48,7 +58,7 @@ def _node_cmd(env: LocalEnv, name: str) -> tuple[list[str], str]:
 
 def _node_env(env: LocalEnv, name: str) -> dict[str, str]:
     """The pageserver's token for the safekeepers (its WAL receivers), in its environment."""
-    token = env.token(Scope.SAFEKEEPERDATA) if name == "pageserver" else None
+    token = env.token(Scope.SAFEKEEPERDATA) if _is_pageserver(name) else None
     return {} if token is None else {TOKEN_ENV: token}
 
 
@@ -56,8 +66,11 @@ def _node_ports(env: LocalEnv, name: str) -> list[int]:
     if name == "seaweedfs":
         assert env.config.seaweedfs is not None
         return list(attrs.astuple(env.config.seaweedfs))
-    if name == "pageserver":
-        return [env.config.pageserver.pg, env.config.pageserver.http]
+    if name == "storage_controller":
+        return [env.config.storage_controller_port]
+    if _is_pageserver(name):
+        ps = env.pageserver_ports(env.pageserver_id(name))
+        return [ps.pg, ps.http]
     ports = env.safekeeper_ports(int(name.removeprefix("safekeeper_")))
     return [ports.pg, ports.http]
 
@@ -80,8 +93,10 @@ def start(env: LocalEnv, *, log: Any = print) -> None:
     again and their pid files removed, so nothing is left running unaccounted for and the
     next ``start`` begins from the same state.
     """
-    # Safekeepers first: the pageserver's WAL receivers connect to them right away.
-    order = [n for n in env.node_dirs() if n[0] != "pageserver"] + [n for n in env.node_dirs() if n[0] == "pageserver"]
+    # Safekeepers (and the storage controller) first: the pageservers' WAL receivers connect
+    # to them right away, and a pageserver asks the controller for its tenants at start.
+    order = ([n for n in env.node_dirs() if not _is_pageserver(n[0])]
+             + [n for n in env.node_dirs() if _is_pageserver(n[0])])
     started: list[tuple[str, Path, int]] = []
     try:
         for name, node_dir in order:
@@ -169,9 +184,16 @@ def status(env: LocalEnv) -> dict[str, Any]:
                           "http_port": sw.master, "http_ok": up,
                           "error": None if up or pid is None else f"S3 at {sw.endpoint} does not answer"})
             continue
-        if name == "pageserver":
-            ports = env.config.pageserver
-            http = env.pageserver_http
+        if name == "storage_controller":
+            assert env.storage_controller_url is not None
+            answer, error = _try_get(f"{env.storage_controller_url}/v1/status") if pid is not None else (None, None)
+            nodes.append({"name": name, "pid": pid, "running": pid is not None, "pg_port": None,
+                          "http_port": env.config.storage_controller_port, "http_ok": answer is not None,
+                          "error": error})
+            continue
+        if _is_pageserver(name):
+            ports = env.pageserver_ports(env.pageserver_id(name))
+            http = env.pageserver_http_of(env.pageserver_id(name))
         else:
             sk_id = int(name.removeprefix("safekeeper_"))
             ports = env.safekeeper_ports(sk_id)
@@ -182,9 +204,10 @@ def status(env: LocalEnv) -> dict[str, Any]:
             "http_port": ports.http, "http_ok": answer is not None, "error": error,
         })
 
+    node_up = {n["name"]: n["http_ok"] for n in nodes}
     sk_timelines: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
     for sk_id in env.safekeeper_ids:
-        if not nodes[sk_id]["http_ok"]:
+        if not node_up[f"safekeeper_{sk_id}"]:
             continue
         answer, _ = _try_get(f"{env.safekeeper_http(sk_id)}/v1/timelines")
         for tl in answer or []:
@@ -193,16 +216,24 @@ def status(env: LocalEnv) -> dict[str, Any]:
                 "flush_lsn": tl["flush_lsn"], "commit_lsn": tl["commit_lsn"],
             }
 
+    placement = _placement(env) if node_up.get("storage_controller", True) else {}
     timelines: list[dict[str, Any]] = []
-    if nodes[0]["http_ok"]:
-        tenants, _ = _try_get(f"{env.pageserver_http}/v1/tenant")
+    for ps_id in env.pageserver_ids:
+        ps_name = env.pageserver_name(ps_id)
+        if not node_up[ps_name]:
+            continue
+        ps_http = env.pageserver_http_of(ps_id)
+        tenants, _ = _try_get(f"{ps_http}/v1/tenant")
         for tenant in tenants or []:
-            infos, _ = _try_get(f"{env.pageserver_http}/v1/tenant/{tenant['id']}/timeline")
+            if placement and placement.get(tenant["id"], (0, ps_id))[1] != ps_id:
+                continue  # a stale attachment the migration has not detached yet
+            infos, _ = _try_get(f"{ps_http}/v1/tenant/{tenant['id']}/timeline")
             for info in infos or []:
                 key = (info["tenant_id"], info["timeline_id"])
                 timelines.append({
                     "tenant_id": info["tenant_id"],
                     "timeline_id": info["timeline_id"],
+                    "pageserver": ps_name,
                     "branch": env.branch_of_timeline(info["tenant_id"], info["timeline_id"]),
                     "ancestor_timeline_id": info.get("ancestor_timeline_id"),
                     "ancestor_lsn": info.get("ancestor_lsn"),
@@ -217,53 +248,100 @@ def status(env: LocalEnv) -> dict[str, Any]:
         timelines.append({
             "tenant_id": tenant_id, "timeline_id": timeline_id,
             "branch": env.branch_of_timeline(tenant_id, timeline_id),
-            "ancestor_timeline_id": None, "ancestor_lsn": None, "last_record_lsn": None,
+            "pageserver": None, "ancestor_timeline_id": None, "ancestor_lsn": None, "last_record_lsn": None,
             "disk_consistent_lsn": None, "remote_consistent_lsn": None, "wal_receiver_error": None,
             "safekeepers": sks,
         })
+    if placement:
+        held = [{"tenant_id": t, "pageserver": env.pageserver_name(n), "generation": g}
+                for t, (g, n) in sorted(placement.items())]
+    else:
+        held = sorted(({"tenant_id": t["tenant_id"], "pageserver": t["pageserver"], "generation": None}
+                       for t in timelines if t["pageserver"]), key=lambda d: str(d["tenant_id"]))
+        held = [d for i, d in enumerate(held) if i == 0 or held[i - 1]["tenant_id"] != d["tenant_id"]]
     return {
         "workdir": str(env.workdir),
         "nodes": nodes,
+        "tenants": held,
         "timelines": timelines,
         "endpoints": [ep.describe() for ep in endpoint.list_endpoints(env)],
     }
+
+
+# -- which pageserver holds a tenant ----------------------------------------------------------
+
+
+def _placement(env: LocalEnv) -> dict[str, tuple[int, int]]:
+    """tenant id -> (generation, pageserver id), as the storage controller has it ({}: no
+    controller, every tenant is on pageserver 1)."""
+    url = env.storage_controller_url
+    if url is None:
+        return {}
+    try:
+        doc = get_json(f"{url}/control/v1/tenant", timeout=10.0)
+    except (ApiError, OSError) as exc:
+        raise ClusterError(f"the storage controller at {url} does not answer: {exc} "
+                           "(`pagestore start` starts it)") from None
+    return {t["id"]: (int(t["gen"]), int(t["node_id"])) for t in doc["tenants"]}
+
+
+def tenant_pageserver(env: LocalEnv, tenant_id: str) -> int:
+    """The id of the pageserver that holds ``tenant_id`` (1 without a storage controller, or
+    for a tenant the controller does not know yet)."""
+    return _placement(env).get(tenant_id, (0, 1))[1]
+
+
+def tenant_http(env: LocalEnv, tenant_id: str) -> str:
+    return env.pageserver_http_of(tenant_pageserver(env, tenant_id))
+
+
+def tenant_pg_port(env: LocalEnv, tenant_id: str) -> int:
+    """The page service (libpq) port of the pageserver that holds ``tenant_id``."""
+    return env.pageserver_ports(tenant_pageserver(env, tenant_id)).pg
 
 
 # -- tenants and timelines --------------------------------------------------------------------
 
 
 def create_tenant(env: LocalEnv, tenant_id: str | None, timeline_id: str | None,
-                  *, set_default: bool = False) -> dict[str, Any]:
-    """A tenant with its first timeline bootstrapped (initdb), named branch ``main``."""
+                  *, set_default: bool = False, pageserver: int = 1) -> dict[str, Any]:
+    """A tenant with its first timeline bootstrapped (initdb), named branch ``main``, on
+    ``pageserver`` (which registers it with the storage controller, if there is one)."""
     require_running(env)
+    http = env.pageserver_http_of(pageserver)
     try:
-        answer = post_json(f"{env.pageserver_http}/v1/tenant", {"tenant_id": tenant_id} if tenant_id else {})
+        answer = post_json(f"{http}/v1/tenant", {"tenant_id": tenant_id} if tenant_id else {})
         tenant = str(answer["tenant_id"])
         info = post_json(
-            f"{env.pageserver_http}/v1/tenant/{tenant}/timeline",
+            f"{http}/v1/tenant/{tenant}/timeline",
             {"new_timeline_id": timeline_id} if timeline_id else {},
         )
     except (ApiError, OSError) as exc:
         raise ClusterError(f"creating the tenant: {exc}") from None
     env.add_branch(tenant, "main", str(info["timeline_id"]), make_default=set_default)
     return {"tenant_id": tenant, "timeline_id": info["timeline_id"], "branch": "main",
-            "last_record_lsn": info["last_record_lsn"]}
+            "pageserver": env.pageserver_name(pageserver), "last_record_lsn": info["last_record_lsn"]}
 
 
 def list_tenants(env: LocalEnv) -> list[dict[str, Any]]:
     require_running(env)
-    try:
-        tenants = get_json(f"{env.pageserver_http}/v1/tenant")
-    except (ApiError, OSError) as exc:
-        raise ClusterError(f"listing tenants: {exc}") from None
+    placement = _placement(env)
     default = env.default_tenant()
-    return [{"tenant_id": t["id"], "timelines": t["timelines"], "default": t["id"] == default}
-            for t in tenants]
+    out = []
+    for ps_id in env.pageserver_ids:
+        try:
+            tenants = get_json(f"{env.pageserver_http_of(ps_id)}/v1/tenant")
+        except (ApiError, OSError) as exc:
+            raise ClusterError(f"listing tenants of {env.pageserver_name(ps_id)}: {exc}") from None
+        out += [{"tenant_id": t["id"], "timelines": t["timelines"], "default": t["id"] == default,
+                 "pageserver": env.pageserver_name(ps_id)}
+                for t in tenants if placement.get(t["id"], (0, ps_id))[1] == ps_id]
+    return sorted(out, key=lambda t: str(t["tenant_id"]))
 
 
 def timeline_info(env: LocalEnv, tenant_id: str, timeline_id: str) -> dict[str, Any]:
     try:
-        info: dict[str, Any] = get_json(f"{env.pageserver_http}/v1/tenant/{tenant_id}/timeline/{timeline_id}")
+        info: dict[str, Any] = get_json(f"{tenant_http(env, tenant_id)}/v1/tenant/{tenant_id}/timeline/{timeline_id}")
     except (ApiError, OSError) as exc:
         raise ClusterError(f"timeline {tenant_id}/{timeline_id}: {exc}") from None
     return info
@@ -280,7 +358,7 @@ def branch(env: LocalEnv, tenant_id: str | None, name: str, ancestor: str,
     if ancestor_lsn:
         body["ancestor_start_lsn"] = ancestor_lsn
     try:
-        info = post_json(f"{env.pageserver_http}/v1/tenant/{tenant}/timeline", body)
+        info = post_json(f"{tenant_http(env, tenant)}/v1/tenant/{tenant}/timeline", body)
     except (ApiError, OSError) as exc:
         raise ClusterError(f"branching {name!r} from {ancestor!r}: {exc}") from None
     env.add_branch(tenant, name, str(info["timeline_id"]))
@@ -293,7 +371,7 @@ def list_timelines(env: LocalEnv, tenant_id: str | None) -> list[dict[str, Any]]
     require_running(env)
     tenant = env.resolve_tenant(tenant_id)
     try:
-        infos = get_json(f"{env.pageserver_http}/v1/tenant/{tenant}/timeline")
+        infos = get_json(f"{tenant_http(env, tenant)}/v1/tenant/{tenant}/timeline")
     except (ApiError, OSError) as exc:
         raise ClusterError(f"listing timelines of {tenant}: {exc}") from None
     out = []
@@ -329,7 +407,7 @@ def import_timeline(env: LocalEnv, tenant_id: str | None, name: str, *, pgdata: 
             raise LocalEnvError(f"{wal_tar} does not exist")
         body["wal_tar"] = str(wal_tar.absolute())
     try:
-        info = request_json("POST", f"{env.pageserver_http}/v1/tenant/{tenant}/timeline/import", body,
+        info = request_json("POST", f"{tenant_http(env, tenant)}/v1/tenant/{tenant}/timeline/import", body,
                             timeout=3600)
     except ApiError as exc:
         if exc.status == 405 or (exc.status == 404 and exc.msg.startswith("no route")):
@@ -363,3 +441,90 @@ def wait_for_lsn(env: LocalEnv, tenant_id: str, timeline_id: str, lsn: int, *,
                 f"from an earlier session: {info.get('wal_receiver_error')})"
             )
         time.sleep(0.1)
+
+
+# -- moving a tenant between pageservers ------------------------------------------------------
+
+MIGRATE_CATCH_UP_TIMEOUT_S = 300.0
+
+
+def migrate_tenant(env: LocalEnv, tenant_id: str | None, to: str, *, log: Any = print) -> dict[str, Any]:
+    """Move a tenant to another pageserver (Neon's migration, reduced to its safe core):
+
+    1. the old pageserver checkpoints each timeline (layers flushed and uploaded: less WAL for
+       the new one to replay; skipped if it is down);
+    2. the storage controller gives the tenant a new generation on the new pageserver: from
+       then on the old one's index uploads are ignored by every later attachment and its
+       deletions and ``remote_consistent_lsn`` fail validation;
+    3. the new pageserver attaches in that generation (the remote index, on-demand layers) and
+       streams from the safekeepers; we wait until every timeline has what the old one had;
+    4. the endpoints follow (``endpoint.follow_tenant``): lazy endpoints' page filesystems read
+       from the new one; the safekeepers' pageserver feedback, which the walproposer bridges
+       see, now comes from the new pageserver only;
+    5. the old pageserver detaches (stops ingest, drops the tenant's local files).
+    """
+    from control_plane import endpoint
+    from protocol.lsn import format_lsn, parse_lsn
+
+    require_running(env)
+    if env.storage_controller_url is None:
+        raise LocalEnvError("this cluster has one pageserver: `pagestore init --pageservers N` (N > 1) "
+                            "for tenant migration")
+    tenant = env.resolve_tenant(tenant_id)
+    target = env.pageserver_id(to)
+    placement = _placement(env)
+    if tenant not in placement:
+        raise ClusterError(f"the storage controller does not know tenant {tenant}")
+    source = placement[tenant][1]
+    if source == target:
+        raise ClusterError(f"tenant {tenant} is already on {env.pageserver_name(target)}")
+    src_http, dst_http = env.pageserver_http_of(source), env.pageserver_http_of(target)
+    src_name, dst_name = env.pageserver_name(source), env.pageserver_name(target)
+    started = time.monotonic()
+
+    wanted: dict[str, int] = {}
+    try:
+        infos = get_json(f"{src_http}/v1/tenant/{tenant}/timeline", timeout=30)
+    except (ApiError, OSError) as exc:
+        log(f"{src_name} does not answer for tenant {tenant} ({exc}): migrating without its checkpoint")
+        infos = []
+    for info in infos:
+        try:
+            info = request_json("PUT", f"{src_http}/v1/tenant/{tenant}/timeline/{info['timeline_id']}/checkpoint",
+                                timeout=300)
+        except (ApiError, OSError) as exc:
+            log(f"checkpoint of {info['timeline_id']} on {src_name} failed ({exc}); the new pageserver "
+                "replays more WAL")
+        wanted[str(info["timeline_id"])] = parse_lsn(info["last_record_lsn"])
+
+    try:
+        gen = int(post_json(f"{env.storage_controller_url}/control/v1/tenant/{tenant}/attach",
+                            {"node_id": target}, timeout=30)["gen"])
+        post_json(f"{dst_http}/v1/tenant/{tenant}/attach", {"generation": gen}, timeout=600)
+    except (ApiError, OSError) as exc:
+        raise ClusterError(f"attaching tenant {tenant} to {dst_name}: {exc}") from None
+    log(f"tenant {tenant} attached to {dst_name} in generation {gen}")
+
+    deadline = time.monotonic() + MIGRATE_CATCH_UP_TIMEOUT_S
+    for timeline_id, lsn in wanted.items():
+        while True:
+            info = get_json(f"{dst_http}/v1/tenant/{tenant}/timeline/{timeline_id}", timeout=30)
+            if parse_lsn(info["last_record_lsn"]) >= lsn:
+                break
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"{dst_name} has timeline {timeline_id} at {info['last_record_lsn']} after "
+                    f"{MIGRATE_CATCH_UP_TIMEOUT_S:.0f} s, {src_name} had {format_lsn(lsn)} (the tenant "
+                    f"is attached to {dst_name}; {src_name} still serves it: rerun the migration)")
+            time.sleep(0.05)
+    moved = endpoint.follow_tenant(env, tenant, target, log=log)
+    detached = True
+    try:
+        post_json(f"{src_http}/v1/tenant/{tenant}/detach", {}, timeout=600)
+    except (ApiError, OSError) as exc:
+        # Safe: its generation is stale; on its next start the controller does not give it back.
+        detached = False
+        log(f"{src_name} did not detach tenant {tenant} ({exc}); its generation is stale, its "
+            "next start drops it")
+    return {"tenant_id": tenant, "from": src_name, "to": dst_name, "generation": gen,
+            "endpoints": moved, "detached": detached, "seconds": round(time.monotonic() - started, 3)}

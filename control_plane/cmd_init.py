@@ -1,4 +1,5 @@
-"""``pagestore init``: write a cluster directory for one pageserver and N safekeepers."""
+"""``pagestore init``: write a cluster directory: pageservers (a storage controller when there
+are several), safekeepers, and optionally a remote storage."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def with_remote_storage(cfg: LocalEnvConfig, spec: str, endpoint: str, *, free_p
 def configure(parser: argparse.ArgumentParser) -> None:
     add_workdir(parser)
     parser.add_argument("--safekeepers", type=int, default=3, help="number of safekeepers (default 3)")
+    parser.add_argument("--pageservers", type=int, default=1,
+                        help="number of pageservers (default 1); more than one needs --remote-storage "
+                             "and adds a storage controller node (tenant generations, `tenant migrate`)")
     ports = parser.add_mutually_exclusive_group()
     ports.add_argument("--port-offset", type=int, default=0,
                        help="add N to every default port (pageserver 64000/9898, safekeeper i "
@@ -66,7 +70,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import attrs
 
-    cfg = plan_ports(args.safekeepers, port_offset=args.port_offset, free_ports=args.free_ports)
+    cfg = plan_ports(args.safekeepers, port_offset=args.port_offset, free_ports=args.free_ports,
+                     pageservers=args.pageservers)
     if args.no_sync:
         cfg = attrs.evolve(cfg, safekeeper_no_sync=True)
     if args.validate_redo:
@@ -75,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = with_remote_storage(cfg, args.remote_storage, args.s3_endpoint, free_ports=args.free_ports,
                               port_offset=args.port_offset)
     env = LocalEnv.create(workdir_of(args), cfg, force=args.force)
+    pageservers = [
+        {"id": i, "name": env.pageserver_name(i), "pg_port": env.pageserver_ports(i).pg,
+         "http_port": env.pageserver_ports(i).http, "config": str(env.pageserver_config_path_of(i))}
+        for i in env.pageserver_ids
+    ]
     data = {
         "workdir": str(env.workdir),
         "auth": cfg.auth,
@@ -82,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         "ca_file": None if env.ca_file is None else str(env.ca_file),
         "pageserver": {"pg_port": cfg.pageserver.pg, "http_port": cfg.pageserver.http,
                        "config": str(env.pageserver_config_path)},
+        "pageservers": pageservers,
+        "storage_controller": env.storage_controller_url,
         "safekeepers": [
             {"id": i, "pg_port": env.safekeeper_ports(i).pg, "http_port": env.safekeeper_ports(i).http,
              "config": str(env.safekeeper_config_path(i))}
@@ -90,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     }
     security = ("auth on (tokens: pagestore token --tenant-id T)" if cfg.auth else "auth off") + (
         f", TLS on (CA {env.ca_file})" if cfg.tls else "")
-    emit(args, data, lambda d: f"initialized {d['workdir']}: pageserver (libpq {cfg.pageserver.pg}, "
-         f"HTTP {cfg.pageserver.http}) and {len(cfg.safekeepers)} safekeepers, {security}; "
-         "next: pagestore start")
+    listed = ", ".join(f"{p['name']} (libpq {p['pg_port']}, HTTP {p['http_port']})" for p in pageservers)
+    controller = f", a storage controller ({env.storage_controller_url})" if env.storage_controller_url else ""
+    emit(args, data, lambda d: f"initialized {d['workdir']}: {listed}{controller} and "
+         f"{len(cfg.safekeepers)} safekeepers, {security}; next: pagestore start")
     return 0

@@ -18,17 +18,21 @@ def render(st: dict[str, Any]) -> str:
     out = [f"cluster {st['workdir']}", ""]
     out.append(table(
         [[n["name"], str(n["pid"] or "-"), "up" if n["http_ok"] else ("starting?" if n["running"] else "down"),
-          str(n["pg_port"]), str(n["http_port"])] for n in st["nodes"]],
+          str(n["pg_port"] or "-"), str(n["http_port"])] for n in st["nodes"]],
         ["node", "pid", "state", "libpq", "http"],
     ))
+    if st.get("tenants"):
+        out += ["", table([[t["tenant_id"], t["pageserver"], str(t["generation"] or "-")] for t in st["tenants"]],
+                          ["tenant", "pageserver", "generation"])]
     if st["timelines"]:
         rows = []
         for t in st["timelines"]:
             commits = ", ".join(f"{k.removeprefix('safekeeper_')}:{v['commit_lsn']}"
                                 for k, v in sorted(t["safekeepers"].items())) or "-"
-            rows.append([t["branch"] or "-", t["timeline_id"][:12], str(t["last_record_lsn"]),
-                         str(t["disk_consistent_lsn"]), str(t.get("remote_consistent_lsn")), commits])
-        out += ["", table(rows, ["branch", "timeline", "last_record_lsn", "disk_consistent_lsn",
+            rows.append([t["branch"] or "-", t["timeline_id"][:12], t.get("pageserver") or "-",
+                         str(t["last_record_lsn"]), str(t["disk_consistent_lsn"]),
+                         str(t.get("remote_consistent_lsn")), commits])
+        out += ["", table(rows, ["branch", "timeline", "pageserver", "last_record_lsn", "disk_consistent_lsn",
                                  "remote_consistent_lsn", "safekeeper commit_lsn"])]
     if st["endpoints"]:
         out += ["", table(

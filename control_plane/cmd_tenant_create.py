@@ -12,6 +12,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_workdir(parser)
     parser.add_argument("--tenant-id", default=None, help="32 hex chars (default: random)")
     parser.add_argument("--timeline-id", default=None, help="id of the main timeline (default: random)")
+    parser.add_argument("--pageserver", default="pageserver_1", metavar="pageserver_N",
+                        help="the pageserver to create it on (default: the first)")
     parser.add_argument("--set-default", action="store_true",
                         help="make it the default tenant (the first tenant always is)")
     add_json(parser)
@@ -19,8 +21,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 @guarded
 def run(args: argparse.Namespace) -> int:
-    data = cluster.create_tenant(load_env(args), args.tenant_id, args.timeline_id,
-                                 set_default=args.set_default)
-    emit(args, data, lambda d: f"tenant {d['tenant_id']}: branch main = timeline {d['timeline_id']} "
-         f"at {d['last_record_lsn']}")
+    env = load_env(args)
+    data = cluster.create_tenant(env, args.tenant_id, args.timeline_id, set_default=args.set_default,
+                                 pageserver=env.pageserver_id(args.pageserver))
+    emit(args, data, lambda d: f"tenant {d['tenant_id']} on {d['pageserver']}: branch main = timeline "
+         f"{d['timeline_id']} at {d['last_record_lsn']}")
     return 0

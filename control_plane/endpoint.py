@@ -42,7 +42,7 @@ import cattrs
 from common.auth import TOKEN_ENV, Scope
 from compute import postgres
 from control_plane import cluster, process
-from control_plane.http_client import ApiError, get_json
+from control_plane.http_client import ApiError, get_json, post_json
 from control_plane.local_env import LocalEnv, LocalEnvError
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn, format_lsn, parse_lsn
@@ -72,6 +72,9 @@ class EndpointSpec:
     # seconds per step of the start: prepare (safekeepers, pageserver LSN), basebackup,
     # pagefs (lazy: mounted), postgres (pg_ctl start -w), bridge (elected)
     start_phases: dict[str, float] | None = None
+    # The pageserver its pages come from (basebackup; a lazy endpoint's page filesystem),
+    # moved by `pagestore tenant migrate`.
+    pageserver: str | None = None
 
 
 @attrs.define
@@ -219,7 +222,7 @@ def fetch_basebackup(env: LocalEnv, tenant_id: str, timeline_id: str, lsn: Lsn, 
     try:
         with open(out, "wb") as f:
             return trio.run(functools.partial(
-                basebackup.fetch, "127.0.0.1", env.config.pageserver.pg, tenant_id, timeline_id, lsn, f,
+                basebackup.fetch, "127.0.0.1", cluster.tenant_pg_port(env, tenant_id), tenant_id, timeline_id, lsn, f,
                 lazy=lazy, params=env.pg_client_params(env.token(Scope.TENANT, tenant_id))))
     except Exception as exc:
         raise EndpointError(f"basebackup {tenant_id} {timeline_id} {format_lsn(lsn)} failed: {exc}") from exc
@@ -430,7 +433,8 @@ def start_endpoint(
 
     spec = EndpointSpec(name=name, tenant_id=tenant, timeline_id=timeline, branch=branch,
                         port=port or _pick_port(env, name), basebackup_lsn="",
-                        read_only=read_only, storage=storage)
+                        read_only=read_only, storage=storage,
+                        pageserver=env.pageserver_name(cluster.tenant_pageserver(env, tenant)))
     ep_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(ep_dir, 0o755)
     ep = Endpoint(env, spec)
@@ -513,7 +517,8 @@ def _spawn_pagefs(env: LocalEnv, ep: Endpoint) -> subprocess.Popen[bytes]:
         "pagefs", "--mountpoint", str(mnt), "--backing", str(backing), "--pgdata", str(ep.pgdata),
         "--cache-file", str(ep.pagefs_dir / "cache.pages"),
         "--local-cache-size", str(env.config.local_cache_size),
-        "--pageserver", f"127.0.0.1:{env.config.pageserver.pg}", "--pageserver-http", env.pageserver_http,
+        "--pageserver", f"127.0.0.1:{cluster.tenant_pg_port(env, ep.spec.tenant_id)}",
+        "--pageserver-http", cluster.tenant_http(env, ep.spec.tenant_id),
         "--tenant-id", ep.spec.tenant_id, "--timeline-id", ep.spec.timeline_id,
         "--start-lsn", "-", "--status-file", str(ep.pagefs_status_path),
         "--log-file", str(ep.pagefs_log), "--spawned-at", repr(time.time()),
@@ -612,3 +617,27 @@ def stop_endpoint(env: LocalEnv, name: str, *, mode: str = "fast", log: Any = pr
         process.stop_pid(pid, timeout=5, what="walproposer bridge")
         log(f"stopped the walproposer bridge of endpoint {name}")
     _stop_pagefs(ep, log)
+
+
+def follow_tenant(env: LocalEnv, tenant_id: str, ps_id: int, *, log: Any = print) -> list[str]:
+    """Point the tenant's endpoints at pageserver ``ps_id`` (after a migration): a running
+    lazy endpoint's page filesystem reads from it from now on; every endpoint records it (a
+    restart takes its basebackup there anyway). Returns the names of the endpoints moved."""
+    name = env.pageserver_name(ps_id)
+    addr = f"127.0.0.1:{env.pageserver_ports(ps_id).pg}"
+    moved = []
+    for ep in list_endpoints(env):
+        if ep.spec.tenant_id != tenant_id:
+            continue
+        status = ep.pagefs_status() if ep.spec.storage == "lazy" else None
+        if status is not None and process.running_pid(ep.pagefs_pid_path) is not None:
+            try:
+                post_json(f"http://127.0.0.1:{status['http_port']}/v1/pageserver", {"pageserver": addr}, timeout=30)
+            except (ApiError, OSError, KeyError) as exc:
+                raise EndpointError(f"the page filesystem of endpoint {ep.name!r} did not move to {name}: "
+                                    f"{exc}") from None
+            log(f"endpoint {ep.name}: page filesystem reads from {name} ({addr})")
+        ep.spec = attrs.evolve(ep.spec, pageserver=name)
+        (ep.dir / "endpoint.json").write_text(json.dumps(cattrs.unstructure(ep.spec), indent=2) + "\n")
+        moved.append(ep.name)
+    return moved

@@ -8,7 +8,10 @@ A cluster directory (default ``./.pagestore``, or ``$PAGESTORE_WORKDIR``) holds:
     auth_public_key.pem        what every node verifies tokens with
     ca/                        ca.crt, ca.key (0600): the local CA (``init --tls``)
     pageserver/                pageserver.toml, pageserver.log (JSON lines), stdout.log, pid,
-                               tenants/ (the pageserver's own data), server.crt/key (TLS)
+                               tenants/ (the pageserver's own data), server.crt/key (TLS);
+                               with ``init --pageservers N`` (N > 1) pageserver_1/ .. pageserver_N/
+    storage_controller/        storage_controller.toml, generations.json, stdout.log, pid: which
+                               pageserver holds each tenant, in which generation (N > 1 only)
     safekeeper_<i>/            safekeeper.toml, safekeeper.log, stdout.log, pid, data/,
                                server.crt/key (TLS)
     endpoints/<name>/          endpoint.json, pgdata/ (owned by postgres), bridge.log, bridge.pid,
@@ -67,8 +70,9 @@ __all__ = [
     "default_workdir",
 ]
 
-DEFAULT_PAGESERVER_PG_PORT = 64000
-DEFAULT_PAGESERVER_HTTP_PORT = 9898
+DEFAULT_PAGESERVER_PG_PORT = 64000  # pageserver i (from 1) listens on 64000 + i - 1
+DEFAULT_PAGESERVER_HTTP_PORT = 9898  # ... and 9898 + i - 1
+DEFAULT_STORAGE_CONTROLLER_PORT = 1234  # neon_local's
 DEFAULT_SAFEKEEPER_PG_PORT = 5453  # safekeeper i (from 1) listens on 5453 + i
 DEFAULT_SAFEKEEPER_HTTP_PORT = 7675  # ... and 7675 + i
 DEFAULT_ENDPOINT_BASE_PORT = 55431  # endpoint i (from 1) on 55431 + i
@@ -95,8 +99,12 @@ class LocalEnvConfig:
     """``pagestore.toml``: where every node listens. ``endpoint_base_port = 0`` means each
     endpoint takes a free port from the OS (what tests use)."""
 
-    pageserver: NodePorts
+    pageserver: NodePorts  # pageserver 1
     safekeepers: list[NodePorts]
+    # Pageservers 2..N (`init --pageservers N`); they share the remote storage, and a storage
+    # controller (on storage_controller_port, 0 = none) hands out the tenants' generations.
+    more_pageservers: list[NodePorts] = attrs.field(factory=list)
+    storage_controller_port: int = 0
     endpoint_base_port: int = DEFAULT_ENDPOINT_BASE_PORT
     # Safekeepers skip fsync: for tests on slow disks only; commits are then not durable.
     safekeeper_no_sync: bool = False
@@ -136,30 +144,45 @@ def _free_ports(n: int) -> list[int]:
     return [free_port() for _ in range(n)]
 
 
-def plan_ports(safekeepers: int, *, port_offset: int = 0, free_ports: bool = False) -> LocalEnvConfig:
+def plan_ports(safekeepers: int, *, port_offset: int = 0, free_ports: bool = False,
+               pageservers: int = 1) -> LocalEnvConfig:
     """Ports of ARCHITECTURE §2 shifted by ``port_offset``, or all picked free by the OS."""
     if safekeepers < 1:
         raise LocalEnvError(f"--safekeepers must be at least 1, got {safekeepers}")
+    if pageservers < 1:
+        raise LocalEnvError(f"--pageservers must be at least 1, got {pageservers}")
     if free_ports:
-        ports = _free_ports(2 + 2 * safekeepers)
+        ports = _free_ports(2 * pageservers + 2 * safekeepers + (pageservers > 1))
+        sk = 2 * pageservers
         return LocalEnvConfig(
             pageserver=NodePorts(ports[0], ports[1]),
-            safekeepers=[NodePorts(ports[2 + 2 * i], ports[3 + 2 * i]) for i in range(safekeepers)],
+            more_pageservers=[NodePorts(ports[2 * i], ports[2 * i + 1]) for i in range(1, pageservers)],
+            safekeepers=[NodePorts(ports[sk + 2 * i], ports[sk + 2 * i + 1]) for i in range(safekeepers)],
+            storage_controller_port=ports[-1] if pageservers > 1 else 0,
             endpoint_base_port=0,
         )
     o = port_offset
     cfg = LocalEnvConfig(
         pageserver=NodePorts(DEFAULT_PAGESERVER_PG_PORT + o, DEFAULT_PAGESERVER_HTTP_PORT + o),
+        more_pageservers=[NodePorts(DEFAULT_PAGESERVER_PG_PORT + i + o, DEFAULT_PAGESERVER_HTTP_PORT + i + o)
+                          for i in range(1, pageservers)],
         safekeepers=[
             NodePorts(DEFAULT_SAFEKEEPER_PG_PORT + i + o, DEFAULT_SAFEKEEPER_HTTP_PORT + i + o)
             for i in range(1, safekeepers + 1)
         ],
+        storage_controller_port=DEFAULT_STORAGE_CONTROLLER_PORT + o if pageservers > 1 else 0,
         endpoint_base_port=DEFAULT_ENDPOINT_BASE_PORT + o,
     )
-    for p in [cfg.pageserver.pg, cfg.pageserver.http, *(x for s in cfg.safekeepers for x in (s.pg, s.http))]:
+    for p in _all_ports(cfg):
         if not 0 < p < 65536:
             raise LocalEnvError(f"port {p} is out of range (check --port-offset)")
     return cfg
+
+
+def _all_ports(cfg: LocalEnvConfig) -> list[int]:
+    nodes = [cfg.pageserver, *cfg.more_pageservers, *cfg.safekeepers]
+    return [x for n in nodes for x in (n.pg, n.http)] + (
+        [cfg.storage_controller_port] if cfg.storage_controller_port else [])
 
 
 @attrs.define
@@ -172,8 +195,49 @@ class LocalEnv:
     # -- layout ---------------------------------------------------------------------------------
 
     @property
+    def pageserver_ids(self) -> list[int]:
+        return list(range(1, 2 + len(self.config.more_pageservers)))
+
+    def pageserver_name(self, ps_id: int) -> str:
+        """``pageserver`` in a one-pageserver cluster, else ``pageserver_<id>``."""
+        if ps_id not in self.pageserver_ids:
+            raise LocalEnvError(f"no pageserver {ps_id} in this cluster (it has {len(self.pageserver_ids)})")
+        return "pageserver" if len(self.pageserver_ids) == 1 else f"pageserver_{ps_id}"
+
+    def pageserver_id(self, name: str) -> int:
+        """The id of a pageserver named ``pageserver_<id>`` (or ``pageserver``: the first)."""
+        raw = name.removeprefix("pageserver").removeprefix("_") or "1"
+        if not raw.isdigit() or int(raw) not in self.pageserver_ids:
+            names = ", ".join(self.pageserver_name(i) for i in self.pageserver_ids)
+            raise LocalEnvError(f"no pageserver {name!r} in this cluster (pageservers: {names})")
+        return int(raw)
+
+    def pageserver_dir_of(self, ps_id: int) -> Path:
+        return self.workdir / self.pageserver_name(ps_id)
+
+    def pageserver_ports(self, ps_id: int) -> NodePorts:
+        self.pageserver_name(ps_id)
+        return self.config.pageserver if ps_id == 1 else self.config.more_pageservers[ps_id - 2]
+
+    def pageserver_http_of(self, ps_id: int) -> str:
+        return f"{self._scheme}://127.0.0.1:{self.pageserver_ports(ps_id).http}"
+
+    def pageserver_config_path_of(self, ps_id: int) -> Path:
+        return self.pageserver_dir_of(ps_id) / "pageserver.toml"
+
+    @property
     def pageserver_dir(self) -> Path:
-        return self.workdir / "pageserver"
+        return self.pageserver_dir_of(1)
+
+    @property
+    def storage_controller_dir(self) -> Path:
+        return self.workdir / "storage_controller"
+
+    @property
+    def storage_controller_url(self) -> str | None:
+        """The controller's HTTP API (None: a one-pageserver cluster issues its own generations)."""
+        port = self.config.storage_controller_port
+        return None if not port else f"http://127.0.0.1:{port}"
 
     def safekeeper_dir(self, sk_id: int) -> Path:
         return self.workdir / f"safekeeper_{sk_id}"
@@ -183,11 +247,14 @@ class LocalEnv:
         return self.workdir / "endpoints"
 
     def node_dirs(self) -> list[tuple[str, Path]]:
-        """(node name, directory) of every storage node, pageserver first, then the
-        safekeepers (in id order), then the SeaweedFS node if the cluster has one."""
-        nodes = [("pageserver", self.pageserver_dir)] + [
+        """(node name, directory) of every storage node: the pageservers first (in id order),
+        then the safekeepers (in id order), then the storage controller and the SeaweedFS
+        node if the cluster has them."""
+        nodes = [(self.pageserver_name(i), self.pageserver_dir_of(i)) for i in self.pageserver_ids] + [
             (f"safekeeper_{i}", self.safekeeper_dir(i)) for i in self.safekeeper_ids
         ]
+        if self.storage_controller_url is not None:
+            nodes.append(("storage_controller", self.storage_controller_dir))
         if self.config.remote_storage == "seaweedfs":
             nodes.append(("seaweedfs", self.seaweedfs_dir))
         return nodes
@@ -229,7 +296,8 @@ class LocalEnv:
 
     @property
     def pageserver_http(self) -> str:
-        return f"{self._scheme}://127.0.0.1:{self.config.pageserver.http}"
+        """Pageserver 1's HTTP API (tenants may be elsewhere: ``cluster.tenant_pageserver``)."""
+        return self.pageserver_http_of(1)
 
     def safekeeper_http(self, sk_id: int) -> str:
         return f"{self._scheme}://127.0.0.1:{self.safekeeper_ports(sk_id).http}"
@@ -284,7 +352,8 @@ class LocalEnv:
     def register_http_credentials(self) -> None:
         """Make the CLI's HTTP calls to these nodes carry their tokens and verify TLS."""
         ctx = self.client_ssl_context()
-        register_credentials(self.pageserver_http, self.token(Scope.PAGESERVERAPI), ctx)
+        for i in self.pageserver_ids:
+            register_credentials(self.pageserver_http_of(i), self.token(Scope.PAGESERVERAPI), ctx)
         sk_token = self.token(Scope.SAFEKEEPERDATA)
         for i in self.safekeeper_ids:
             register_credentials(self.safekeeper_http(i), sk_token, ctx)
@@ -308,12 +377,11 @@ class LocalEnv:
         workdir = workdir.absolute()
         if (workdir / CONFIG_NAME).exists() and not force:
             raise LocalEnvError(f"{workdir} is already a pagestore cluster directory (remove it first)")
+        if len(config.more_pageservers) > 0 and config.remote_storage == "none":
+            raise LocalEnvError("several pageservers need a shared remote storage: add --remote-storage "
+                                "local, seaweedfs or s3://BUCKET/PREFIX")
         if config.endpoint_base_port != 0:
-            busy = [
-                p for p in [config.pageserver.pg, config.pageserver.http,
-                            *(x for s in config.safekeepers for x in (s.pg, s.http))]
-                if not port_free(p)
-            ]
+            busy = [p for p in _all_ports(config) if not port_free(p)]
             if busy:
                 raise LocalEnvError(
                     f"ports {', '.join(map(str, busy))} are in use; pick others with --port-offset N "
@@ -324,8 +392,12 @@ class LocalEnv:
         os.chmod(workdir, 0o755)
         env = cls(workdir, config)
         (workdir / CONFIG_NAME).write_text(dump_config(config))
-        env.pageserver_dir.mkdir(exist_ok=True)
-        env.pageserver_config_path.write_text(tomli_w.dumps(env.pageserver_config_table()))
+        for i in env.pageserver_ids:
+            env.pageserver_dir_of(i).mkdir(exist_ok=True)
+            env.pageserver_config_path_of(i).write_text(tomli_w.dumps(env.pageserver_config_table(i)))
+        if env.storage_controller_url is not None:
+            env.storage_controller_dir.mkdir(exist_ok=True)
+            env.storage_controller_config_path.write_text(tomli_w.dumps(env.storage_controller_config_table()))
         for i in env.safekeeper_ids:
             env.safekeeper_dir(i).mkdir(exist_ok=True)
             env.safekeeper_config_path(i).write_text(tomli_w.dumps(env.safekeeper_config_table(i)))
@@ -351,25 +423,36 @@ class LocalEnv:
 
     @property
     def pageserver_config_path(self) -> Path:
-        return self.pageserver_dir / "pageserver.toml"
+        return self.pageserver_config_path_of(1)
+
+    @property
+    def storage_controller_config_path(self) -> Path:
+        return self.storage_controller_dir / "storage_controller.toml"
+
+    def storage_controller_config_table(self) -> dict[str, Any]:
+        return {"workdir": str(self.storage_controller_dir),
+                "listen_http_addr": f"127.0.0.1:{self.config.storage_controller_port}",
+                "log_file": str(self.storage_controller_dir / "storage_controller.log")}
 
     def safekeeper_config_path(self, sk_id: int) -> Path:
         return self.safekeeper_dir(sk_id) / "safekeeper.toml"
 
-    def pageserver_config_table(self) -> dict[str, Any]:
+    def pageserver_config_table(self, ps_id: int = 1) -> dict[str, Any]:
         """Only what differs per cluster: the node's own defaults stay the node's."""
-        p = self.config.pageserver
+        p = self.pageserver_ports(ps_id)
+        d = self.pageserver_dir_of(ps_id)
         return {
-            "id": 1,
-            "workdir": str(self.pageserver_dir),
+            "id": ps_id,
+            "workdir": str(d),
             "listen_pg_addr": f"127.0.0.1:{p.pg}",
             "listen_http_addr": f"127.0.0.1:{p.http}",
             "safekeepers": self.safekeeper_pg_addrs,
             "log_file": "pageserver.log",
             **({"validate_redo": True} if self.config.validate_redo else {}),
-            **self._auth_table(self.pageserver_dir),
+            **self._auth_table(d),
             **({"ssl_ca_file": str(self.ca_dir / CA_CERT_NAME)} if self.config.tls else {}),
             **({"remote_storage": rs} if (rs := self.remote_storage_table()) is not None else {}),
+            **({"control_plane_api": f"{sc}/upcall/v1/"} if (sc := self.storage_controller_url) else {}),
         }
 
     def _auth_table(self, node_dir: Path) -> dict[str, str]:
@@ -397,6 +480,8 @@ class LocalEnv:
     def check_node_configs(self) -> tuple[PageserverConfig, list[SafekeeperConfig]]:
         """Load every node config with the node's own loader (``ConfigError`` names a bad key)."""
         ps = load_pageserver_config(self.pageserver_config_path)
+        for i in self.pageserver_ids[1:]:
+            load_pageserver_config(self.pageserver_config_path_of(i))
         sks = [load_safekeeper_config(self.safekeeper_config_path(i)) for i in self.safekeeper_ids]
         return ps, sks
 

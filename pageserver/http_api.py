@@ -12,7 +12,7 @@ Routes (``docs/http-api.md`` documents bodies and answers):
 - ``GET  /v1/tenant/{tenant_id}/timeline/{timeline_id}/keyspace[?at_lsn=X/Y]``
 - ``GET  /v1/tenant/{tenant_id}/timeline/{timeline_id}/relations[?at_lsn=X/Y]``: databases,
   relation forks and their sizes in blocks (what a lazy endpoint's page filesystem lists)
-- ``PUT  /v1/tenant/{tenant_id}/timeline/{timeline_id}/checkpoint`` (freeze + flush),
+- ``PUT  /v1/tenant/{tenant_id}/timeline/{timeline_id}/checkpoint`` (freeze + flush + upload),
   ``.../compact``, ``PUT /v1/tenant/{tenant_id}/timeline/{timeline_id}/do_gc``
 - ``GET  /metrics``
 
@@ -377,6 +377,9 @@ def build_router(manager: TenantManager, registry: CollectorRegistry) -> Router:
         await tl.flush()
         if req.query.get("compact") in ("true", "1"):
             await tl.compact()
+        # As Neon's: on return the flushed layers and their index are in remote storage too
+        # (a migration checkpoints first so that the new pageserver replays less WAL).
+        await manager.wait_remote(tl)
         return timeline_info(tl, manager)
 
     @route("PUT", "/v1/tenant/{tenant_id}/timeline/{timeline_id}/compact")

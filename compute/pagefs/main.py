@@ -6,8 +6,9 @@ from the pageserver's HTTP API and the lazy basebackup at S from the page servic
 unpacks into the new data directory (``--pgdata``: its ``base/`` and ``global/`` become the
 backing directory and links to the mount). It builds the tree, mounts it,
 writes ``--status-file`` (``"mounted": true`` once PostgreSQL may start) every second, and
-serves ``/metrics`` and ``/v1/status`` (and ``POST /v1/evict``: drop every page the rules allow)
-on ``--http-port``. SIGTERM or SIGINT unmounts and exits.
+serves ``/metrics`` and ``/v1/status`` (and ``POST /v1/evict``: drop every page the rules allow;
+``POST /v1/pageserver {"pageserver": "host:port"}``: read from another page service from now on,
+when the tenant moved to another pageserver) on ``--http-port``. SIGTERM or SIGINT unmounts and exits.
 
 A tenant token for the page service (when auth is on) comes from the environment
 (``PAGESTORE_PAGEFS_TOKEN``), never from the command line.
@@ -35,7 +36,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from common.http import HttpServer, HttpServerConfig, Request, Response, Router
+from common.http import HttpError, HttpServer, HttpServerConfig, Request, Response, Router
 from common.logging import LEVELS, setup_logging
 from common.metrics import add_metrics_route
 from compute import basebackup, postgres
@@ -138,6 +139,7 @@ def status(fs: PageFs, http_port: int | None, started: float, start: dict[str, A
         "getpage_batches": f.batches,
         "getpage_pages": f.pages,
         "getpage_errors": f.errors,
+        "pageserver": f"{f.host}:{f.port}",
         "read_errors": fs.read_errors,
     }
 
@@ -280,8 +282,18 @@ async def amain(args: argparse.Namespace) -> None:
                 pass  # an inode the kernel never looked up has nothing cached
         return Response.json({"evicted": evicted})
 
+    async def pageserver_route(req: Request) -> Response:
+        body = req.json()
+        addr = body.get("pageserver") if isinstance(body, dict) else None
+        new_host, sep, new_port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
+        if not sep or not new_host or not new_port.isdigit() or not 0 < int(new_port) < 65536:
+            raise HttpError(400, f'want {{"pageserver": "host:port"}}, got {body!r}')
+        await fetcher.switch(new_host, int(new_port))
+        return Response.json({"pageserver": f"{new_host}:{new_port}"})
+
     router.add("GET", "/v1/status", status_route)
     router.add("POST", "/v1/evict", evict_route)
+    router.add("POST", "/v1/pageserver", pageserver_route)
 
     options = set(pyfuse3.default_options) | {"fsname=pagefs", "allow_other"}
     t = time.monotonic()

@@ -4,6 +4,10 @@ connection and the responses are read back in order, so the page service's pipel
 16 GetPages of a 128 KiB readahead into one batch. Several kernel reads in flight use several
 connections.
 
+``switch`` moves the pool to another page service (a tenant migrated to another pageserver):
+idle connections are closed, those in flight finish their batch and are closed when they come
+back, and every later batch connects to the new address.
+
 A connection that fails is dropped (the next batch opens a new one) and the read fails with
 ``PageFetchError``: the filesystem answers EIO, PostgreSQL reports an I/O error. An FSM page
 the page service cannot serve is zeros (FSM pages are hints, rule R5); any other per-request
@@ -58,6 +62,9 @@ class PageFetcher:
         self.params = {"user": "pagestore", **({"password": token} if token else {}),
                        **({"sslrootcert": ca_file} if ca_file else {})}
         self._idle: list[PageClient] = []
+        # Bumped by ``switch``: a connection opened before it goes to the old page service.
+        self._epoch = 0
+        self._epoch_of: dict[int, int] = {}
         self._slots = trio.Semaphore(connections)
         reg = registry or CollectorRegistry()
         self.batch_size = Histogram("pagefs_getpage_batch_size", "GetPages sent per kernel read",
@@ -72,12 +79,34 @@ class PageFetcher:
     async def _client(self) -> PageClient:
         if self._idle:
             return self._idle.pop()
+        epoch = self._epoch
         conn = await connect_with_params(self.host, self.port, self.params)
         try:
-            return await PageClient.start(conn, self.tenant_id, self.timeline_id, version=3)
+            client = await PageClient.start(conn, self.tenant_id, self.timeline_id, version=3)
         except BaseException:
             await conn.aclose()
             raise
+        self._epoch_of[id(client)] = epoch
+        return client
+
+    async def _release(self, client: PageClient) -> None:
+        if self._epoch_of.get(id(client)) == self._epoch:
+            self._idle.append(client)
+            return
+        self._epoch_of.pop(id(client), None)
+        with trio.CancelScope(shield=True):
+            await client.aclose()
+
+    async def switch(self, host: str, port: int) -> None:
+        """Fetch from the page service at ``host:port`` from now on."""
+        log.info("page service moved", old=f"{self.host}:{self.port}", new=f"{host}:{port}")
+        self.host, self.port = host, port
+        self._epoch += 1
+        idle, self._idle = self._idle, []
+        for client in idle:
+            self._epoch_of.pop(id(client), None)
+            with trio.CancelScope(shield=True):
+                await client.aclose()
 
     async def fetch(self, rel: RelTag, reads: Sequence[RemoteRead]) -> list[bytes | memoryview]:
         """The pages of ``reads`` (one batch), in order: views into the response messages (no
@@ -96,11 +125,12 @@ class PageFetcher:
             except Exception as exc:  # a lost connection, a refused stream: this read fails
                 self.errors += 1
                 if client is not None:
+                    self._epoch_of.pop(id(client), None)
                     with trio.CancelScope(shield=True):
                         await client.aclose()
                 log.error("getpage batch failed", rel=str(rel), blocks=len(reads), error=str(exc))
                 raise PageFetchError(f"GetPage of {rel} blocks {reads[0].blkno}..: {exc}") from exc
-            self._idle.append(client)
+            await self._release(client)
             self.batches += 1
             self.pages += len(reads)
             self.batch_size.observe(len(reads))
@@ -123,3 +153,4 @@ class PageFetcher:
             with trio.CancelScope(shield=True):
                 await client.aclose()
         self._idle.clear()
+        self._epoch_of.clear()

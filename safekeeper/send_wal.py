@@ -43,6 +43,7 @@ from protocol.replication import (
     encode_copy_message,
     pg_now,
 )
+from protocol.safekeeper import PageserverFeedback
 from safekeeper.timeline import ReplicaState, Timeline
 
 log = structlog.get_logger("safekeeper.send_wal")
@@ -199,6 +200,11 @@ async def _receive_stage(
             if is_pageserver:
                 # pagestore's pageserver reports remote_consistent_lsn as its apply position.
                 timeline.acceptor.pageserver_progress(msg.apply_lsn)
+                # ... and that is its feedback for the walproposer (AppendResponse), as Neon's
+                # 'z' message would be: whichever pageserver streams the timeline now.
+                timeline.ps_feedback = PageserverFeedback(
+                    last_received_lsn=msg.write_lsn, disk_consistent_lsn=msg.flush_lsn,
+                    remote_consistent_lsn=msg.apply_lsn, replytime=msg.timestamp)
         elif isinstance(msg, HotStandbyFeedback):
             replica.hs_xmin = msg.xmin
             replica.hs_catalog_xmin = msg.catalog_xmin

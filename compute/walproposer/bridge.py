@@ -71,6 +71,7 @@ from protocol.safekeeper import (
     AcceptorGreeting,
     AppendRequest,
     AppendResponse,
+    PageserverFeedback,
     ProposerElected,
     ProposerGreeting,
     VoteRequest,
@@ -281,6 +282,9 @@ class Bridge:
         # The last failure of the PostgreSQL stream and of a term, for statistics() and tests.
         self.last_postgres_error: BaseException | None = None
         self.last_term_error: BaseException | None = None
+        # The newest pageserver feedback the safekeepers relayed (whichever pageserver holds
+        # the tenant now streams from them: after a migration, the new one).
+        self.pageserver_feedback: PageserverFeedback | None = None
 
     # -- public --------------------------------------------------------------------------------
 
@@ -294,6 +298,12 @@ class Bridge:
             "slot_lsn": format_lsn(self.slot_lsn),
             "buffer": [format_lsn(self.buffer.start), format_lsn(self.buffer.end)],
             "terms_run": self.terms_run,
+            "pageserver_feedback": None if (fb := self.pageserver_feedback) is None else {
+                "last_received_lsn": format_lsn(fb.last_received_lsn),
+                "disk_consistent_lsn": format_lsn(fb.disk_consistent_lsn),
+                "remote_consistent_lsn": format_lsn(fb.remote_consistent_lsn),
+                "replytime": fb.replytime,
+            },
             "last_term_error": None if self.last_term_error is None else repr(self.last_term_error),
             "last_postgres_error": (
                 None if self.last_postgres_error is None else repr(self.last_postgres_error)
@@ -567,6 +577,10 @@ class Bridge:
                         self._on_commit()
                     if p.slots[i].acked_flush_lsn > acked:
                         self._sk_progress[i] = True
+                    fb = msg.pageserver_feedback
+                    if fb is not None and (self.pageserver_feedback is None
+                                           or fb.replytime >= self.pageserver_feedback.replytime):
+                        self.pageserver_feedback = fb
                     if msg.commit_lsn > self._sk_commit[i]:
                         self._sk_commit[i] = msg.commit_lsn
                         self._sk_commit_changed.fire()

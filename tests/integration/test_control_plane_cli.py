@@ -121,16 +121,46 @@ def test_status_json_shape_with_nodes_down(tmp_path: Path, capsys: pytest.Captur
     capsys.readouterr()
     assert pagestore("status", "--workdir", str(workdir), "--json") == 0
     st = json.loads(capsys.readouterr().out)
-    assert set(st) == {"workdir", "nodes", "timelines", "endpoints"}
+    assert set(st) == {"workdir", "nodes", "tenants", "timelines", "endpoints"}
     assert [n["name"] for n in st["nodes"]] == ["pageserver", "safekeeper_1", "safekeeper_2", "safekeeper_3"]
     for n in st["nodes"]:
         assert set(n) == {"name", "pid", "running", "pg_port", "http_port", "http_ok", "error"}
         assert n["running"] is False and n["pid"] is None
         assert isinstance(n["pg_port"], int) and isinstance(n["http_port"], int)
-    assert st["timelines"] == [] and st["endpoints"] == []
+    assert st["timelines"] == [] and st["endpoints"] == [] and st["tenants"] == []
     # Human output too.
     assert pagestore("status", "--workdir", str(workdir)) == 0
     assert "down" in capsys.readouterr().out
+
+
+def test_init_several_pageservers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--pageservers N``: pageserver_1..N, each with its ports, directory and config (node id,
+    the controller's upcall API), and a storage controller node; it needs remote storage."""
+    assert pagestore("init", "--workdir", str(tmp_path / "x"), "--free-ports", "--pageservers", "2") == 1
+    assert "--remote-storage" in capsys.readouterr().err
+    assert pagestore("init", "--workdir", str(tmp_path / "x"), "--free-ports", "--pageservers", "0") == 1
+    capsys.readouterr()
+    workdir = tmp_path / "c"
+    assert pagestore("init", "--workdir", str(workdir), "--free-ports", "--pageservers", "3",
+                     "--remote-storage", "local", "--json") == 0
+    init = json.loads(capsys.readouterr().out)
+    assert [p["name"] for p in init["pageservers"]] == ["pageserver_1", "pageserver_2", "pageserver_3"]
+    ports = [x for p in init["pageservers"] for x in (p["pg_port"], p["http_port"])]
+    assert len(set(ports)) == 6
+    from pageserver.config import load_pageserver_config
+
+    for i, p in enumerate(init["pageservers"], 1):
+        conf = load_pageserver_config(Path(p["config"]))
+        assert conf.id == i and conf.workdir == workdir.absolute() / f"pageserver_{i}"
+        assert conf.control_plane_api == f"{init['storage_controller']}/upcall/v1/"
+    assert pagestore("status", "--workdir", str(workdir), "--json") == 0
+    st = json.loads(capsys.readouterr().out)
+    assert [n["name"] for n in st["nodes"]] == ["pageserver_1", "pageserver_2", "pageserver_3", "safekeeper_1",
+                                                "safekeeper_2", "safekeeper_3", "storage_controller"]
+    assert not any(n["running"] for n in st["nodes"])
+    # migrating needs the cluster up; a bad pageserver name is a message
+    assert pagestore("tenant", "migrate", "--to", "pageserver_9", "--workdir", str(workdir)) == 1
+    assert capsys.readouterr().err.startswith("pagestore: error:")
 
 
 def test_user_errors_are_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

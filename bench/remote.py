@@ -6,9 +6,11 @@
   boto3 ``put_object`` loop over the same files to the same server (sequential, and with as many
   threads as the queue uses): MB/s and the ratio (goal: queue >= 80 % of the plain loop).
 - ``ingest``: ``--ingest-mib`` of 8 KiB page images put into a timeline and flushed into L0s,
-  with uploads off (no remote storage) and on (the queue uploading behind the flushes), side by
-  side in one run: MB/s of ingest and the ratio (goal >= 90 %); with uploads on, also the
-  seconds until ``remote_consistent_lsn`` caught up.
+  with uploads off (no remote storage), on (the queue uploading behind the flushes, as
+  configured by default) and on with every layer streamed from its file
+  (``upload_buffer_bytes = 0``: the lever this measures), interleaved in one run: MB/s of
+  ingest and the ratios to "off" (goal >= 90 %, median of the per-round ratios); with uploads
+  on, also the seconds until ``remote_consistent_lsn`` caught up.
 - ``attach``: a tenant with ``--attach-mib`` of layers (default 1024) in remote storage is
   attached by a fresh node with an empty disk: seconds to attach (list, index, reconcile: no
   layer downloaded), then the latency of the first read of one page (on-demand: fetches only the
@@ -57,7 +59,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upload-mib", type=int, default=256, help="bytes of layer files to upload")
     parser.add_argument("--layer-mib", type=int, default=16, help="size of each layer file")
     parser.add_argument("--ingest-mib", type=int, default=128, help="page images to ingest per configuration")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved off/on ingest pairs")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the ingest configurations (off, on, on-stream)")
     parser.add_argument("--attach-mib", type=int, default=1024, help="layers of the tenant to attach")
     parser.add_argument("--parts", default="upload,ingest,attach", help="comma-separated measurements")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
@@ -150,35 +152,49 @@ def bench_upload(endpoint: str, work: Path, upload_mib: int, layer_mib: int) -> 
 # -- ingest ----------------------------------------------------------------------------------
 
 
-async def _ingest(tl: Timeline, mib: int, start_block: int = 0) -> float:
+async def _ingest(tl: Timeline, mib: int, start_block: int = 0, cpu: dict[str, float] | None = None) -> float:
+    """Seconds to put and flush ``mib`` of page images; ``cpu`` gets the CPU seconds of the
+    trio thread (the ingest's own work) and of the whole process (upload threads too)."""
     n = mib * MiB // PAGE
     page = os.urandom(PAGE)
     lsn = tl.last_record_lsn
     started = time.perf_counter()
+    thread0, process0 = time.thread_time(), time.process_time()
     for i in range(n):
         lsn = Lsn(lsn + 0x40)
         await tl.put(rel_block_key(1663, 5, 16384, 0, start_block + i), lsn, Image(page))
         tl.finish_write(lsn)
     await tl.flush()
+    if cpu is not None:
+        cpu["trio_thread_cpu_s"] = time.thread_time() - thread0
+        cpu["process_cpu_s"] = time.process_time() - process0
     return time.perf_counter() - started
 
 
-async def _ingest_run(work: Path, mib: int, endpoint: str | None) -> dict[str, Any]:
+INGEST_CONFIGS = ("off", "on", "on-stream")
+
+
+async def _ingest_run(work: Path, mib: int, endpoint: str, config: str) -> dict[str, Any]:
     cfg = _storage_config(16)
     async with trio.open_nursery() as nursery:
         remote = None
         storage = None
-        if endpoint is not None:
-            storage = make_remote_storage(_s3(endpoint, "bench-ingest"))
+        if config != "off":
+            s3 = _s3(endpoint, "bench-ingest")
+            if config == "on-stream":
+                s3 = attrs.evolve(s3, upload_buffer_bytes=0)
+            storage = make_remote_storage(s3)
             await storage.list("nothing/")
             remote = TenantRemote(storage, 1)
         tenant = Tenant(work, TenantId.generate(), cfg, nursery=nursery, remote=remote)
         tl = await tenant.create_timeline(TimelineId.generate())
         if tl.remote is not None:
             await tl.remote.wait_uploaded()
-        seconds = await _ingest(tl, mib)
-        out: dict[str, Any] = {"uploads": endpoint is not None, "seconds": round(seconds, 3),
-                               "mb_s": round(mib * MiB / 1e6 / seconds, 1)}
+        cpu: dict[str, float] = {}
+        seconds = await _ingest(tl, mib, cpu=cpu)
+        out: dict[str, Any] = {"config": config, "uploads": config != "off", "seconds": round(seconds, 3),
+                               "mb_s": round(mib * MiB / 1e6 / seconds, 1),
+                               **{k: round(v, 3) for k, v in cpu.items()}}
         if tl.remote is not None:
             t0 = time.perf_counter()
             await tl.remote.wait_uploaded()
@@ -194,16 +210,25 @@ async def _ingest_run(work: Path, mib: int, endpoint: str | None) -> dict[str, A
 
 def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int) -> None:
     runs: list[dict[str, Any]] = []
-    for _ in range(rounds):  # interleaved pairs: load changes hit both sides alike
-        for ep in (None, endpoint):
-            runs.append(trio.run(_ingest_run, work / f"ingest-{len(runs)}", mib, ep))
-    off = statistics.median(r["seconds"] for r in runs if not r["uploads"])
-    on = statistics.median(r["seconds"] for r in runs if r["uploads"])
-    pairs = [runs[i]["seconds"] / runs[i + 1]["seconds"] for i in range(0, len(runs), 2)]
-    emit({"part": "ingest", "mib": mib, "runs": runs, "uploads_off_mb_s": round(mib * MiB / 1e6 / off, 1),
-          "uploads_on_mb_s": round(mib * MiB / 1e6 / on, 1), "ratio_on_vs_off": round(off / on, 3),
-          "ratio_per_pair": [round(p, 3) for p in pairs], "ratio_median_of_pairs": round(statistics.median(pairs), 3),
-          "goal": ">= 0.9 (medians)", "load_avg": [round(x, 2) for x in os.getloadavg()]})
+    for r in range(rounds):  # interleaved rounds (order rotated): load changes hit all alike
+        order = INGEST_CONFIGS[r % 3:] + INGEST_CONFIGS[:r % 3]
+        for config in order:
+            runs.append({"round": r, **trio.run(_ingest_run, work / f"ingest-{len(runs)}", mib, endpoint, config)})
+    seconds = {c: {x["round"]: x["seconds"] for x in runs if x["config"] == c} for c in INGEST_CONFIGS}
+    med = {c: statistics.median(seconds[c].values()) for c in INGEST_CONFIGS}
+    out: dict[str, Any] = {"part": "ingest", "mib": mib, "runs": runs}
+    for c in INGEST_CONFIGS:
+        out[f"{c.replace('-', '_')}_mb_s"] = round(mib * MiB / 1e6 / med[c], 1)
+    for c in ("on", "on-stream"):
+        per_round = [seconds["off"][r] / seconds[c][r] for r in range(rounds)]
+        key = c.replace("-", "_")
+        out[f"ratio_{key}_vs_off_per_round"] = [round(p, 3) for p in per_round]
+        out[f"ratio_{key}_vs_off"] = round(statistics.median(per_round), 3)
+    for c in INGEST_CONFIGS:  # where the time goes: the trio thread's own CPU, the rest
+        out[f"{c.replace('-', '_')}_trio_thread_cpu_s"] = statistics.median(
+            x["trio_thread_cpu_s"] for x in runs if x["config"] == c)
+    emit({**out, "goal": "ratio_on_vs_off >= 0.9 (median of per-round ratios)",
+          "load_avg": [round(x, 2) for x in os.getloadavg()]})
 
 
 # -- attach ----------------------------------------------------------------------------------

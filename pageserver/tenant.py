@@ -71,7 +71,8 @@ class Tenant:
         self.nursery = nursery
         self.page_cache = PageCache(config.page_cache_size)
         self.index_cache = IndexBlockCache(config.index_cache_blocks)
-        self.graveyard = LayerGraveyard()
+        # A tenant that evicts pins layers per read, so that constant reads do not stop eviction.
+        self.graveyard = LayerGraveyard(per_layer=config.max_local_layer_bytes > 0 and remote is not None)
         self.timelines: dict[TimelineId, Timeline] = {}
         self.background_failures = 0  # failed compaction / GC rounds (each one logged)
         # Timelines between mark_uninit and clear_uninit: their creator's alone (a failed

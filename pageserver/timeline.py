@@ -109,6 +109,9 @@ GET_VALIDATION_MISMATCHES = Counter(
 LAYER_DOWNLOADS = Counter("pageserver_layer_downloads", "layer files downloaded on demand from remote storage")
 LAYER_DOWNLOAD_FAILURES = Counter("pageserver_layer_download_failures", "on-demand layer downloads that failed")
 LAYER_EVICTIONS = Counter("pageserver_layer_evictions", "local layer files evicted (kept in remote storage)")
+# A read that finds a layer evicted under its walk (one that appeared after it pinned its
+# layers) starts over this many times in all.
+READ_ATTEMPTS = 3
 BACKGROUND_FLUSH_FAILURES = Counter(
     "pageserver_background_flush_failures",
     "background L0 flushes of a rolled layer that failed (the frozen layer stays for the next flush)",
@@ -144,8 +147,13 @@ class LayerDownloadError(PageReconstructError):
 class LayerGraveyard:
     """Defers closing and deleting replaced layers until no read is in progress (per tenant)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, per_layer: bool = False) -> None:
         self.readers = 0
+        # A tenant that evicts (``max_local_layer_bytes``): every read pins the layers it may
+        # visit (``PersistentLayer.readers``), and a layer no read in progress pins can be
+        # evicted while other reads go on. Otherwise evictions wait, like deletions of replaced
+        # layers, for a moment with no read in progress (which constant reads never give).
+        self.per_layer = per_layer
         self._dead: list[PersistentLayer | InMemoryLayer] = []
         # Layer files an upload queue still has to upload (``remote_timeline``): kept until then.
         self.pins: Pins = Pins()
@@ -162,16 +170,15 @@ class LayerGraveyard:
         self._dead.extend(layers)
 
     async def collect(self) -> None:
-        if self.readers:
-            return
-        if self._evictions:
+        if self._evictions and (self.per_layer or not self.readers):
             # Swapped out with no await between the readers check and the swaps: a read that
             # starts later finds the layers evicted and downloads them (after the unlink).
+            # (Per layer: ``begin_eviction`` refuses a layer a read in progress pinned.)
             todo, self._evictions = self._evictions, []
             begun = [(tl, x, r) for tl, x in todo if (r := tl.begin_eviction(x)) is not None]
             for tl, x, r in begun:
                 await tl.finish_eviction(x, r)
-        if not self._dead:
+        if self.readers or not self._dead:
             return
         dead, self._dead = self._dead, []
         pinned: list[PersistentLayer | InMemoryLayer] = [
@@ -892,20 +899,40 @@ class Timeline:
             states[key] = KeyState() if hit is None else KeyState(hit[0], hit[1])
         ctx = ctx or ReadContext(max_vectored_read_bytes=self.config.max_vectored_read_bytes)
         self.graveyard.readers += 1
+        per_layer = self.graveyard.per_layer
         try:
-            if self.graveyard.evicted:
-                # Counted as a reader first: eviction waits for no readers, so what this
-                # downloads stays until the walk is done.
+            for attempt in range(1, READ_ATTEMPTS + 1):
+                # Per layer: pinned (synchronously, with the superset computed) before any
+                # await, so no layer this read may visit is evicted until it is done.
+                pinned = self._pin_layers(requests) if per_layer else []
                 try:
-                    await self.ensure_resident(self.layers_needed(requests))
-                except (LayerDownloadError, LayerNotResidentError) as exc:
-                    # This request fails (each key with the error); the connection and the
-                    # node go on, and the next read tries the download again.
-                    return {key: LayerDownloadError(key, lsn, str(exc)) for key, lsn in requests.items()}
-            await walk(states, ctx)
-        except LayerClosedError:
-            self._raise_if_shut_down()
-            raise
+                    if self.graveyard.evicted:
+                        # Counted as a reader (or pinned) first: what this downloads stays
+                        # until the walk is done.
+                        try:
+                            await self.ensure_resident(
+                                [(tl, x) for tl, x in pinned if not x.resident] if per_layer
+                                else self.layers_needed(requests))
+                        except (LayerDownloadError, LayerNotResidentError) as exc:
+                            # This request fails (each key with the error); the connection and
+                            # the node go on, and the next read tries the download again.
+                            return {key: LayerDownloadError(key, lsn, str(exc)) for key, lsn in requests.items()}
+                    await walk(states, ctx)
+                    break
+                except (LayerNotResidentError, LayerClosedError):
+                    self._raise_if_shut_down()
+                    # Per layer only: a layer that appeared after the pins were taken (a flush
+                    # went up meanwhile) was evicted under the walk. Read again from scratch.
+                    if not per_layer or attempt == READ_ATTEMPTS:
+                        raise
+                    log.info("a layer was evicted under a read; reading again", timeline_id=self.timeline_id.hex,
+                             attempt=attempt)
+                    states = {key: KeyState() if (hit := self.page_cache.lookup(self._key, key, lsn) if use_cache
+                                                  else None) is None else KeyState(hit[0], hit[1])
+                              for key, lsn in requests.items()}
+                finally:
+                    for _, x in pinned:
+                        x.readers -= 1
         finally:
             self.graveyard.readers -= 1
         # a walk that went on after shutdown emptied the layer map saw no layers: its
@@ -1063,9 +1090,20 @@ class Timeline:
 
     # -- residency (on-demand download, eviction) --------------------------------------------
 
-    def layers_needed(self, requests: dict[Key, Lsn], *, all_keys: bool = False) -> list[tuple[Timeline, PersistentLayer]]:
-        """Non-resident layers of this timeline and its ancestors a read of ``requests`` may
-        visit (a superset: every layer overlapping the keys' span below the highest LSN)."""
+    def _pin_layers(self, requests: dict[Key, Lsn]) -> list[tuple[Timeline, PersistentLayer]]:
+        """Count a read in on every layer it may visit (resident or not); marks them used."""
+        layers = self.layers_needed(requests, resident_too=True)
+        now = time.monotonic()
+        for _, x in layers:
+            x.readers += 1
+            x.last_access = now
+        return layers
+
+    def layers_needed(self, requests: dict[Key, Lsn], *, all_keys: bool = False,
+                      resident_too: bool = False) -> list[tuple[Timeline, PersistentLayer]]:
+        """Non-resident layers (all, with ``resident_too``) of this timeline and its ancestors
+        a read of ``requests`` may visit (a superset: every layer overlapping the keys' span
+        below the highest LSN)."""
         out: list[tuple[Timeline, PersistentLayer]] = []
         if not requests:
             return out
@@ -1080,7 +1118,8 @@ class Timeline:
             floor = -1 if image is None else image.desc.image_lsn
             for layer in tl._layer_map:
                 d = layer.desc
-                if layer.resident or d.lsn_start > limit or (layer is not image and d.lsn_end <= floor):
+                if (layer.resident and not resident_too) or d.lsn_start > limit or (
+                        layer is not image and d.lsn_end <= floor):
                     continue
                 if all_keys or (d.key_range.start <= hi and lo < d.key_range.end):
                     out.append((tl, layer))
@@ -1169,7 +1208,7 @@ class Timeline:
     def begin_eviction(self, layer: PersistentLayer) -> LayerFileReader | None:
         """The synchronous half (no read in progress): take the locks, swap the reader out.
         None if it is not safe now (the request is dropped; the next round asks again)."""
-        if not self.can_evict(layer) or layer not in set(self._layer_map):
+        if not self.can_evict(layer) or layer.readers or layer not in set(self._layer_map):
             return None
         lock = self._background_lock
         if layer.residency_lock is None:

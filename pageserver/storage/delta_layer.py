@@ -219,6 +219,9 @@ class PersistentLayer:
         self.file_size = reader.file_size if isinstance(reader, EvictedReader) else reader.summary.file_size
         self.last_access = time.monotonic()
         self.residency_lock: trio.Lock | None = None
+        # Reads in progress that may visit it (counted only in a tenant that evicts: see
+        # ``pageserver.timeline.LayerGraveyard.per_layer``); it is not evicted while > 0.
+        self.readers = 0
 
     @classmethod
     def evicted(cls, path: Path, file_size: int) -> PersistentLayer:

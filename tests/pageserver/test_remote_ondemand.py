@@ -113,3 +113,72 @@ async def test_attach_downloads_on_first_use(tmp_path: Path) -> None:
         await check(atl, model)
         await attached.shutdown()
         nursery.cancel_scope.cancel()
+
+
+async def test_eviction_under_constant_reads(tmp_path: Path) -> None:
+    """Readers that never pause all at once (some read is in progress at every moment): the
+    eviction loop still brings the tenant under its tiny budget (layers no read in progress may
+    visit go), and every read equals the model (``validate_get``: both read paths)."""
+    store = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote"))
+    model = Model()
+    async with trio.open_nursery() as nursery:
+        cfg = attrs.evolve(TINY, io_engine="threadpool")  # reads yield in the middle of a walk
+        tenant = Tenant(tmp_path / "a", TenantId.generate(), cfg, nursery=nursery, remote=TenantRemote(store, 1))
+        tl = await tenant.create_timeline(TimelineId.generate())
+        await workload(tl, model, rounds=2)
+        assert tl.remote is not None
+        await tl.remote.wait_uploaded()
+        lsns = sorted({lsn for lsn, _, _ in model.ops if lsn >= tl.latest_gc_cutoff_lsn})
+        reads = 0
+        in_flight = 0
+        idle_moments = 0
+        evictions_seen = 0
+        done = trio.Event()
+
+        async def reader(offset: int) -> None:
+            nonlocal reads, in_flight, idle_moments
+            i = offset
+            while not done.is_set():
+                i += 1
+                key, lsn = KEYS[(i * 7) % len(KEYS)], lsns[(i * 5) % len(lsns)]
+                in_flight += 1
+                try:
+                    expected = model.value(key, lsn)
+                    if expected is not None:
+                        assert await tl.get(key, Lsn(lsn)) == expected
+                    got = await tl.get_vectored([k for k in KEYS[:6] if model.value(k, lsn) is not None], Lsn(lsn))
+                    for k, page in got.items():
+                        assert page == model.value(k, lsn)
+                finally:
+                    in_flight -= 1
+                if in_flight == 0:
+                    idle_moments += 1
+                reads += 1
+
+        async def watch_evictions() -> None:
+            nonlocal evictions_seen
+            while not done.is_set():
+                before = sum(1 for x in tl.layer_map if not x.resident)
+                await trio.sleep(0.005)
+                if sum(1 for x in tl.layer_map if not x.resident) > before:
+                    evictions_seen += 1
+
+        async def eviction_loop() -> None:  # as Tenant.run_background_jobs runs it
+            while not done.is_set():
+                await trio.sleep(cfg.eviction_period_s)
+                await tenant.evict_to_budget()
+
+        async with trio.open_nursery() as readers:
+            for n in range(4):
+                readers.start_soon(reader, n * 3)
+            readers.start_soon(watch_evictions)
+            readers.start_soon(eviction_loop)
+            with trio.move_on_after(20):
+                while evictions_seen < 5 or reads < 200:
+                    await trio.sleep(0.05)
+            done.set()
+        assert idle_moments <= reads // 10, "the reads overlapped (some read in progress nearly always)"
+        assert evictions_seen >= 5, f"the eviction loop evicted under constant reads ({reads} reads)"
+        await check(tl, model)
+        await tenant.shutdown()
+        nursery.cancel_scope.cancel()

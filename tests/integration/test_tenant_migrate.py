@@ -1,9 +1,12 @@
 """A cluster of two pageservers on SeaweedFS (``pagestore init --pageservers 2 --remote-storage
 seaweedfs``): a tenant migrated under load (pgbench, and one client that records every
-acknowledged commit) from pageserver_1 to pageserver_2 with ``pagestore tenant migrate``.
+acknowledged commit) from pageserver_1 to pageserver_2 with ``pagestore tenant migrate``; then,
+still under load, pageserver_2 is killed (-9), its whole data directory deleted, and started
+again: the controller re-attaches the tenant there in a new generation, from object storage.
 
 - no acknowledged commit is lost, the endpoint keeps committing throughout;
-- the controller hands out generation 2 on pageserver_2; pageserver_1 lets go;
+- the controller hands out generation 2 on pageserver_2 (3 after its restart); pageserver_1
+  lets go; attaching the tenant twice is refused;
 - the endpoints follow: a lazy read-only endpoint's page filesystem reads from pageserver_2
   (its cache evicted, every read after the migration goes there), and the walproposer
   bridge sees pageserver feedback for WAL written after pageserver_1 detached;
@@ -13,7 +16,11 @@ acknowledged commit) from pageserver_1 to pageserver_2 with ``pagestore tenant m
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import shutil
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -28,9 +35,9 @@ from bench.oracle import Snapshot, catalog_rels, compare_snapshot
 from compute.page_client import PageClient
 from compute.postgres import PG_USER, PostgresInstance
 from control_plane import cli, cluster
-from control_plane.http_client import get_json, post_json
+from control_plane.http_client import ApiError, get_json, post_json
 from control_plane.local_env import LocalEnv
-from control_plane.process import wait_until
+from control_plane.process import read_pid, wait_until
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import parse_lsn
 
@@ -86,7 +93,8 @@ def test_tenant_migrates_under_load(cluster_dir: Path, capsys: pytest.CaptureFix
 
     def bench() -> None:
         try:
-            main.pgbench("-n", "-c", "2", "-j", "2", "-T", "14")
+            while not stop.is_set():
+                main.pgbench("-n", "-c", "2", "-j", "2", "-T", "3")
         except BaseException as exc:
             errors.append(exc)
 
@@ -111,8 +119,38 @@ def test_tenant_migrates_under_load(cluster_dir: Path, capsys: pytest.CaptureFix
         assert (moved["from"], moved["to"], moved["generation"], moved["detached"]) == (
             "pageserver_1", "pageserver_2", 2, True)
         assert sorted(moved["endpoints"]) == ["main", "ro"]
-        time.sleep(3)
+        with pytest.raises(ApiError) as refused:
+            post_json(f"{env.pageserver_http_of(2)}/v1/tenant/{tenant_id}/attach", {"generation": 2})
+        assert refused.value.status == 409
+        time.sleep(2)
         assert len(acked) > before + 10, "the endpoint kept committing through the migration"
+
+        assert get_json(f"{env.pageserver_http_of(1)}/v1/tenant") == []
+        assert not (env.pageserver_dir_of(1) / "tenants" / tenant_id).exists()
+
+        # pageserver_2 dies with its disk, pageserver_1 restarts; started again, pageserver_2
+        # gets the tenant back from S3, and pageserver_1 nothing
+        ps_dir = env.pageserver_dir_of(2)
+        def gone(pid: int) -> bool:
+            try:
+                return "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+            except FileNotFoundError:
+                return True
+
+        for ps, sig in ((1, signal.SIGTERM), (2, signal.SIGKILL)):
+            pid = read_pid(env.pageserver_dir_of(ps) / "pid")
+            assert pid is not None
+            os.kill(pid, sig)
+            wait_until(f"pageserver_{ps} gone", functools.partial(gone, pid), timeout=30)
+        for entry in ps_dir.iterdir():
+            if entry.name != "pageserver.toml":
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        before = len(acked)
+        assert cli.main(["start", *wd]) == 0
+        info = cluster.timeline_info(env, tenant_id, timeline_id)
+        assert parse_lsn(info["last_record_lsn"]) > 0
+        time.sleep(2)
+        assert len(acked) > before + 10, "the endpoint kept committing while pageserver_2 was gone"
     finally:
         stop.set()
         for t in threads:
@@ -121,10 +159,10 @@ def test_tenant_migrates_under_load(cluster_dir: Path, capsys: pytest.CaptureFix
     rows = {int(x) for x in main.psql("SELECT id FROM acks").split()}
     assert set(acked) <= rows, f"acknowledged commits lost: {sorted(set(acked) - rows)[:10]}"
 
-    # pageserver_1 let go; status shows where the tenant is
+    # pageserver_1 holds nothing; status shows where the tenant is
     assert get_json(f"{env.pageserver_http_of(1)}/v1/tenant") == []
     st = pagestore_json(capsys, "status", *wd)
-    assert st["tenants"] == [{"tenant_id": tenant_id, "pageserver": "pageserver_2", "generation": 2}]
+    assert st["tenants"] == [{"tenant_id": tenant_id, "pageserver": "pageserver_2", "generation": 3}]
     (tl,) = [t for t in st["timelines"] if t["timeline_id"] == timeline_id]
     assert tl["pageserver"] == "pageserver_2"
     assert {e["name"]: e["pageserver"] for e in st["endpoints"]} == {"main": "pageserver_2", "ro": "pageserver_2"}

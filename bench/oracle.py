@@ -42,7 +42,7 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -52,10 +52,10 @@ import psycopg
 import trio
 
 from compute import postgres
-from compute.page_client import PageClient
+from compute.page_client import PageClient, PageRequestFailed
 from control_plane import cluster, endpoint
 from control_plane.local_env import LocalEnv, plan_ports
-from pageserver.basebackup import RELSEG_SIZE, read_datadir_block
+from pageserver.basebackup import RELSEG_SIZE, read_datadir_block, rel_file_path
 from pageserver.pgdatadir import BLCKSZ, DEFAULTTABLESPACE_OID, GLOBALTABLESPACE_OID
 from pageserver.walredo import bufpage as bp
 from pageserver.walredo.mask import (
@@ -73,10 +73,15 @@ from protocol.lsn import Lsn, format_lsn, parse_lsn
 from protocol.pagestream import (
     MAX_LSN,
     ErrorResponse,
+    ExistsRequest,
+    ExistsResponse,
     GetPageRequest,
     GetPageResponse,
+    NblocksRequest,
+    NblocksResponse,
     RelTag,
     Request,
+    Response,
     SlruKind,
 )
 from protocol.wal.rmgr import RmgrId
@@ -86,8 +91,9 @@ FORK_NAMES = {0: "main", 1: "fsm", 2: "vm", 3: "init"}
 _REL_FILE = re.compile(r"^(\d+)(_fsm|_vm|_init)?(?:\.(\d+))?$")
 SLRU_DIRS = {SlruKind.CLOG: "pg_xact", SlruKind.MULTIXACT_OFFSETS: "pg_multixact/offsets",
              SlruKind.MULTIXACT_MEMBERS: "pg_multixact/members"}
-QUEUE_DEPTH = 32
-BATCH = 256
+# GetPage requests in flight while the pages compare (the pageserver batches what is queued)
+QUEUE_DEPTH = 64
+REFILL = 16  # the window is topped up when this many answers came back
 _SEQ_DATA = struct.Struct("<qq?")  # FormData_pg_sequence_data: last_value, log_cnt, is_called
 
 
@@ -205,6 +211,9 @@ def list_forks(snap: Snapshot) -> list[Fork]:
 
 
 def _diff(a: bytes | bytearray, b: bytes | bytearray) -> int:
+    """How many bytes differ (0 at the cost of one comparison for the usual, equal pages)."""
+    if a == b:
+        return 0
     return sum(1 for x, y in zip(a, b, strict=True) if x != y)
 
 
@@ -352,15 +361,81 @@ def _mask_for(fork: Fork) -> tuple[str, MaskFn]:
     return kind, {"heap": heap_mask, "sequence": seq_mask}.get(kind, generic_mask)
 
 
+class _ForkFile:
+    """The file side of the fork being compared, read in bulk: one read per segment file,
+    kept only while that fork's pages arrive (they arrive in request order, fork by fork)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.rel: RelTag | None = None
+        self.segments: dict[int, bytes] = {}
+
+    def block(self, rel: RelTag, blkno: int) -> bytes:
+        if rel != self.rel:
+            self.rel, self.segments = rel, {}
+        segno, off = divmod(blkno, RELSEG_SIZE)
+        data = self.segments.get(segno)
+        if data is None:
+            data = self.segments[segno] = (self.root / rel_file_path(rel, segno)).read_bytes()
+        page = data[off * BLCKSZ:(off + 1) * BLCKSZ]
+        if len(page) != BLCKSZ:
+            raise EOFError(f"{self.root / rel_file_path(rel, segno)}: block {blkno} is short ({len(page)} bytes)")
+        return page
+
+
+async def _answers(client: PageClient, requests: Sequence[Request]) -> list[Response]:
+    """The answers to ``requests``, pipelined; a per-request error is raised (a fork whose size
+    the pageserver cannot tell is not a comparison but a failure)."""
+    out = await client.pipelined(requests, QUEUE_DEPTH)
+    for resp in out:
+        if isinstance(resp, ErrorResponse):
+            raise PageRequestFailed(resp)
+    return out
+
+
+async def _stream(client: PageClient, requests: Sequence[GetPageRequest],
+                  on_answer: Callable[[int, Response], None]) -> None:
+    """``requests`` with up to QUEUE_DEPTH in flight, each answer handed to ``on_answer`` as it
+    arrives, so the pageserver serves the next pages while this process compares one. One task
+    sends and receives: the window is refilled in bursts of REFILL, a few KiB of requests that
+    never block on a socket buffer the server's answers fill."""
+    sent = 0
+    first = min(len(requests), QUEUE_DEPTH)
+    if first:
+        await client.send(*requests[:first])
+        sent = first
+    for i in range(len(requests)):
+        resp = await client.receive()
+        if sent < len(requests) and client.in_flight <= QUEUE_DEPTH - REFILL:
+            more = requests[sent:sent + QUEUE_DEPTH - client.in_flight]
+            await client.send(*more)
+            sent += len(more)
+        on_answer(i, resp)
+
+
+@attrs.define
+class _Job:
+    """One fork's pages to compare (blocks 0..n-1 on both sides)."""
+
+    fork: Fork
+    kind: str
+    mask: MaskFn
+    where: str
+
+
 async def compare_snapshot(client: PageClient, snap: Snapshot,
                            only: Callable[[Fork], bool] | None = None) -> SnapshotResult:
-    """Every fork and SLRU segment of ``snap`` against the pageserver at its LSN."""
+    """Every fork and SLRU segment of ``snap`` against the pageserver at its LSN.
+
+    All forks' existence and sizes are asked for in one pipelined round, then every page of
+    every fork in one stream of GetPage requests (QUEUE_DEPTH in flight), each compared with
+    the file's page (read in bulk per fork) as its answer arrives."""
     started = time.monotonic()
     res = SnapshotResult(snap.label, format_lsn(snap.lsn))
     req_lsn = MAX_LSN if snap.latest else snap.lsn
     at = f"{'latest' if snap.latest else 'LSN'} {format_lsn(snap.lsn)}"
-    forks = list_forks(snap)
-    for fork in forks:
+    forks: list[Fork] = []
+    for fork in list_forks(snap):
         if only is not None and not only(fork):
             continue
         if fork.info is not None and fork.info.persistence == "t":
@@ -368,9 +443,19 @@ async def compare_snapshot(client: PageClient, snap: Snapshot,
         if fork.info is not None and fork.info.persistence == "u" and fork.rel.forknum != 3:
             res.skipped_unlogged_forks += 1
             continue
-        res.forks += 1
-        exists = await client.exists(fork.rel, req_lsn, snap.lsn)
-        served_n = await client.nblocks(fork.rel, req_lsn, snap.lsn) if exists else 0
+        forks.append(fork)
+    res.forks = len(forks)
+    exists = [isinstance(r, ExistsResponse) and r.exists for r in await _answers(
+        client, [ExistsRequest(client.next_reqid(), req_lsn, snap.lsn, f.rel) for f in forks])]
+    sized = [f for f, e in zip(forks, exists, strict=True) if e]
+    sizes = {f.rel: r.n_blocks for f, r in zip(sized, await _answers(
+        client, [NblocksRequest(client.next_reqid(), req_lsn, snap.lsn, f.rel) for f in sized]), strict=True)
+        if isinstance(r, NblocksResponse)}
+    files = _ForkFile(snap.root)
+    jobs: list[_Job] = []
+    requests: list[GetPageRequest] = []
+    for fork in forks:
+        served_n = sizes.get(fork.rel, 0)
         where = f"{fork.describe()} at {at}"
         if fork.info is None:
             if fork.nblocks == 0 and served_n == 0:
@@ -391,72 +476,83 @@ async def compare_snapshot(client: PageClient, snap: Snapshot,
         kind, mask = _mask_for(fork)
         # past the pageserver's end: pages PostgreSQL extended without WAL
         for blkno in range(served_n, fork.nblocks):
-            local = read_datadir_block(snap.root, fork.rel, blkno)
             if fsm:
                 continue
+            local = files.block(fork.rel, blkno)
             ok = _empty_vm_page(local) if fork.rel.forknum == 2 else _is_zero(local)
             if ok:
                 res.new_pages_past_end += 1
             else:
                 res.mismatches.append(f"{where}: block {blkno} is past the pageserver's nblocks {served_n} "
                                       f"but not a new page ({BLCKSZ - local.count(0)} non-zero bytes)")
-        n = min(served_n, fork.nblocks)
-        for first in range(0, n, BATCH):
-            blocks = range(first, min(n, first + BATCH))
-            reqs: list[Request] = [GetPageRequest(client.next_reqid(), req_lsn, snap.lsn, fork.rel, b) for b in blocks]
-            responses = await client.pipelined(reqs, QUEUE_DEPTH)
-            for blkno, resp in zip(blocks, responses, strict=True):
-                if isinstance(resp, ErrorResponse):
-                    res.mismatches.append(f"{where}: block {blkno}: GetPage failed: {resp.message}")
-                    if not fsm:
-                        res.pages[kind] += 1
-                        res.unreadable[kind] += 1
-                        res.unreadable_reasons[_reason(resp.message)] += 1
-                    continue
-                assert isinstance(resp, GetPageResponse)
-                served = bytes(resp.page)
-                local = read_datadir_block(snap.root, fork.rel, blkno)
-                if fsm:
-                    res.fsm_pages += 1
-                    res.fsm_equal += served == local
-                    continue
-                res.pages[kind] += 1
-                note = ""
-                if _is_zero(served) and _is_zero(local):
-                    diff = 0
-                elif kind == "vm" and _is_zero(served) and _empty_vm_page(local):
-                    diff = 0  # a VM page read as new is an empty one (vm_readbuf)
-                elif kind == "spgist" and blkno == 0 and snap.reference is not None and _spgist_meta_as_postgres(
-                        served, local, _reference_block(snap.reference, fork.rel, blkno), mask):
-                    diff = 0
-                    res.spgist_meta_as_postgres += 1
-                elif kind == "sequence":
-                    assert fork.info is not None
-                    diff, note = compare_sequence(served, local, fork.info.seq_increment)
-                    if diff == 0 and served != local and _masked(served, blkno, mask) != _masked(local, blkno, mask):
-                        res.sequences_logged_ahead += 1
-                else:
-                    a, b = _masked(served, blkno, mask), _masked(local, blkno, mask)
-                    if isinstance(a, bytes) and isinstance(b, bytes):
-                        diff = _diff(a, b)
-                    else:
-                        diff = _diff(served, local)
-                        note = f"served: {a}" if isinstance(a, str) else f"file: {b!s}"
-                if diff and kind == "vm" and snap.reference is not None and _vm_lost_as_postgres(
-                        served, local, _reference_block(snap.reference, fork.rel, blkno)):
-                    # bits no redo can rebuild from WAL: exactly PostgreSQL's own redo's page
-                    diff = 0
-                    res.vm_bits_lost_as_postgres += 1
-                if diff == 0:
-                    res.equal[kind] += 1
-                else:
-                    res.different[kind] += 1
-                    res.mismatches.append(f"{where}: block {blkno}: {diff} bytes differ after the {kind} mask"
-                                          + (f" ({note})" if note else ""))
+        job = _Job(fork, kind, mask, where)
+        for blkno in range(min(served_n, fork.nblocks)):
+            jobs.append(job)
+            requests.append(GetPageRequest(client.next_reqid(), req_lsn, snap.lsn, fork.rel, blkno))
+
+    def on_answer(i: int, resp: Response) -> None:
+        job, blkno = jobs[i], requests[i].blkno
+        _compare_page(snap, res, job, blkno, resp, files)
+
+    await _stream(client, requests, on_answer)
     if only is None:
         await _compare_slru(client, snap, req_lsn, at, res)
     res.seconds = round(time.monotonic() - started, 2)
     return res
+
+
+def _compare_page(snap: Snapshot, res: SnapshotResult, job: _Job, blkno: int, resp: Response,
+                  files: _ForkFile) -> None:
+    """One served page against the file's, counted in ``res`` under the fork's kind."""
+    fork, kind, mask, where = job.fork, job.kind, job.mask, job.where
+    fsm = fork.rel.forknum == 1
+    if isinstance(resp, ErrorResponse):
+        res.mismatches.append(f"{where}: block {blkno}: GetPage failed: {resp.message}")
+        if not fsm:
+            res.pages[kind] += 1
+            res.unreadable[kind] += 1
+            res.unreadable_reasons[_reason(resp.message)] += 1
+        return
+    assert isinstance(resp, GetPageResponse)
+    served = bytes(resp.page)
+    local = files.block(fork.rel, blkno)
+    if fsm:
+        res.fsm_pages += 1
+        res.fsm_equal += served == local
+        return
+    res.pages[kind] += 1
+    note = ""
+    if _is_zero(served) and _is_zero(local):
+        diff = 0
+    elif kind == "vm" and _is_zero(served) and _empty_vm_page(local):
+        diff = 0  # a VM page read as new is an empty one (vm_readbuf)
+    elif kind == "spgist" and blkno == 0 and snap.reference is not None and _spgist_meta_as_postgres(
+            served, local, _reference_block(snap.reference, fork.rel, blkno), mask):
+        diff = 0
+        res.spgist_meta_as_postgres += 1
+    elif kind == "sequence":
+        assert fork.info is not None
+        diff, note = compare_sequence(served, local, fork.info.seq_increment)
+        if diff == 0 and served != local and _masked(served, blkno, mask) != _masked(local, blkno, mask):
+            res.sequences_logged_ahead += 1
+    else:
+        a, b = _masked(served, blkno, mask), _masked(local, blkno, mask)
+        if isinstance(a, bytes) and isinstance(b, bytes):
+            diff = _diff(a, b)
+        else:
+            diff = _diff(served, local)
+            note = f"served: {a}" if isinstance(a, str) else f"file: {b!s}"
+    if diff and kind == "vm" and snap.reference is not None and _vm_lost_as_postgres(
+            served, local, _reference_block(snap.reference, fork.rel, blkno)):
+        # bits no redo can rebuild from WAL: exactly PostgreSQL's own redo's page
+        diff = 0
+        res.vm_bits_lost_as_postgres += 1
+    if diff == 0:
+        res.equal[kind] += 1
+    else:
+        res.different[kind] += 1
+        res.mismatches.append(f"{where}: block {blkno}: {diff} bytes differ after the {kind} mask"
+                              + (f" ({note})" if note else ""))
 
 
 async def _compare_slru(client: PageClient, snap: Snapshot, req_lsn: Lsn, at: str, res: SnapshotResult) -> None:

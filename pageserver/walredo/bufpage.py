@@ -401,18 +401,53 @@ def _index_item(page: bytearray, offnum: int, nline: int, upper: int, special: i
     return raw, offset, size
 
 
+# The line-pointer shifts below treat the whole array as one integer, each pointer a 32-bit
+# lane (SWAR): a page holds hundreds of pointers and a Python loop over them was most of the
+# cost of an index insert or delete. The compares never carry or borrow across lanes (lp_off is
+# 15 bits, the intermediates 16), and adding a positive delta gives each lane exactly what
+# ``raw + delta`` gives it (lp_off < 8192 where selected: no lane reaches 2**32). A negative
+# delta (an overwrite with a larger tuple) takes the loop, which fails loudly on a corrupt
+# pointer that would go below 0 instead of borrowing from its neighbour.
+_LANE_ONES: dict[int, int] = {}
+
+
+def _lane_ones(n: int) -> int:
+    """An integer with 1 in the low bit of each of ``n`` 32-bit lanes."""
+    ones = _LANE_ONES.get(n)
+    if ones is None:
+        ones = _LANE_ONES[n] = int.from_bytes(b"\x01\x00\x00\x00" * n, "little")
+    return ones
+
+
+def _lp_shift(page: bytearray, nline: int, offset: int, delta: int, stored_only: bool) -> None:
+    """``lp_off += delta`` for each of the first ``nline`` line pointers with ``lp_off <=
+    offset`` (only those with a length if ``stored_only``), in one pass over the array."""
+    if nline <= 0 or delta == 0:
+        return
+    start = SIZE_OF_PAGE_HEADER
+    end = start + ITEM_ID_SIZE * nline
+    if end > len(page):
+        raise PageError(f"{nline} line pointers do not fit the page")
+    if delta < 0:
+        fmt = f"<{nline}I"
+        lps = struct.unpack_from(fmt, page, start)
+        struct.pack_into(fmt, page, start, *[
+            raw + delta if (raw & 0x7FFF) <= offset and (raw >> 17 or not stored_only) else raw for raw in lps])
+        return
+    x = int.from_bytes(page[start:end], "little")
+    ones = _lane_ones(nline)
+    low15 = ones * 0x7FFF
+    # per lane: (0x8000 | offset) - lp_off has bit 15 set exactly where lp_off <= offset
+    sel = ((ones * (0x8000 | offset) - (x & low15)) >> 15) & ones
+    if stored_only:  # lp_len (bits 17..31) non-zero: adding 0x7FFF reaches bit 15
+        sel &= (((x >> 17) & low15) + low15) >> 15
+    page[start:end] = (x + sel * delta).to_bytes(end - start, "little")
+
+
 def _shift_items_below(page: bytearray, nline: int, offset: int, delta: int) -> None:
     """Move the line pointers of stored items at or below ``offset`` by ``delta`` bytes
     (their tuples were just moved by as much)."""
-    if nline <= 0:
-        return
-    # all line pointers in one unpack/pack: a page holds hundreds of them
-    fmt = f"<{nline}I"
-    lps = struct.unpack_from(fmt, page, SIZE_OF_PAGE_HEADER)
-    struct.pack_into(
-        fmt, page, SIZE_OF_PAGE_HEADER,
-        *[raw + delta if (raw >> 17) and (raw & 0x7FFF) <= offset else raw for raw in lps],
-    )
+    _lp_shift(page, nline, offset, delta, stored_only=True)
 
 
 def page_index_tuple_delete(page: bytearray, offnum: int) -> None:
@@ -429,13 +464,7 @@ def page_index_tuple_delete(page: bytearray, offnum: int) -> None:
     lower -= ITEM_ID_SIZE
     LOWER_UPPER_SPECIAL.pack_into(page, OFF_LOWER, lower, upper, special)
     if lower > SIZE_OF_PAGE_HEADER:
-        # the remaining nline - 1 pointers in one unpack/pack: a page holds hundreds of them
-        fmt = f"<{nline - 1}I"
-        lps = struct.unpack_from(fmt, page, SIZE_OF_PAGE_HEADER)
-        struct.pack_into(
-            fmt, page, SIZE_OF_PAGE_HEADER,
-            *[raw + size if (raw & 0x7FFF) <= offset else raw for raw in lps],
-        )
+        _lp_shift(page, nline - 1, offset, size, stored_only=False)
 
 
 def page_index_multi_delete(page: bytearray, itemnos: Sequence[int]) -> None:
@@ -558,50 +587,41 @@ def page_index_tuple_replace(page: bytearray, offnum: int, item: bytes | bytearr
         return False
     if offset > upper:
         page[upper + size : offset + size] = page[upper:offset]
-    fmt = f"<{nline}I"
-    lps = list(struct.unpack_from(fmt, page, SIZE_OF_PAGE_HEADER))
     if nline > 1:
-        lps = [raw + size if (raw & 0x7FFF) <= offset else raw for raw in lps]
-    lps[offnum - 1] = new_upper | (LP_NORMAL << 15) | (newlen << 17)
-    struct.pack_into(fmt, page, SIZE_OF_PAGE_HEADER, *lps)
+        _lp_shift(page, nline, offset, size, stored_only=False)
+    _pack_u32(page, itemid_pos(offnum), new_upper | (LP_NORMAL << 15) | (newlen << 17))
     page[new_upper : new_upper + newlen] = item
     _pack_u16(page, OFF_UPPER, new_upper)
     return True
 
 
 def page_index_tuple_replace_many(page: bytearray, pairs: Sequence[tuple[int, bytes | bytearray | memoryview]]) -> int:
-    """``page_index_tuple_replace`` for each (offnum, item) in order, with the line-pointer
-    array kept unpacked across them (SP-GiST picksplits reuse dozens of placeholders on one
-    page). Returns how many were done; the first that does not fit stops the run, with the
-    page as the single calls would have left it."""
+    """``page_index_tuple_replace`` for each (offnum, item) in order (SP-GiST picksplits reuse
+    dozens of placeholders on one page). Returns how many were done; the first that does not
+    fit stops the run, with the page as the single calls would have left it."""
     lower, upper, special = _check_pointers(page)
     nline = max_offset(page)
-    fmt = f"<{nline}I"
-    lps = list(struct.unpack_from(fmt, page, SIZE_OF_PAGE_HEADER))
     done = 0
-    try:
-        for offnum, item in pairs:
-            if offnum <= 0 or offnum > nline:
-                raise PageError(f"invalid index offnum: {offnum}")
-            raw = lps[offnum - 1]
-            length = raw >> 17
-            offset = raw & 0x7FFF
-            if offset < upper or offset + length > special or offset != maxalign(offset):
-                raise PageError(f"corrupted line pointer: offset = {offset}, size = {length}")
-            size = maxalign(length)
-            newlen = len(item)
-            new_upper = upper + size - maxalign(newlen)
-            if lower > new_upper:
-                break
-            if offset > upper:
-                page[upper + size : offset + size] = page[upper:offset]
-            if nline > 1:
-                lps = [r + size if (r & 0x7FFF) <= offset else r for r in lps]
-            lps[offnum - 1] = new_upper | (LP_NORMAL << 15) | (newlen << 17)
-            page[new_upper : new_upper + newlen] = item
-            upper = new_upper
-            done += 1
-    finally:
-        struct.pack_into(fmt, page, SIZE_OF_PAGE_HEADER, *lps)
+    for offnum, item in pairs:
+        if offnum <= 0 or offnum > nline:
+            raise PageError(f"invalid index offnum: {offnum}")
+        raw = get_itemid(page, offnum)
+        length = raw >> 17
+        offset = raw & 0x7FFF
+        if offset < upper or offset + length > special or offset != maxalign(offset):
+            raise PageError(f"corrupted line pointer: offset = {offset}, size = {length}")
+        size = maxalign(length)
+        newlen = len(item)
+        new_upper = upper + size - maxalign(newlen)
+        if lower > new_upper:
+            break
+        if offset > upper:
+            page[upper + size : offset + size] = page[upper:offset]
+        if nline > 1:
+            _lp_shift(page, nline, offset, size, stored_only=False)
+        _pack_u32(page, itemid_pos(offnum), new_upper | (LP_NORMAL << 15) | (newlen << 17))
+        page[new_upper : new_upper + newlen] = item
+        upper = new_upper
         _pack_u16(page, OFF_UPPER, upper)
+        done += 1
     return done

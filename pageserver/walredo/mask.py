@@ -56,11 +56,30 @@ def mask_unused_space(page: bytearray) -> None:
 
 
 def mask_lp_flags(page: bytearray) -> None:
-    for off in range(1, bp.max_offset(page) + 1):
-        pos = bp.itemid_pos(off)
-        raw = bp.U32.unpack_from(page, pos)[0]
-        if (raw >> 15) & 3:
-            bp.U32.pack_into(page, pos, raw & ~(3 << 15))
+    """Every used line pointer's lp_flags set to LP_UNUSED: the 2 flag bits (15, 16) of each
+    32-bit pointer cleared in one AND over the array as one integer (an unused pointer's flags
+    are 0 already), not in a loop over hundreds of pointers: validation masks both the
+    replayed page and the image of every record."""
+    n = bp.max_offset(page)
+    if n <= 0:
+        return
+    start = bp.SIZE_OF_PAGE_HEADER
+    end = start + bp.ITEM_ID_SIZE * n
+    if end > len(page):
+        raise RedoError(f"invalid page pd_lower {bp.get_lower(page)}: line pointers past the page")
+    x = int.from_bytes(page[start:end], "little")
+    page[start:end] = (x & ~_flag_lanes(n)).to_bytes(end - start, "little")
+
+
+_FLAG_LANES: dict[int, int] = {}
+
+
+def _flag_lanes(n: int) -> int:
+    """Bits 15 and 16 (lp_flags) set in each of ``n`` 32-bit lanes."""
+    lanes = _FLAG_LANES.get(n)
+    if lanes is None:
+        lanes = _FLAG_LANES[n] = int.from_bytes(b"\x00\x80\x01\x00" * n, "little")
+    return lanes
 
 
 def mask_page_content(page: bytearray) -> None:

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pageserver.walredo import bufpage as bp
-from pageserver.walredo.mask import heap_mask, mask_unused_space, masked
+from pageserver.walredo.mask import heap_mask, mask_lp_flags, mask_unused_space, masked
 
 
 def _items(page: bytearray) -> list[bytes]:
@@ -197,3 +197,43 @@ def test_masks_hide_hints_and_free_space() -> None:
     c = bytearray(page)
     mask_unused_space(c)
     assert c[28:8160] == bytes(8160 - 28)
+
+
+def _lp_shift_loop(page: bytearray, nline: int, offset: int, delta: int, stored_only: bool) -> None:
+    """The line-pointer shift one pointer at a time (what ``bp._lp_shift`` does in one pass)."""
+    for off in range(1, nline + 1):
+        raw = bp.get_itemid(page, off)
+        if (raw & 0x7FFF) <= offset and (raw >> 17 or not stored_only):
+            bp.U32.pack_into(page, bp.itemid_pos(off), raw + delta)
+
+
+_LP = st.builds(lambda off, flags, length: off | (flags << 15) | (length << 17),
+                st.integers(0, bp.BLCKSZ - 1), st.integers(0, 3), st.integers(0, 0x7FFF))
+
+
+@given(st.lists(_LP, max_size=400), st.integers(0, bp.BLCKSZ - 1), st.integers(-bp.BLCKSZ, bp.BLCKSZ),
+       st.booleans())
+def test_lp_shift_equals_the_loop(lps: list[int], offset: int, delta: int, stored_only: bool) -> None:
+    # every pointer at or below ``offset`` must stay inside 15 bits after the shift, as on a page
+    lps = [raw if (raw & 0x7FFF) > offset or 0 <= (raw & 0x7FFF) + delta < 0x8000 else raw & ~0x7FFF | offset + 1
+           for raw in lps]
+    page = bytearray(bp.BLCKSZ)
+    struct.pack_into(f"<{len(lps)}I", page, bp.SIZE_OF_PAGE_HEADER, *lps)
+    expect = bytearray(page)
+    _lp_shift_loop(expect, len(lps), offset, delta, stored_only)
+    bp._lp_shift(page, len(lps), offset, delta, stored_only)
+    assert page == expect
+
+
+@given(st.lists(_LP, max_size=400))
+def test_mask_lp_flags_equals_the_loop(lps: list[int]) -> None:
+    page = bytearray(bp.BLCKSZ)
+    struct.pack_into(f"<{len(lps)}I", page, bp.SIZE_OF_PAGE_HEADER, *lps)
+    bp.set_lower(page, bp.SIZE_OF_PAGE_HEADER + 4 * len(lps))
+    expect = bytearray(page)
+    for off in range(1, len(lps) + 1):  # PostgreSQL's loop: a used pointer becomes LP_UNUSED
+        raw = bp.get_itemid(expect, off)
+        if (raw >> 15) & 3:
+            bp.U32.pack_into(expect, bp.itemid_pos(off), raw & ~(3 << 15))
+    mask_lp_flags(page)
+    assert page == expect

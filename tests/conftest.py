@@ -94,7 +94,15 @@ def kernel(impl: str, native_name: str) -> ModuleType:
     return importlib.import_module(TWINS[native_name])
 
 
+# Test files that run longest, started first: with ``./scripts/test``'s workers (pytest-xdist,
+# ``--dist loadfile``) the regression-suite test runs on one worker while the rest of the suite
+# runs on the other, instead of being the last file handed out and running alone at the end.
+LONGEST_FIRST = ("tests/integration/test_pg_regress.py",)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    first = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::", 1)[0], len(first)))  # stable
     markexpr = str(config.getoption("-m") or "")
     if "not native" in markexpr and _native.IMPL != "python":
         raise pytest.UsageError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import socket
 
 import pytest
@@ -29,8 +30,23 @@ def test_a_port_in_use_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> N
             break
         monkeypatch.setattr(ports, "_PORT_RANGE", (base, base + 2))
         monkeypatch.setattr(ports, "_HANDED_OUT", set())
+        monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # the whole (narrowed) range
         try:
             got = ports.free_port()
         except OSError:
             return  # base + 1 was busy too: nothing else could have been handed out
         assert got == base + 1
+
+
+def test_xdist_workers_pick_from_disjoint_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    slices = []
+    for n in range(3):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{n}")
+        slices.append(ports.port_range())
+        low, high = slices[-1]
+        assert all(low <= free_port() < high for _ in range(20))
+    assert slices[0][0] == 20000 and slices[-1][1] <= 32000
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(slices))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    assert ports.port_range() == (20000, 32000)

@@ -56,7 +56,7 @@ def test_a_patch_that_does_not_fit_is_refused() -> None:
         patch_rel_dir(code, {(5, 0)}, set(), {(5, 0), (7, 1)})
 
 
-_step = st.one_of(
+_step: st.SearchStrategy[tuple[str, int, list[tuple[int, int]], int]] = st.one_of(
     st.tuples(st.just("create"), st.integers(0, 1), st.lists(_small_forks, min_size=1, max_size=4), st.integers(0, 5)),
     st.tuples(st.just("drop"), st.integers(0, 1), st.lists(_small_forks, min_size=1, max_size=4), st.just(0)),
     st.tuples(st.just("extend"), st.integers(0, 1), st.lists(_small_forks, min_size=1, max_size=2), st.integers(1, 9)),

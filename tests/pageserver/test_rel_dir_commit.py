@@ -95,7 +95,8 @@ async def _run_steps(root: Path, steps: list[tuple[str, int, list[tuple[int, int
                 if kind == "create":
                     for r, f in forks:
                         await mod.put_rel_creation((*db, r, f), n)
-                        model[db].setdefault((r, f), n)
+                        if (r, f) not in model[db] or n:  # (an existing fork keeps its size unless given one)
+                            model[db][(r, f)] = n
                 elif kind == "drop":
                     for r, f in forks:
                         await mod.put_rel_drop((*db, r, f))

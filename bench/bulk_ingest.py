@@ -62,6 +62,14 @@ each round. ``precheck_cpu_s`` is the pre-check children's CPU time up to the en
 ingest (a child that already exited counts 0); ``precheck_messages`` how many big XLogData
 messages the child checked during the ingest and how many went unchecked (while it started).
 
+The WAL (``--workload``): ``insert`` (default) is the bulk INSERT above; ``regress`` runs the
+first ``--regress-groups`` test lines of PostgreSQL's regression suite (``parallel_schedule``,
+from ``.cache/pg-regress``) against the PostgreSQL with ``wal_consistency_checking = all`` and
+``wal_compression = zstd``, as ``tests/integration/test_pg_regress.py`` does: nearly every
+record carries a compressed full-page image, and thousands of relations come and go (the
+suite's ~2 GB of WAL is the ingest that test waits for). PostgreSQL's crash recovery of it
+then also checks every image (consistency checking is on); the floors are skipped.
+
 The kernels (``--impl native,python``): each run of the ingest goes into a fresh spawned
 process whose ``PAGESTORE_PURE_PYTHON`` selects the compiled kernels or their pure-Python twins
 (``impl`` in the result and summary lines; the CPU and RSS figures are that process's), every
@@ -139,6 +147,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="ingest runs per configuration, interleaved (default 1)")
     parser.add_argument("--precheck", default="on",
                         help="comma-separated WAL pre-check settings to compare (on, off)")
+    parser.add_argument("--workload", choices=("insert", "regress"), default="insert",
+                        help="the WAL: a bulk INSERT (default), or PostgreSQL's regression suite with "
+                             "wal_consistency_checking = all and wal_compression = zstd (an image on "
+                             "nearly every record, as tests/integration/test_pg_regress.py makes)")
+    parser.add_argument("--regress-groups", type=int, default=1000,
+                        help="with --workload regress: the first N test lines of parallel_schedule (default all)")
     parser.add_argument("--impl", default=None,
                         help="comma-separated kernel implementations to compare (native, python): "
                              "each run in a fresh process with PAGESTORE_PURE_PYTHON set to match "
@@ -193,9 +207,14 @@ def _prepare(root: Path, args: argparse.Namespace) -> tuple[PostgresInstance, Ls
     shutil.copytree(root / "init", pgdata, symlinks=True)
     chown_to_postgres(pgdata)
     os.chmod(pgdata, 0o700)
-    pg = PostgresInstance(datadir=pgdata, settings=dict(SETTINGS))
+    regress = args.workload == "regress"
+    settings = dict(SETTINGS, wal_consistency_checking="all", wal_compression="zstd") if regress else dict(SETTINGS)
+    pg = PostgresInstance(datadir=pgdata, settings=settings)
     pg.start()
     start = _lsn(pg, "pg_current_wal_insert_lsn")
+    if regress:
+        end = _regress_load(root, pg, start, args.regress_groups)
+        return pg, start, end, _crash_and_recover(pg)
     pg.psql("CREATE TABLE bulk (id int, v text)")
     t0 = time.perf_counter()
     done = 0
@@ -210,13 +229,39 @@ def _prepare(root: Path, args: argparse.Namespace) -> tuple[PostgresInstance, Ls
     load_s = time.perf_counter() - t0
     _emit({"phase": "bulk_insert", "rows": done, "wal_mb": round((end - start) / MB, 1),
            "start": format_lsn(start), "end": format_lsn(end), "seconds": round(load_s, 2)})
+    return pg, start, end, _crash_and_recover(pg)
+
+
+def _crash_and_recover(pg: PostgresInstance) -> float:
+    """``pg_ctl stop -m immediate``, then start: the seconds until it accepts connections."""
     pg.stop("immediate")
     t0 = time.perf_counter()
     pg.start(timeout=600)
     pg.wait_ready()
     recovery_s = time.perf_counter() - t0
     _emit({"phase": "pg_crash_recovery", "seconds": round(recovery_s, 2)})
-    return pg, start, end, recovery_s
+    return recovery_s
+
+
+def _regress_load(root: Path, pg: PostgresInstance, start: Lsn, groups: int) -> Lsn:
+    """The first ``groups`` test lines of the regression suite's parallel_schedule against
+    ``pg`` (scripts/setup puts the suite in .cache/pg-regress): the end LSN of its WAL."""
+    from bench import pg_regress
+
+    stage = pg_regress.stage_suite(root)
+    lines = [line for line in (stage / "parallel_schedule").read_text().splitlines() if line.startswith("test:")]
+    schedule = stage / "bench_schedule"
+    schedule.write_text("\n".join(lines[:groups]) + "\n")
+    chown_to_postgres(schedule)
+    t0 = time.perf_counter()
+    runner = pg_regress.ScheduleRunner("bench", stage, pg.port, schedule)
+    while not runner.poll():
+        time.sleep(0.5)
+    end = _lsn(pg, "pg_current_wal_insert_lsn")
+    _emit({"phase": "regress_load", "groups": min(groups, len(lines)), "returncode": runner.run.returncode,
+           "wal_mb": round((end - start) / MB, 1), "start": format_lsn(start), "end": format_lsn(end),
+           "seconds": round(time.perf_counter() - t0, 2)})
+    return end
 
 
 def _l0_writers(text: str) -> list[Literal["inline", "process"]]:
@@ -507,7 +552,9 @@ def run(args: argparse.Namespace) -> int:
                 }
                 runs[writer, precheck, impl].append(result)
                 _emit(result)
-        if args.floor_runs > 0:
+        if args.floor_runs > 0 and args.workload == "regress":
+            _emit({"note": "floors skipped: they read the whole WAL into memory (--workload insert only)"})
+        elif args.floor_runs > 0:
             first = runs[configs[0]][0]
             _floors(root, parse_lsn(first["ingest_start"]), end, recovery_s, args.floor_runs)
         for (name, precheck, _impl), results in runs.items():

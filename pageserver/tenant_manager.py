@@ -35,7 +35,7 @@ from pageserver.storage.io_engine import fsync_dir
 from pageserver.tenant import Tenant, TimelineExistsError
 from pageserver.timeline import Timeline
 from pageserver.wal_precheck import PrecheckPool, default_children
-from pageserver.wal_receiver import WalReceiverConfig
+from pageserver.wal_receiver import RemoteWal, WalReceiverConfig
 from pageserver.walingest import TimelineWalIngest, WalIngest
 from pageserver.walredo.manager import PostgresRedoManager
 from protocol.errors import RemoteProtocolError
@@ -302,7 +302,12 @@ class TenantManager:
             auth_token=self.safekeeper_token,
             ssl_ca_file=None if self.conf.ssl_ca_file is None else str(self.conf.ssl_ca_path),
         )
-        ingest = TimelineWalIngest(tl, cfg, ingest=WalIngest(tl), precheck=self.precheck_pool)
+        # WAL the safekeepers trimmed after their backup is read back from the same store.
+        remote_wal = None if self.remote_storage is None else RemoteWal(
+            self.remote_storage, tl.tenant_id, tl.timeline_id
+        )
+        ingest = TimelineWalIngest(tl, cfg, ingest=WalIngest(tl), precheck=self.precheck_pool,
+                                   remote_wal=remote_wal)
         scope = trio.CancelScope()
 
         key = (tl.tenant_id, tl.timeline_id)

@@ -48,6 +48,19 @@ on the second core while this process ingests the message before); ``on_wal`` ge
 message's claims with it. A pre-check failure ends the session (``WalPrecheckError``, not the
 safekeeper's fault: no backoff); three in a row turn the pre-check off until restart.
 
+WAL no safekeeper holds any more (they answer ``START_REPLICATION`` with 58P01, "segment
+already removed": they trimmed it after the WAL backup stored it and the pageserver reported it
+durable, and this pageserver is behind that, e.g. recreated from scratch) comes from remote
+storage when ``remote_wal`` is given: the receiver downloads the backed-up segments
+(``remote_storage.wal_layout``) from the one holding ``last_record_lsn`` on, one at a time, and
+feeds them to the decoder in 128 KiB pieces as if they were XLogData, until the next segment is
+not in the store. A record cut by that segment end stays in the decoder, and the next
+safekeeper session starts at the end of what was fed (a segment boundary, which the
+safekeepers keep) with that decoder, so no record is lost or handed over twice; the pre-check
+is off for that one session (it expects a record boundary). A remote session that hands over
+nothing (the store does not have the segment either) is a failure like a safekeeper's, logged
+with both positions, and retried with backoff.
+
 A vanilla PostgreSQL speaks the same replication protocol, so ``WalReceiver`` can pull from it
 as well (tests use that).
 """
@@ -69,7 +82,8 @@ from pageserver.wal_precheck import WalPrecheck, WalPrecheckError
 from pageserver.wal_runs import MAX_PIECE
 from protocol.errors import PROTOCOL_VIOLATION, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
-from protocol.lsn import Lsn, format_lsn, parse_lsn
+from protocol.lsn import WAL_SEGMENT_SIZE, Lsn, format_lsn, parse_lsn
+from protocol.pgwire.errors import PgError
 from protocol.replication import (
     IdentifySystem,
     PrimaryKeepalive,
@@ -82,6 +96,9 @@ from protocol.replication import (
 )
 from protocol.wal.reader import EndOfWal, NeedData, WalStreamDecoder
 from protocol.wal.record import DecodedRecord
+from remote_storage import RemoteNotFoundError, RemoteStorage, RemoteStorageError
+from remote_storage.retry import retry
+from remote_storage.wal_layout import wal_segment_key
 
 log = structlog.get_logger("wal_receiver")
 
@@ -184,6 +201,32 @@ class Progress:
 
 
 ProgressFn = Callable[[], Progress]
+
+# Pieces the backed-up segments are fed in (the size of a safekeeper's catch-up XLogData).
+REMOTE_PIECE = 128 * 1024
+# Attempts at one segment's download before the remote session gives up (and is retried).
+REMOTE_ATTEMPTS = 4
+# SQLSTATE of "requested WAL segment ... has already been removed" (undefined_file).
+WAL_REMOVED = "58P01"
+
+
+@attrs.frozen
+class RemoteWal:
+    """Where the safekeepers' WAL backup of one timeline is (``remote_storage.wal_layout``)."""
+
+    storage: RemoteStorage
+    tenant_id: TenantId
+    timeline_id: TimelineId
+    seg_size: int = WAL_SEGMENT_SIZE
+
+    async def read_segment(self, segno: int) -> bytes | None:
+        """The whole backed-up segment, or None when the store does not have it."""
+        key = wal_segment_key(self.tenant_id, self.timeline_id, segno, self.seg_size)
+        try:
+            return await retry(lambda: self.storage.download(key), what=f"download {key}",
+                               attempts=REMOTE_ATTEMPTS)
+        except RemoteNotFoundError:
+            return None
 
 CONNECTION_ERRORS = pgclient.CONNECTION_ERRORS
 
@@ -291,6 +334,7 @@ class WalReceiver:
         connect: Connector = pgclient_connect,
         progress: ProgressFn | None = None,
         precheck: PrecheckFactory | None = None,
+        remote_wal: RemoteWal | None = None,
     ) -> None:
         if not cfg.safekeepers:
             raise ValueError("no safekeepers to receive WAL from")
@@ -325,6 +369,14 @@ class WalReceiver:
         self._backoff: dict[Addr, _Backoff] = {}
         # Index in cfg.safekeepers after the last one used: ties go there first (round robin).
         self._next = 0
+        self._remote = remote_wal
+        # Set when a safekeeper said the WAL at last_record_lsn is removed: read the backup.
+        self._read_remote = False
+        # The decoder a remote session left with a record cut at a segment end: the next
+        # safekeeper session continues it at its fed_lsn (once; dropped on failure).
+        self._carry: WalStreamDecoder | None = None
+        self.remote_sessions = 0
+        self.remote_segments = 0  # backed-up segments fed from remote storage
 
     async def wait_for_lsn(self, lsn: Lsn) -> None:
         """Wait until a record ending at or after ``lsn`` has been handed over."""
@@ -334,6 +386,9 @@ class WalReceiver:
     async def run(self) -> None:
         """Receive forever (until cancelled), from the most advanced safekeeper at hand."""
         while True:
+            if self._read_remote and self._remote is not None:
+                self._read_remote = False
+                await self._remote_session()
             chosen = await self._choose()
             if chosen is None:
                 # Every safekeeper failed lately: wait for the first one out of backoff.
@@ -361,7 +416,10 @@ class WalReceiver:
                     ), "wal receiver distrusts a safekeeper")
             except* CONNECTION_ERRORS as eg:
                 failed = True
-                self._failed(addr, _first_leaf(eg), "wal receiver session ended")
+                leaf = _first_leaf(eg)
+                self._failed(addr, leaf, "wal receiver session ended")
+                if isinstance(leaf, PgError) and leaf.sqlstate == WAL_REMOVED:
+                    self._read_remote = True
             except* WalPrecheckError as eg:
                 # Our own child process, not the safekeeper (no backoff for it): the next
                 # session has a new child; nothing was taken unchecked. The ingest is complete
@@ -472,14 +530,20 @@ class WalReceiver:
         self.sessions += 1
         self.current = addr
         try:
-            start = self.last_record_lsn
+            carry, self._carry = self._carry, None
+            if carry is not None and carry.position != self.last_record_lsn:
+                carry = None  # (only a decoder that ended where the receiver is now)
+            start = self.last_record_lsn if carry is None else carry.fed_lsn
             with trio.fail_after(self.cfg.connect_timeout_s):
                 copy = await conn.copy_both(StartReplication(start).to_sql())
             log.info("receiving WAL", safekeeper=_addr(addr), start=format_lsn(start),
-                     safekeeper_position=format_lsn(chosen.position))
-            decoder = WalStreamDecoder(start, prev_lsn=self._last_record_start)
+                     safekeeper_position=format_lsn(chosen.position),
+                     continues_remote=carry is not None)
+            decoder = carry or WalStreamDecoder(start, prev_lsn=self._last_record_start)
             reply = _Wakeup()
-            precheck = self._precheck() if self._precheck is not None else None
+            precheck = (
+                self._precheck() if self._precheck is not None and carry is None else None
+            )
             self._precheck_answered = False
             try:
                 async with trio.open_nursery() as nursery:
@@ -534,21 +598,73 @@ class WalReceiver:
                 )
             # (the claims come in message order: taken before the feed, whatever happens next)
             runs = await messages.claims() if checked else None
-            decoder.feed(msg.data)
-            if self._on_wal is not None:
-                stop = await self._take(self._on_wal, decoder, runs)
-            else:
-                batch: list[DecodedRecord] = []
-                stop = decoder.decode_into(batch)
-                if batch:
-                    await self._hand_over(batch)
-            if isinstance(stop, EndOfWal):
-                raise WalDecodeError(
-                    f"WAL stopped decoding at {format_lsn(stop.error_lsn)}: {stop.reason}"
-                )
+            await self._feed(decoder, msg.data, runs)
             # Time spent handing WAL over is neither silence nor lag.
             last_message = trio.current_time()
             look_around_at = last_message + lag_timeout
+
+    async def _feed(
+        self, decoder: WalStreamDecoder, data: bytes | memoryview, runs: ClaimedRuns | None
+    ) -> None:
+        """Feed one piece of WAL and hand over the records it completes."""
+        decoder.feed(data)
+        if self._on_wal is not None:
+            stop = await self._take(self._on_wal, decoder, runs)
+        else:
+            batch: list[DecodedRecord] = []
+            stop = decoder.decode_into(batch)
+            if batch:
+                await self._hand_over(batch)
+        if isinstance(stop, EndOfWal):
+            raise WalDecodeError(
+                f"WAL stopped decoding at {format_lsn(stop.error_lsn)}: {stop.reason}"
+            )
+
+    async def _remote_session(self) -> None:
+        """Feed the backed-up segments from the one holding ``last_record_lsn`` on, until the
+        store lacks the next one (see the module docstring)."""
+        remote = self._remote
+        assert remote is not None
+        seg = remote.seg_size
+        start = self.last_record_lsn
+        self.remote_sessions += 1
+        decoder = WalStreamDecoder(start, prev_lsn=self._last_record_start)
+        segno = start // seg
+        fed = 0
+        log.info("reading WAL from remote storage", start=format_lsn(start),
+                 segment=segno)
+        try:
+            while True:
+                data = await remote.read_segment(segno)
+                if data is None:
+                    break
+                if len(data) != seg:
+                    raise WalDecodeError(
+                        f"backed-up WAL segment {segno} has {len(data)} bytes, expected {seg}"
+                    )
+                view = memoryview(data)[decoder.fed_lsn - segno * seg:]
+                for i in range(0, len(view), REMOTE_PIECE):
+                    await self._feed(decoder, view[i : i + REMOTE_PIECE], None)
+                self.remote_segments += 1
+                fed += 1
+                segno += 1
+        except (RemoteStorageError, WalDecodeError) as exc:
+            self.last_error = f"remote storage: {exc!r}"
+            log.warning("reading WAL from remote storage failed", error=repr(exc),
+                        at=format_lsn(self.last_record_lsn))
+            return
+        if fed == 0:
+            self.last_error = (
+                f"the WAL at {format_lsn(start)} is neither on a safekeeper nor in remote "
+                f"storage (segment {segno} is not backed up)"
+            )
+            log.error("WAL not found anywhere", at=format_lsn(start), segment=segno)
+            return
+        if decoder.fed_lsn > decoder.position and decoder.position == self.last_record_lsn:
+            self._carry = decoder
+        log.info("read WAL from remote storage", start=format_lsn(start), segments=fed,
+                 last_record_lsn=format_lsn(self.last_record_lsn),
+                 fed_to=format_lsn(decoder.fed_lsn))
 
     async def _leave_if_lagging(self, current: Addr, received: Lsn) -> None:
         others = [a for a in self.cfg.safekeepers if a != current and self._ready(a)]

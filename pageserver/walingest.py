@@ -92,6 +92,7 @@ from pageserver.wal_receiver import (
     Connector,
     PrecheckFactory,
     Progress,
+    RemoteWal,
     WalReceiver,
     WalReceiverConfig,
     pgclient_connect,
@@ -1577,9 +1578,11 @@ class TimelineWalIngest:
         connect: Connector = pgclient_connect,
         ingest: WalIngest | None = None,
         precheck: PrecheckFactory | None = None,
+        remote_wal: RemoteWal | None = None,
     ) -> None:
         self.tl = timeline
         self.cfg = cfg
+        self._remote_wal = remote_wal
         self.ingest = ingest if ingest is not None else WalIngest(timeline)
         self._connect = connect
         self._precheck = precheck
@@ -1671,6 +1674,7 @@ class TimelineWalIngest:
             progress=self.progress,
             connect=self._connect,
             precheck=self._precheck,
+            remote_wal=self._remote_wal,
         )
         await self.receiver.run()
 

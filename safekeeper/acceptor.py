@@ -116,6 +116,8 @@ class Acceptor:
         self.peer_horizon_lsn = state.peer_horizon_lsn
         # The pageserver's durable-in-remote-storage position (its feedback); only grows.
         self.remote_consistent_lsn = state.remote_consistent_lsn
+        # WAL below it is in remote storage as whole segments (safekeeper.wal_backup); grows.
+        self.backup_lsn = state.backup_lsn
         self.term_start_lsn = state.term_history[-1].lsn if state.term_history else INVALID_LSN
         self._commit_candidate = state.commit_lsn
 
@@ -284,6 +286,7 @@ class Acceptor:
         self._commit_candidate = Lsn(max(self._commit_candidate, self.commit_lsn))
         self.peer_horizon_lsn = Lsn(max(self.peer_horizon_lsn, new.peer_horizon_lsn))
         self.remote_consistent_lsn = Lsn(max(self.remote_consistent_lsn, new.remote_consistent_lsn))
+        self.backup_lsn = Lsn(max(self.backup_lsn, new.backup_lsn))
         self.term_start_lsn = msg.term_history[-1].lsn
         effects.append(PersistControl(new))
         return effects
@@ -354,6 +357,7 @@ class Acceptor:
             commit_lsn=self.commit_lsn,
             peer_horizon_lsn=self.peer_horizon_lsn,
             remote_consistent_lsn=self.remote_consistent_lsn,
+            backup_lsn=self.backup_lsn,
         )
 
     def pageserver_progress(self, remote_consistent_lsn: Lsn) -> None:

@@ -11,6 +11,9 @@ Unknown keys and bad values stop start-up with a message naming the key.
     max_write_bytes = 1048576    # coalesce up to this much WAL per write+fsync; 0 = off
     ingest_queue_bytes = 8388608 # WAL received but not yet written, at most (about)
     wal_removal_period_s = 10.0  # how often old WAL segments are removed; 0 = never
+    remote_storage = {kind = "local", path = "/var/lib/pagestore/remote_storage"}  # WAL backup
+    wal_backup_peers = [1, 2, 3] # every safekeeper's id, for the backup election (docs/remote-storage.md)
+    wal_backup_period_s = 1.0    # how often closed segments are looked for and uploaded
     pg_auth_type = "NeonJWT"     # or "Trust"; http_auth_type likewise (docs/auth.md)
     auth_validation_public_key_path = "/var/lib/pagestore/auth_public_key.pem"
     ssl_cert_file = "/var/lib/pagestore/sk1/server.crt"   # with ssl_key_file: TLS on both ports
@@ -21,10 +24,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import attrs
+import cattrs
 
-from common.config import ConfigError, structure_config
+from common.config import ConfigError, make_converter, structure_config
 from common.config import load_config as _load_config
 from common.logging import LEVELS
+from protocol.lsn import WAL_SEGMENT_SIZE
+from remote_storage import LocalStorageConfig, RemoteStorageConfig
+from remote_storage import register_hooks as register_remote_hooks
 
 __all__ = ["ConfigError", "SafekeeperConfig", "load_config", "parse_config"]
 
@@ -48,6 +55,11 @@ def _non_negative(_inst: object, attr: attrs.Attribute[int], value: int) -> None
 def _non_negative_float(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
     if not value >= 0:
         raise ValueError(f"{attr.name} must be >= 0, got {value}")
+
+
+def _positive_float(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attr.name} must be > 0, got {value}")
 
 
 def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
@@ -76,6 +88,16 @@ class SafekeeperConfig:
     # TLS on both ports when set (libpq: SSLRequest answered S, plaintext refused; HTTP: https).
     ssl_cert_file: str | None = None
     ssl_key_file: str | None = None
+    # WAL backup (safekeeper.wal_backup): closed segments go to this store; None = no backup,
+    # and WAL removal then waits only for the pageserver and the peers (no backup_lsn term).
+    remote_storage: RemoteStorageConfig | None = None
+    # Every safekeeper of the cluster by id (this one included): the backup election ranks
+    # them per timeline. Empty: this node alone (it is always the elected one).
+    wal_backup_peers: list[int] = attrs.field(factory=list)
+    wal_backup_period_s: float = attrs.field(default=1.0, validator=_positive_float)
+    # A safekeeper of rank r > 0 uploads too once the remote is r * this many bytes of
+    # closed WAL behind its own commit_lsn (the elected one is down or stuck).
+    wal_backup_takeover_bytes: int = attrs.field(default=4 * WAL_SEGMENT_SIZE, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if (self.ssl_cert_file is None) != (self.ssl_key_file is None):
@@ -102,9 +124,24 @@ class SafekeeperConfig:
         return host, int(port)
 
 
+def _converter() -> cattrs.Converter:
+    conv = make_converter()
+    register_remote_hooks(conv)
+    return conv
+
+
+def _resolve(cfg: SafekeeperConfig) -> SafekeeperConfig:
+    rs = cfg.remote_storage
+    if isinstance(rs, LocalStorageConfig) and not rs.path.is_absolute():
+        # Relative to the data directory, as the pageserver's is to its workdir.
+        cfg = attrs.evolve(cfg, remote_storage=attrs.evolve(rs, path=cfg.data_path / rs.path))
+    return cfg
+
+
 def parse_config(data: dict[str, object]) -> SafekeeperConfig:
-    return structure_config(SafekeeperConfig, data, source="safekeeper config")
+    return _resolve(structure_config(SafekeeperConfig, data, converter=_converter(),
+                                     source="safekeeper config"))
 
 
 def load_config(path: Path) -> SafekeeperConfig:
-    return _load_config(SafekeeperConfig, path)
+    return _resolve(_load_config(SafekeeperConfig, path, converter=_converter()))

@@ -7,7 +7,9 @@ Routes (on ``common.http``):
   flush_lsn, commit_lsn, term history, write statistics, replicas); 404 ``{"msg": ...}``
   when unknown;
 - ``GET /metrics``: ``safekeeper_*`` metrics (per timeline: flush/commit LSN, term, write
-  groups, messages, bytes, fsyncs, and the histogram of messages per write group).
+  groups, messages, bytes, fsyncs, and the histogram of messages per write group; with WAL
+  backup on: ``safekeeper_backup_lsn``, ``safekeeper_wal_backup_rank``, uploaded segments and
+  bytes, adopted segments and failures).
 """
 
 from __future__ import annotations
@@ -42,6 +44,27 @@ class _TimelineCollector(Collector):
         msgs = CounterMetricFamily("safekeeper_proposer_messages", "Proposer messages processed", labels=labels)
         wbytes = CounterMetricFamily("safekeeper_write_bytes", "WAL bytes written", labels=labels)
         fsyncs = CounterMetricFamily("safekeeper_fsyncs", "WAL fdatasync calls", labels=labels)
+        backup_lsn = GaugeMetricFamily(
+            "safekeeper_backup_lsn", "WAL below it is in remote storage as whole segments", labels=labels
+        )
+        backup_rank = GaugeMetricFamily(
+            "safekeeper_wal_backup_rank", "This node's place in the backup election (0 = elected)",
+            labels=labels,
+        )
+        backup_up = CounterMetricFamily(
+            "safekeeper_wal_backup_uploaded_segments", "WAL segments this node uploaded", labels=labels
+        )
+        backup_bytes = CounterMetricFamily(
+            "safekeeper_wal_backup_uploaded_bytes", "WAL bytes this node uploaded", labels=labels
+        )
+        backup_adopted = CounterMetricFamily(
+            "safekeeper_wal_backup_adopted_segments",
+            "Segments found already in remote storage (a peer's, or this node's before a restart)",
+            labels=labels,
+        )
+        backup_fail = CounterMetricFamily(
+            "safekeeper_wal_backup_failures", "Failed WAL backup requests (each retried)", labels=labels
+        )
         sizes = HistogramMetricFamily(
             "safekeeper_write_group_messages", "AppendRequests per write group", labels=labels
         )
@@ -56,6 +79,14 @@ class _TimelineCollector(Collector):
             msgs.add_metric(lv, st.messages)
             wbytes.add_metric(lv, st.bytes)
             fsyncs.add_metric(lv, st.fsyncs)
+            b = tl.backup
+            if b.enabled:
+                backup_lsn.add_metric(lv, acc.backup_lsn)
+                backup_rank.add_metric(lv, b.rank)
+                backup_up.add_metric(lv, b.uploaded_segments)
+                backup_bytes.add_metric(lv, b.uploaded_bytes)
+                backup_adopted.add_metric(lv, b.adopted_segments)
+                backup_fail.add_metric(lv, b.failures)
             cumulative = 0
             buckets: list[tuple[str, float]] = []
             for bound, count in zip(st.group_buckets, st.group_counts, strict=True):
@@ -63,7 +94,8 @@ class _TimelineCollector(Collector):
                 buckets.append((str(bound), cumulative))
             buckets.append(("+Inf", st.groups))
             sizes.add_metric(lv, buckets, sum_value=st.appends_in_groups)
-        yield from (flush, commit, term, groups, msgs, wbytes, fsyncs, sizes)
+        yield from (flush, commit, term, groups, msgs, wbytes, fsyncs, sizes, backup_lsn,
+                    backup_rank, backup_up, backup_bytes, backup_adopted, backup_fail)
 
 
 def build_http_server(node: SafekeeperNode) -> HttpServer:

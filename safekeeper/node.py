@@ -2,7 +2,8 @@
 
 Owns the timelines of one node (loaded from ``data_dir/<tenant>/<timeline>/`` at start-up,
 created on a proposer's greeting), the libpq port (walproposers push, replicas pull) and the
-HTTP port (status, metrics). SIGTERM / SIGINT: stop accepting, tell clients 57P01, save every
+HTTP port (status, metrics), and per timeline the WAL removal and (with ``remote_storage``)
+the WAL backup tasks. SIGTERM / SIGINT: stop accepting, tell clients 57P01, save every
 timeline's control file, exit 0.
 
 Commands on the libpq port (tenant and timeline come from the startup ``options``:
@@ -48,12 +49,14 @@ from protocol.replication import (
     TimelineStatus,
     parse_replication_command,
 )
+from remote_storage import RemoteStorage, make_remote_storage
 from safekeeper.config import ConfigError, SafekeeperConfig, load_config
 from safekeeper.control_file import CONTROL_FILE_NAME, ControlFileError
 from safekeeper.http_api import build_http_server
 from safekeeper.receive_wal import IngestConfig, serve_wal_push
 from safekeeper.send_wal import check_start, serve_replication
 from safekeeper.timeline import Timeline, has_wal_segments
+from safekeeper.wal_backup import BackupSettings, run_wal_backup
 from safekeeper.wal_removal import run_wal_removal
 from safekeeper.wal_storage import WalStorageError
 
@@ -85,7 +88,17 @@ class SafekeeperNode:
         )
         self.ingest = IngestConfig(cfg.ingest_queue, cfg.max_write_bytes, cfg.ingest_queue_bytes)
         self._stop = trio.Event()
-        # Where the per-timeline background tasks (WAL removal) run; set by run().
+        # WAL backup (safekeeper.wal_backup): None without remote_storage in the config.
+        self.remote: RemoteStorage | None = (
+            None if cfg.remote_storage is None else make_remote_storage(cfg.remote_storage)
+        )
+        self.backup_settings = BackupSettings(
+            node_id=cfg.id,
+            peers=tuple(cfg.wal_backup_peers),
+            period_s=cfg.wal_backup_period_s,
+            takeover_bytes=cfg.wal_backup_takeover_bytes,
+        )
+        # Where the per-timeline background tasks (WAL removal, backup) run; set by run().
         self._tasks: trio.Nursery | None = None
 
     def stop(self) -> None:
@@ -150,8 +163,14 @@ class SafekeeperNode:
             return tl
 
     def _start_background(self, tl: Timeline) -> None:
+        if self._tasks is None:
+            return
+        if self.remote is not None:
+            # Before removal starts: from now on removal waits for the backup.
+            tl.backup.enabled = True
+            self._tasks.start_soon(run_wal_backup, tl, self.remote, self.backup_settings)
         period = self.cfg.wal_removal_period_s
-        if self._tasks is not None and period > 0:
+        if period > 0:
             self._tasks.start_soon(run_wal_removal, tl, period)
 
     def status(self) -> dict[str, object]:
@@ -164,6 +183,8 @@ class SafekeeperNode:
             "ingest_queue": self.cfg.ingest_queue,
             "max_write_bytes": self.cfg.max_write_bytes,
             "wal_removal_period_s": self.cfg.wal_removal_period_s,
+            "wal_backup": self.remote is not None,
+            "wal_backup_peers": list(self.cfg.wal_backup_peers),
             # which kernels run (native or python) and the CRC-32C kernel
             **_native.describe(),
         }
@@ -190,6 +211,8 @@ class SafekeeperNode:
                 await tl.persist()
             http.shutdown()
             nursery.cancel_scope.cancel()
+        if self.remote is not None:
+            await self.remote.aclose()
 
 
 def _conn_ids(conn: PgConnection) -> tuple[TenantId, TimelineId]:

@@ -6,7 +6,8 @@ lock, carries out the acceptor's effects in order (blocking IO in ``trio.to_thre
 all the batch's WAL as one group with one flush, and returns the replies. ``flush_lsn`` and
 ``commit_lsn`` are ``trio_util.AsyncValue`` s: replication senders wait on ``commit_lsn``.
 ``remove_old_wal`` deletes segments below the removal horizon (``safekeeper.wal_removal``),
-saving the control file first when its ``commit_lsn`` would otherwise point into them.
+saving the control file first when its ``commit_lsn`` would otherwise point into them;
+``advance_backup`` records a segment the WAL backup stored (``safekeeper.wal_backup``).
 
 Concurrency: any number of push connections and senders may share a timeline; the lock makes
 acceptor transitions and WAL writes one at a time. Senders only read completed bytes below
@@ -54,6 +55,7 @@ from safekeeper.control_file import (
     write_control_file,
 )
 from safekeeper.record_tracker import InvalidWal
+from safekeeper.wal_backup import BackupStatus
 from safekeeper.wal_removal import first_kept_segment, removal_horizon
 from safekeeper.wal_storage import TrackedGroup, WalStorage, WalStorageError
 
@@ -138,6 +140,8 @@ class Timeline:
         self.ps_feedback: PageserverFeedback | None = None
         # Segments below this number were removed (or are being removed) by WAL removal.
         self.wal_removed_below = 0
+        # WAL backup progress on this node (safekeeper.wal_backup); enabled by the node.
+        self.backup = BackupStatus()
 
     @property
     def tenant_id(self) -> TenantId:
@@ -475,7 +479,21 @@ class Timeline:
             commit_lsn=acc.commit_lsn,
             flush_lsn=acc.flush_lsn,
             consumers=[r.needs_from for r in self.replicas.values()],
+            backup_lsn=acc.backup_lsn if self.backup.enabled else None,
         )
+
+    async def advance_backup(self, segno: int) -> None:
+        """Segment ``segno`` is in remote storage: move ``backup_lsn`` to its end and save the
+        control file (under the lock, as every control-file write), so a restart resumes
+        after it. ``backup_lsn`` never moves back."""
+        end = Lsn((segno + 1) * self.storage.seg_size)
+        async with self.lock:
+            if end <= self.acceptor.backup_lsn:
+                return
+            self.acceptor.backup_lsn = end
+            state = self.acceptor.persisted_state()
+            await trio.to_thread.run_sync(write_control_file, self.directory, state, self.no_sync)
+            self.persisted = state
 
     async def remove_old_wal(self) -> int:
         """Delete the segments wholly below the removal horizon; returns how many."""
@@ -544,6 +562,8 @@ class Timeline:
             "peer_horizon_lsn": _fmt(acc.peer_horizon_lsn),
             "persisted_commit_lsn": _fmt(self.persisted.commit_lsn),
             "remote_consistent_lsn": _fmt(acc.remote_consistent_lsn),
+            "backup_lsn": _fmt(acc.backup_lsn),
+            "wal_backup": self.backup.as_dict(),
             "removal_horizon": _fmt(self.removal_horizon()),
             "wal_removed_below": _fmt(self.wal_removed_below * self.storage.seg_size),
             "pg_version": st.pg_version,

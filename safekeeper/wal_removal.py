@@ -2,15 +2,19 @@
 
 Owns the removal rule. The horizon is the lowest LSN anyone may still ask for:
 
-    min(remote_consistent_lsn   the pageserver's durable position (its feedback),
+    min(remote_consistent_lsn   the pageserver's durable position (its feedback): WAL above it
+                                exists only on the pageserver's disk and here,
+        backup_lsn              with WAL backup on (``remote_storage`` set): WAL below it is in
+                                remote storage as whole segments (``safekeeper.wal_backup``),
         peer_horizon_lsn        the proposer's truncate_lsn: what every safekeeper has,
         each live replication consumer's flush position (its start until it reports one),
         commit_lsn, flush_lsn)  never past what this node has committed and flushed
 
-It is Neon's ``get_horizon_segno`` without the S3 terms (pagestore's safekeeper offloads no WAL,
-so ``backup_lsn`` would hold everything forever) and with the live consumers added. A segment is
-removed only when every one of its bytes is below the horizon, so the segment holding the horizon
-stays, and so does every segment above it (the open one included).
+It is Neon's ``get_horizon_segno`` with the live consumers added. Without remote storage there
+is no backup and the ``backup_lsn`` term is left out (it would hold everything forever); the
+pageserver then cannot read removed WAL back from anywhere, which is what the term is for. A
+segment is removed only when every one of its bytes is below the horizon, so the segment
+holding the horizon stays, and so does every segment above it (the open one included).
 
 The periodic task (one per timeline, ``wal_removal_period_s``, 0 = off) calls
 ``Timeline.remove_old_wal``; a filesystem error is logged and retried on the next period.
@@ -39,9 +43,12 @@ def removal_horizon(
     commit_lsn: Lsn,
     flush_lsn: Lsn,
     consumers: Iterable[Lsn] = (),
+    backup_lsn: Lsn | None = None,
 ) -> Lsn:
-    """The lowest LSN any consumer may still need (0 until a pageserver has reported)."""
-    return Lsn(min(remote_consistent_lsn, peer_horizon_lsn, commit_lsn, flush_lsn, *consumers))
+    """The lowest LSN any consumer may still need (0 until a pageserver has reported).
+    ``backup_lsn`` None: no WAL backup on this node (the term is left out)."""
+    backup = () if backup_lsn is None else (backup_lsn,)
+    return Lsn(min(remote_consistent_lsn, peer_horizon_lsn, commit_lsn, flush_lsn, *backup, *consumers))
 
 
 def first_kept_segment(horizon: Lsn, seg_size: int) -> int:

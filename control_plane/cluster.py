@@ -57,8 +57,10 @@ def _node_cmd(env: LocalEnv, name: str) -> tuple[list[str], str]:
 
 
 def _node_env(env: LocalEnv, name: str) -> dict[str, str]:
-    """The pageserver's token for the safekeepers (its WAL receivers), in its environment."""
-    token = env.token(Scope.SAFEKEEPERDATA) if _is_pageserver(name) else None
+    """The pageserver's token for the safekeepers (its WAL receivers), and a safekeeper's for
+    its peers' HTTP (safekeeper.peers), in the node's environment."""
+    token = (env.token(Scope.SAFEKEEPERDATA)
+             if _is_pageserver(name) or name.startswith("safekeeper_") else None)
     return {} if token is None else {TOKEN_ENV: token}
 
 
@@ -214,6 +216,8 @@ def status(env: LocalEnv) -> dict[str, Any]:
             key = (tl["tenant_id"], tl["timeline_id"])
             sk_timelines.setdefault(key, {})[f"safekeeper_{sk_id}"] = {
                 "flush_lsn": tl["flush_lsn"], "commit_lsn": tl["commit_lsn"],
+                # WAL below it is in remote storage (the safekeepers' WAL backup)
+                "backup_lsn": tl.get("backup_lsn"),
             }
 
     placement = _placement(env) if node_up.get("storage_controller", True) else {}

@@ -31,9 +31,9 @@ def render(st: dict[str, Any]) -> str:
                                 for k, v in sorted(t["safekeepers"].items())) or "-"
             rows.append([t["branch"] or "-", t["timeline_id"][:12], t.get("pageserver") or "-",
                          str(t["last_record_lsn"]), str(t["disk_consistent_lsn"]),
-                         str(t.get("remote_consistent_lsn")), commits])
+                         str(t.get("remote_consistent_lsn")), commits, _backup_lsn(t["safekeepers"])])
         out += ["", table(rows, ["branch", "timeline", "pageserver", "last_record_lsn", "disk_consistent_lsn",
-                                 "remote_consistent_lsn", "safekeeper commit_lsn"])]
+                                 "remote_consistent_lsn", "safekeeper commit_lsn", "wal backup_lsn"])]
     if st["endpoints"]:
         out += ["", table(
             [[e["name"], e["branch"] or "-", str(e["port"]), "running" if e["running"] else "stopped",
@@ -41,6 +41,14 @@ def render(st: dict[str, Any]) -> str:
             ["endpoint", "branch", "port", "state", "kind"],
         )]
     return "\n".join(out)
+
+
+def _backup_lsn(safekeepers: dict[str, dict[str, Any]]) -> str:
+    """The highest backup_lsn any safekeeper reports ("-" without WAL backup)."""
+    from protocol.lsn import parse_lsn
+
+    lsns = [v["backup_lsn"] for v in safekeepers.values() if v.get("backup_lsn")]
+    return max(lsns, key=parse_lsn) if lsns else "-"
 
 
 @guarded

@@ -475,6 +475,21 @@ class LocalEnv:
             "no_sync": self.config.safekeeper_no_sync,
             "log_file": str(d / "safekeeper.log"),
             **self._auth_table(d),
+            **self._wal_backup_table(sk_id),
+        }
+
+    def _wal_backup_table(self, sk_id: int) -> dict[str, Any]:
+        """With remote storage: WAL backup to it (the election ranks every safekeeper), and the
+        others' remote_consistent_lsn shared with this one (safekeeper.peers), so that every
+        safekeeper trims what the backup and the pageserver both have."""
+        rs = self.remote_storage_table()
+        if rs is None:
+            return {}
+        return {
+            "remote_storage": rs,
+            "wal_backup_peers": self.safekeeper_ids,
+            "peer_http": [self.safekeeper_http(i) for i in self.safekeeper_ids if i != sk_id],
+            **({"ssl_ca_file": str(self.ca_dir / CA_CERT_NAME)} if self.config.tls else {}),
         }
 
     def check_node_configs(self) -> tuple[PageserverConfig, list[SafekeeperConfig]]:

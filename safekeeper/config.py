@@ -14,6 +14,7 @@ Unknown keys and bad values stop start-up with a message naming the key.
     remote_storage = {kind = "local", path = "/var/lib/pagestore/remote_storage"}  # WAL backup
     wal_backup_peers = [1, 2, 3] # every safekeeper's id, for the backup election (docs/remote-storage.md)
     wal_backup_period_s = 1.0    # how often closed segments are looked for and uploaded
+    peer_http = ["http://127.0.0.1:7677"]  # the other safekeepers' HTTP (safekeeper.peers)
     pg_auth_type = "NeonJWT"     # or "Trust"; http_auth_type likewise (docs/auth.md)
     auth_validation_public_key_path = "/var/lib/pagestore/auth_public_key.pem"
     ssl_cert_file = "/var/lib/pagestore/sk1/server.crt"   # with ssl_key_file: TLS on both ports
@@ -98,6 +99,11 @@ class SafekeeperConfig:
     # A safekeeper of rank r > 0 uploads too once the remote is r * this many bytes of
     # closed WAL behind its own commit_lsn (the elected one is down or stuck).
     wal_backup_takeover_bytes: int = attrs.field(default=4 * WAL_SEGMENT_SIZE, validator=_positive)
+    # The other safekeepers' HTTP base URLs: their remote_consistent_lsn is shared with this
+    # node every peer_sync_period_s (safekeeper.peers); ssl_ca_file verifies https ones.
+    peer_http: list[str] = attrs.field(factory=list)
+    peer_sync_period_s: float = attrs.field(default=1.0, validator=_positive_float)
+    ssl_ca_file: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if (self.ssl_cert_file is None) != (self.ssl_key_file is None):

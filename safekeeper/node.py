@@ -3,7 +3,8 @@
 Owns the timelines of one node (loaded from ``data_dir/<tenant>/<timeline>/`` at start-up,
 created on a proposer's greeting), the libpq port (walproposers push, replicas pull) and the
 HTTP port (status, metrics), and per timeline the WAL removal and (with ``remote_storage``)
-the WAL backup tasks. SIGTERM / SIGINT: stop accepting, tell clients 57P01, save every
+the WAL backup tasks; with ``peer_http``, the sharing of ``remote_consistent_lsn`` with the
+other safekeepers (``safekeeper.peers``). SIGTERM / SIGINT: stop accepting, tell clients 57P01, save every
 timeline's control file, exit 0.
 
 Commands on the libpq port (tenant and timeline come from the startup ``options``:
@@ -17,6 +18,8 @@ Commands on the libpq port (tenant and timeline come from the startup ``options`
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import ssl
 import sys
 import threading
@@ -26,11 +29,12 @@ from pathlib import Path
 import structlog
 import trio
 
-from common.auth import AuthKeyError, Service
+from common.auth import TOKEN_ENV, AuthKeyError, Service
 from common.logging import setup_logging
 from common.pgserver import PgConnection, PgServer, PgServerConfig
 from common.security import NodeSecurity
 from common.signals import stop_on_signal
+from common.tls import client_context
 from protocol import _native
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
@@ -53,6 +57,7 @@ from remote_storage import RemoteStorage, make_remote_storage
 from safekeeper.config import ConfigError, SafekeeperConfig, load_config
 from safekeeper.control_file import CONTROL_FILE_NAME, ControlFileError
 from safekeeper.http_api import build_http_server
+from safekeeper.peers import run_peer_sync
 from safekeeper.receive_wal import IngestConfig, serve_wal_push
 from safekeeper.send_wal import check_start, serve_replication
 from safekeeper.timeline import Timeline, has_wal_segments
@@ -198,6 +203,12 @@ class SafekeeperNode:
             self._tasks = nursery
             for tl in self.timelines.values():
                 self._start_background(tl)
+            if self.cfg.peer_http:
+                context = None if self.cfg.ssl_ca_file is None else client_context(Path(self.cfg.ssl_ca_file))
+                nursery.start_soon(functools.partial(
+                    run_peer_sync, self.timelines, self.cfg.peer_http, self.cfg.peer_sync_period_s,
+                    token=os.environ.get(TOKEN_ENV) or None, context=context,
+                ))
             log.info("safekeeper started", pg_port=self.pg_port, http_port=self.http_port, id=self.cfg.id, **_native.describe())
             task_status.started((self.pg_port, self.http_port))
             if threading.current_thread() is threading.main_thread():

@@ -26,8 +26,8 @@ also uploads once the store is ``r * wal_backup_takeover_bytes`` of closed WAL b
 that lag, and stops again as soon as the elected one catches up (the adoption above makes the
 hand-over in either direction free of duplicates). Non-uploading nodes adopt what the
 uploader stored, so their own ``backup_lsn`` (and so their WAL removal) follows it. A node
-whose WAL starts above ``backup_lsn`` (``local_start_lsn``, a node that joined later) cannot
-upload those segments and waits for another one to.
+whose WAL starts above the segment's (``local_start_lsn`` above both the segment start and the
+timeline start: a node that joined later) cannot upload it and waits for another one to.
 
 **Store down.** A failed upload is retried with capped exponential backoff (``failures`` and
 ``last_error`` in the status and metrics) and nothing moves meanwhile: ``backup_lsn`` stays,
@@ -141,7 +141,7 @@ async def backup_round(tl: Timeline, storage: RemoteStorage, settings: BackupSet
     while should_upload(status.rank, closed_end(acc.commit_lsn, seg), acc.backup_lsn,
                         settings.takeover_bytes):
         segno = acc.backup_lsn // seg
-        if acc.state.local_start_lsn > segno * seg:
+        if acc.state.local_start_lsn > max(segno * seg, acc.state.timeline_start_lsn):
             status.waiting_for = (
                 f"segment {tl.storage.segment_name(segno)} starts below this node's WAL "
                 f"(local_start_lsn {format_lsn(acc.state.local_start_lsn)}): a peer uploads it"

@@ -127,10 +127,10 @@ async def backup_round(tl: Timeline, storage: RemoteStorage, settings: BackupSet
         return 0  # no election yet: no WAL
     status.rank = backup_rank(settings.peers, settings.node_id, tl.timeline_id)
     while True:
-        backup_lsn = acc.backup_lsn
-        if backup_lsn + seg > closed_end(acc.commit_lsn, seg):
+        # (backup_lsn is not segment-aligned before the first segment: the timeline's start)
+        segno = acc.backup_lsn // seg
+        if (segno + 1) * seg > closed_end(acc.commit_lsn, seg):
             break
-        segno = backup_lsn // seg
         if not await _in_store(storage, wal_segment_key(tl.tenant_id, tl.timeline_id, segno, seg)):
             break
         await tl.advance_backup(segno)

@@ -78,15 +78,15 @@ def test_pageserver_recreated_from_scratch_catches_up_from_the_wal_backup(
         ep = pagestore_json(capsys, "endpoint", "start", "imp", *wd, "--branch-name", "imp",
                             "--tenant-id", tenant_id, "--storage", "full")
         pg = PostgresInstance(workdir / "endpoints/imp/pgdata", port=ep["port"], started=True)
-        # More than two segments of WAL.
+        # WAL past the end of the segment the timeline starts in (that one gets trimmed).
+        first_seg_end = (start_lsn // WAL_SEGMENT_SIZE + 1) * WAL_SEGMENT_SIZE
         pg.psql("CREATE TABLE big AS SELECT g, repeat(md5(g::text), 14) AS pad "
-                "FROM generate_series(1, 90000) g")
+                "FROM generate_series(1, 40000) g")
         lsn = parse_lsn(pg.psql("SELECT pg_current_wal_flush_lsn()"))
-        assert lsn - start_lsn > 2 * WAL_SEGMENT_SIZE
+        assert lsn > first_seg_end + WAL_SEGMENT_SIZE // 8
         cluster.wait_for_lsn(env, tenant_id, TIMELINE, lsn, timeout=300)
         # Flushed and uploaded: remote_consistent_lsn reaches the safekeepers, which trim.
         request_json("PUT", f"{env.pageserver_http}/v1/tenant/{tenant_id}/timeline/{TIMELINE}/checkpoint")
-        first_seg_end = (start_lsn // WAL_SEGMENT_SIZE + 1) * WAL_SEGMENT_SIZE
         try:
             wait_until("every safekeeper trimmed the WAL the timeline starts with", lambda: all(
                 parse_lsn(t["wal_removed_below"]) >= first_seg_end for t in sk_timelines(env, tenant_id)
@@ -99,7 +99,7 @@ def test_pageserver_recreated_from_scratch_catches_up_from_the_wal_backup(
             assert parse_lsn(t["backup_lsn"]) >= first_seg_end
         backed_up = sorted(p.name for p in (env.remote_storage_dir / wal_timeline_prefix(
             TenantId.parse(tenant_id), TimelineId.parse(TIMELINE))).iterdir())
-        assert len(backed_up) >= 3
+        assert len(backed_up) >= 1
         st = pagestore_json(capsys, "status", *wd)
         (tl,) = [t for t in st["timelines"] if t["timeline_id"] == TIMELINE]
         assert all(parse_lsn(v["backup_lsn"]) >= first_seg_end for v in tl["safekeepers"].values())

@@ -98,14 +98,14 @@ async def remote_segments(storage: RemoteStorage) -> list[int]:
     return sorted(parse_wal_segment_key(PREFIX, k) for k in listing.keys)
 
 
-async def write_wal(port: int, total: int) -> tuple[bytes, Lsn]:
-    """``total`` bytes of committed WAL from START (one proposer, then disconnect)."""
-    wal = synthetic_wal(START, total, record_size=8000)
+async def write_wal(port: int, total: int, start: Lsn = START) -> tuple[bytes, Lsn]:
+    """``total`` bytes of committed WAL from ``start`` (one proposer, then disconnect)."""
+    wal = synthetic_wal(start, total, record_size=8000)
     chunk = 128 * 1024
     async with await TestProposer.connect("127.0.0.1", port, TENANT, TIMELINE) as p:
         await p.greet()
-        await p.elect(START)
-        end = await p.append_many(START, [wal[i : i + chunk] for i in range(0, len(wal), chunk)])
+        await p.elect(start)
+        end = await p.append_many(start, [wal[i : i + chunk] for i in range(0, len(wal), chunk)])
         # (the proposer's truncate_lsn: every safekeeper has it all; the peers hold nothing)
         p.truncate_lsn = end
         await commit_everything(p, end)
@@ -186,6 +186,32 @@ async def test_store_down_backup_retries_removal_waits_then_catches_up(node: Saf
     assert tl.backup.uploaded_segments == 2
 
 
+async def test_the_elected_one_uploads_and_its_peer_adopts(tmp_path: Path) -> None:
+    # Two safekeepers, one store; the timeline starts mid-segment (as after initdb), so the
+    # first backed-up segment begins with the election's page headers.
+    start = Lsn(SEG + 0x500780)
+    store = LocalStorageConfig(path=tmp_path / "remote")
+    async with running_node(tmp_path / "sk1", id=1, remote_storage=store, wal_backup_peers=[1, 2],
+                            wal_backup_period_s=0.05, wal_removal_period_s=0.05) as sk1, \
+            running_node(tmp_path / "sk2", id=2, remote_storage=store, wal_backup_peers=[1, 2],
+                         wal_backup_period_s=0.05, wal_removal_period_s=0.05) as sk2:
+        for sk in (sk1, sk2):
+            _, end = await write_wal(sk.pg_port or 0, SEG + SEG // 4, start=start)
+        assert end // SEG == 2
+        tls = [sk.timelines[(TENANT, TIMELINE)] for sk in (sk1, sk2)]
+        await wait_for("both", lambda: all(t.acceptor.backup_lsn == 2 * SEG for t in tls))
+        by_rank = sorted(tls, key=lambda t: t.backup.rank)
+        assert [t.backup.rank for t in by_rank] == [0, 1]
+        assert by_rank[0].backup.uploaded_segments == 1 and by_rank[0].backup.adopted_segments == 0
+        assert by_rank[1].backup.uploaded_segments == 0 and by_rank[1].backup.adopted_segments == 1
+        assert sk1.remote is not None
+        assert await remote_segments(sk1.remote) == [1]
+        # Both trim once the pageserver's position passes the segment, the peer too.
+        for t in tls:
+            t.acceptor.pageserver_progress(end)
+        await wait_for("removal", lambda: local_segments(sk1) == local_segments(sk2) == [2])
+
+
 @given(
     peers=st.sets(st.integers(min_value=1, max_value=50), min_size=1, max_size=7),
     raw=st.binary(min_size=16, max_size=16),
@@ -252,14 +278,11 @@ def kill_during_backup(proc: SafekeeperProcess, wal_dir: Path, closed: int, roun
 
 async def test_kill_9_during_backup_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     remote_dir = tmp_path / "remote"
-    # First without remote storage: the WAL is written and committed, and a clean stop saves
-    # commit_lsn, so that the backup after the restart has every segment to do.
-    plain = SafekeeperProcess(tmp_path / "sk", no_sync=True)
-    plain.start()
-    try:
-        wal, end = await write_wal(plain.pg_port, 4 * SEG + SEG // 4)
-    finally:
-        assert plain.stop() == 0
+    # First without remote storage (in this process): the WAL is written and committed, and
+    # a clean stop saves commit_lsn, so that the backup of the node started next (as a process,
+    # on the same data directory) has every segment to do.
+    async with running_node(tmp_path / "sk" / "data") as plain:
+        wal, end = await write_wal(plain.pg_port or 0, 4 * SEG + SEG // 4)
     closed = end // SEG  # segments 1 .. closed-1 are closed
     proc = SafekeeperProcess(tmp_path / "sk", no_sync=True, wal_removal_period_s=0.05,
                              wal_backup_period_s=0.02,

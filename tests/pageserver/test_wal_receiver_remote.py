@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from pageserver.wal_receiver import RemoteWal, WalReceiver, WalReceiverConfig
-from protocol.lsn import WAL_SEGMENT_SIZE, Lsn
+from protocol.lsn import WAL_SEGMENT_SIZE
 from protocol.wal.reader import WalStreamDecoder
 from protocol.wal.record import DecodedRecord
 from remote_storage import LocalStorageConfig, RemoteStorageConfig

@@ -16,6 +16,7 @@ from protocol.lsn import WAL_SEGMENT_SIZE
 from protocol.wal.reader import WalStreamDecoder
 from protocol.wal.record import DecodedRecord
 from remote_storage import LocalStorageConfig, RemoteStorageConfig
+from remote_storage.wal_layout import wal_segment_key
 from safekeeper.testing import running_node
 from tests.safekeeper.test_node_inprocess import TENANT, TIMELINE
 from tests.safekeeper.test_wal_backup import START, local_segments, wait_for, write_wal
@@ -68,6 +69,17 @@ async def test_receiver_reads_trimmed_wal_from_the_backup(
         with trio.move_on_after(1.0):
             await alone.run()
         assert got == [] and "already been removed" in str(alone.last_error)
+
+        # A damaged object (cut short) is refused, nothing of it handed over.
+        key = wal_segment_key(TENANT, TIMELINE, 1)
+        good = await sk.remote.download(key)
+        await sk.remote.upload(key, good[: SEG // 2])
+        damaged = WalReceiver(cfg, start_lsn=START, on_records=collect,
+                              remote_wal=RemoteWal(sk.remote, TENANT, TIMELINE))
+        with trio.move_on_after(1.0):
+            await damaged.run()
+        assert got == [] and f"has {SEG // 2} bytes, expected {SEG}" in str(damaged.last_error)
+        await sk.remote.upload(key, good)
 
         receiver = WalReceiver(cfg, start_lsn=START, on_records=collect,
                                remote_wal=RemoteWal(sk.remote, TENANT, TIMELINE))

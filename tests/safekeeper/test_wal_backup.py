@@ -26,6 +26,7 @@ from remote_storage import (
 from remote_storage.base import Listing
 from remote_storage.wal_layout import parse_wal_segment_key, wal_segment_key, wal_timeline_prefix
 from safekeeper.node import SafekeeperNode
+from safekeeper.peers import peer_horizons
 from safekeeper.testing import SafekeeperProcess, TestProposer, running_node, synthetic_wal
 from safekeeper.wal_backup import backup_order, backup_rank, should_upload
 from safekeeper.wal_storage import WalStorage
@@ -224,6 +225,24 @@ def test_every_safekeeper_computes_the_same_election(peers: set[int], raw: bytes
     (order,) = orders
     assert sorted(order) == list(ids)
     assert sorted(backup_rank(ids, me, tl) for me in ids) == list(range(len(ids)))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=20), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(doc=json_values | st.lists(st.fixed_dictionaries({
+    "tenant_id": st.sampled_from([TENANT.hex, "zz", 5]),
+    "timeline_id": st.sampled_from([TIMELINE.hex, "", None]),
+    "remote_consistent_lsn": st.sampled_from(["0/1500780", "nope", "1/", 7]),
+}), max_size=3))
+def test_a_peer_answer_of_any_shape_is_parsed_or_skipped(doc: object) -> None:
+    out = peer_horizons(doc)
+    for (tenant, timeline), lsn in out.items():
+        assert (tenant, timeline) == (TENANT, TIMELINE) and lsn == 0x1500780
 
 
 def test_takeover_rule() -> None:

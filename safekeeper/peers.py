@@ -49,11 +49,19 @@ def peer_horizons(doc: object) -> dict[tuple[TenantId, TimelineId], Lsn]:
     if not isinstance(doc, list):
         return out
     for tl in doc:
-        try:
-            key = (TenantId.parse(tl["tenant_id"]), TimelineId.parse(tl["timeline_id"]))
-            out[key] = parse_lsn(tl["remote_consistent_lsn"])
-        except (KeyError, TypeError, ValueError, RemoteProtocolError):
+        if not isinstance(tl, dict):
             continue
+        fields = tl.get("tenant_id"), tl.get("timeline_id"), tl.get("remote_consistent_lsn")
+        if not all(isinstance(f, str) for f in fields):
+            continue
+        tenant, timeline, lsn_text = fields
+        assert isinstance(tenant, str) and isinstance(timeline, str) and isinstance(lsn_text, str)
+        try:
+            key = (TenantId.parse(tenant), TimelineId.parse(timeline))
+            lsn = parse_lsn(lsn_text)
+        except (ValueError, RemoteProtocolError):
+            continue
+        out[key] = Lsn(max(out.get(key, 0), lsn))
     return out
 
 

@@ -118,6 +118,7 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
     from prometheus_client import CollectorRegistry
 
     from common.logging import setup_logging
+    from common.malloc_tuning import keep_freed_heap
     from common.pgserver import PgServer, PgServerConfig
     from pageserver.page_service.handler import PageServiceHandler
     from pageserver.page_service.metrics import PageServiceMetrics
@@ -130,6 +131,7 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
     # Log lines to stderr: stdout is the pipe the driver reads the port from, and reads only
     # twice; a connection's log lines there would fill it and stall the server.
     setup_logging(level="warning")
+    keep_freed_heap()  # as the pageserver process does (pageserver/node.py)
     config = StorageConfig(
         validate_get=False,
         double_buffering=False,

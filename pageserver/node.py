@@ -26,6 +26,7 @@ from common.auth import TOKEN_ENV, AuthKeyError, Service
 from common.config import ConfigError
 from common.http import HttpServer, HttpServerConfig
 from common.logging import setup_logging
+from common.malloc_tuning import keep_freed_heap
 from common.metrics import new_registry
 from common.pgserver import PgServer, PgServerConfig
 from common.security import NodeSecurity
@@ -155,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pageserver: {exc}", file=sys.stderr)
         return 2
     setup_logging(log_file=conf.log_path, level=conf.log_level)
+    # per-batch response and read buffers: keep freed heap instead of brk churn (the module)
+    keep_freed_heap()
     try:
         node = PageserverNode(conf, handle_signals=True,
                               safekeeper_token=os.environ.get(TOKEN_ENV) or None)

@@ -273,8 +273,10 @@ class PgConnection:
             return bytes(await self._stream.receive_some(RECEIVE_SIZE))
         raise IdleTimeout(f"no message from the client for {timeout} s")
 
-    async def _receive_more(self) -> None:
-        """Feed the decoder what the client sends next (EOF included).
+    async def _receive_more(self, on_idle: Callable[[], object] | None = None) -> None:
+        """Feed the decoder what the client sends next (EOF included). ``on_idle`` is called
+        where the receive buffer's memory is released for an idle wait (see below), so that
+        a consumer can release its own buffers too.
 
         On a socket the kernel copies straight into the decoder's buffer (``recv_into``):
         no ``bytes`` object per receive and no copy into the buffer afterwards. Other
@@ -311,6 +313,8 @@ class PgConnection:
             # Idle: hold no receive memory (~RECEIVE_MIN, or the 2 MiB arrays of a zero-copy
             # stream) while waiting; it is allocated again when bytes arrive.
             self._decoder.release_idle_memory()
+            if on_idle is not None:
+                on_idle()
             with trio.move_on_at(deadline) as idle:
                 await trio.lowlevel.wait_readable(stream.socket)
             if idle.cancelled_caught:
@@ -457,7 +461,8 @@ class PgConnection:
         messages it understands and keeps their result); if it took something, ``[]``.
         Otherwise the next CopyData payload as a one-view list, as ``copy_receive_views``
         (waiting for bytes when nothing complete is buffered), or ``None`` once the client
-        ended the COPY."""
+        ended the COPY. If ``scan`` has a ``release_idle_memory()`` method, it is called
+        whenever the connection releases its receive memory for an idle wait."""
         return await self._copy_receive(stream, scan)
 
     async def _copy_receive(
@@ -467,6 +472,8 @@ class PgConnection:
             raise LocalProtocolError("this copy stream is send-only")
         received = False
         decoder = self._decoder
+        # a scanner that keeps buffers of its own gives them back while the client is idle
+        on_idle = getattr(scan, "release_idle_memory", None)
         while not stream.finished_receiving:
             if scan is not None and decoder.copy_data_scan(scan):
                 if not received:
@@ -480,7 +487,7 @@ class PgConnection:
                 return views
             ev = decoder.next_event()
             if ev is NEED_DATA:
-                await self._receive_more()
+                await self._receive_more(on_idle)
                 received = True
                 continue
             if isinstance(ev, m.Sync | m.Flush):  # PostgreSQL ignores these during COPY

@@ -112,6 +112,16 @@ class AppendRunTaker:
             self._at = at + n
         return stop
 
+    def release_idle_memory(self) -> None:
+        """Forget every arena no run uses any more (``copy_receive_scan`` calls this when the
+        connection waits idle, as it releases its receive buffer): an idle push connection
+        then holds no arena; arenas still under a live run stay until it is written."""
+        self._arena = None
+        pool = self._pool
+        for k in range(len(pool) - 1, -1, -1):
+            if sys.getrefcount(pool[k]) == 2:  # the list's and the argument's: no view left
+                del pool[k]
+
     def take(self) -> AppendRequest | None:
         """The run the last call took, if it took one (then it is forgotten here)."""
         run, self._run = self._run, None

@@ -753,3 +753,52 @@ async def test_socket_errors_map_to_the_stream_exceptions() -> None:
     assert copy.peer_closed
     client.close()
     await conn.transport.aclose()
+
+
+async def test_copy_receive_scan_takes_frames_in_place_and_releases_memory_when_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel form of the COPY receive, on a real socket: the scanner consumes what it
+    understands straight from the receive buffer (``[]`` back), anything else comes back as
+    a payload, CopyDone ends it; while the client is idle the connection gives back its
+    receive memory and calls the scanner's ``release_idle_memory`` too."""
+    monkeypatch.setattr(pgserver, "IDLE_RELEASE_S", 0.05)
+    conn, client = await _socket_connection()
+    copy = await conn.enter_copy_both()
+    taken: list[bytes] = []
+    idle: list[int] = []
+
+    class Scanner:
+        def __call__(self, data: bytearray, start: int, end: int, max_length: int) -> int:
+            # takes complete CopyData messages whose payload starts with "k"
+            while end - start >= 6 and data[start] == ord("d") and data[start + 5] == ord("k"):
+                length = int.from_bytes(data[start + 1 : start + 5], "big")
+                if length > end - start - 1:
+                    break
+                taken.append(bytes(data[start + 5 : start + 1 + length]))
+                start += 1 + length
+            return start
+
+        def release_idle_memory(self) -> None:
+            idle.append(conn._decoder.receive_capacity)
+
+    scanner = Scanner()
+    with trio.fail_after(5):
+        await client.send(m.encode(m.CopyData(b"keep 1"), m.CopyData(b"keep 2"), m.CopyData(b"other")))
+        assert await conn.copy_receive_scan(copy, scanner) == []
+        assert taken == [b"keep 1", b"keep 2"]
+        views = await conn.copy_receive_scan(copy, scanner)
+        assert views is not None and [bytes(v) for v in views] == [b"other"]
+        del views
+        async with trio.open_nursery() as nursery:
+
+            async def later() -> None:
+                await trio.sleep(0.3)
+                await client.send(m.encode(m.CopyData(b"keep 3"), m.CopyDone()))
+
+            nursery.start_soon(later)
+            assert await conn.copy_receive_scan(copy, scanner) == []
+        assert idle and idle[0] == 0  # after the connection let go of its receive buffer
+        assert taken[-1] == b"keep 3"
+        assert await conn.copy_receive_scan(copy, scanner) is None
+    client.close()

@@ -424,6 +424,29 @@ def test_the_taker_packs_runs_and_never_reuses_an_arena_under_a_live_run() -> No
     assert bytes(fourth.wal) == bytes(data[3 * one + 5 + 45 : 4 * one])
 
 
+def test_an_idle_taker_gives_back_every_arena_no_run_uses() -> None:
+    from protocol.append_runs import AppendRunTaker
+
+    data = bytearray(_frames(_appends([64 * 1024] * 8)))
+    one = len(data) // 8
+    taker = AppendRunTaker(64 * 1024)
+    kept = []
+    for k in range(4):  # three runs fill the first arena, the fourth needs a second one
+        assert taker(data, k * one, len(data), 1 << 20) == (k + 1) * one
+        kept.append(taker.take())
+    assert taker.pool_size == 2
+    live = kept[3]
+    assert live is not None
+    wal = bytes(live.wal)
+    del kept
+    taker.release_idle_memory()
+    assert taker.pool_size == 1 and bytes(live.wal) == wal  # the live run's arena stays
+    del live
+    taker.release_idle_memory()
+    assert taker.pool_size == 0
+    assert taker(data, 0, one, 1 << 20) == one and taker.pool_size == 1  # and it starts again
+
+
 def test_fuzz_harness_takes_its_seeds_and_catches_a_planted_difference(tmp_path: Path) -> None:
     """``pagestore fuzz take-append-run``'s harness (atheris itself is not needed here): its
     seeds are push streams the twin takes runs from, and a kernel that copies one byte too

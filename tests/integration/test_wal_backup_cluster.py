@@ -70,7 +70,9 @@ def test_pageserver_recreated_from_scratch_catches_up_from_the_wal_backup(
             path.write_text(tomli_w.dumps(conf))
         assert cli.main(["start", *wd]) == 0
         source = PostgresInstance.create(pg_tmp_path / "source")  # initdb: cleanly stopped
-        tenant_id = pagestore_json(capsys, "tenant", "create", *wd)["tenant_id"]
+        # The tenant alone (no bootstrapped main timeline: the import is its only one).
+        tenant_id = "7e" * 16
+        request_json("POST", f"{env.pageserver_http}/v1/tenant", {"tenant_id": tenant_id})
         imported = pagestore_json(capsys, "timeline", "import", *wd, "--tenant-id", tenant_id,
                                   "--pgdata", str(source.datadir), "--branch-name", "imp",
                                   "--timeline-id", TIMELINE)

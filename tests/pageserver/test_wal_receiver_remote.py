@@ -1,7 +1,6 @@
 """The WAL receiver reads from remote storage the WAL no safekeeper holds any more: a real
 safekeeper backs its closed segments up and trims them, and a receiver starting at the
-beginning gets every record, in order, once: the trimmed ones from the store (local kind and
-SeaweedFS), the rest from the safekeeper, with the record cut by the last backed-up segment's
+beginning gets every record, in order, once: the trimmed ones from the store (SeaweedFS), the rest from the safekeeper, with the record cut by the last backed-up segment's
 end continued across the switch."""
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from pageserver.wal_receiver import RemoteWal, WalReceiver, WalReceiverConfig
 from protocol.lsn import WAL_SEGMENT_SIZE
 from protocol.wal.reader import WalStreamDecoder
 from protocol.wal.record import DecodedRecord
-from remote_storage import LocalStorageConfig, RemoteStorageConfig
+from remote_storage import RemoteStorageConfig
 from remote_storage.wal_layout import wal_segment_key
 from safekeeper.testing import running_node
 from tests.safekeeper.test_node_inprocess import TENANT, TIMELINE
@@ -24,12 +23,11 @@ from tests.safekeeper.test_wal_backup import START, local_segments, wait_for, wr
 SEG = WAL_SEGMENT_SIZE
 
 
-@pytest.fixture(params=["local", "seaweedfs"])
-def store_config(request: pytest.FixtureRequest, tmp_path: Path) -> RemoteStorageConfig:
-    if request.param == "local":
-        return LocalStorageConfig(path=tmp_path / "remote")
-    cfg: RemoteStorageConfig = request.getfixturevalue("s3_config")
-    return cfg
+@pytest.fixture
+def store_config(s3_config: RemoteStorageConfig) -> RemoteStorageConfig:
+    # SeaweedFS only: the local kind is read back in tests/integration/test_wal_backup_cluster.py
+    # (the same receiver, in a pageserver).
+    return s3_config
 
 
 def records_of(wal: bytes) -> list[tuple[int, int]]:

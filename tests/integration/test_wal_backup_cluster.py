@@ -66,7 +66,7 @@ def test_pageserver_recreated_from_scratch_catches_up_from_the_wal_backup(
             conf = tomllib.loads(path.read_text())
             assert conf["remote_storage"]["kind"] == "local"
             assert conf["wal_backup_peers"] == env.safekeeper_ids
-            conf.update(wal_removal_period_s=0.2, wal_backup_period_s=0.2)
+            conf.update(wal_removal_period_s=0.2, wal_backup_period_s=0.2, peer_sync_period_s=0.2)
             path.write_text(tomli_w.dumps(conf))
         assert cli.main(["start", *wd]) == 0
         source = PostgresInstance.create(pg_tmp_path / "source")  # initdb: cleanly stopped

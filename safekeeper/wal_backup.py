@@ -150,8 +150,8 @@ async def backup_round(tl: Timeline, storage: RemoteStorage, settings: BackupSet
         path = tl.storage.segment_path(segno)
         if path is None:
             status.waiting_for = f"segment {tl.storage.segment_name(segno)} is not on this node"
-            log.error("closed WAL segment missing; cannot back it up", tenant_id=tl.tenant_id.hex,
-                      timeline_id=tl.timeline_id.hex, segment=tl.storage.segment_name(segno))
+            log.error("closed WAL segment missing; cannot back it up",
+                      segment=tl.storage.segment_name(segno))
             break
         status.uploading = True
         key = wal_segment_key(tl.tenant_id, tl.timeline_id, segno, seg)
@@ -162,7 +162,7 @@ async def backup_round(tl: Timeline, storage: RemoteStorage, settings: BackupSet
         status.uploaded_bytes += size
         await tl.advance_backup(segno)
         uploaded += 1
-        log.debug("WAL segment backed up", key=key, backup_lsn=format_lsn(acc.backup_lsn))
+        log.info("WAL segment backed up", key=key, backup_lsn=format_lsn(acc.backup_lsn))
     return uploaded
 
 
@@ -186,6 +186,10 @@ async def _upload_with_retries(storage: RemoteStorage, key: str, path: Path,
 
 async def run_wal_backup(tl: Timeline, storage: RemoteStorage, settings: BackupSettings) -> None:
     """Every ``period_s``, one ``backup_round`` (runs until cancelled)."""
+    # Started from the connection that created the timeline: its log context (conn_id, peer)
+    # is not this task's.
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(tenant_id=tl.tenant_id.hex, timeline_id=tl.timeline_id.hex)
     tl.backup.enabled = True
     attempt = 0
     while True:
@@ -197,7 +201,6 @@ async def run_wal_backup(tl: Timeline, storage: RemoteStorage, settings: BackupS
             attempt += 1
             tl.backup.failures += 1
             tl.backup.last_error = str(exc)
-            log.warning("WAL backup round failed; retrying", tenant_id=tl.tenant_id.hex,
-                        timeline_id=tl.timeline_id.hex, error=str(exc), attempt=attempt)
+            log.warning("WAL backup round failed; retrying", error=str(exc), attempt=attempt)
             delay = max(settings.period_s, backoff_delay(attempt + 1, max_delay_s=MAX_RETRY_DELAY_S))
         await trio.sleep(delay)

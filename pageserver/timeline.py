@@ -106,6 +106,8 @@ GET_VALIDATION_MISMATCHES = Counter(
     "pageserver_get_validation_mismatches",
     "reads where the vectored and the legacy path disagreed (validate_get)",
 )
+# keys reconstructed between two yields to the event loop (_read_requests)
+RECONSTRUCT_YIELD_EVERY = 16
 LAYER_DOWNLOADS = Counter("pageserver_layer_downloads", "layer files downloaded on demand from remote storage")
 LAYER_DOWNLOAD_FAILURES = Counter("pageserver_layer_download_failures", "on-demand layer downloads that failed")
 LAYER_EVICTIONS = Counter("pageserver_layer_evictions", "local layer files evicted (kept in remote storage)")
@@ -940,7 +942,12 @@ class Timeline:
         self._raise_if_shut_down()
         await self.graveyard.collect()
         out: dict[Key, Result] = {}
-        for key, st in states.items():
+        for i, key_st in enumerate(states.items()):
+            key, st = key_st
+            if i and i % RECONSTRUCT_YIELD_EVERY == 0:
+                # redo is CPU on the event loop: a batch of hundreds of keys (compaction's image
+                # layers, with validation on) must not starve the page service's connections
+                await trio.lowlevel.checkpoint()
             try:
                 page, applied = reconstruct_value(key, requests[key], st, self.redo)
             except PageReconstructError as exc:

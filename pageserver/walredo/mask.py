@@ -8,6 +8,7 @@ mask a copy; the page passed in is never modified.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 
 from pageserver.walredo import bufpage as bp
@@ -93,8 +94,9 @@ def heap_mask(page: bytearray, blkno: int) -> None:
     mask_page_hint_bits(page)
     mask_unused_space(page)
     u16 = bp.U16
-    for off in range(1, bp.max_offset(page) + 1):
-        raw = bp.get_itemid(page, off)
+    nline = bp.max_offset(page)
+    # mask_unused_space checked pd_lower: the pointer array is inside the page
+    for off, raw in enumerate(struct.unpack_from(f"<{nline}I", page, bp.SIZE_OF_PAGE_HEADER), 1):
         item = raw & 0x7FFF
         length = raw >> 17
         if (raw >> 15) & 3 == bp.LP_NORMAL:

@@ -559,12 +559,12 @@ def page_append_items(page: bytearray, items: Sequence[bytes | bytearray | memor
     n = len(items)
     if n == 0:
         return True
-    need = ITEM_ID_SIZE * n + sum((len(it) + 7) & ~7 for it in items)
+    sizes = [len(it) for it in items]
+    need = ITEM_ID_SIZE * n + sum((size + 7) & ~7 for size in sizes)
     if lower + need > upper:
         return False
     lps = []
-    for it in items:
-        size = len(it)
+    for it, size in zip(items, sizes, strict=True):
         upper -= (size + 7) & ~7
         page[upper : upper + size] = it
         lps.append(upper | (LP_NORMAL << 15) | (size << 17))

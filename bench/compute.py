@@ -21,7 +21,8 @@ run. One JSON line per measurement:
 
 Each scale gets its own cluster (``init --free-ports --no-sync``: the safekeepers skip fsync, so
 the safekeeper disk is not what is measured). The data is loaded through a full endpoint
-(``pgbench -i``), which is then stopped.
+(``pgbench -i``), which is then stopped, and the pageserver's in-memory layer is flushed
+(``flush``; the pages stay WAL records) before anything is measured.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def run_scale(root: Path, scale: int, args: argparse.Namespace, seqscan: bool) -
         db_bytes = int(query(load["port"], "SELECT pg_database_size('postgres')"))
         emit({"metric": "load", "scale": scale, "seconds": round(time.monotonic() - t, 1), "db_bytes": db_bytes})
         cli(wd, "endpoint", "stop", "load")
+        emit({"metric": "flush", "scale": scale, "seconds": round(flush_layers(wd), 1)})
         for storage in ("lazy", "full"):
             runs = []
             for i in range(args.repeat):
@@ -223,15 +225,31 @@ def tps_runs(wd: Path, scale: int, args: argparse.Namespace) -> None:
             pg.stop("immediate")
 
 
-def compact_with_images(wd: Path) -> float:
-    """Flush the pageserver's in-memory layer and compact main with image layers: the pages
-    are then materialized, as a pageserver has them in its steady state. Returns seconds."""
-    from control_plane.http_client import request_json
+def _timeline_url(wd: Path) -> str:
     from control_plane.local_env import LocalEnv
 
-    env = LocalEnv.load(wd)
+    env = LocalEnv.load(wd)  # also registers the cluster's token for these URLs
     tenant = env.resolve_tenant(None)
-    url = f"{env.pageserver_http}/v1/tenant/{tenant}/timeline/{env.timeline_of_branch(tenant, 'main')}"
+    return f"{env.pageserver_http}/v1/tenant/{tenant}/timeline/{env.timeline_of_branch(tenant, 'main')}"
+
+
+def flush_layers(wd: Path) -> float:
+    """Write the pageserver's in-memory layer of main to disk (the load's WAL stays WAL
+    records: no image layers): the starts are then measured on a pageserver at rest, not
+    one still busy with the load. Returns seconds."""
+    from control_plane.http_client import request_json
+
+    t = time.monotonic()
+    request_json("PUT", f"{_timeline_url(wd)}/checkpoint", timeout=1800)
+    return time.monotonic() - t
+
+
+def compact_with_images(wd: Path) -> float:
+    """Flush and compact main with image layers: the pages are then materialized, as a
+    pageserver has them in its steady state. Returns seconds."""
+    from control_plane.http_client import request_json
+
+    url = _timeline_url(wd)
     t = time.monotonic()
     request_json("PUT", f"{url}/checkpoint", timeout=1800)
     request_json("PUT", f"{url}/compact?force_image=true", timeout=1800)
@@ -269,7 +287,8 @@ def _pageserver_http(wd: Path) -> str:
 
 
 def plot(lines: list[dict[str, Any]], out: Path) -> None:
-    """Start to first query and the CLI's own start time, lazy vs full, per scale."""
+    """Left: start to first query, lazy vs full, per scale (log scale: full grows with the
+    data). Right: warm pgbench TPS (medians) of the lazy, full and plain targets."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,16 +296,35 @@ def plot(lines: list[dict[str, Any]], out: Path) -> None:
 
     starts = [x for x in lines if x.get("metric") == "start"]
     scales = sorted({x["scale"] for x in starts})
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.35
     for i, storage in enumerate(("lazy", "full")):
         ys = [next((x["first_query_s"] for x in starts if x["scale"] == sc and x["storage"] == storage), 0.0)
               for sc in scales]
-        ax.bar([j + (i - 0.5) * width for j in range(len(scales))], ys, width, label=f"{storage} endpoint")
+        bars = ax.bar([j + (i - 0.5) * width for j in range(len(scales))], ys, width, label=f"{storage} endpoint")
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
     ax.set_xticks(range(len(scales)), [f"scale {sc}" for sc in scales])
-    ax.set_ylabel("endpoint start -> first query answered (s)")
-    ax.set_title("pagestore bench compute: start time (median)")
+    ax.set_yscale("log")
+    ax.set_ylabel("endpoint start -> first query answered (s, log)")
+    ax.set_title("start time (median)")
     ax.legend()
+    tps = [x for x in lines if x.get("metric") == "tps"]
+    modes = ("select-only", "tpcb-like")
+    targets = ("lazy-warm", "full", "plain")
+    width = 0.27
+    for i, target in enumerate(targets):
+        ys = []
+        for mode in modes:
+            vals = [x["tps"] for x in tps if x["target"] == target and x["mode"] == mode]
+            ys.append(statistics.median(vals) if vals else 0.0)
+        bars = bx.bar([j + (i - 1) * width for j in range(len(modes))], ys, width, label=target)
+        bx.bar_label(bars, fmt="%.0f", fontsize=8)
+    bx.set_xticks(range(len(modes)), modes)
+    bx.set_yscale("log")
+    bx.set_ylabel("pgbench TPS (median of the rounds, log)")
+    bx.set_title(f"warm TPS at scale {tps[0]['scale'] if tps else '?'}")
+    bx.legend()
+    fig.suptitle("pagestore bench compute")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 

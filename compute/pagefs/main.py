@@ -33,12 +33,8 @@ import pyfuse3
 import structlog
 import trio
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
-from common.http import HttpError, HttpServer, HttpServerConfig, Request, Response, Router
 from common.logging import LEVELS, setup_logging
-from common.metrics import add_metrics_route
 from compute import basebackup, postgres
 from compute.pagefs.cache_file import LocalPageFile
 from compute.pagefs.fs import Listing, PageFs
@@ -85,36 +81,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user", default="postgres", help="owner of every file (PostgreSQL's user)")
     parser.add_argument("--log-file", default=None)
     parser.add_argument("--log-level", default="info", choices=sorted(LEVELS, key=LEVELS.__getitem__))
-
-
-class StoreCollector(Collector):
-    """The page store's counters at scrape time."""
-
-    def __init__(self, fs: PageFs) -> None:
-        self.fs = fs
-
-    def collect(self) -> Any:
-        m = self.fs.store.metrics
-        for name, value, doc in (
-            ("pagefs_hits", m.hits, "blocks served from the local page file or known zeros"),
-            ("pagefs_misses", m.misses, "blocks read from the page service"),
-            ("pagefs_zero_reads", m.zero_reads, "blocks past the pageserver's size"),
-            ("pagefs_writes", m.writes, "blocks written"),
-            ("pagefs_evictions", m.evictions, "pages dropped from the local page file"),
-            ("pagefs_over_capacity", m.over_capacity, "allocations past local_cache_size (all kept)"),
-            ("pagefs_read_errors", self.fs.read_errors, "kernel reads answered EIO"),
-        ):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], value)
-            yield c
-        g = GaugeMetricFamily("pagefs_bytes_cached", "bytes in the local page file")
-        g.add_metric([], self.fs.store.bytes_cached)
-        yield g
-        k = GaugeMetricFamily("pagefs_kept_pages", "written pages that may not leave, by reason", labels=["reason"])
-        for reason, n in self.fs.store.kept.items():
-            if reason != Keep.NO:
-                k.add_metric([reason.name.lower()], n)
-        yield k
 
 
 def status(fs: PageFs, http_port: int | None, started: float, start: dict[str, Any]) -> dict[str, object]:
@@ -263,38 +229,6 @@ async def amain(args: argparse.Namespace) -> None:
     t = time.monotonic()
     fs.load(listing)
     phases["tree"] = round(time.monotonic() - t, 3)
-    registry.register(StoreCollector(fs))
-    router = Router()
-    add_metrics_route(router, registry)
-    http = HttpServer(router, HttpServerConfig(port=args.http_port))
-
-    async def status_route(_: Request) -> Response:
-        return Response.json(status(fs, http.port, mounted_in, start))
-
-    async def evict_route(_: Request) -> Response:
-        # The kernel's page cache forgets the relation files too, so that the next reads reach
-        # the page service (tests and benchmarks of cold reads).
-        evicted = store.evict_all()
-        for ino in fs.relation_inodes():
-            try:
-                await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
-            except OSError:
-                pass  # an inode the kernel never looked up has nothing cached
-        return Response.json({"evicted": evicted})
-
-    async def pageserver_route(req: Request) -> Response:
-        body = req.json()
-        addr = body.get("pageserver") if isinstance(body, dict) else None
-        new_host, sep, new_port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
-        if not sep or not new_host or not new_port.isdigit() or not 0 < int(new_port) < 65536:
-            raise HttpError(400, f'want {{"pageserver": "host:port"}}, got {body!r}')
-        await fetcher.switch(new_host, int(new_port))
-        return Response.json({"pageserver": f"{new_host}:{new_port}"})
-
-    router.add("GET", "/v1/status", status_route)
-    router.add("POST", "/v1/evict", evict_route)
-    router.add("POST", "/v1/pageserver", pageserver_route)
-
     options = set(pyfuse3.default_options) | {"fsname=pagefs", "allow_other"}
     t = time.monotonic()
     pyfuse3.init(fs, args.mountpoint, options)
@@ -306,6 +240,11 @@ async def amain(args: argparse.Namespace) -> None:
     log.info("mounted", mountpoint=args.mountpoint, start_lsn=format_lsn(start_lsn), seconds=round(mounted_in, 3),
              phases=phases,
              relations=sum(len(r) for _, _, r in listing.databases))
+    # The HTTP API (metrics, status, evict) is imported and built only now: PostgreSQL may
+    # start meanwhile, and its first requests wait in the kernel for pyfuse3.main below.
+    from compute.pagefs.http_api import build_http
+
+    http = build_http(fs, registry, args.http_port, lambda port: status(fs, port, mounted_in, start))
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pyfuse3.main)

@@ -187,11 +187,13 @@ async def test_store_down_backup_retries_removal_waits_then_catches_up(node: Saf
     assert tl.backup.uploaded_segments == 2
 
 
-async def test_the_elected_one_uploads_and_its_peer_adopts(tmp_path: Path) -> None:
+async def test_the_elected_one_uploads_and_its_peer_adopts(
+    tmp_path: Path, store_config: RemoteStorageConfig
+) -> None:
     # Two safekeepers, one store; the timeline starts mid-segment (as after initdb), so the
     # first backed-up segment begins with the election's page headers.
     start = Lsn(SEG + 0x500780)
-    store = LocalStorageConfig(path=tmp_path / "remote")
+    store = store_config
     async with running_node(tmp_path / "sk1", id=1, remote_storage=store, wal_backup_peers=[1, 2],
                             wal_backup_period_s=0.05, wal_removal_period_s=0.05) as sk1, \
             running_node(tmp_path / "sk2", id=2, remote_storage=store, wal_backup_peers=[1, 2],
@@ -200,7 +202,10 @@ async def test_the_elected_one_uploads_and_its_peer_adopts(tmp_path: Path) -> No
             _, end = await write_wal(sk.pg_port or 0, SEG + SEG // 4, start=start)
         assert end // SEG == 2
         tls = [sk.timelines[(TENANT, TIMELINE)] for sk in (sk1, sk2)]
-        await wait_for("both", lambda: all(t.acceptor.backup_lsn == 2 * SEG for t in tls))
+        # (the counters move right after backup_lsn, once the control file is saved)
+        await wait_for("both", lambda: all(
+            t.acceptor.backup_lsn == 2 * SEG
+            and t.backup.uploaded_segments + t.backup.adopted_segments == 1 for t in tls))
         by_rank = sorted(tls, key=lambda t: t.backup.rank)
         assert [t.backup.rank for t in by_rank] == [0, 1]
         assert by_rank[0].backup.uploaded_segments == 1 and by_rank[0].backup.adopted_segments == 0

@@ -51,10 +51,13 @@ AUTH_TYPES = ("Trust", "NeonJWT")
 
 DEFAULT_PG_PORT = 64000
 DEFAULT_HTTP_PORT = 9898
-# XLogData messages this big or bigger are pre-checked (a catch-up's, not a live compute's).
-# Here rather than in pageserver.wal_receiver: loading a config (every CLI command does) must
-# not import the WAL receiver and trio.
-DEFAULT_PRECHECK_MIN_BYTES = 32 * 1024
+# XLogData messages this big or bigger are pre-checked (a catch-up's, not a live compute's);
+# 0, the default: never. Since the ingest kernel (protocol/_ingest_c.pyx) checks a run of
+# like records in one call, the pre-check child costs the pageserver more CPU per record than
+# it saves (docs/bench-native.md, bench bulk-ingest): the ingest runs in one process. 32 KiB
+# (32768) turns it on. Here rather than in pageserver.wal_receiver: loading a config (every
+# CLI command does) must not import the WAL receiver and trio.
+DEFAULT_PRECHECK_MIN_BYTES = 0
 
 
 def _addr_ok(value: str) -> bool:

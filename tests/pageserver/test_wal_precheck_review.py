@@ -453,7 +453,7 @@ async def test_small_live_messages_never_start_a_child() -> None:
         return made[-1]
 
     applied = Applied()
-    cfg = WalReceiverConfig(safekeepers=(("h", 1),))  # the default: 32 KiB
+    cfg = WalReceiverConfig(safekeepers=(("h", 1),), precheck_min_bytes=32 * 1024)
     recv = WalReceiver(cfg, start_lsn=START, on_wal=applied, connect=connect, precheck=factory)
     want = expected_records(wal, START)
     before = set(_precheck_children())

@@ -63,6 +63,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attach-mib", type=int, default=1024, help="layers of the tenant to attach")
     parser.add_argument("--parts", default="upload,ingest,attach", help="comma-separated measurements")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
+    parser.add_argument("--seaweedfs-dir", type=Path, default=None,
+                        help="where the SeaweedFS it starts keeps its data (default: in the work directory, "
+                             "the pageserver's disk; e.g. /dev/shm: a store with storage of its own, as a "
+                             "remote S3 has)")
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -279,14 +283,17 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(level="warning")  # stdout carries the JSON lines only; warnings go to stderr
     parts = set(args.parts.split(","))
     work = Path(tempfile.mkdtemp(prefix="pagestore-bench-remote-", dir=args.dir))
+    weed_dir = work / "seaweedfs" if args.seaweedfs_dir is None else Path(
+        tempfile.mkdtemp(prefix="pagestore-bench-seaweedfs-", dir=args.seaweedfs_dir))
     server = None
     try:
         endpoint = args.endpoint
         if endpoint is None:
-            server = SeaweedServer(work / "seaweedfs", volume_size_limit_mb=256)
+            server = SeaweedServer(weed_dir, volume_size_limit_mb=256)
             server.start()
             endpoint = server.endpoint
         emit({"part": "setup", "endpoint": endpoint, "seaweedfs_started": server is not None,
+              "seaweedfs_dir": str(weed_dir) if server is not None else None,
               "cpus": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()]})
         if "upload" in parts:
             bench_upload(endpoint, work, args.upload_mib, args.layer_mib)
@@ -298,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop(grace_s=2.0)
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(weed_dir, ignore_errors=True)
     return 0
 
 

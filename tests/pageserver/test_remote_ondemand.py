@@ -115,11 +115,14 @@ async def test_attach_downloads_on_first_use(tmp_path: Path) -> None:
         nursery.cancel_scope.cancel()
 
 
-async def test_eviction_under_constant_reads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["local", "s3"])
+async def test_eviction_under_constant_reads(tmp_path: Path, kind: str, request: pytest.FixtureRequest) -> None:
     """Readers that never pause all at once (some read is in progress at every moment): the
-    eviction loop still brings the tenant under its tiny budget (layers no read in progress may
-    visit go), and every read equals the model (``validate_get``: both read paths)."""
-    store = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote"))
+    eviction loop still evicts under the tiny budget (layers no read in progress may visit go,
+    and come back from the store when read), and every read equals the model (``validate_get``:
+    both read paths). Over the local kind and a real SeaweedFS."""
+    store = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote") if kind == "local"
+                                else request.getfixturevalue("s3_config"))
     model = Model()
     async with trio.open_nursery() as nursery:
         cfg = attrs.evolve(TINY, io_engine="threadpool")  # reads yield in the middle of a walk
@@ -181,4 +184,5 @@ async def test_eviction_under_constant_reads(tmp_path: Path) -> None:
         assert evictions_seen >= 5, f"the eviction loop evicted under constant reads ({reads} reads)"
         await check(tl, model)
         await tenant.shutdown()
+        await store.aclose()
         nursery.cancel_scope.cancel()

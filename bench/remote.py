@@ -4,13 +4,14 @@
 - ``upload``: ``--upload-mib`` of layer-sized files (``--layer-mib`` each) through a timeline's
   upload queue (``RemoteTimelineClient``: parallel layer PUTs, then the index), against a plain
   boto3 ``put_object`` loop over the same files to the same server (sequential, and with as many
-  threads as the queue uses): MB/s and the ratio (goal: queue >= 80 % of the plain loop).
+  threads as the queue uses), in ``--rounds`` interleaved rounds: MB/s (medians) and the median
+  of the per-round ratios (goal: queue >= 80 % of the plain loop).
 - ``ingest``: ``--ingest-mib`` of 8 KiB page images put into a timeline and flushed into L0s,
-  with uploads off (no remote storage), on (the queue uploading behind the flushes, as
-  configured by default) and on with every layer streamed from its file
-  (``upload_buffer_bytes = 0``: the lever this measures), interleaved in one run: MB/s of
-  ingest and the ratios to "off" (goal >= 90 %, median of the per-round ratios); with uploads
-  on, also the seconds until ``remote_consistent_lsn`` caught up.
+  with uploads off (no remote storage) and on (the queue uploading behind the flushes),
+  interleaved over ``--rounds`` rounds: MB/s of ingest and the median of the per-round ratios
+  (goal >= 90 %); the CPU seconds of the trio thread (the ingest's own work) and of the
+  process (the upload threads too); with uploads on, the seconds until
+  ``remote_consistent_lsn`` caught up.
 - ``attach``: a tenant with ``--attach-mib`` of layers (default 1024) in remote storage is
   attached by a fresh node with an empty disk: seconds to attach (list, index, reconcile: no
   layer downloaded), then the latency of the first read of one page (on-demand: fetches only the
@@ -59,7 +60,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upload-mib", type=int, default=256, help="bytes of layer files to upload")
     parser.add_argument("--layer-mib", type=int, default=16, help="size of each layer file")
     parser.add_argument("--ingest-mib", type=int, default=128, help="page images to ingest per configuration")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the ingest configurations (off, on, on-stream)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds of the upload (queue, plain loop, threaded loop) and ingest "
+                             "(off, on) configurations")
     parser.add_argument("--attach-mib", type=int, default=1024, help="layers of the tenant to attach")
     parser.add_argument("--parts", default="upload,ingest,attach", help="comma-separated measurements")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
@@ -126,7 +129,7 @@ async def _queue_upload(cfg: S3StorageConfig, files: list[Path], directory: Path
     return elapsed, client.parallel_uploads
 
 
-def bench_upload(endpoint: str, work: Path, upload_mib: int, layer_mib: int) -> None:
+def bench_upload(endpoint: str, work: Path, upload_mib: int, layer_mib: int, rounds: int = 3) -> None:
     directory = work / "upload"
     directory.mkdir()
     files = []
@@ -136,19 +139,30 @@ def bench_upload(endpoint: str, work: Path, upload_mib: int, layer_mib: int) -> 
         files.append(path)
     total = sum(p.stat().st_size for p in files)
     cfg = _s3(endpoint, "bench-upload")
-    # alternate, so a warming cache or a neighbour's load does not favour one side
-    queue_s, parallel = trio.run(_queue_upload, cfg, files, directory)
-    seq_s = _plain_loop(cfg, files, 1, "plain-seq")
-    par_s = _plain_loop(cfg, files, parallel, "plain-par")
-    queue_s2, _ = trio.run(_queue_upload, cfg, files, directory)
-    queue_best = min(queue_s, queue_s2)
+    parallel = RemoteTimelineClient.DEFAULT_PARALLEL_UPLOADS
+    # interleaved rounds, the order rotated, so a warming cache or a neighbour's load does not
+    # favour one side; medians and per-round ratios
+    names = ("queue", "plain", "plain-threads")
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % 3:] + names[:r % 3]:
+            if name == "queue":
+                seconds[name].append(trio.run(_queue_upload, cfg, files, directory)[0])
+            else:
+                seconds[name].append(_plain_loop(cfg, files, 1 if name == "plain" else parallel, f"{name}-{r}"))
     mb = total / 1e6
+    med = {n: statistics.median(v) for n, v in seconds.items()}
     emit({
-        "part": "upload", "bytes": total, "files": len(files), "layer_mib": layer_mib,
-        "queue_mb_s": round(mb / queue_best, 1), "queue_runs_s": [round(queue_s, 3), round(queue_s2, 3)],
-        "plain_loop_mb_s": round(mb / seq_s, 1), f"plain_{parallel}_threads_mb_s": round(mb / par_s, 1),
-        "ratio_vs_plain_loop": round(seq_s / queue_best, 3), "ratio_vs_plain_threads": round(par_s / queue_best, 3),
-        "goal": ">= 0.8 of the plain loop",
+        "part": "upload", "bytes": total, "files": len(files), "layer_mib": layer_mib, "rounds": rounds,
+        "runs_s": {n: [round(x, 3) for x in v] for n, v in seconds.items()},
+        "queue_mb_s": round(mb / med["queue"], 1), "plain_loop_mb_s": round(mb / med["plain"], 1),
+        f"plain_{parallel}_threads_mb_s": round(mb / med["plain-threads"], 1),
+        "ratio_vs_plain_loop_per_round": [round(p / q, 3) for p, q in zip(seconds["plain"], seconds["queue"], strict=True)],
+        "ratio_vs_plain_loop": round(statistics.median(p / q for p, q in zip(seconds["plain"], seconds["queue"], strict=True)), 3),
+        "ratio_vs_plain_threads": round(statistics.median(
+            p / q for p, q in zip(seconds["plain-threads"], seconds["queue"], strict=True)), 3),
+        "goal": ">= 0.8 of the plain loop (median of per-round ratios)",
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
     })
     shutil.rmtree(directory)
 
@@ -175,7 +189,7 @@ async def _ingest(tl: Timeline, mib: int, start_block: int = 0, cpu: dict[str, f
     return time.perf_counter() - started
 
 
-INGEST_CONFIGS = ("off", "on", "on-stream")
+INGEST_CONFIGS = ("off", "on")
 
 
 async def _ingest_run(work: Path, mib: int, endpoint: str, config: str) -> dict[str, Any]:
@@ -184,10 +198,7 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str) -> dict[
         remote = None
         storage = None
         if config != "off":
-            s3 = _s3(endpoint, "bench-ingest")
-            if config == "on-stream":
-                s3 = attrs.evolve(s3, upload_buffer_bytes=0)
-            storage = make_remote_storage(s3)
+            storage = make_remote_storage(_s3(endpoint, "bench-ingest"))
             await storage.list("nothing/")
             remote = TenantRemote(storage, 1)
         tenant = Tenant(work, TenantId.generate(), cfg, nursery=nursery, remote=remote)
@@ -215,21 +226,19 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str) -> dict[
 def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int) -> None:
     runs: list[dict[str, Any]] = []
     for r in range(rounds):  # interleaved rounds (order rotated): load changes hit all alike
-        order = INGEST_CONFIGS[r % 3:] + INGEST_CONFIGS[:r % 3]
+        order = INGEST_CONFIGS[r % 2:] + INGEST_CONFIGS[:r % 2]
         for config in order:
             runs.append({"round": r, **trio.run(_ingest_run, work / f"ingest-{len(runs)}", mib, endpoint, config)})
     seconds = {c: {x["round"]: x["seconds"] for x in runs if x["config"] == c} for c in INGEST_CONFIGS}
     med = {c: statistics.median(seconds[c].values()) for c in INGEST_CONFIGS}
     out: dict[str, Any] = {"part": "ingest", "mib": mib, "runs": runs}
     for c in INGEST_CONFIGS:
-        out[f"{c.replace('-', '_')}_mb_s"] = round(mib * MiB / 1e6 / med[c], 1)
-    for c in ("on", "on-stream"):
-        per_round = [seconds["off"][r] / seconds[c][r] for r in range(rounds)]
-        key = c.replace("-", "_")
-        out[f"ratio_{key}_vs_off_per_round"] = [round(p, 3) for p in per_round]
-        out[f"ratio_{key}_vs_off"] = round(statistics.median(per_round), 3)
+        out[f"{c}_mb_s"] = round(mib * MiB / 1e6 / med[c], 1)
+    per_round = [seconds["off"][r] / seconds["on"][r] for r in range(rounds)]
+    out["ratio_on_vs_off_per_round"] = [round(p, 3) for p in per_round]
+    out["ratio_on_vs_off"] = round(statistics.median(per_round), 3)
     for c in INGEST_CONFIGS:  # where the time goes: the trio thread's own CPU, the rest
-        out[f"{c.replace('-', '_')}_trio_thread_cpu_s"] = statistics.median(
+        out[f"{c}_trio_thread_cpu_s"] = statistics.median(
             x["trio_thread_cpu_s"] for x in runs if x["config"] == c)
     emit({**out, "goal": "ratio_on_vs_off >= 0.9 (median of per-round ratios)",
           "load_avg": [round(x, 2) for x in os.getloadavg()]})
@@ -296,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
               "seaweedfs_dir": str(weed_dir) if server is not None else None,
               "cpus": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()]})
         if "upload" in parts:
-            bench_upload(endpoint, work, args.upload_mib, args.layer_mib)
+            bench_upload(endpoint, work, args.upload_mib, args.layer_mib, args.rounds)
         if "ingest" in parts:
             bench_ingest(endpoint, work, args.ingest_mib, args.rounds)
         if "attach" in parts:

@@ -167,6 +167,7 @@ class Pins:
 
 
 class RemoteTimelineClient:
+    DEFAULT_PARALLEL_UPLOADS = 8
     def __init__(
         self,
         storage: RemoteStorage,
@@ -179,7 +180,7 @@ class RemoteTimelineClient:
         validate: Validator = always_valid,
         pins: Pins | None = None,
         on_unpinned: Callable[[], Awaitable[None]] | None = None,
-        parallel_uploads: int = 8,
+        parallel_uploads: int = DEFAULT_PARALLEL_UPLOADS,
         deletions: DeletionQueue | None = None,
     ) -> None:
         self.storage = storage

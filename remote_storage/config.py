@@ -55,10 +55,6 @@ class S3StorageConfig:
     secret_access_key: str | None = None
     # The bucket is created at start if missing (test stores; a real bucket is made by its owner)
     create_bucket: bool = False
-    # A file up to this size is read into memory (one read) and sent in one piece; larger ones
-    # stream from the file, which http.client writes 16 KiB at a time, each write taking the
-    # GIL back from the trio thread (WAL ingest). 0: always stream.
-    upload_buffer_bytes: int = attrs.field(default=64 << 20, validator=attrs.validators.ge(0))
 
 
 RemoteStorageConfig = LocalStorageConfig | S3StorageConfig

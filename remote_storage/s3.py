@@ -126,15 +126,7 @@ class S3Storage:
             with open(path, "rb") as f:
                 size = f.seek(0, 2)
                 f.seek(0)
-                body: Any = f
-                if size <= self.config.upload_buffer_bytes:
-                    # One read and one sendall (both release the GIL for the whole file), and
-                    # one hash call for the payload signature: the ingest on the trio thread
-                    # keeps the GIL instead of handing it over for every 16 KiB block.
-                    body = f.read()
-                    if len(body) != size:
-                        raise RemoteStorageError(f"PUT {k}: read {len(body)} of {size} bytes of {path}")
-                c.put_object(Bucket=self.bucket, Key=k, Body=body, ContentLength=size)
+                c.put_object(Bucket=self.bucket, Key=k, Body=f, ContentLength=size)
                 return size
 
         return await self._run(f"PUT {k}", put)

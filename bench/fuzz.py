@@ -348,9 +348,11 @@ def _fuzz_main(argv: list[str]) -> None:
     from protocol._native_sources import TWINS
 
     module = MODULES[name]
-    native = _native.load_native(module)
+    # the twin first: a compiled module may import helpers from it (protocol._ingest_c does),
+    # and a twin imported before instrument_imports would give no coverage
     with atheris.instrument_imports():
         twin = importlib.import_module(TWINS[module])
+    native = _native.load_native(module)
     atheris.Setup([argv[0], *argv[2:]], _harness(name, native, twin))
     atheris.Fuzz()
 

@@ -286,5 +286,10 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.exists("/dev/fuse"):
         print("pagestore pagefs: /dev/fuse does not exist (no FUSE on this machine)", file=sys.stderr)
         return 1
-    trio.run(amain, args)
+    try:
+        trio.run(amain, args)
+    except StartError as exc:
+        log.error("not started", reason=str(exc))
+        print(f"pagestore pagefs: {exc}", file=sys.stderr)
+        return 1
     return 0

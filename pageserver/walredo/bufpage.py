@@ -316,11 +316,22 @@ def _compactify(page: bytearray, items: Sequence[tuple[int, int, int]], special:
     lps = _lp_array(page, nline)
     src = bytes(page)
     upper = special
+    # Items whose source bytes lie back to back in placement order (what a page keeps after a
+    # delete: runs between the deleted tuples) move as one slice per run, not one per item.
+    run_src = run_dst = -1  # the current run's lowest source and destination offsets
+    run_len = 0
     for offnum, itemoff, alen in items:
         upper -= alen
-        if upper != itemoff:
-            page[upper : upper + alen] = src[itemoff : itemoff + alen]
+        if run_len and itemoff + alen == run_src:
+            run_src, run_dst = itemoff, upper
+            run_len += alen
+        else:
+            if run_len and run_src != run_dst:
+                page[run_dst : run_dst + run_len] = src[run_src : run_src + run_len]
+            run_src, run_dst, run_len = itemoff, upper, alen
         lps[offnum - 1] = (lps[offnum - 1] & ~0x7FFF) | upper
+    if run_len and run_src != run_dst:
+        page[run_dst : run_dst + run_len] = src[run_src : run_src + run_len]
     struct.pack_into(f"<{nline}I", page, SIZE_OF_PAGE_HEADER, *lps)
     _pack_u16(page, OFF_UPPER, upper)
 
@@ -564,10 +575,17 @@ def page_append_items(page: bytearray, items: Sequence[bytes | bytearray | memor
     if lower + need > upper:
         return False
     lps = []
-    for it, size in zip(items, sizes, strict=True):
-        upper -= (size + 7) & ~7
-        page[upper : upper + size] = it
-        lps.append(upper | (LP_NORMAL << 15) | (size << 17))
+    if all(size & 7 == 0 for size in sizes):
+        # no padding to keep: the items go in as one write, the last one lowest
+        page[upper - (need - ITEM_ID_SIZE * n) : upper] = b"".join(reversed(items))
+        for size in sizes:
+            upper -= size
+            lps.append(upper | (LP_NORMAL << 15) | (size << 17))
+    else:
+        for it, size in zip(items, sizes, strict=True):
+            upper -= (size + 7) & ~7
+            page[upper : upper + size] = it
+            lps.append(upper | (LP_NORMAL << 15) | (size << 17))
     struct.pack_into(f"<{n}I", page, lower, *lps)
     LOWER_UPPER_SPECIAL.pack_into(page, OFF_LOWER, lower + ITEM_ID_SIZE * n, upper, special)
     return True

@@ -237,3 +237,35 @@ def test_mask_lp_flags_equals_the_loop(lps: list[int]) -> None:
             bp.U32.pack_into(expect, bp.itemid_pos(off), raw & ~(3 << 15))
     mask_lp_flags(page)
     assert page == expect
+
+
+def _compactify_per_item(page: bytearray, items: list[tuple[int, int, int]], special: int) -> None:
+    """compactify_tuples one item at a time (what ``bp._compactify`` does run by run)."""
+    src = bytes(page)
+    upper = special
+    for offnum, itemoff, alen in items:
+        upper -= alen
+        page[upper : upper + alen] = src[itemoff : itemoff + alen]
+        raw = bp.get_itemid(page, offnum)
+        bp.U32.pack_into(page, bp.itemid_pos(offnum), (raw & ~0x7FFF) | upper)
+    bp.set_upper(page, upper)
+
+
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=60), st.data())
+def test_compactify_equals_the_per_item_moves(sizes: list[int], data: st.DataObject) -> None:
+    # a packed page, then some items deleted: the survivors' moves come in runs
+    page = bp.new_page(16)
+    for i, n in enumerate(sizes):
+        assert bp.page_add_item(page, bytes([i + 1]) * (8 * n - i % 8), i + 1, overwrite=False, is_heap=False) == i + 1
+    keep = sorted(data.draw(st.sets(st.integers(1, len(sizes)))))
+    items = []
+    for off in range(1, len(sizes) + 1):
+        raw = bp.get_itemid(page, off)
+        if off in keep:
+            items.append((off, bp.lp_off(raw), bp.maxalign(bp.lp_len(raw))))
+    # distinct bytes everywhere past the pointers, so a wrong move shows
+    page[1024:] = bytes(x % 251 for x in range(bp.BLCKSZ - 1024))
+    expect = bytearray(page)
+    _compactify_per_item(expect, items, bp.get_special(page))
+    bp._compactify(page, items, bp.get_special(page))
+    assert page == expect

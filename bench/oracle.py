@@ -710,9 +710,11 @@ class OracleCluster:
 
 
 @contextmanager
-def oracle_cluster(workdir: Path, safekeepers: int) -> Iterator[OracleCluster]:
+def oracle_cluster(workdir: Path, safekeepers: int, storage: str = "full") -> Iterator[OracleCluster]:
     """Start a cluster (free ports, no fsync on the safekeepers, ``validate_redo`` on), a
-    tenant and its primary endpoint; stop everything at once on the way out."""
+    tenant and its primary endpoint; stop everything at once on the way out. The endpoint is
+    ``full`` unless told: its files are then PostgreSQL's own, the oracle (a lazy endpoint's
+    are the pageserver's pages)."""
     cfg = attrs.evolve(plan_ports(safekeepers, free_ports=True),
                        safekeeper_no_sync=True, validate_redo=True)
     env = LocalEnv.create(workdir, cfg)
@@ -720,7 +722,7 @@ def oracle_cluster(workdir: Path, safekeepers: int) -> Iterator[OracleCluster]:
     try:
         cluster.start(env, log=quiet)
         t = cluster.create_tenant(env, None, None, set_default=True)
-        ep = endpoint.start_endpoint(env, "main", log=quiet)
+        ep = endpoint.start_endpoint(env, "main", storage=storage, log=quiet)
         yield OracleCluster(env, t["tenant_id"], str(t["timeline_id"]), ep.spec.port, ep.pgdata)
     finally:
         cluster.stop(env, immediate=True, log=quiet)

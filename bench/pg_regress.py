@@ -5,15 +5,22 @@ modules built with PGXS: ``scripts/setup-pg-regress`` puts both in ``.cache/pg-r
 its whole ``parallel_schedule`` twice, at the same time:
 
 - against a primary endpoint of a fresh local cluster (one pageserver with ``validate_redo``
-  on, safekeepers, the walproposer bridge), with ``wal_consistency_checking = all`` so that
-  every record carries the image PostgreSQL's own redo would be checked against;
+  on, safekeepers, the walproposer bridge), ``lazy`` by default (its relation files are its
+  page filesystem over the page service; ``--storage full`` for a copy of them), with
+  ``wal_consistency_checking = all`` so that every record carries the image PostgreSQL's own
+  redo would be checked against;
 - against a plain PostgreSQL of the same build (initdb, same settings but no standby).
 
 The source may be older than the installed binaries, so some expected outputs may differ:
 what must hold is that both sides fail the same tests.
 
-Then, on the endpoint, autovacuum off and a CHECKPOINT: its data files equal its WAL up to the
-insert LSN L. Every page of every relation fork (base/, global/, pg_tblspc/) is asked for
+Then, on the endpoint, autovacuum off and a CHECKPOINT at the insert LSN L. The oracle is
+PostgreSQL's own files: a lazy endpoint's are the pageserver's pages (or its cache's), so
+there they are those of the reference standby (``bench.standby``: PostgreSQL's redo of the
+endpoint's WAL, streamed from the endpoint itself, not through pagestore; started from the
+data directory the endpoint started from), replayed to L and restartpointed; a full
+endpoint's are its own, with the standby as the reference for what redo cannot rebuild.
+Every page of every relation fork (base/, global/, pg_tblspc/) is asked for
 through pagestream GetPage@L and compared with the file's page, masked as the resource
 manager's ``rm_mask`` (``bench.oracle.compare_snapshot``: FSM not compared, pages past the
 pageserver's end must be new, sequences compared on what ``nextval`` WAL-logs). The pageserver's
@@ -201,6 +208,7 @@ class PgRegressOptions:
     # decompression of images on the way.
     wal_compression: str = "zstd"
     plain: bool = True  # also run the schedule against a plain PostgreSQL
+    storage: str = "lazy"  # the endpoint's: lazy (the standby's files are the oracle) or full
     standby: bool = True  # PostgreSQL's own redo of the endpoint's WAL, the reference for VM bits
     branch_check: bool = True
     timeout_s: float = 1800.0
@@ -216,10 +224,12 @@ class PgRegressResult:
     branch_catalog: list[str] | None = None
     main_catalog: list[str] | None = None
     seconds: float = 0.0
+    storage: str = "lazy"
 
     def summary(self) -> dict[str, Any]:
         pages = self.pages
-        out: dict[str, Any] = {"lsn": self.lsn}
+        out: dict[str, Any] = {"lsn": self.lsn, "storage": self.storage,
+                               "oracle": "endpoint files" if self.storage == "full" else "standby files"}
         ep, plain = self.endpoint_run, self.plain_run
         out["tests"] = {
             "pagestore": {"passed": len(ep.passed), "failed": sorted(ep.failed)} if ep else None,
@@ -263,7 +273,7 @@ class PgRegress:
     def __init__(self, opts: PgRegressOptions, emit: Callable[[dict[str, Any]], None]) -> None:
         self.opts = opts
         self.emit = emit
-        self.result = PgRegressResult()
+        self.result = PgRegressResult(storage=opts.storage)
         self.env: LocalEnv | None = None
         self.tenant = self.timeline = ""
         self.port = 0
@@ -275,7 +285,7 @@ class PgRegress:
 
     @contextmanager
     def cluster(self) -> Iterator[LocalEnv]:
-        with oracle_cluster(self.opts.workdir / "cluster", self.opts.safekeepers) as oc:
+        with oracle_cluster(self.opts.workdir / "cluster", self.opts.safekeepers, self.opts.storage) as oc:
             self.env, self.tenant, self.timeline = oc.env, oc.tenant, oc.timeline
             self.port, self.pgdata = oc.port, oc.pgdata
             yield oc.env
@@ -295,6 +305,9 @@ class PgRegress:
             pg.stop("immediate")
 
     def run(self) -> PgRegressResult:
+        if self.opts.storage == "lazy" and not self.opts.standby:
+            raise PgRegressError("a lazy endpoint's files are the pageserver's own pages, no oracle: the "
+                                 "comparison needs the reference standby (or --storage full)")
         started = time.monotonic()
         stage = stage_suite(self.opts.workdir)
         schedule = stage / self.opts.schedule
@@ -305,7 +318,7 @@ class PgRegress:
                 conn.execute(f"ALTER SYSTEM SET wal_compression = '{self.opts.wal_compression}'")
                 conn.execute("SELECT pg_reload_conf()")
             if self.opts.standby:
-                self.standby = Standby.start(self.opts.workdir / "standby", self.port)
+                self.standby = self.start_standby()
             try:
                 snap = self.run_suite_and_compare(stage, schedule, plain)
             finally:  # also when a step fails: no standby is left running
@@ -315,6 +328,21 @@ class PgRegress:
                 self.branch_check(snap.lsn)
         self.result.seconds = round(time.monotonic() - started, 1)
         return self.result
+
+    def start_standby(self) -> Standby:
+        """PostgreSQL's own redo of the endpoint's WAL: ``pg_basebackup`` of a full endpoint; a
+        lazy one's links to its page filesystem are what pg_basebackup skips, so its standby
+        starts from the full basebackup of the endpoint's own start LSN."""
+        assert self.env is not None
+        if self.opts.storage == "full":
+            return Standby.start(self.opts.workdir / "standby", self.port)
+        lsn = parse_lsn(endpoint.load_endpoint(self.env, "main").spec.basebackup_lsn)
+        tar = self.opts.workdir / "standby.tar"
+        endpoint.fetch_basebackup(self.env, self.tenant, self.timeline, lsn, tar)
+        try:
+            return Standby.start(self.opts.workdir / "standby", self.port, from_tar=tar)
+        finally:
+            tar.unlink()
 
     def run_suite_and_compare(self, stage: Path, schedule: Path,
                               plain: postgres.PostgresInstance | None) -> Snapshot:
@@ -361,7 +389,10 @@ class PgRegress:
             self.standby.replay_to(lsn, timeout=self.opts.timeout_s)
             reference = self.standby.root
             self.emit({"standby_replayed": format_lsn(lsn), "wait_s": round(time.monotonic() - t0, 1)})
-        return Snapshot("pg-regress", lsn, self.pgdata, rels, latest=False, reference=reference)
+        # a lazy endpoint's files are the pageserver's: the standby's are PostgreSQL's own
+        root = self.pgdata if self.opts.storage == "full" else reference
+        assert root is not None
+        return Snapshot("pg-regress", lsn, root, rels, latest=False, reference=reference)
 
     async def compare(self, snap: Snapshot) -> None:
         assert self.env is not None
@@ -450,6 +481,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plain", action="store_true",
                         help="do not run the schedule against a plain PostgreSQL too")
     parser.add_argument("--no-branch", action="store_true", help="skip the branch boot check")
+    parser.add_argument("--storage", choices=["lazy", "full"], default="lazy",
+                        help="the endpoint's storage (default lazy: the reference standby's files are then "
+                             "the oracle; full: the endpoint's own files)")
     parser.add_argument("--no-standby", action="store_true",
                         help="no reference standby (VM pages with bits PostgreSQL's redo loses then differ)")
     parser.add_argument("--no-consistency-checking", action="store_true",
@@ -467,7 +501,7 @@ def run(args: argparse.Namespace) -> int:
         opts = PgRegressOptions(workdir=workdir, schedule=args.schedule, safekeepers=args.safekeepers,
                                 consistency_checking=not args.no_consistency_checking,
                                 wal_compression=args.wal_compression,
-                                plain=not args.no_plain, branch_check=not args.no_branch,
+                                plain=not args.no_plain, branch_check=not args.no_branch, storage=args.storage,
                                 standby=not args.no_standby)
         try:
             result = run_pg_regress(opts)

@@ -7,11 +7,18 @@ out), the verification tools compare with what a real standby of the same build 
 from the same WAL. ``Standby.start`` takes ``pg_basebackup -X stream -R`` of the primary and
 starts it; ``replay_to(lsn)`` waits until it has replayed through ``lsn`` and runs a
 restartpoint (CHECKPOINT on a standby) so its data files hold the replayed pages.
+
+A lazy endpoint's ``base/`` and ``global/`` are symbolic links into its page filesystem, which
+``pg_basebackup`` skips (only ``pg_tblspc`` may hold links): its standby starts instead from the
+data directory the endpoint itself started from, a cold copy of a cleanly shut down cluster
+(``from_tar``: the pageserver's full basebackup at the endpoint's start LSN, what a ``full``
+endpoint unpacks), and streams every later record from the endpoint as any standby does.
 """
 
 from __future__ import annotations
 
 import os
+import tarfile
 import time
 from pathlib import Path
 
@@ -35,12 +42,18 @@ class Standby:
         return self.pg.datadir
 
     @classmethod
-    def start(cls, datadir: Path, primary_port: int) -> Standby:
+    def start(cls, datadir: Path, primary_port: int, *, from_tar: Path | None = None) -> Standby:
+        """``from_tar``: a basebackup tar of the primary's start (its pg_control a clean
+        shutdown at that LSN) instead of ``pg_basebackup`` of the running primary."""
         postgres.make_postgres_dir(datadir)
-        postgres.run_as_postgres(
-            [postgres.pg_binary("pg_basebackup"), "-h", "127.0.0.1", "-p", str(primary_port), "-U",
-             postgres.PG_USER, "-D", str(datadir), "-X", "stream", "-R", "-c", "fast", "--no-sync"],
-            timeout=600)
+        if from_tar is None:
+            postgres.run_as_postgres(
+                [postgres.pg_binary("pg_basebackup"), "-h", "127.0.0.1", "-p", str(primary_port), "-U",
+                 postgres.PG_USER, "-D", str(datadir), "-X", "stream", "-R", "-c", "fast", "--no-sync"],
+                timeout=600)
+        else:
+            with tarfile.open(from_tar) as tar:
+                tar.extractall(datadir, filter="data")
         # Settings of the primary that a standby must not take over (the walproposer's name,
         # the bridge's replication settings) are overridden in the auto.conf it gets.
         pg = postgres.PostgresInstance(datadir=datadir, settings={

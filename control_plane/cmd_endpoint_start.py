@@ -16,9 +16,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lsn", default=None,
                         help="X/Y: a read-only endpoint showing the branch as of this LSN")
     parser.add_argument("--port", type=int, default=None, help="PostgreSQL port (default 55431+i)")
-    parser.add_argument("--storage", choices=["lazy", "full"], default="full",
-                        help="lazy: relation pages read from the page service through a FUSE page "
-                             "filesystem (needs /dev/fuse); full: a copy of every relation file (default)")
+    parser.add_argument("--storage", choices=["lazy", "full"], default="lazy",
+                        help="lazy (the default): relation pages read from the page service through a "
+                             "FUSE page filesystem (needs /dev/fuse); full: a copy of every relation file")
     add_json(parser)
 
 

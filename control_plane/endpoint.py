@@ -10,8 +10,8 @@ read-only by default; what it writes anyway stays in its own data directory.
 
 Storage. A ``full`` endpoint has its own copy of every relation file (the basebackup holds them
 all; it grows with the database). A ``lazy`` endpoint boots from ``basebackup --lazy`` (no
-relation data) and its ``base/`` and ``global/`` are symbolic links into the mount of its page
-filesystem (``pagestore pagefs``, ``compute.pagefs``): relation pages are read from the page
+relation data) and its ``base/``, ``global/`` and ``pg_tblspc/`` are symbolic links into the
+mount of its page filesystem (``pagestore pagefs``, ``compute.pagefs``): relation pages are read from the page
 service when PostgreSQL needs them and written pages stay in a bounded local cache. The page
 filesystem is supervised like the bridge: started before PostgreSQL, stopped after it
 (``endpoint stop`` unmounts); if it dies, PostgreSQL gets I/O errors, and ``endpoint start``
@@ -387,7 +387,7 @@ def start_endpoint(
     branch: str = "main",
     lsn: str | None = None,
     port: int | None = None,
-    storage: str = "full",
+    storage: str = "lazy",
     settings: dict[str, str] | None = None,
     log: Any = print,
 ) -> Endpoint:

@@ -1,7 +1,8 @@
-"""The FUSE operations of the page filesystem (pyfuse3 on trio): one tree with ``base/`` and
-``global/`` at its root, which the endpoint's data directory links to.
+"""The FUSE operations of the page filesystem (pyfuse3 on trio): one tree with ``base/``,
+``global/`` and ``pg_tblspc/`` at its root, which the endpoint's data directory links to.
 
-- Relation segment files in a database directory (``global/``, ``base/<db>/``) are served by
+- Relation segment files in a database directory (``global/``, ``base/<db>/``,
+  ``pg_tblspc/<spc>/PG_15_202209061/<db>/``) are served by
   the page store (``compute.pagefs.store``): sizes from the relation listing at S, reads as
   GetPage batches (``compute.pagefs.remote``), writes into the local page file.
 - Every other file (``PG_VERSION``, ``pg_filenode.map``, ``pg_internal.init``, ``pg_control``,
@@ -9,6 +10,12 @@
   relative path. Directories exist in both.
 - ``fsync``/``fsyncdir`` answer ENOSYS: the kernel stops sending them, and the WAL on the
   safekeepers is the durable copy (``compute.pagefs``).
+- Tablespaces are in place (``allow_in_place_tablespaces``: a directory ``pg_tblspc/<spc>``, as
+  the basebackup makes every tablespace): ``CREATE TABLESPACE ... LOCATION ''`` is a mkdir
+  here, and its databases are database directories like those of ``base/``. A tablespace
+  created with a location is a symbolic link here (``symlink``/``readlink``) to a directory
+  outside the mount: its files are ordinary local files for the endpoint's life; the next
+  start serves them from the page service, in place.
 - Lookups of names that do not exist are cached by the kernel (``st_ino = 0``): only this mount
   changes the tree. Files are opened with ``keep_cache``: a page read once is served by the
   kernel's page cache until it is written or truncated through this mount.
@@ -34,6 +41,7 @@ from compute.pagefs.names import (
     DEFAULT_SPC,
     FORK_BY_NAME,
     GLOBAL_SPC,
+    TABLESPACE_VERSION_DIRECTORY,
     RelFileName,
     parse_rel_file,
     segments,
@@ -73,6 +81,13 @@ class RelNode(Node):
 @attrs.define(eq=False)
 class PlainNode(Node):
     pass
+
+
+@attrs.define(eq=False)
+class LinkNode(Node):
+    """A symbolic link (``CREATE TABLESPACE ... LOCATION '/dir'``): only its target, in memory."""
+
+    target: bytes = b""
 
 
 @attrs.frozen
@@ -153,13 +168,20 @@ class PageFs(pyfuse3.Operations):
         return d
 
     def _db_of(self, parent: DirNode, name: str) -> tuple[int, int] | None:
-        """(spc, db) if a directory ``name`` under ``parent`` is a database directory."""
+        """(spc, db) if a directory ``name`` under ``parent`` is a database directory:
+        ``global``, ``base/<db>`` or ``pg_tblspc/<spc>/PG_15_202209061/<db>``."""
         if parent.ino == ROOT and name == "global":
             return (GLOBAL_SPC, 0)
-        base = self.nodes[ROOT]
-        assert isinstance(base, DirNode)
-        if parent.parent == ROOT and parent.name == b"base" and name.isdigit():
+        if not name.isdigit():
+            return None
+        if parent.parent == ROOT and parent.name == b"base":
             return (DEFAULT_SPC, int(name))
+        if parent.name == TABLESPACE_VERSION_DIRECTORY.encode() and parent.parent != ROOT:
+            spc = self.nodes[parent.parent]
+            if spc.name.isdigit() and spc.parent != ROOT:
+                tblspc = self.nodes[spc.parent]
+                if tblspc.parent == ROOT and tblspc.name == b"pg_tblspc":
+                    return (int(spc.name), int(name))
         return None
 
     def _rel_node(self, parent: DirNode, rf: RelFileName, nblocks_remote: int) -> RelNode:
@@ -184,8 +206,11 @@ class PageFs(pyfuse3.Operations):
                 d = self._dir(root, "global", db=(spc, db))
             elif spc == DEFAULT_SPC:
                 d = self._dir(base, str(db), db=(spc, db))
-            else:
-                raise ValueError(f"tablespace {spc} is not supported by lazy endpoints")
+            else:  # a tablespace, in place
+                version = self._dir(self._dir(self._dir(root, "pg_tblspc"), str(spc)), TABLESPACE_VERSION_DIRECTORY)
+                if db == 0:
+                    continue  # the tablespace itself (CREATE TABLESPACE), no database in it yet
+                d = self._dir(version, str(db), db=(spc, db))
             for relnode, forks in rels.items():
                 for fork_name, nblocks in forks.items():
                     fork = FORK_BY_NAME[fork_name]
@@ -197,6 +222,11 @@ class PageFs(pyfuse3.Operations):
     def _load_dir(self, d: DirNode) -> None:
         for entry in sorted(os.scandir(d.backing), key=lambda e: e.name):
             name = entry.name
+            if entry.is_symlink():
+                self._add(LinkNode(self._ino(), d.ino, name.encode(), d.backing / name, time.time_ns(),
+                                   os.fsencode(os.readlink(entry.path))))
+                os.unlink(entry.path)  # the link lives in the tree only, like the relation files
+                continue
             if entry.is_dir(follow_symlinks=False):
                 sub = self._dir(d, name, db=self._db_of(d, name))
                 self._load_dir(sub)
@@ -225,6 +255,10 @@ class PageFs(pyfuse3.Operations):
             a.st_mode = stat.S_IFDIR | 0o700
             a.st_nlink = 2
             a.st_size = 4096
+        elif isinstance(node, LinkNode):
+            a.st_mode = stat.S_IFLNK | 0o777
+            a.st_nlink = 1
+            a.st_size = len(node.target)
         elif isinstance(node, RelNode):
             assert node.file is not None
             a.st_mode = stat.S_IFREG | 0o600
@@ -321,6 +355,21 @@ class PageFs(pyfuse3.Operations):
         del parent.children[name]
         del self.nodes[ino]
 
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        parent = self._dirnode(parent_inode)
+        if name in parent.children:
+            raise pyfuse3.FUSEError(errno.EEXIST)
+        node = self._add(LinkNode(self._ino(), parent.ino, name, parent.backing / os.fsdecode(name),
+                                  time.time_ns(), target))
+        return self._attrs(node)
+
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        node = self._node(inode)
+        if not isinstance(node, LinkNode):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return node.target
+
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         self._dirnode(inode)
         return inode
@@ -364,6 +413,8 @@ class PageFs(pyfuse3.Operations):
         node = self._node(inode)
         if isinstance(node, DirNode):
             raise pyfuse3.FUSEError(errno.EISDIR)
+        if isinstance(node, LinkNode):
+            raise pyfuse3.FUSEError(errno.ELOOP)  # the kernel follows links itself
         fd = os.open(node.backing, os.O_RDWR) if isinstance(node, PlainNode) else -1
         return self._fh(node, fd)
 
@@ -389,7 +440,7 @@ class PageFs(pyfuse3.Operations):
         if isinstance(node, RelNode):
             assert node.file is not None
             self.store.unlink(node.file)
-        else:
+        elif isinstance(node, PlainNode):
             os.unlink(node.backing)
         del parent.children[name]
         del self.nodes[ino]

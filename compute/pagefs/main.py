@@ -3,8 +3,8 @@ plane supervises (like the walproposer bridge). ``endpoint start`` spawns it fir
 knows the start LSN S (``--start-lsn -``: S is the first line of stdin), so that its Python
 start-up overlaps the control plane's; then, at once, it fetches the relation listing at S
 from the pageserver's HTTP API and the lazy basebackup at S from the page service, which it
-unpacks into the new data directory (``--pgdata``: its ``base/`` and ``global/`` become the
-backing directory and links to the mount). It builds the tree, mounts it,
+unpacks into the new data directory (``--pgdata``: its ``base/``, ``global/`` and ``pg_tblspc/``
+become the backing directory and links to the mount). It builds the tree, mounts it,
 writes ``--status-file`` (``"mounted": true`` once PostgreSQL may start) every second, and
 serves ``/metrics`` and ``/v1/status`` (and ``POST /v1/evict``: drop every page the rules allow;
 ``POST /v1/pageserver {"pageserver": "host:port"}``: read from another page service from now on,
@@ -147,8 +147,10 @@ def fetch_listing(url: str, token: str | None, ca_file: str | None = None) -> Li
         return Listing.from_json(json.loads(resp.read()))
 
 
-# The directories of the data directory that are the page filesystem's.
-PAGEFS_DIRS = ("base", "global")
+# The directories of the data directory that are the page filesystem's: the relation files of
+# every database and every tablespace (in place, ``pg_tblspc/<spc>``: CREATE TABLESPACE makes
+# its directory through the link).
+PAGEFS_DIRS = ("base", "global", "pg_tblspc")
 
 
 async def read_start_lsn() -> Lsn:
@@ -164,8 +166,8 @@ class StartError(Exception):
 
 
 def prepare_pgdata(tar: io.BytesIO, pgdata: Path, backing: Path, mountpoint: Path) -> None:
-    """Unpack the lazy basebackup into the new data directory, move its ``base/`` and
-    ``global/`` (the ordinary files there: PG_VERSION, relmapper files, pg_control, the init
+    """Unpack the lazy basebackup into the new data directory, move its ``base/``, ``global/``
+    and ``pg_tblspc/`` (the ordinary files there: PG_VERSION, relmapper files, pg_control, the init
     forks of unlogged relations) into the backing directory, and link them to the mount."""
     postgres.make_postgres_dir(pgdata)
     tar.seek(0)

@@ -1,4 +1,4 @@
-"""File names in ``base/``, ``global/``: which are relation segment files the page store
+"""File names in ``base/``, ``global/`` and tablespaces' database directories: which are relation segment files the page store
 serves (``<relfilenode>[_fsm|_vm|_init][.N]``), and which are ordinary local files
 (``PG_VERSION``, ``pg_filenode.map``, ``pg_internal.init*``, ``pg_control``, temp relations
 ``t<backend>_<relfilenode>…`` and the ``pgsql_tmp`` spill files)."""
@@ -19,6 +19,7 @@ FORK_SUFFIX: Final = {MAIN: "", FSM: "_fsm", VM: "_vm", INIT: "_init"}
 FORK_BY_NAME: Final = {"main": MAIN, "fsm": FSM, "vm": VM, "init": INIT}
 GLOBAL_SPC: Final = 1664
 DEFAULT_SPC: Final = 1663
+TABLESPACE_VERSION_DIRECTORY: Final = "PG_15_202209061"  # pg_tblspc/<spc>/<this>/<db>/ (catversion.h)
 
 _REL = re.compile(r"^([1-9][0-9]{0,9})(_fsm|_vm|_init)?(?:\.([1-9][0-9]{0,5}))?$")
 _SUFFIX_FORK: Final = {None: MAIN, "_fsm": FSM, "_vm": VM, "_init": INIT}

@@ -61,7 +61,8 @@ async def mounted(tmp_path: Path) -> AsyncIterator[tuple[Path, PageFs, FakeFetch
     (backing / "base" / "5" / "16390_init").write_bytes(init)
     (backing / "base" / "5" / "16390").write_bytes(init)
     listing = Listing([(1664, 0, {1262: {"main": 1}}),
-                       (1663, 5, {16384: {"main": 40, "fsm": 3}, 16390: {"init": 1}})])
+                       (1663, 5, {16384: {"main": 40, "fsm": 3}, 16390: {"init": 1}}),
+                       (16400, 0, {}), (16400, 5, {16401: {"main": 3}}), (16402, 0, {})])
     fetcher = FakeFetcher()
     store = PageStore(LocalPageFile(tmp_path / "cache", 1024), start_lsn=S, primary=True,
                       durable_lsn=lambda: S, wal_log_hints=True)
@@ -105,7 +106,7 @@ async def test_listing_sizes_and_local_files(mounted: tuple[Path, PageFs, FakeFe
     mnt, _, _ = mounted
     names = set(await io(os.listdir, mnt / "base" / "5"))
     assert names == {"PG_VERSION", "16384", "16384_fsm", "16390", "16390_init"}
-    assert set(await io(os.listdir, mnt)) == {"base", "global"}
+    assert set(await io(os.listdir, mnt)) == {"base", "global", "pg_tblspc"}
     assert (await io(os.stat, mnt / "base" / "5" / "16384")).st_size == 40 * BLCKSZ
     assert (await io((mnt / "base" / "5" / "PG_VERSION").read_text)) == "15\n"
     assert not await io((mnt / "base" / "5" / "16384.1").exists)  # GetNewRelFileNode's access()
@@ -200,6 +201,48 @@ async def test_directories_rename_and_io_errors(mounted: tuple[Path, PageFs, Fak
         await io(pread, mnt / "base" / "5" / "16384_fsm", BLCKSZ, 0)
     assert exc.value.errno == 5
     assert fs.read_errors >= 1
+
+
+async def test_tablespaces_in_place_and_linked(mounted: tuple[Path, PageFs, FakeFetcher]) -> None:
+    """Tablespaces of the listing are directories in place under ``pg_tblspc``; their database
+    directories are served like ``base/<db>``; CREATE/DROP TABLESPACE in place are mkdir and
+    rmdir; one with a location is a symbolic link (to a directory outside the mount)."""
+    mnt, fs, fetcher = mounted
+    tblspc = mnt / "pg_tblspc"
+    assert sorted(await io(os.listdir, tblspc)) == ["16400", "16402"]
+    assert await io(os.listdir, tblspc / "16402") == ["PG_15_202209061"]  # no database in it yet
+    path = tblspc / "16400" / "PG_15_202209061" / "5" / "16401"
+    rel = RelTag(16400, 5, 16401, 0)
+    assert await io(path.read_bytes) == b"".join(remote_page(rel, b) for b in range(3))
+    assert fetcher.seen[-1][0].not_modified_since == S
+    # CREATE TABLESPACE ... LOCATION '' and a database in it (CREATE DATABASE ... TABLESPACE)
+    vdir = tblspc / "16410" / "PG_15_202209061"
+    await io(os.makedirs, vdir / "16411")
+    await io(pwrite, vdir / "16411" / "1259", make_page(S - 0x100, fill=2), 0, os.O_CREAT | os.O_EXCL)
+    v = fs.nodes[fs.children_of(fs.children_of(fs.children_of(1)[b"pg_tblspc"])[b"16410"])[b"PG_15_202209061"]]
+    node = fs.nodes[fs.children_of(v.ino)[b"16411"]]
+    assert isinstance(node, DirNode) and node.db == (16410, 16411) and node.created_here
+    assert await io(pread, vdir / "16411" / "1259", BLCKSZ, 0) == make_page(S - 0x100, fill=2)
+    # a directory elsewhere in the tablespace is no database directory
+    await io((tblspc / "16410" / "other").mkdir)
+    other = fs.nodes[fs.children_of(fs.children_of(fs.children_of(1)[b"pg_tblspc"])[b"16410"])[b"other"]]
+    assert isinstance(other, DirNode) and other.db is None
+    await io((tblspc / "16410" / "other").rmdir)
+    # DROP DATABASE, DROP TABLESPACE
+    await io(os.unlink, vdir / "16411" / "1259")
+    await io((vdir / "16411").rmdir)
+    await io(vdir.rmdir)
+    await io((tblspc / "16410").rmdir)
+    assert sorted(await io(os.listdir, tblspc)) == ["16400", "16402"]
+    # CREATE TABLESPACE ... LOCATION '/dir': a link (PostgreSQL then lstat()s and unlink()s it)
+    outside = fs.backing.parent / "elsewhere"
+    (outside / "PG_15_202209061").mkdir(parents=True)
+    await io(os.symlink, outside, tblspc / "16420")
+    assert await io(os.readlink, tblspc / "16420") == str(outside)
+    assert await io(os.listdir, tblspc / "16420") == ["PG_15_202209061"]
+    assert (await io(os.lstat, tblspc / "16420")).st_mode & 0o170000 == 0o120000
+    await io(os.unlink, tblspc / "16420")
+    assert sorted(await io(os.listdir, tblspc)) == ["16400", "16402"]
 
 
 @pytest.mark.parametrize("bad", [

@@ -222,8 +222,44 @@ def test_create_and_drop_database(cluster: Path, capsys: pytest.CaptureFixture[s
     pagestore(capsys, "endpoint", "stop", "db", *wd)
 
 
+def test_tablespaces_on_a_lazy_endpoint(cluster: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """In-place tablespaces (``pg_tblspc/<spc>`` in the page filesystem): CREATE TABLESPACE, a
+    table and its index and a database in it, with the 2 MiB cache evicting; a restart serves
+    them from the page service (the listing names the tablespace); DROP TABLESPACE. The
+    endpoint starts without ``--storage``: lazy is the default."""
+    wd = ["--workdir", str(cluster)]
+    ep = pagestore_json(capsys, "endpoint", "start", "ts", *wd)
+    assert ep["storage"] == "lazy"
+    pg = pg_of(cluster, "ts")
+    pg.psql("SET allow_in_place_tablespaces = on; CREATE TABLESPACE lazy_ts LOCATION ''")
+    pg.psql("CREATE TABLE in_ts (id int PRIMARY KEY USING INDEX TABLESPACE lazy_ts, v text) TABLESPACE lazy_ts")
+    pg.psql("INSERT INTO in_ts SELECT g, md5(g::text) FROM generate_series(1, 30000) g")
+    pg.psql("CREATE DATABASE db_in_ts TABLESPACE lazy_ts")
+    pg.psql("CREATE TABLE t AS SELECT g FROM generate_series(1, 20000) g", dbname="db_in_ts")
+    spc = pg.psql("SELECT oid FROM pg_tablespace WHERE spcname = 'lazy_ts'")
+    assert pg.psql("SELECT pg_tablespace_location(oid) FROM pg_tablespace WHERE spcname = 'lazy_ts'") \
+        == f"pg_tblspc/{spc}"  # in place, as on a plain PostgreSQL
+    mnt_spc = cluster / "endpoints/ts/pagefs/mnt/pg_tblspc" / spc
+    assert mnt_spc.is_dir() and list(mnt_spc.glob("PG_15_*/*/PG_VERSION"))  # the tablespace is in the mount
+    assert pagefs_http(cluster, "ts", "GET", "/v1/status")["evictions"] > 0
+    pagestore(capsys, "endpoint", "stop", "ts", *wd)
+    pagestore_json(capsys, "endpoint", "start", "ts", *wd)
+    pg = pg_of(cluster, "ts")
+    assert pg.psql("SELECT count(*), sum(id), count(DISTINCT v) FROM in_ts") == "30000|450015000|30000"
+    assert pg.psql("SELECT v FROM in_ts WHERE id = 777") == "f1c1592588411002af340cbaedd6fc33"  # md5('777'), by the index
+    assert pg.psql("SELECT count(*), sum(g) FROM t", dbname="db_in_ts") == "20000|200010000"
+    assert pagefs_http(cluster, "ts", "GET", "/v1/status")["misses"] > 0
+    pg.psql("DROP DATABASE db_in_ts")
+    pg.psql("DROP TABLE in_ts")
+    pg.psql("DROP TABLESPACE lazy_ts")
+    assert not mnt_spc.exists()
+    pagestore(capsys, "endpoint", "stop", "ts", *wd)
+
+
 def test_without_dev_fuse_a_lazy_start_names_it(cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = os.path.exists
     monkeypatch.setattr(os.path, "exists", lambda p: False if str(p) == "/dev/fuse" else real(p))
     with pytest.raises(endpoint.EndpointError, match=r"/dev/fuse.*--storage full"):
         endpoint.start_endpoint(LocalEnv.load(cluster), "nofuse", storage="lazy", log=lambda _m: None)
+    with pytest.raises(endpoint.EndpointError, match=r"/dev/fuse.*--storage full"):  # lazy is the default
+        endpoint.start_endpoint(LocalEnv.load(cluster), "nofuse", log=lambda _m: None)

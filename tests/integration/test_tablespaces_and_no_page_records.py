@@ -7,13 +7,15 @@ progress advanced. Then at a CHECKPOINT's LSN:
 
 - every page of every fork, those under ``pg_tblspc/`` included, equals the endpoint's file
   (``bench.oracle.compare_snapshot``, masked as PostgreSQL's redo checks);
-- a branch at that LSN boots from its basebackup (tablespaces in place under ``pg_tblspc``),
-  shows the same data and tablespaces, and writes into the empty tablespace and the database
-  in the tablespace (their directories are there).
+- a branch at that LSN, a lazy endpoint (the default), boots from its basebackup (tablespaces
+  in place under ``pg_tblspc``, served by its page filesystem), shows the same data and
+  tablespaces, and writes into the empty tablespace and the database in the tablespace
+  (their directories are there).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,7 +85,8 @@ def test_tablespaces_messages_origins(pg_tmp_path: Path) -> None:
     try:
         t = cluster.create_tenant(env, None, None, set_default=True)
         tenant, timeline = t["tenant_id"], str(t["timeline_id"])
-        ep = endpoint.start_endpoint(env, "main", log=quiet)
+        # full: its files, PostgreSQL's own, are the oracle (a lazy endpoint's are the pageserver's)
+        ep = endpoint.start_endpoint(env, "main", storage="full", log=quiet)
 
         def dsn(db: str = "postgres", port: int = ep.spec.port) -> str:
             return f"host=127.0.0.1 port={port} user={PG_USER} dbname={db}"
@@ -137,6 +140,7 @@ def test_tablespaces_messages_origins(pg_tmp_path: Path) -> None:
             spc_empty = str(_one(dsn(), "SELECT oid FROM pg_tablespace WHERE spcname = 'ts_empty'")[0])
             assert sorted(p.name for p in tblspc.iterdir()) == sorted([str(spc_a), spc_empty])
             assert all(p.is_dir() and not p.is_symlink() for p in tblspc.iterdir())
+            assert br.spec.storage == "lazy" and os.path.ismount(br.dir / "pagefs" / "mnt")
             with psycopg.connect(dsn(port=br.spec.port), autocommit=True) as conn:
                 conn.execute("CREATE TABLE in_empty TABLESPACE ts_empty AS SELECT 1 AS x")
                 conn.execute("INSERT INTO t_ts VALUES (0, 'branch')")

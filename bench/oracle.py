@@ -434,8 +434,18 @@ async def compare_snapshot(client: PageClient, snap: Snapshot,
     res = SnapshotResult(snap.label, format_lsn(snap.lsn))
     req_lsn = MAX_LSN if snap.latest else snap.lsn
     at = f"{'latest' if snap.latest else 'LSN'} {format_lsn(snap.lsn)}"
+    listed = list_forks(snap)
+    if only is None:
+        # every relation the catalogs name has its file (an unlogged one its init fork): the
+        # files compared are all of them, also where they are a standby's
+        have = {(f.rel.dbnode, f.rel.relnode, f.rel.forknum) for f in listed}
+        for (db, relnode), info in sorted(snap.rels.items()):
+            forknum = {"p": 0, "u": 3}.get(info.persistence)
+            if forknum is not None and (db, relnode, forknum) not in have:
+                res.mismatches.append(f"{info.name} ({db}/{relnode}) fork {FORK_NAMES[forknum]}: named by "
+                                      f"pg_class, no file in {snap.root}")
     forks: list[Fork] = []
-    for fork in list_forks(snap):
+    for fork in listed:
         if only is not None and not only(fork):
             continue
         if fork.info is not None and fork.info.persistence == "t":

@@ -20,6 +20,18 @@ there they are those of the reference standby (``bench.standby``: PostgreSQL's r
 endpoint's WAL, streamed from the endpoint itself, not through pagestore; started from the
 data directory the endpoint started from), replayed to L and restartpointed; a full
 endpoint's are its own, with the standby as the reference for what redo cannot rebuild.
+What the standby's files hold that a primary's would not, and back:
+
+- the same WAL, from the endpoint's walsender: a record lost or changed on pagestore's way
+  (walproposer, safekeepers, the pageserver's ingest) shows as a difference;
+- what PostgreSQL does not WAL-log it lacks: pages extended without WAL past the logged end,
+  hint bits (masked either way), FSM contents (not compared), the nextval cache (it holds the
+  logged tuple, as the pageserver does), VM bits in the hole of a standard full-page image;
+  those are exactly the bits no redo can rebuild, so the pageserver must equal it there too;
+- unlogged relations only as init forks (only they are compared either way);
+- a fork PostgreSQL created without WAL (a VM or FSM fork never logged) it does not have, so
+  the comparison does not ask for it; the forks the catalogs name are all there.
+
 Every page of every relation fork (base/, global/, pg_tblspc/) is asked for
 through pagestream GetPage@L and compared with the file's page, masked as the resource
 manager's ``rm_mask`` (``bench.oracle.compare_snapshot``: FSM not compared, pages past the

@@ -16,10 +16,10 @@ import trio
 pyfuse3 = pytest.importorskip("pyfuse3")
 
 from compute.pagefs.cache_file import LocalPageFile  # noqa: E402
-from compute.pagefs.fs import DirNode, Listing, ListingError, PageFs  # noqa: E402
+from compute.pagefs.fs import DirNode, Listing, ListingError, PageFs, RelNode  # noqa: E402
 from compute.pagefs.page_header import BLCKSZ, make_page  # noqa: E402
 from compute.pagefs.remote import PageFetcher, PageFetchError  # noqa: E402
-from compute.pagefs.store import PageStore, RemoteRead  # noqa: E402
+from compute.pagefs.store import Keep, PageStore, RemoteRead  # noqa: E402
 from protocol.ids import TenantId, TimelineId  # noqa: E402
 from protocol.lsn import Lsn  # noqa: E402
 from protocol.pagestream import RelTag  # noqa: E402
@@ -222,6 +222,9 @@ async def test_tablespaces_in_place_and_linked(mounted: tuple[Path, PageFs, Fake
     v = fs.nodes[fs.children_of(fs.children_of(fs.children_of(1)[b"pg_tblspc"])[b"16410"])[b"PG_15_202209061"]]
     node = fs.nodes[fs.children_of(v.ino)[b"16411"]]
     assert isinstance(node, DirNode) and node.db == (16410, 16411) and node.created_here
+    created = fs.nodes[node.children[b"1259"]]
+    assert isinstance(created, RelNode) and created.file is not None
+    assert created.file.rel == RelTag(16410, 16411, 1259, 0) and created.file.keep_file == Keep.NEW_DATABASE  # H4
     assert await io(pread, vdir / "16411" / "1259", BLCKSZ, 0) == make_page(S - 0x100, fill=2)
     # a directory elsewhere in the tablespace is no database directory
     await io((tblspc / "16410" / "other").mkdir)

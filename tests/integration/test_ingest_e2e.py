@@ -104,7 +104,8 @@ def run(pg_tmp_path: Path) -> Iterator[Run]:
     try:
         cluster.start(env, log=QUIET)
         t = cluster.create_tenant(env, None, None, set_default=True)
-        ep = endpoint.start_endpoint(env, "main", log=QUIET)
+        # full: its files, PostgreSQL's own, are the oracle (a lazy endpoint's are the pageserver's)
+        ep = endpoint.start_endpoint(env, "main", storage="full", log=QUIET)
         yield Run(env, t["tenant_id"], str(t["timeline_id"]), ep.spec.port, ep.pgdata)
     finally:
         cluster.stop(env, immediate=True, log=QUIET)

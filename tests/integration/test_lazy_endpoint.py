@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from compute.postgres import PostgresError, PostgresInstance
@@ -231,7 +232,9 @@ def test_tablespaces_on_a_lazy_endpoint(cluster: Path, capsys: pytest.CaptureFix
     ep = pagestore_json(capsys, "endpoint", "start", "ts", *wd)
     assert ep["storage"] == "lazy"
     pg = pg_of(cluster, "ts")
-    pg.psql("SET allow_in_place_tablespaces = on; CREATE TABLESPACE lazy_ts LOCATION ''")
+    with psycopg.connect(f"host=127.0.0.1 port={ep['port']} user=postgres dbname=postgres", autocommit=True) as conn:
+        conn.execute("SET allow_in_place_tablespaces = on")
+        conn.execute("CREATE TABLESPACE lazy_ts LOCATION ''")
     pg.psql("CREATE TABLE in_ts (id int PRIMARY KEY USING INDEX TABLESPACE lazy_ts, v text) TABLESPACE lazy_ts")
     pg.psql("INSERT INTO in_ts SELECT g, md5(g::text) FROM generate_series(1, 30000) g")
     pg.psql("CREATE DATABASE db_in_ts TABLESPACE lazy_ts")
@@ -241,6 +244,7 @@ def test_tablespaces_on_a_lazy_endpoint(cluster: Path, capsys: pytest.CaptureFix
         == f"pg_tblspc/{spc}"  # in place, as on a plain PostgreSQL
     mnt_spc = cluster / "endpoints/ts/pagefs/mnt/pg_tblspc" / spc
     assert mnt_spc.is_dir() and list(mnt_spc.glob("PG_15_*/*/PG_VERSION"))  # the tablespace is in the mount
+    pg.psql("CHECKPOINT")  # the pages reach the page filesystem, more than its cache holds
     assert pagefs_http(cluster, "ts", "GET", "/v1/status")["evictions"] > 0
     pagestore(capsys, "endpoint", "stop", "ts", *wd)
     pagestore_json(capsys, "endpoint", "start", "ts", *wd)

@@ -2,8 +2,9 @@
 
 ``bench.pg_regress`` does the work (``pagestore verify pg-regress`` runs the same): the whole
 ``parallel_schedule`` of the installed postgresql-15's source (``scripts/setup-pg-regress``)
-against a pagestore endpoint with ``wal_consistency_checking = all`` and, at the same time,
-against a plain PostgreSQL of the same build. Then:
+against a lazy pagestore endpoint (the default storage: its relation files are its page
+filesystem over the page service, issue 20) with ``wal_consistency_checking = all`` and, at the
+same time, against a plain PostgreSQL of the same build. Then:
 
 - both sides fail the same tests (the source may be older than the binaries: some expected
   outputs may differ, on both sides alike);
@@ -11,9 +12,11 @@ against a plain PostgreSQL of the same build. Then:
   verification image, and checked many;
 - after a CHECKPOINT, every page of every relation fork at its LSN equals PostgreSQL's file
   page, masked like its rm_mask: none unreadable, none different, of every access method the
-  suite writes (FSM not compared; VM bits fewer, and SP-GiST metapages' never WAL-logged
-  ``lastUsedPages`` other, only where a standby of the same build, i.e. PostgreSQL's own redo,
-  has exactly the same page);
+  suite writes (FSM not compared). PostgreSQL's files are the reference standby's
+  (``bench.standby``: PostgreSQL's own redo of the endpoint's WAL, streamed from the endpoint
+  itself, not through pagestore, replayed to that LSN and restartpointed), since a lazy
+  endpoint's files are the pageserver's own pages; ``bench.pg_regress`` says what that oracle
+  does and does not check;
 - a branch at that LSN boots from its basebackup and answers a catalog query over the
   ``regression`` database exactly as the endpoint does.
 """
@@ -36,6 +39,7 @@ def test_regression_suite_on_pagestore(pg_tmp_path: Path) -> None:
                             emit=lambda d: print(json.dumps(d)[:4000]))
     summary = result.summary()
     print(json.dumps(summary))
+    assert (summary["storage"], summary["oracle"]) == ("lazy", "standby files"), summary
     ep, plain = result.endpoint_run, result.plain_run
     assert ep is not None and plain is not None
     assert len(ep.passed) + len(ep.failed) >= 200, ep.as_json()  # the whole schedule ran

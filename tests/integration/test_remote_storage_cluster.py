@@ -56,7 +56,9 @@ def test_pageserver_loses_its_disk_and_comes_back(cluster_dir: Path, capsys: pyt
     assert {n["name"]: n["http_ok"] for n in st["nodes"]}["seaweedfs"] is True
     tenant = pagestore_json(capsys, "tenant", "create", *wd)
     tenant_id, timeline_id = tenant["tenant_id"], str(tenant["timeline_id"])
-    ep = pagestore_json(capsys, "endpoint", "start", "main", *wd)
+    # full: its files, PostgreSQL's own, are the page comparison's oracle (a lazy endpoint's
+    # are the pageserver's)
+    ep = pagestore_json(capsys, "endpoint", "start", "main", *wd, "--storage", "full")
     main = PostgresInstance(cluster_dir / "endpoints/main/pgdata", port=ep["port"], started=True)
     main.pgbench("-i", "-s", "1", "-q")
     main.psql("CHECKPOINT")

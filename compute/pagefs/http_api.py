@@ -39,6 +39,8 @@ class StoreCollector(Collector):
             ("pagefs_evictions", m.evictions, "pages dropped from the local page file"),
             ("pagefs_over_capacity", m.over_capacity, "allocations past local_cache_size (all kept)"),
             ("pagefs_read_errors", self.fs.read_errors, "kernel reads answered EIO"),
+            ("pagefs_getpage_reconnects", self.fs.fetcher.reconnects,
+             "GetPage batches sent again on a new connection (the page service was unreachable)"),
         ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)

@@ -39,7 +39,7 @@ from compute import basebackup, postgres
 from compute.pagefs.cache_file import LocalPageFile
 from compute.pagefs.fs import Listing, PageFs
 from compute.pagefs.page_header import BLCKSZ
-from compute.pagefs.remote import PageFetcher
+from compute.pagefs.remote import RECONNECT_TIMEOUT_S, PageFetcher
 from compute.pagefs.store import Keep, PageStore
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn, parse_lsn
@@ -71,6 +71,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-wal-log-hints", action="store_true",
                         help="PostgreSQL runs without wal_log_hints: keep PD_ALL_VISIBLE heap pages local (H1)")
     parser.add_argument("--connections", type=int, default=4, help="pagestream connections")
+    parser.add_argument("--reconnect-timeout", type=float, default=RECONNECT_TIMEOUT_S,
+                        help="seconds a read waits for a page service that cannot be reached before it "
+                             f"fails with EIO (default {RECONNECT_TIMEOUT_S:.0f})")
     parser.add_argument("--read-ahead-kb", type=int, default=1024,
                         help="the kernel's readahead on the mount: a sequential scan's reads are this large "
                              "(one GetPage batch each); 0 leaves the kernel's default (128)")
@@ -105,6 +108,7 @@ def status(fs: PageFs, http_port: int | None, started: float, start: dict[str, A
         "getpage_batches": f.batches,
         "getpage_pages": f.pages,
         "getpage_errors": f.errors,
+        "getpage_reconnects": f.reconnects,
         "pageserver": f"{f.host}:{f.port}",
         "read_errors": fs.read_errors,
     }
@@ -226,7 +230,7 @@ async def amain(args: argparse.Namespace) -> None:
                       wal_log_hints=not args.no_wal_log_hints)
     registry = CollectorRegistry()
     fetcher = PageFetcher(host, int(port), tenant, timeline, connections=args.connections, token=token,
-                          ca_file=args.ca_file, registry=registry)
+                          ca_file=args.ca_file, registry=registry, reconnect_timeout_s=args.reconnect_timeout)
     fs = PageFs(store, fetcher, Path(args.backing), uid=pw.pw_uid, gid=pw.pw_gid)
     t = time.monotonic()
     fs.load(listing)

@@ -12,6 +12,7 @@ files are the page filesystem over the page service, with real nodes.
 - CREATE DATABASE with WAL_LOG and FILE_COPY, DROP DATABASE;
 - in-place tablespaces in the page filesystem (a table, its index and a database in one),
   served from the page service after a restart; DROP TABLESPACE;
+- kill -9 of the pageserver: a read waits for it to come back and is answered;
 - without /dev/fuse a lazy start fails naming it and ``--storage full``.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -32,7 +34,7 @@ import pytest
 from compute.postgres import PostgresError, PostgresInstance
 from control_plane import cli, endpoint
 from control_plane.local_env import LocalEnv
-from control_plane.process import read_pid, wait_until
+from control_plane.process import is_alive, read_pid, wait_until
 
 pytestmark = [
     pytest.mark.postgres,
@@ -262,6 +264,39 @@ def test_tablespaces_on_a_lazy_endpoint(cluster: Path, capsys: pytest.CaptureFix
     pg.psql("DROP TABLESPACE lazy_ts")
     assert not mnt_spc.exists()
     pagestore(capsys, "endpoint", "stop", "ts", *wd)
+
+
+def test_a_pageserver_restart_is_a_pause_for_a_lazy_endpoint(cluster: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """kill -9 of the pageserver under a lazy primary: a read of pages the endpoint does not
+    hold waits while the page service is away and is answered once it is back (the page
+    filesystem sends the batch again on a new connection), no I/O error."""
+    wd = ["--workdir", str(cluster)]
+    cli.main(["endpoint", "stop", "main", *wd])  # one primary per branch (it may not exist)
+    pagestore_json(capsys, "endpoint", "start", "ps", *wd)
+    pg = pg_of(cluster, "ps")
+    pg.psql("CREATE TABLE away AS SELECT g, md5(g::text) AS v FROM generate_series(1, 20000) g")
+    # PostgreSQL restarts on the same mount with the table's pages evicted from the local
+    # cache and the kernel's: its next scan of the table reads the page service
+    spec = endpoint.load_endpoint(LocalEnv.load(cluster), "ps").spec
+    pg.stop("fast")
+    time.sleep(1.5)  # the bridge's status file (the durable LSN) is rewritten every second
+    assert pagefs_http(cluster, "ps", "POST", "/v1/evict")["evicted"] > 0
+    pg = PostgresInstance(pg.datadir, port=spec.port, settings=endpoint._settings(spec))
+    pg.start()
+    pid = read_pid(LocalEnv.load(cluster).pageserver_dir / "pid")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    wait_until("the killed pageserver to be gone", lambda: not is_alive(pid), timeout=10)
+    answer: list[str] = []
+    reader = threading.Thread(target=lambda: answer.append(pg.psql("SELECT count(*), sum(g) FROM away", timeout=120)))
+    reader.start()
+    time.sleep(1)
+    assert reader.is_alive()  # waiting for the page service, not failed
+    assert cli.main(["start", *wd]) == 0  # the pageserver again (the others still run)
+    reader.join(timeout=120)
+    assert answer == ["20000|200010000"]
+    assert pagefs_http(cluster, "ps", "GET", "/v1/status")["getpage_reconnects"] > 0
+    pagestore(capsys, "endpoint", "stop", "ps", *wd)
 
 
 def test_without_dev_fuse_a_lazy_start_names_it(cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:

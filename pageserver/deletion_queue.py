@@ -33,6 +33,7 @@ import attrs
 import structlog
 from prometheus_client import Counter
 
+from common.fsync import fsync_dir
 from protocol.ids import TenantId, TimelineId
 
 log = structlog.get_logger("pageserver.deletion_queue")
@@ -87,14 +88,6 @@ class DeletionList:
             raise DeletionListError(f"deletion list {path}: {exc}") from None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class DeletionQueue:
     """The lists of one pageserver (all its tenants). Methods do file IO: call them in a
     worker thread."""
@@ -122,14 +115,14 @@ class DeletionQueue:
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, path)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         PERSISTED_LISTS.inc()
         return dl
 
     def done(self, dl: DeletionList) -> None:
         """The list's DELETE succeeded (or it was dropped): forget it."""
         dl.path.unlink(missing_ok=True)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def lists(self, tenant_id: TenantId | None = None) -> list[DeletionList]:
         """The lists on disk (of one tenant), in sequence order."""
@@ -147,7 +140,7 @@ class DeletionQueue:
             dl.path.unlink(missing_ok=True)
             dropped += 1
         if dropped:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         return dropped
 
     def drop_except(self, tenants: Iterable[TenantId]) -> int:

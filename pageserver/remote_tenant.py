@@ -34,6 +34,7 @@ import attrs
 import structlog
 import trio
 
+from common.fsync import fsync_dir
 from pageserver import remote_layout
 from pageserver.deletion_queue import DROPPED_LIST_KEYS, RECOVERED_KEYS, DeletionList, DeletionQueue
 from pageserver.remote_timeline import (
@@ -41,7 +42,6 @@ from pageserver.remote_timeline import (
     RemoteTimelineClient,
     Validator,
     always_valid,
-    fsync_dir_path,
 )
 from pageserver.storage.index_part import INDEX_PART, IndexPart
 from pageserver.storage.layer_file import LayerCorruptionError
@@ -127,7 +127,7 @@ def _write_local_index(directory: Path, part: IndexPart) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / INDEX_PART)
-    fsync_dir_path(directory)
+    fsync_dir(directory)
 
 
 def _reconcile(directory: Path, part: IndexPart) -> list[str]:
@@ -145,7 +145,7 @@ def _reconcile(directory: Path, part: IndexPart) -> list[str]:
             present.add(name)
             continue
         entry.unlink()  # local-only, a different size, a temp or ephemeral file
-    fsync_dir_path(directory)
+    fsync_dir(directory)
     return sorted(set(part.layers) - present)
 
 

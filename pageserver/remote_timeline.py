@@ -47,6 +47,7 @@ import structlog
 import trio
 from prometheus_client import Counter, Gauge, Histogram
 
+from common.fsync import fsync_dir
 from pageserver import remote_layout
 from pageserver.deletion_queue import DeletionList, DeletionQueue
 from pageserver.storage.index_part import IndexPart
@@ -127,25 +128,9 @@ async def download_layer(
 
     def publish() -> None:
         os.rename(tmp, path)
-        fsync_dir_path(path.parent)
+        fsync_dir(path.parent)
 
     await trio.to_thread.run_sync(publish)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Pins:

@@ -16,20 +16,13 @@ from typing import Any, BinaryIO, TypeVar
 
 import trio
 
+from common.fsync import fsync_dir
 from remote_storage.base import Listing
 from remote_storage.config import LocalStorageConfig
 from remote_storage.errors import RemoteFatalError, RemoteNotFoundError, RemoteStorageError
 
 _TEMP = ".___temp"
 T = TypeVar("T")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalStorage:
@@ -60,7 +53,7 @@ class LocalStorage:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         return size
 
     async def upload(self, key: str, data: bytes) -> None:
@@ -124,7 +117,7 @@ class LocalStorage:
             path.unlink()
         except FileNotFoundError:
             return
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     async def delete(self, key: str) -> None:
         await self._run(self._delete, key)

@@ -24,6 +24,7 @@ from pathlib import Path
 import attrs
 import crc32c
 
+from common.fsync import fsync_dir
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn
 from protocol.safekeeper import (
@@ -194,14 +195,6 @@ def _decode_members(data: bytes, pos: int, end: int) -> tuple[tuple[SafekeeperId
         out.append(SafekeeperId(node_id, data[pos : pos + host_len].decode(), port))
         pos += host_len
     return tuple(out), pos
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_control_file(directory: Path, state: PersistentState, no_sync: bool = False) -> None:

@@ -27,6 +27,7 @@ import structlog
 import trio
 import trio_util
 
+from common.fsync import fsync_dir
 from common.metrics import BATCH_BUCKETS
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
@@ -50,7 +51,6 @@ from safekeeper.acceptor import (
 from safekeeper.control_file import (
     ControlFileError,
     PersistentState,
-    fsync_dir,
     read_control_file,
     write_control_file,
 )

@@ -37,10 +37,10 @@ from pathlib import Path
 
 import attrs
 
+from common.fsync import fsync_dir
 from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, XLOG_BLCKSZ, Lsn, format_lsn
 from protocol.lsn import segment_file_name as _seg_name
 from protocol.wal.page import XLP_BKP_REMOVABLE, XLP_FIRST_IS_CONTRECORD, encode_page_header
-from safekeeper.control_file import fsync_dir
 from safekeeper.record_tracker import InvalidWal, RecordTracker
 
 TMP_SEGMENT = "waltmp"

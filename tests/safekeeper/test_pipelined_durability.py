@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
+import common.fsync
 import safekeeper.control_file
 import safekeeper.timeline
 from protocol.errors import RemoteProtocolError
@@ -87,7 +88,7 @@ def test_create_makes_the_new_directories_durable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     synced: list[Path] = []
-    real = safekeeper.control_file.fsync_dir
+    real = common.fsync.fsync_dir
 
     def recording(path: Path) -> None:
         real(path)

@@ -5,7 +5,6 @@ and pagestream reads of what was written."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,9 @@ from control_plane import cli, cluster
 from control_plane.local_env import LocalEnv
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import parse_lsn
+from tests.integration.cli_json import pagestore_json
 
 pytestmark = [pytest.mark.postgres]
-
-
-def pagestore_json(capsys: pytest.CaptureFixture[str], *args: str) -> object:
-    capsys.readouterr()
-    rc = cli.main([*args, "--json"])
-    out = capsys.readouterr()
-    assert rc == 0, out.err
-    return json.loads(out.out)
 
 
 def test_tls_cluster_end_to_end(pg_tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

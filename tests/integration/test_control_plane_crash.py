@@ -36,16 +36,9 @@ from control_plane.http_client import get_json
 from control_plane.local_env import LocalEnv
 from control_plane.process import read_pid, wait_until
 from protocol.lsn import Lsn, parse_lsn
+from tests.integration.cli_json import pagestore_json
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
-
-
-def pagestore_json(capsys: pytest.CaptureFixture[str], *args: str) -> Any:
-    capsys.readouterr()
-    rc = cli.main([*args, "--json"])
-    captured = capsys.readouterr()
-    assert rc == 0, captured.err
-    return json.loads(captured.out)
 
 
 @pytest.fixture

@@ -17,13 +17,11 @@ Checked:
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -32,16 +30,9 @@ from control_plane import cli
 from control_plane.local_env import LocalEnv
 from control_plane.process import is_alive, read_pid, wait_until
 from protocol.lsn import parse_lsn
+from tests.integration.cli_json import pagestore_json
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
-
-
-def pagestore_json(capsys: pytest.CaptureFixture[str], *args: str) -> Any:
-    capsys.readouterr()
-    rc = cli.main([*args, "--json"])
-    captured = capsys.readouterr()
-    assert rc == 0, captured.err
-    return json.loads(captured.out)
 
 
 def pagestore(capsys: pytest.CaptureFixture[str], *args: str) -> str:

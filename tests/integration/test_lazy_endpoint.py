@@ -35,20 +35,13 @@ from compute.postgres import PostgresError, PostgresInstance
 from control_plane import cli, endpoint
 from control_plane.local_env import LocalEnv
 from control_plane.process import is_alive, read_pid, wait_until
+from tests.integration.cli_json import pagestore_json
 
 pytestmark = [
     pytest.mark.postgres,
     pytest.mark.slow,
     pytest.mark.skipif(not os.path.exists("/dev/fuse") or os.geteuid() != 0, reason="needs /dev/fuse and root"),
 ]
-
-
-def pagestore_json(capsys: pytest.CaptureFixture[str], *args: str) -> Any:
-    capsys.readouterr()
-    rc = cli.main([*args, "--json"])
-    captured = capsys.readouterr()
-    assert rc == 0, captured.err
-    return json.loads(captured.out)
 
 
 def pagestore(capsys: pytest.CaptureFixture[str], *args: str) -> None:

@@ -30,18 +30,11 @@ from control_plane.process import read_pid, wait_until
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import WAL_SEGMENT_SIZE, parse_lsn
 from remote_storage.wal_layout import wal_timeline_prefix
+from tests.integration.cli_json import pagestore_json
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 TIMELINE = "5a" * 16
-
-
-def pagestore_json(capsys: pytest.CaptureFixture[str], *args: str) -> Any:
-    capsys.readouterr()
-    rc = cli.main([*args, "--json"])
-    captured = capsys.readouterr()
-    assert rc == 0, captured.err
-    return json.loads(captured.out)
 
 
 def sk_timelines(env: LocalEnv, tenant_id: str) -> list[dict[str, Any]]:

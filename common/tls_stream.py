@@ -118,29 +118,15 @@ class TlsStream(trio.abc.Stream):
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         limit = min(max_bytes or RECEIVE_SIZE, RECEIVE_SIZE)
-        view = self._view
-        have = 0
         waited = False  # a receive that awaited the socket has had its schedule point
         while True:
-            try:
-                while have < limit:
-                    # With a buffer, read() returns the count (typeshed says bytes).
-                    n = cast(int, self._obj.read(limit - have, view[have:limit]))
-                    if not n:
-                        break
-                    have += n
-            except ssl.SSLWantReadError:
-                pass
-            except ssl.SSLZeroReturnError:
-                self._eof = True
-            except ssl.SSLError as exc:
-                raise trio.BrokenResourceError(f"TLS error: {exc}") from exc
+            have = self._read_plain(limit)
             if self._out.pending:
                 await self._flush()
             if have or self._eof:
                 if not waited:
                     await trio.lowlevel.checkpoint()
-                return bytes(view[:have])
+                return bytes(self._view[:have])
             await self._fill()
             waited = True
 
@@ -189,6 +175,7 @@ class TlsStream(trio.abc.Stream):
         have = 0
         try:
             while have < limit:
+                # With a buffer, read() returns the count (typeshed says bytes).
                 n = cast(int, self._obj.read(limit - have, view[have:limit]))
                 if not n:
                     break

@@ -622,6 +622,7 @@ def page_index_tuple_replace_many(page: bytearray, pairs: Sequence[tuple[int, by
     nline = max_offset(page)
     done = 0
     for offnum, item in pairs:
+        # _index_item's checks inline: this loop runs once per placeholder (hundreds a page)
         if offnum <= 0 or offnum > nline:
             raise PageError(f"invalid index offnum: {offnum}")
         raw = get_itemid(page, offnum)

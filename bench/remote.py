@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 import trio
 
+from bench import proc_cpu
 from common.logging import setup_logging
 from pageserver.remote_tenant import TenantRemote
 from pageserver.remote_timeline import RemoteTimelineClient
@@ -63,6 +64,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved rounds of the upload (queue, plain loop, threaded loop) and ingest "
                              "(off, on) configurations")
+    parser.add_argument("--ingest-configs", default="off,on",
+                        help=f"comma-separated, 'off' first, of {','.join(INGEST_CONFIGS)}")
+    parser.add_argument("--cpus", default=None,
+                        help="run the benchmark on these CPUs only (e.g. 0; default: all)")
+    parser.add_argument("--seaweedfs-cpus", default=None,
+                        help="run the SeaweedFS it starts on these CPUs only (e.g. 1: the store on cores "
+                             "of its own, as a remote S3 is; default: all)")
     parser.add_argument("--attach-mib", type=int, default=1024, help="layers of the tenant to attach")
     parser.add_argument("--parts", default="upload,ingest,attach", help="comma-separated measurements")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
@@ -170,12 +178,15 @@ def bench_upload(endpoint: str, work: Path, upload_mib: int, layer_mib: int, rou
 # -- ingest ----------------------------------------------------------------------------------
 
 
-async def _ingest(tl: Timeline, mib: int, start_block: int = 0, cpu: dict[str, float] | None = None) -> float:
+async def _ingest(tl: Timeline, mib: int, start_block: int = 0, cpu: dict[str, Any] | None = None,
+                  pids: dict[str, int] | None = None) -> float:
     """Seconds to put and flush ``mib`` of page images; ``cpu`` gets the CPU seconds of the
-    trio thread (the ingest's own work) and of the whole process (upload threads too)."""
+    trio thread (the ingest's own work) and of the whole process (upload threads too), and
+    the breakdown per thread group and per process of ``pids`` (``bench.proc_cpu``)."""
     n = mib * MiB // PAGE
     page = os.urandom(PAGE)
     lsn = tl.last_record_lsn
+    sample = proc_cpu.Sample.take(pids)
     started = time.perf_counter()
     thread0, process0 = time.thread_time(), time.process_time()
     for i in range(n):
@@ -186,30 +197,35 @@ async def _ingest(tl: Timeline, mib: int, start_block: int = 0, cpu: dict[str, f
     if cpu is not None:
         cpu["trio_thread_cpu_s"] = time.thread_time() - thread0
         cpu["process_cpu_s"] = time.process_time() - process0
+        cpu["cpu"] = proc_cpu.breakdown(sample, proc_cpu.Sample.take(pids))
     return time.perf_counter() - started
 
 
-INGEST_CONFIGS = ("off", "on")
+# off: no remote storage; on: uploads behind the flushes (the node's S3 settings);
+# on-signed: the same with SigV4 over the body (a SHA-256 of every PUT, ``payload_signing``)
+INGEST_CONFIGS = ("off", "on", "on-signed")
 
 
-async def _ingest_run(work: Path, mib: int, endpoint: str, config: str) -> dict[str, Any]:
+async def _ingest_run(work: Path, mib: int, endpoint: str, config: str,
+                      pids: dict[str, int] | None = None) -> dict[str, Any]:
     cfg = _storage_config(16)
     async with trio.open_nursery() as nursery:
         remote = None
         storage = None
         if config != "off":
-            storage = make_remote_storage(_s3(endpoint, "bench-ingest"))
+            storage = make_remote_storage(attrs.evolve(_s3(endpoint, "bench-ingest"),
+                                                       payload_signing=config == "on-signed"))
             await storage.list("nothing/")
             remote = TenantRemote(storage, 1)
         tenant = Tenant(work, TenantId.generate(), cfg, nursery=nursery, remote=remote)
         tl = await tenant.create_timeline(TimelineId.generate())
         if tl.remote is not None:
             await tl.remote.wait_uploaded()
-        cpu: dict[str, float] = {}
-        seconds = await _ingest(tl, mib, cpu=cpu)
+        cpu: dict[str, Any] = {}
+        seconds = await _ingest(tl, mib, cpu=cpu, pids=pids)
         out: dict[str, Any] = {"config": config, "uploads": config != "off", "seconds": round(seconds, 3),
                                "mb_s": round(mib * MiB / 1e6 / seconds, 1),
-                               **{k: round(v, 3) for k, v in cpu.items()}}
+                               **{k: round(v, 3) if isinstance(v, float) else v for k, v in cpu.items()}}
         if tl.remote is not None:
             t0 = time.perf_counter()
             await tl.remote.wait_uploaded()
@@ -223,25 +239,42 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str) -> dict[
     return out
 
 
-def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int) -> None:
+def _median_cpu(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians over rounds of one configuration's CPU breakdown (``bench.proc_cpu``)."""
+    flat: dict[str, list[float]] = {}
+    for x in runs:
+        for k, v in x["cpu"].items():
+            for name, val in (v.items() if isinstance(v, dict) else [("", v)]):
+                flat.setdefault(f"{k}.{name}" if name else k, []).append(float(val))
+    return {k: round(statistics.median(v), 3) for k, v in sorted(flat.items())}
+
+
+def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int, pids: dict[str, int] | None = None,
+                 configs: tuple[str, ...] = ("off", "on")) -> None:
+    if configs[:1] != ("off",) or any(c not in INGEST_CONFIGS for c in configs):
+        raise SystemExit(f"--ingest-configs: 'off' and any of {INGEST_CONFIGS[1:]}, got {configs}")
     runs: list[dict[str, Any]] = []
+    n = len(configs)
     for r in range(rounds):  # interleaved rounds (order rotated): load changes hit all alike
-        order = INGEST_CONFIGS[r % 2:] + INGEST_CONFIGS[:r % 2]
+        order = configs[r % n:] + configs[:r % n]
         for config in order:
-            runs.append({"round": r, **trio.run(_ingest_run, work / f"ingest-{len(runs)}", mib, endpoint, config)})
-    seconds = {c: {x["round"]: x["seconds"] for x in runs if x["config"] == c} for c in INGEST_CONFIGS}
-    med = {c: statistics.median(seconds[c].values()) for c in INGEST_CONFIGS}
+            runs.append({"round": r, **trio.run(_ingest_run, work / f"ingest-{len(runs)}", mib, endpoint, config, pids)})
+    seconds = {c: {x["round"]: x["seconds"] for x in runs if x["config"] == c} for c in configs}
+    med = {c: statistics.median(seconds[c].values()) for c in configs}
     out: dict[str, Any] = {"part": "ingest", "mib": mib, "runs": runs}
-    for c in INGEST_CONFIGS:
+    for c in configs:
         out[f"{c}_mb_s"] = round(mib * MiB / 1e6 / med[c], 1)
-    per_round = [seconds["off"][r] / seconds["on"][r] for r in range(rounds)]
-    out["ratio_on_vs_off_per_round"] = [round(p, 3) for p in per_round]
-    out["ratio_on_vs_off"] = round(statistics.median(per_round), 3)
-    for c in INGEST_CONFIGS:  # where the time goes: the trio thread's own CPU, the rest
+    for c in configs[1:]:
+        per_round = [seconds["off"][r] / seconds[c][r] for r in range(rounds)]
+        suffix = "" if c == "on" else "_" + c.removeprefix("on-")
+        out[f"ratio_on{suffix}_vs_off_per_round"] = [round(p, 3) for p in per_round]
+        out[f"ratio_on{suffix}_vs_off"] = round(statistics.median(per_round), 3)
+    for c in configs:  # where the time goes: per thread group and process, medians of the rounds
         out[f"{c}_trio_thread_cpu_s"] = statistics.median(
             x["trio_thread_cpu_s"] for x in runs if x["config"] == c)
+        out[f"{c}_cpu"] = _median_cpu([x for x in runs if x["config"] == c])
     emit({**out, "goal": "ratio_on_vs_off >= 0.9 (median of per-round ratios)",
-          "load_avg": [round(x, 2) for x in os.getloadavg()]})
+          "cpus": sorted(os.sched_getaffinity(0)), "load_avg": [round(x, 2) for x in os.getloadavg()]})
 
 
 # -- attach ----------------------------------------------------------------------------------
@@ -288,8 +321,22 @@ async def _attach(endpoint: str, work: Path, mib: int) -> dict[str, Any]:
             "first_read_downloaded_bytes": fetched, "second_read_ms": round(second_s * 1000, 3)}
 
 
+def _cpu_list(spec: str | None) -> frozenset[int] | None:
+    """``0,2-3`` -> {0, 2, 3}."""
+    if spec is None:
+        return None
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(cpus)
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(level="warning")  # stdout carries the JSON lines only; warnings go to stderr
+    cpus = _cpu_list(args.cpus)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # this thread; the threads started later inherit it
     parts = set(args.parts.split(","))
     work = Path(tempfile.mkdtemp(prefix="pagestore-bench-remote-", dir=args.dir))
     weed_dir = work / "seaweedfs" if args.seaweedfs_dir is None else Path(
@@ -298,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         endpoint = args.endpoint
         if endpoint is None:
-            server = SeaweedServer(weed_dir, volume_size_limit_mb=256)
+            server = SeaweedServer(weed_dir, volume_size_limit_mb=256, cpus=_cpu_list(args.seaweedfs_cpus))
             server.start()
             endpoint = server.endpoint
         emit({"part": "setup", "endpoint": endpoint, "seaweedfs_started": server is not None,
@@ -307,7 +354,9 @@ def run(args: argparse.Namespace) -> int:
         if "upload" in parts:
             bench_upload(endpoint, work, args.upload_mib, args.layer_mib, args.rounds)
         if "ingest" in parts:
-            bench_ingest(endpoint, work, args.ingest_mib, args.rounds)
+            pids = {} if server is None or server.proc is None else {"seaweedfs": server.proc.pid}
+            bench_ingest(endpoint, work, args.ingest_mib, args.rounds, pids,
+                         tuple(args.ingest_configs.split(",")))
         if "attach" in parts:
             emit(trio.run(_attach, endpoint, work, args.attach_mib))
     finally:

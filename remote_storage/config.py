@@ -55,6 +55,12 @@ class S3StorageConfig:
     secret_access_key: str | None = None
     # The bucket is created at start if missing (test stores; a real bucket is made by its owner)
     create_bucket: bool = False
+    # SigV4 over the body too (a SHA-256 of every PUT, on the client and a verifying server),
+    # or UNSIGNED-PAYLOAD (the default: the headers are still signed). What guards a layer's
+    # bytes either way: TLS on an https endpoint, the size checked against the index after
+    # every upload and download, and the layer format's own CRC-32C over every blob, index
+    # block and the summary, checked when the file is opened and read.
+    payload_signing: bool = False
 
 
 RemoteStorageConfig = LocalStorageConfig | S3StorageConfig

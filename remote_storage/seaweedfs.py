@@ -122,8 +122,12 @@ def stop_pid(pid: int, *, grace_s: float = 5.0) -> None:
 class SeaweedServer:
     """One ``weed server -s3`` child process with its own ports and data directory."""
 
-    def __init__(self, data_dir: Path, ports: SeaweedPorts | None = None, *, volume_size_limit_mb: int = 1024) -> None:
+    def __init__(self, data_dir: Path, ports: SeaweedPorts | None = None, *, volume_size_limit_mb: int = 1024,
+                 cpus: frozenset[int] | None = None) -> None:
         self.data_dir = data_dir
+        # The CPUs the server may run on (None: any); a benchmark gives it cores of its own, as
+        # a store on another host has.
+        self.cpus = cpus
         self.ports = ports if ports is not None else SeaweedPorts.free()
         # SeaweedFS makes at most (free disk / volume size) volumes, several per bucket: small
         # volumes for servers that hold many buckets
@@ -141,6 +145,7 @@ class SeaweedServer:
             self.proc = subprocess.Popen(
                 weed_argv(self.data_dir, self.ports, volume_size_limit_mb=self.volume_size_limit_mb), stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, cwd=self.data_dir, start_new_session=True,
+                preexec_fn=None if self.cpus is None else self._pin,
             )
         finally:
             log.close()
@@ -152,6 +157,11 @@ class SeaweedServer:
                 self.stop()
                 raise TimeoutError(f"SeaweedFS S3 did not answer within {timeout_s} s; see {self.data_dir / 'weed.log'}")
             time.sleep(0.2)
+
+    def _pin(self) -> None:
+        # In the child before exec: every thread the server starts inherits the mask.
+        assert self.cpus is not None
+        os.sched_setaffinity(0, self.cpus)
 
     def stop(self, *, grace_s: float = 5.0) -> None:
         if self.proc is not None:

@@ -1,4 +1,5 @@
-"""A cluster with WAL backup (``pagestore init --remote-storage local``): the safekeepers back
+"""A cluster with WAL backup (``pagestore init --remote-storage local``, and ``seaweedfs``: a real
+S3 server as a node of the cluster): the safekeepers back
 their closed segments up and trim them once the pageserver has them in remote storage too;
 then the pageserver is recreated from scratch (kill -9, its data directory and its whole remote
 tree ``tenants/`` gone), the timeline is imported again from the same stopped data directory,
@@ -29,6 +30,12 @@ from control_plane.local_env import LocalEnv
 from control_plane.process import read_pid, wait_until
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import WAL_SEGMENT_SIZE, parse_lsn
+from remote_storage import (
+    LocalStorageConfig,
+    RemoteStorageConfig,
+    S3StorageConfig,
+    make_remote_storage,
+)
 from remote_storage.wal_layout import wal_timeline_prefix
 from tests.integration.cli_json import pagestore_json
 
@@ -44,20 +51,57 @@ def sk_timelines(env: LocalEnv, tenant_id: str) -> list[dict[str, Any]]:
     return out
 
 
+def store_config(env: LocalEnv) -> RemoteStorageConfig:
+    """The cluster's remote storage, as its nodes see it."""
+    table = env.remote_storage_table()
+    assert table is not None
+    kind = table.pop("kind")
+    if kind == "local":
+        return LocalStorageConfig(path=Path(table["path"]))
+    assert kind == "s3"
+    return S3StorageConfig(**table)
+
+
+def remote_keys(env: LocalEnv, prefix: str) -> list[str]:
+    async def keys() -> list[str]:
+        storage = make_remote_storage(store_config(env))
+        try:
+            return (await storage.list(prefix)).keys
+        finally:
+            await storage.aclose()
+
+    return trio.run(keys)
+
+
+def delete_remote(env: LocalEnv, prefix: str) -> int:
+    """Delete every object under ``prefix``; how many there were."""
+    async def delete() -> int:
+        storage = make_remote_storage(store_config(env))
+        try:
+            keys = (await storage.list(prefix)).keys
+            await storage.delete_objects(keys)
+            return len(keys)
+        finally:
+            await storage.aclose()
+
+    return trio.run(delete)
+
+
+@pytest.mark.parametrize("kind", ["local", "seaweedfs"])
 def test_pageserver_recreated_from_scratch_catches_up_from_the_wal_backup(
-    pg_tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    pg_tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
 ) -> None:
     workdir = pg_tmp_path / "cluster"
     wd = ["--workdir", str(workdir)]
     assert cli.main(["init", *wd, "--free-ports", "--no-sync", "--no-auth",
-                     "--remote-storage", "local"]) == 0
+                     "--remote-storage", kind]) == 0
     try:
         env = LocalEnv.load(workdir)
         for sk_id in env.safekeeper_ids:
             # Quicker than the defaults, so the test does not wait for them.
             path = env.safekeeper_config_path(sk_id)
             conf = tomllib.loads(path.read_text())
-            assert conf["remote_storage"]["kind"] == "local"
+            assert conf["remote_storage"]["kind"] == ("local" if kind == "local" else "s3")
             assert conf["wal_backup_peers"] == env.safekeeper_ids
             conf.update(wal_removal_period_s=0.2, wal_backup_period_s=0.2, peer_sync_period_s=0.2)
             path.write_text(tomli_w.dumps(conf))
@@ -92,9 +136,8 @@ def test_pageserver_recreated_from_scratch_catches_up_from_the_wal_backup(
             raise
         for t in sk_timelines(env, tenant_id):
             assert parse_lsn(t["backup_lsn"]) >= first_seg_end
-        backed_up = sorted(p.name for p in (env.remote_storage_dir / wal_timeline_prefix(
-            TenantId.parse(tenant_id), TimelineId.parse(TIMELINE))).iterdir())
-        assert len(backed_up) >= 1
+        wal_prefix = wal_timeline_prefix(TenantId.parse(tenant_id), TimelineId.parse(TIMELINE))
+        assert len(remote_keys(env, wal_prefix)) >= 1
         st = pagestore_json(capsys, "status", *wd)
         (tl,) = [t for t in st["timelines"] if t["timeline_id"] == TIMELINE]
         assert all(parse_lsn(v["backup_lsn"]) >= first_seg_end for v in tl["safekeepers"].values())
@@ -109,7 +152,8 @@ def test_pageserver_recreated_from_scratch_catches_up_from_the_wal_backup(
         for entry in ps_dir.iterdir():
             if entry.name != "pageserver.toml":
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-        shutil.rmtree(env.remote_storage_dir / "tenants")
+        assert delete_remote(env, "tenants/") >= 2  # an index and its layers at least
+        assert remote_keys(env, "tenants/") == []
         pg.psql("INSERT INTO big SELECT g, 'after the loss' FROM generate_series(1, 1000) g")
         assert cli.main(["start", *wd]) == 0
         tenants = request_json("GET", f"{env.pageserver_http}/v1/tenant")

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench bulk-ingest": ("bench.bulk_ingest", "bulk INSERT WAL: pageserver ingest time vs PostgreSQL crash recovery"),
     "bench compute": ("bench.compute", "lazy vs full endpoints vs plain PostgreSQL: start to first query, TPS, cold seq scan"),
     "bench getpage": ("bench.getpage", "GetPage@LSN pages/s and latency: serial vs pipelined, queue depth, vs PostgreSQL get_raw_page"),
+    "bench getpage-pgbench": ("bench.getpage_pgbench", "the seed's getpage table: GetPage@latest over pgbench timelines (scale x tenants x cache x get_impl x impl)"),
     "bench ingest": ("bench.ingest", "bulk WAL ingest MB/s: io_engine x write buffer x double buffering x sync mode"),
     "bench native-kernels": ("bench.native_kernels", "each native (Cython) kernel beside its pure-Python twin: MiB/s of CPU, one run"),
     "bench read-path": ("bench.read_path", "get_vectored vs legacy gets: keys/s, preadv calls, deep L0 stack"),

@@ -2,17 +2,19 @@
 is protocol/_getpage_load_py.py."""
 
 from array import array
-from typing import Final
+from collections.abc import Sequence
+from typing import Final, overload
 
 from typing_extensions import Buffer, disjoint_base
 
-__all__ = ["IMPL", "GetPageLoad", "LoadProtocolError", "LoadServerError"]
+__all__ = ["IMPL", "MAX_RELS", "GetPageLoad", "LoadProtocolError", "LoadServerError"]
 
 IMPL: Final = "native"
 SOURCE_HASH: Final[str]
 MAX_LSN: Final[int]
 MAX_MESSAGE_LEN: Final[int]
 BLCKSZ: Final[int]
+MAX_RELS: Final[int]
 
 class LoadProtocolError(ValueError): ...
 class LoadServerError(RuntimeError): ...
@@ -21,8 +23,17 @@ class LoadServerError(RuntimeError): ...
 class GetPageLoad:
     @property
     def pages(self) -> int: ...
+    @overload
     def __init__(
         self, rel: tuple[int, int, int, int], pages: int, seed: int, first_reqid: int = 1
+    ) -> None: ...
+    @overload
+    def __init__(
+        self,
+        rel: Sequence[tuple[int, int, int, int]],
+        pages: Sequence[int],
+        seed: int,
+        first_reqid: int = 1,
     ) -> None: ...
     @property
     def in_flight(self) -> int: ...

@@ -26,7 +26,7 @@ cdef extern from *:
     """
     const char *ps_load_source_hash
 
-__all__ = ["IMPL", "GetPageLoad", "LoadProtocolError", "LoadServerError"]
+__all__ = ["IMPL", "MAX_RELS", "GetPageLoad", "LoadProtocolError", "LoadServerError"]
 
 IMPL = "native"
 SOURCE_HASH = ps_load_source_hash.decode("ascii")
@@ -34,6 +34,7 @@ SOURCE_HASH = ps_load_source_hash.decode("ascii")
 MAX_LSN = 0xFFFF_FFFF_FFFF_FFFF
 MAX_MESSAGE_LEN = 2 * 1024 * 1024
 BLCKSZ = 8192
+MAX_RELS = 1 << 20
 
 cdef enum:
     C_BLCKSZ = 8192
@@ -71,15 +72,25 @@ class LoadServerError(RuntimeError):
 
 cdef struct Flight:
     uint64_t reqid
+    uint32_t rel
     uint32_t blk
     int64_t sent_ns
+
+
+cdef struct RelRange:
+    uint32_t spc
+    uint32_t db
+    uint32_t relnode
+    uint8_t fork
+    uint64_t start    # the relation's first flat block index
 
 
 cdef class GetPageLoad:
     """One pagestream v3 connection's load: see the twin's docstring."""
 
-    cdef uint32_t spc, db, relnode
-    cdef uint8_t fork
+    # the relations, ordered by start
+    cdef RelRange *rels
+    cdef Py_ssize_t nrels
     cdef readonly uint64_t pages
     cdef uint64_t state, next_reqid
     # ring of requests in flight
@@ -94,28 +105,51 @@ cdef class GetPageLoad:
     cdef Py_ssize_t _count
 
     def __cinit__(self):
+        self.rels = NULL
         self.ring = NULL
         self.pend = NULL
         self.lat = NULL
 
     def __dealloc__(self):
+        free(self.rels)
         free(self.ring)
         free(self.pend)
         free(self.lat)
 
     def __init__(self, rel, pages, seed, first_reqid=1):
-        spcnode, dbnode, relnode, forknum = rel
-        for name, v in (("spcnode", spcnode), ("dbnode", dbnode), ("relnode", relnode)):
-            if not 0 <= v <= 0xFFFF_FFFF:
-                raise ValueError(f"{name} {v} does not fit in 32 bits")
-        if not 0 <= forknum <= 255:
-            raise ValueError(f"forknum {forknum} does not fit in 8 bits")
-        if not 1 <= pages <= 0x1_0000_0000:
-            raise ValueError(f"pages {pages} must be 1..2^32")
+        if isinstance(pages, int):
+            rels, sizes = [rel], [pages]
+        else:
+            rels, sizes = rel, pages
+            if len(rels) != len(sizes):
+                raise ValueError(f"{len(rels)} relations but {len(sizes)} sizes")
+            if not 1 <= len(rels) <= MAX_RELS:
+                raise ValueError(f"{len(rels)} relations: want 1..{MAX_RELS}")
+        checked = []
+        total = 0
+        for one, size in zip(rels, sizes, strict=True):
+            spcnode, dbnode, relnode, forknum = one
+            for name, v in (("spcnode", spcnode), ("dbnode", dbnode), ("relnode", relnode)):
+                if not 0 <= v <= 0xFFFF_FFFF:
+                    raise ValueError(f"{name} {v} does not fit in 32 bits")
+            if not 0 <= forknum <= 255:
+                raise ValueError(f"forknum {forknum} does not fit in 8 bits")
+            if not 1 <= size <= 0x1_0000_0000:
+                raise ValueError(f"pages {size} must be 1..2^32")
+            checked.append((spcnode, dbnode, relnode, forknum, total))
+            total += size  # at most 2^20 relations of 2^32 blocks: no 64-bit overflow
         if not 0 <= first_reqid <= MAX_LSN or not 0 <= seed <= MAX_LSN:
             raise ValueError("seed and first_reqid must fit in 64 bits")
-        self.spc, self.db, self.relnode, self.fork = spcnode, dbnode, relnode, forknum
-        self.pages = pages
+        cdef RelRange *table = <RelRange *>realloc(self.rels, len(checked) * sizeof(RelRange))
+        if table == NULL:
+            raise MemoryError()
+        self.rels = table
+        cdef Py_ssize_t i
+        for i, (spcnode, dbnode, relnode, forknum, start) in enumerate(checked):
+            table[i].spc, table[i].db, table[i].relnode = spcnode, dbnode, relnode
+            table[i].fork, table[i].start = forknum, start
+        self.nrels = len(checked)
+        self.pages = total
         self.state = seed
         self.next_reqid = first_reqid
         self.ring_cap = self.ring_head = self.ring_len = 0
@@ -139,12 +173,22 @@ cdef class GetPageLoad:
             out.frombytes(PyBytes_FromStringAndSize(<char *>self.lat, self.lat_len * 4))
         return out
 
-    cdef inline uint32_t _next_block(self) noexcept nogil:
+    cdef inline uint32_t _next_block(self, uint32_t *rel_out) noexcept nogil:
         self.state += <uint64_t>0x9E3779B97F4A7C15
         cdef uint64_t z = self.state
         z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9
         z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EB
-        return <uint32_t>((z ^ (z >> 31)) % self.pages)
+        cdef uint64_t k = (z ^ (z >> 31)) % self.pages
+        # the last relation whose start is <= k (starts increase; rels[0].start == 0)
+        cdef Py_ssize_t lo = 0, hi = self.nrels, mid
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.rels[mid].start <= k:
+                lo = mid
+            else:
+                hi = mid
+        rel_out[0] = <uint32_t>lo
+        return <uint32_t>(k - self.rels[lo].start)
 
     cdef int _grow_ring(self, Py_ssize_t need) except -1:
         cdef Py_ssize_t cap = self.ring_cap if self.ring_cap else 64
@@ -171,26 +215,29 @@ cdef class GetPageLoad:
         out = PyBytes_FromStringAndSize(NULL, n * REQUEST_SIZE)
         cdef unsigned char *p = <unsigned char *>PyBytes_AS_STRING(out)
         cdef Py_ssize_t i, at
-        cdef uint32_t blk
+        cdef uint32_t blk, rel
         cdef uint64_t reqid
+        cdef RelRange *r
         for i in range(n):
             reqid = self.next_reqid
             self.next_reqid += 1
-            blk = self._next_block()
+            blk = self._next_block(&rel)
+            r = &self.rels[rel]
             p[0] = 0x64
             ps_put_be32(p + 1, REQUEST_SIZE - 1)
             p[5] = 2
             ps_put_be64(p + 6, reqid)
             ps_put_be64(p + 14, <uint64_t>0xFFFFFFFFFFFFFFFF)
             ps_put_be64(p + 22, 0)
-            ps_put_be32(p + 30, self.spc)
-            ps_put_be32(p + 34, self.db)
-            ps_put_be32(p + 38, self.relnode)
-            p[42] = self.fork
+            ps_put_be32(p + 30, r.spc)
+            ps_put_be32(p + 34, r.db)
+            ps_put_be32(p + 38, r.relnode)
+            p[42] = r.fork
             ps_put_be32(p + 43, blk)
             p += REQUEST_SIZE
             at = (self.ring_head + self.ring_len) % self.ring_cap
             self.ring[at].reqid = reqid
+            self.ring[at].rel = rel
             self.ring[at].blk = blk
             self.ring[at].sent_ns = now_ns
             self.ring_len += 1
@@ -238,6 +285,7 @@ cdef class GetPageLoad:
         cdef unsigned char tag, rtag
         cdef const unsigned char *h
         cdef Flight *f
+        cdef RelRange *r
         cdef int status = ST_OK
         while end - pos >= 5:
             tag = buf[pos]
@@ -282,10 +330,11 @@ cdef class GetPageLoad:
                 status = ST_BAD_SIZE
                 break
             h = buf + start
+            r = &self.rels[f.rel]
             if (ps_be64(h + 1) != f.reqid or ps_be64(h + 9) != <uint64_t>0xFFFFFFFFFFFFFFFF
-                    or ps_be64(h + 17) != 0 or ps_be32(h + 25) != self.spc
-                    or ps_be32(h + 29) != self.db or ps_be32(h + 33) != self.relnode
-                    or h[37] != self.fork or ps_be32(h + 38) != f.blk):
+                    or ps_be64(h + 17) != 0 or ps_be32(h + 25) != r.spc
+                    or ps_be32(h + 29) != r.db or ps_be32(h + 33) != r.relnode
+                    or h[37] != r.fork or ps_be32(h + 38) != f.blk):
                 err_value[0] = f.reqid
                 status = ST_MISMATCH
                 break

@@ -2,7 +2,8 @@
 reference twin of ``protocol/_getpage_load_c.pyx``.
 
 Sans-IO: ``GetPageLoad`` writes framed pagestream v3 GetPage requests for uniformly random
-blocks of one relation and reads the server's byte stream back, matching each response to the
+blocks of one relation, or of several (every block of every relation equally likely, as Neon's
+pagebench picks keys over a timeline's relation blocks), and reads the server's byte stream back, matching each response to the
 oldest request in flight (a pagestream answers in order) and keeping one latency per answer
 (microseconds from the send of its request to the receive of the bytes that completed it).
 The bench's client loop is then only ``recv_into`` / ``feed`` / ``sendall``: with a Python
@@ -10,7 +11,8 @@ loop per request the load generator cost about as much CPU per page as the serve
 measures (PostgreSQL's baseline is driven by pgbench, which is C).
 
 The blocks come from splitmix64 (the same sequence in both twins for the same seed), taken
-modulo ``pages``. Every response is checked: CopyData framing (length 4..2 MiB), a GetPage
+modulo ``pages`` (with several relations: modulo their total, then the relation whose range
+holds it; one relation gives the same blocks either way). Every response is checked: CopyData framing (length 4..2 MiB), a GetPage
 answer of exactly the v3 size echoing the request's reqid, LSNs, relation and block.
 A pagestream Error response or a libpq ErrorResponse raises ``LoadServerError`` with the
 server's message; anything else malformed raises ``LoadProtocolError``. After an error the
@@ -21,13 +23,15 @@ from __future__ import annotations
 
 import struct
 from array import array
+from bisect import bisect_right
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["IMPL", "GetPageLoad", "LoadProtocolError", "LoadServerError"]
+__all__ = ["IMPL", "MAX_RELS", "GetPageLoad", "LoadProtocolError", "LoadServerError"]
 
 IMPL: Final = "python"
 
@@ -47,6 +51,8 @@ ERROR_HEAD: Final = struct.Struct(">BQQQ")
 _FRAME: Final = struct.Struct(">BI")
 _MASK: Final = (1 << 64) - 1
 _U32_MAX: Final = 0xFFFF_FFFF
+# at most this many relations in one load (their ranges are searched per request)
+MAX_RELS: Final = 1 << 20
 
 
 class LoadProtocolError(ValueError):
@@ -72,29 +78,51 @@ class GetPageLoad:
         "_flight",
         "_lat",
         "_next_reqid",
-        "_rel",
+        "_rels",
+        "_starts",
         "_state",
         "pages",
     )
 
     def __init__(
-        self, rel: tuple[int, int, int, int], pages: int, seed: int, first_reqid: int = 1
+        self,
+        rel: tuple[int, int, int, int] | Sequence[tuple[int, int, int, int]],
+        pages: int | Sequence[int],
+        seed: int,
+        first_reqid: int = 1,
     ) -> None:
-        spcnode, dbnode, relnode, forknum = rel
-        for name, v in (("spcnode", spcnode), ("dbnode", dbnode), ("relnode", relnode)):
-            _check_u32(name, v)
-        if not 0 <= forknum <= 255:
-            raise ValueError(f"forknum {forknum} does not fit in 8 bits")
-        if not 1 <= pages <= _U32_MAX + 1:
-            raise ValueError(f"pages {pages} must be 1..2^32")
+        """``rel`` (spcnode, dbnode, relnode, forknum) with ``pages`` blocks, or a sequence of
+        relations with a sequence of their block counts (each 1..2^32)."""
+        if isinstance(pages, int):
+            rels: Sequence[tuple[int, int, int, int]] = [rel]  # type: ignore[list-item]
+            sizes: Sequence[int] = [pages]
+        else:
+            rels, sizes = rel, pages  # type: ignore[assignment]
+            if len(rels) != len(sizes):
+                raise ValueError(f"{len(rels)} relations but {len(sizes)} sizes")
+            if not 1 <= len(rels) <= MAX_RELS:
+                raise ValueError(f"{len(rels)} relations: want 1..{MAX_RELS}")
+        self._rels: list[tuple[int, int, int, int]] = []
+        self._starts: list[int] = []  # each relation's first flat block index
+        total = 0
+        for one, size in zip(rels, sizes, strict=True):
+            spcnode, dbnode, relnode, forknum = one
+            for name, v in (("spcnode", spcnode), ("dbnode", dbnode), ("relnode", relnode)):
+                _check_u32(name, v)
+            if not 0 <= forknum <= 255:
+                raise ValueError(f"forknum {forknum} does not fit in 8 bits")
+            if not 1 <= size <= _U32_MAX + 1:
+                raise ValueError(f"pages {size} must be 1..2^32")
+            self._rels.append((spcnode, dbnode, relnode, forknum))
+            self._starts.append(total)
+            total += size
         if not 0 <= first_reqid <= _MASK or not 0 <= seed <= _MASK:
             raise ValueError("seed and first_reqid must fit in 64 bits")
-        self._rel = (spcnode, dbnode, relnode, forknum)
-        self.pages = pages
+        self.pages = total
         self._state = seed
         self._next_reqid = first_reqid
-        # (reqid, blkno, sent_ns) of the requests in flight, oldest first
-        self._flight: deque[tuple[int, int, int]] = deque()
+        # (reqid, relation index, blkno, sent_ns) of the requests in flight, oldest first
+        self._flight: deque[tuple[int, int, int, int]] = deque()
         self._buf = bytearray()  # received bytes not yet a whole message
         self._lat = array("I")
         self._count = 0
@@ -113,11 +141,14 @@ class GetPageLoad:
         """One latency per response, in the order received (a copy)."""
         return array("I", self._lat)
 
-    def _next_block(self) -> int:
+    def _next_block(self) -> tuple[int, int]:
+        """(relation index, block) of the next request."""
         s = self._state = (self._state + 0x9E3779B97F4A7C15) & _MASK
         z = ((s ^ (s >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-        return (z ^ (z >> 31)) % self.pages
+        k = (z ^ (z >> 31)) % self.pages
+        i = bisect_right(self._starts, k) - 1
+        return i, k - self._starts[i]
 
     def requests(self, n: int, now_ns: int) -> bytes:
         """``n`` framed GetPage requests, sent (for the latencies) at ``now_ns``."""
@@ -128,17 +159,17 @@ class GetPageLoad:
         return bytes(out)
 
     def _append(self, out: bytearray, n: int, now_ns: int) -> None:
-        spc, db, relnode, fork = self._rel
-        flight = self._flight
+        flight, rels = self._flight, self._rels
         for _ in range(n):
             reqid = self._next_reqid
             self._next_reqid = (reqid + 1) & _MASK
-            blk = self._next_block()
+            i, blk = self._next_block()
+            spc, db, relnode, fork = rels[i]
             out += REQUEST.pack(
                 b"d", REQUEST_LEN, TAG_GET_PAGE_REQUEST, reqid, MAX_LSN, 0, spc, db, relnode,
                 fork, blk,
             )
-            flight.append((reqid, blk, now_ns))
+            flight.append((reqid, i, blk, now_ns))
 
     def feed(self, data: Buffer, now_ns: int, resend: bool) -> bytes:
         """Take received bytes; returns the requests to send now: one new one per response
@@ -147,8 +178,7 @@ class GetPageLoad:
         buf += memoryview(data).cast("B")
         pos, end = 0, len(buf)
         answered = 0
-        flight, lat = self._flight, self._lat
-        spc, db, relnode, fork = self._rel
+        flight, lat, rels = self._flight, self._lat, self._rels
         while end - pos >= 5:
             tag, length = _FRAME.unpack_from(buf, pos)
             if length < 4 or length > MAX_MESSAGE_LEN:
@@ -165,7 +195,7 @@ class GetPageLoad:
                 raise LoadProtocolError("a response with no request in flight")
             if size < 1:
                 raise LoadProtocolError("empty pagestream response")
-            reqid, blk, sent = flight.popleft()
+            reqid, i, blk, sent = flight.popleft()
             rtag = buf[start]
             if rtag == TAG_ERROR:
                 if size < ERROR_HEAD.size + 1:
@@ -177,7 +207,7 @@ class GetPageLoad:
             if size != GETPAGE_PAYLOAD:
                 raise LoadProtocolError(f"GetPage response of {size} bytes, not {GETPAGE_PAYLOAD}")
             v = RESPONSE_HEAD.unpack_from(buf, start)
-            if v[1:] != (reqid, MAX_LSN, 0, spc, db, relnode, fork, blk):
+            if v[1:] != (reqid, MAX_LSN, 0, *rels[i], blk):
                 raise LoadProtocolError(
                     f"response for reqid {v[1]} block {v[8]} does not answer reqid {reqid} "
                     f"block {blk}"

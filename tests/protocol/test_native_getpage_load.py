@@ -98,6 +98,62 @@ def test_both_send_the_same_blocks(both: tuple[ModuleType, ModuleType]) -> None:
     assert a.requests(500, 3) == b.requests(500, 3)
 
 
+RELS = [(1663, 5, 16384, 0), (1663, 5, 16384, 1), (1663, 1, 1259, 0), (1664, 0, 1262, 0)]
+SIZES = [1000, 3, 1, 20]
+
+
+def test_several_relations_every_block_equally_likely(impl: str) -> None:
+    """pagebench's key choice: uniform over every block of every relation, so a relation is
+    picked in proportion to its size; each answer is checked against its own relation."""
+    mod = kernel(impl, LOAD)
+    load = mod.GetPageLoad(RELS, SIZES, seed=5)
+    assert load.pages == sum(SIZES)
+    reqs = _requests_of(load.requests(20_000, 0))
+    counts = dict.fromkeys(RELS, 0)
+    for r in reqs:
+        rel = (r.rel.spcnode, r.rel.dbnode, r.rel.relnode, r.rel.forknum)
+        assert 0 <= r.blkno < SIZES[RELS.index(rel)]
+        counts[rel] += 1
+    for rel, size in zip(RELS, SIZES, strict=True):
+        expected = 20_000 * size / sum(SIZES)
+        assert abs(counts[rel] - expected) < 5 * expected**0.5 + 3, (rel, counts[rel], expected)
+    assert {r.blkno for r in reqs if r.rel == RelTag(*RELS[3])} == set(range(20))
+    resent = load.feed(_answer(reqs), 1_000, True)
+    assert load.count == 20_000 and len(_requests_of(resent)) == 20_000
+
+
+def test_one_relation_in_a_list_sends_what_the_plain_form_sends(impl: str) -> None:
+    mod = kernel(impl, LOAD)
+    a, b = mod.GetPageLoad(REL, 777, seed=3), mod.GetPageLoad([REL], [777], seed=3)
+    assert a.requests(300, 0) == b.requests(300, 0)
+
+
+def test_an_answer_for_another_relation_is_refused(impl: str) -> None:
+    mod = kernel(impl, LOAD)
+    load = mod.GetPageLoad(RELS[:2], [5, 5], seed=1)
+    first = _requests_of(load.requests(1, 0))[0]
+    other = RelTag(*(RELS[1] if first.rel == RelTag(*RELS[0]) else RELS[0]))
+    wrong = GetPageRequest(first.reqid, first.request_lsn, first.not_modified_since, other, first.blkno)
+    with pytest.raises(mod.LoadProtocolError):
+        load.feed(_answer([wrong]), 1, True)
+
+
+def test_both_send_the_same_blocks_of_several_relations(both: tuple[ModuleType, ModuleType]) -> None:
+    c, py = both
+    a, b = c.GetPageLoad(RELS, SIZES, seed=42), py.GetPageLoad(RELS, SIZES, seed=42)
+    assert a.requests(2000, 3) == b.requests(2000, 3)
+
+
+@pytest.mark.parametrize(
+    ("rels", "sizes"),
+    [([], []), (RELS, SIZES[:2]), ([REL, REL], [10, 0]), ([REL, (1663, 5, 1, 256)], [1, 1]),
+     ([REL], [1 << 32 | 1])],
+)
+def test_bad_relation_lists(impl: str, rels: list[tuple[int, ...]], sizes: list[int]) -> None:
+    with pytest.raises(ValueError):
+        kernel(impl, LOAD).GetPageLoad(rels, sizes, 0)
+
+
 def _framed(payload: bytes) -> bytes:
     return b"d" + (4 + len(payload)).to_bytes(4, "big") + payload
 

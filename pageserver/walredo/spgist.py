@@ -18,8 +18,8 @@ prefix. Dead tuples are 16 bytes: pointer at 6, xid at 12.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
 
+from pageserver.walredo import _spgist_select as kernel
 from pageserver.walredo import bufpage as bp
 from pageserver.walredo.errors import RedoError
 from protocol.wal.record import BlockRef, DecodedRecord
@@ -138,25 +138,18 @@ class _Reader:
             raise _err(self.rec, f"{what}: leaf tuple size {size} is below its header size")
         return self.bytes_(size, what)
 
-    def leaf_tuples(self, n: int, what: str) -> list[bytes]:
-        """``n`` leaf tuples back to back (``leaf_tuple`` each, named ``what i`` in an error),
-        in one loop: PICKSPLIT and MOVE_LEAFS carry a page's worth of them."""
-        data, pos, total = self.data, self.pos, len(self.data)
-        unpack = _U32.unpack_from
-        out: list[bytes] = []
-        for i in range(n):
-            if pos + _LEAF_HDR > total:
-                raise _err(self.rec, f"{what} {i}: truncated leaf tuple header")
-            size = unpack(data, pos)[0] >> 2
-            if size < _LEAF_HDR:
-                raise _err(self.rec, f"{what} {i}: leaf tuple size {size} is below its header size")
-            end = pos + size
-            if end > total:
-                raise _err(self.rec, f"{what} {i}: {size} bytes do not fit in the main data")
-            out.append(bytes(data[pos:end]))
-            pos = end
-        self.pos = pos
-        return out
+    def skip(self, n: int, what: str) -> int:
+        """Step over ``n`` bytes (an array the kernel reads in place); returns where they start."""
+        if n > len(self.data) - self.pos:
+            raise _err(self.rec, f"{what}: {n} bytes do not fit in the main data")
+        at = self.pos
+        self.pos += n
+        return at
+
+    def finish_at(self, end: int) -> None:
+        """``finish`` after the kernel parsed the tuples up to ``end``."""
+        self.pos = end
+        self.finish()
 
     def inner_tuple(self, what: str) -> bytes:
         if self.pos + _INNER_MIN > len(self.data):
@@ -227,46 +220,6 @@ def add_or_replace(page: bytearray, tup: bytes, off: int, rec: DecodedRecord) ->
     _add_at(page, tup, off, rec, "tuple")
 
 
-def add_or_replace_many(page: bytearray, pairs: Sequence[tuple[int, bytes]], rec: DecodedRecord) -> None:
-    """add_or_replace of each (offset, tuple) in order. Runs that append at the end of the
-    page (a split's new page) go in one write; runs that reuse placeholders in one pass over
-    the line pointers."""
-    i = 0
-    n = len(pairs)
-    while i < n:
-        nxt = bp.max_offset(page) + 1
-        j = i
-        while j < n and pairs[j][0] == nxt + (j - i):
-            j += 1
-        if j > i:
-            if not bp.page_append_items(page, [t for _, t in pairs[i:j]]):
-                raise _err(rec, f"failed to add {j - i} tuples")
-            i = j
-            continue
-        maxoff = nxt - 1
-        while j < n and 1 <= pairs[j][0] <= maxoff:
-            j += 1
-        if j == i:
-            add_or_replace(page, pairs[i][1], pairs[i][0], rec)  # reports the bad offset
-            i += 1
-            continue
-        run = pairs[i:j]
-        for off, _ in run:
-            pos, _len = _item_pos(page, off, rec)
-            if page[pos] & 3 != SPGIST_PLACEHOLDER:
-                raise _err(rec, f"tuple to be replaced at offset {off} is not a placeholder")
-        if len({off for off, _ in run}) != len(run):
-            # the same slot twice: the second must see the first's tuple, so go one by one
-            for off, tup in run:
-                add_or_replace(page, tup, off, rec)
-            i = j
-            continue
-        _add_counter(page, rec, 2, -len(run), "placeholder")
-        if bp.page_index_tuple_replace_many(page, run) != len(run):
-            raise _err(rec, "failed to add a tuple in place of a placeholder")
-        i = j
-
-
 def form_dead(state: int, blkno: int, offnum: int, xid: int) -> bytes:
     """spgFormDeadTuple: a REDIRECT points at (blkno, offnum) and keeps the xid."""
     word0 = state | (SGDTSIZE << 2)
@@ -276,31 +229,13 @@ def form_dead(state: int, blkno: int, offnum: int, xid: int) -> bytes:
 
 
 def multi_delete(
-    page: bytearray,
-    offs: Sequence[int],
-    first_state: int,
-    rest_state: int,
-    blkno: int,
-    offnum: int,
+    page: bytearray, rec: DecodedRecord, at: int, n: int, first_state: int, rest_state: int, blkno: int, offnum: int,
     xid: int,
-    rec: DecodedRecord,
 ) -> None:
-    """spgPageIndexMultiDelete: delete the tuples and put dead tuples at the same offsets.
-
-    The tuple named first in the (unsorted) list gets ``first_state``, the others
-    ``rest_state``."""
-    if not offs:
-        return
-    ordered = sorted(offs)
-    bp.page_index_multi_delete(page, ordered)
-    first = offs[0]
-    for itemno in ordered:
-        state = first_state if itemno == first else rest_state
-        _add_at(page, form_dead(state, blkno, offnum, xid), itemno, rec, "dead tuple")
-        if state == SPGIST_REDIRECT:
-            _add_counter(page, rec, 1, 1, "redirection")
-        elif state == SPGIST_PLACEHOLDER:
-            _add_counter(page, rec, 2, 1, "placeholder")
+    """spgPageIndexMultiDelete of the ``n`` offsets at ``at`` in the main data: the tuples
+    deleted and dead tuples put at the same offsets; the one named first in the (unsorted)
+    array gets ``first_state``, the others ``rest_state`` (the kernel, one call)."""
+    kernel.multi_delete(page, rec.main_data, at, n, first_state, rest_state, blkno, offnum, xid)
 
 
 def update_node_link(page: bytearray, off: int, node_i: int, blkno: int, offnum: int, rec: DecodedRecord) -> None:
@@ -354,19 +289,22 @@ def _no_block(rec: DecodedRecord, blk: BlockRef) -> RedoError:
 def _add_leaf(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
     r = _Reader(rec)
     new_page, stores_nulls, off_leaf, off_head, off_parent, node_i = r.fixed(_ADD_LEAF)
+    if blk.block_id == 0 and off_leaf != off_head:
+        if new_page:
+            init_page(page, _leaf_flags(stores_nulls))
+        # addOrReplaceTuple of the leaf (after the fixed part) at offnumLeaf (the u16 at 2)
+        r.finish_at(kernel.place_leaves(page, r.data, 2, -1, r.pos, 1, 1))
+        if off_head != 0:
+            set_next_offset(page, off_head, off_leaf, rec)
+        return
     leaf = r.leaf_tuple("new leaf tuple")
     r.finish()
     if blk.block_id == 0:
+        # a DEAD chain head is replaced in place
         if new_page:
             init_page(page, _leaf_flags(stores_nulls))
-        if off_leaf != off_head:
-            add_or_replace(page, leaf, off_leaf, rec)
-            if off_head != 0:
-                set_next_offset(page, off_head, off_leaf, rec)
-        else:
-            # a DEAD chain head is replaced in place
-            bp.page_index_tuple_delete(page, off_leaf)
-            _add_at(page, leaf, off_leaf, rec, "leaf tuple")
+        bp.page_index_tuple_delete(page, off_leaf)
+        _add_at(page, leaf, off_leaf, rec, "leaf tuple")
     elif blk.block_id == 1 and off_parent != 0:
         update_node_link(page, off_parent, node_i, _other_blkno(rec, 0), off_leaf, rec)
     else:
@@ -377,19 +315,23 @@ def _move_leafs(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
     r = _Reader(rec)
     nmoves, new_page, replace_dead, stores_nulls, off_parent, node_i, xid, is_build = r.fixed(_MOVE_LEAFS)
     ninsert = 1 if replace_dead else nmoves + 1
-    to_delete = r.offsets(nmoves, "toDelete")
+    delete_at = r.skip(2 * nmoves, "toDelete")
     to_insert = r.offsets(ninsert, "toInsert")
-    leaves = r.leaf_tuples(ninsert, "moved leaf tuple")
-    r.finish()
+    insert_at = r.pos - 2 * ninsert
     dst = _other_blkno(rec, 1)
-    if blk.block_id == 1:
+    bid = blk.block_id
+    if bid == 1:
         if new_page:
             init_page(page, _leaf_flags(stores_nulls))
-        add_or_replace_many(page, list(zip(to_insert, leaves, strict=True)), rec)
-    elif blk.block_id == 0:
+        # the leaf tuples are parsed (every one checked) before the page changes; the record's
+        # own end is checked after (an error discards the page either way)
+        r.finish_at(kernel.place_leaves(page, r.data, insert_at, -1, r.pos, ninsert, 1))
+        return
+    r.finish_at(kernel.skip_leaves(r.data, r.pos, ninsert))
+    if bid == 0:
         first = SPGIST_PLACEHOLDER if is_build else SPGIST_REDIRECT
-        multi_delete(page, to_delete, first, SPGIST_PLACEHOLDER, dst, to_insert[-1], xid, rec)
-    elif blk.block_id == 2:
+        multi_delete(page, rec, delete_at, nmoves, first, SPGIST_PLACEHOLDER, dst, to_insert[-1], xid)
+    elif bid == 2:
         update_node_link(page, off_parent, node_i, dst, to_insert[-1], rec)
     else:
         raise _no_block(rec, blk)
@@ -456,39 +398,37 @@ def _picksplit(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
         is_root_split, ndelete, ninsert, init_src, init_dest, off_inner, init_inner,
         stores_nulls, inner_is_parent, off_parent, node_i, xid, is_build,
     ) = r.fixed(_PICKSPLIT)
-    to_delete = r.offsets(ndelete, "toDelete")
-    to_insert = r.offsets(ninsert, "toInsert")
-    select = r.bytes_(ninsert, "leafPageSelect")
+    delete_at = r.skip(2 * ndelete, "toDelete")
+    insert_at = r.skip(2 * ninsert, "toInsert")
+    select_at = r.skip(ninsert, "leafPageSelect")
     inner = r.inner_tuple("new inner tuple")
-    leaves = r.leaf_tuples(ninsert, "leaf tuple")
-    r.finish()
+    leaves_at = r.pos
     blkno_inner = _other_blkno(rec, 2)
     bid = blk.block_id
     if bid == 0 and not is_root_split:
         if init_src:
             init_page(page, _leaf_flags(stores_nulls))
         elif is_build:
-            multi_delete(page, to_delete, SPGIST_PLACEHOLDER, SPGIST_PLACEHOLDER, INVALID_BLOCK, 0, xid, rec)
+            multi_delete(page, rec, delete_at, ndelete, SPGIST_PLACEHOLDER, SPGIST_PLACEHOLDER, INVALID_BLOCK, 0, xid)
         else:
-            multi_delete(page, to_delete, SPGIST_REDIRECT, SPGIST_PLACEHOLDER, blkno_inner, off_inner, xid, rec)
+            multi_delete(page, rec, delete_at, ndelete, SPGIST_REDIRECT, SPGIST_PLACEHOLDER, blkno_inner, off_inner, xid)
     elif bid == 1:
         if init_dest:
             init_page(page, _leaf_flags(stores_nulls))
-    elif bid == 2:
-        if init_inner:
-            init_page(page, SPGIST_NULLS if stores_nulls else 0)
-        add_or_replace(page, inner, off_inner, rec)
-        if inner_is_parent:
+    elif bid in (2, 3):
+        r.finish_at(kernel.skip_leaves(r.data, leaves_at, ninsert))
+        if bid == 2:
+            if init_inner:
+                init_page(page, SPGIST_NULLS if stores_nulls else 0)
+            add_or_replace(page, inner, off_inner, rec)
+        if bid == 3 or inner_is_parent:
             update_node_link(page, off_parent, node_i, blkno_inner, off_inner, rec)
-        return
-    elif bid == 3:
-        update_node_link(page, off_parent, node_i, blkno_inner, off_inner, rec)
         return
     else:
         raise _no_block(rec, blk)
-    # the leaf tuples for this page (source: selector 0, destination: selector 1)
-    want_dest = bid == 1
-    add_or_replace_many(page, [(to_insert[i], leaves[i]) for i in range(ninsert) if bool(select[i]) == want_dest], rec)
+    # the leaf tuples for this page (source: selector 0, destination: selector 1), parsed
+    # (every one checked) before any is placed; the record's own end is checked after
+    r.finish_at(kernel.place_leaves(page, r.data, insert_at, select_at, leaves_at, ninsert, 1 if bid == 1 else 0))
 
 
 def _vacuum_leaf(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
@@ -496,22 +436,23 @@ def _vacuum_leaf(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
         raise _no_block(rec, blk)
     r = _Reader(rec)
     ndead, nplaceholder, nmove, nchain, _xid, _is_build = r.fixed(_VACUUM_LEAF)
-    to_dead = r.offsets(ndead, "toDead")
-    to_placeholder = r.offsets(nplaceholder, "toPlaceholder")
+    dead_at = r.skip(2 * ndead, "toDead")
+    placeholder_at = r.skip(2 * nplaceholder, "toPlaceholder")
     move_src = r.offsets(nmove, "moveSrc")
+    move_src_at = r.pos - 2 * nmove
     move_dest = r.offsets(nmove, "moveDest")
     chain_src = r.offsets(nchain, "chainSrc")
     chain_dest = r.offsets(nchain, "chainDest")
     r.finish()
-    multi_delete(page, to_dead, SPGIST_DEAD, SPGIST_DEAD, INVALID_BLOCK, 0, 0, rec)
-    multi_delete(page, to_placeholder, SPGIST_PLACEHOLDER, SPGIST_PLACEHOLDER, INVALID_BLOCK, 0, 0, rec)
+    multi_delete(page, rec, dead_at, ndead, SPGIST_DEAD, SPGIST_DEAD, INVALID_BLOCK, 0, 0)
+    multi_delete(page, rec, placeholder_at, nplaceholder, SPGIST_PLACEHOLDER, SPGIST_PLACEHOLDER, INVALID_BLOCK, 0, 0)
     maxoff = bp.max_offset(page)
     for s, d in zip(move_src, move_dest, strict=True):
         if not (1 <= s <= maxoff and 1 <= d <= maxoff):
             raise _err(rec, f"move {s} -> {d} names a line pointer past {maxoff}")
         ps, pd = bp.itemid_pos(s), bp.itemid_pos(d)
         page[ps : ps + 4], page[pd : pd + 4] = page[pd : pd + 4], page[ps : ps + 4]
-    multi_delete(page, move_src, SPGIST_PLACEHOLDER, SPGIST_PLACEHOLDER, INVALID_BLOCK, 0, 0, rec)
+    multi_delete(page, rec, move_src_at, nmove, SPGIST_PLACEHOLDER, SPGIST_PLACEHOLDER, INVALID_BLOCK, 0, 0)
     for s, d in zip(chain_src, chain_dest, strict=True):
         pos, _ = _item_pos(page, s, rec)
         if page[pos] & 3 != SPGIST_LIVE:

@@ -1,0 +1,471 @@
+# SP-GiST's bulk tuple moves on one page, compiled: the twin of pageserver/walredo/_spgist_py.py
+# (the reference, which documents the behaviour). Same names, results and error classes
+# (tests/pageserver/test_native_spgist.py). Each call parses a record's leaf tuples or offsets
+# and edits the 8 KiB page without the GIL; every length and offset read from the record or
+# the page is checked in 64-bit arithmetic before a pointer moves (native.md 6.1), so nothing
+# is read or written outside the record or the page.
+"""SP-GiST's bulk tuple moves on one page, compiled (see pageserver/walredo/_spgist_py.py)."""
+
+from libc.stdint cimport uint16_t, uint32_t, int64_t
+from libc.string cimport memcpy, memmove
+from libc.stdlib cimport malloc, free, qsort
+
+cdef extern from "../../protocol/_bytes.h":
+    uint16_t ps_le16(const unsigned char *p) nogil
+    uint32_t ps_le32(const unsigned char *p) nogil
+
+cdef extern from *:
+    """
+    #ifndef PAGESTORE_SOURCE_HASH
+    #error "PAGESTORE_SOURCE_HASH is not defined: build with setup.py (pip install -e .)"
+    #endif
+    static const char *ps_spgist_source_hash = PAGESTORE_SOURCE_HASH;
+    static int ps_cmp_u16(const void *a, const void *b)
+    {
+        return (int)*(const unsigned short *)a - (int)*(const unsigned short *)b;
+    }
+    """
+    const char *ps_spgist_source_hash
+    int ps_cmp_u16(const void *a, const void *b) noexcept nogil
+
+from pageserver.walredo.bufpage import PageError
+
+__all__ = ["IMPL", "multi_delete", "place_leaves", "skip_leaves"]
+
+IMPL = "native"
+SOURCE_HASH = ps_spgist_source_hash.decode("ascii")
+
+cdef enum:
+    BLCKSZ = 8192
+    HDR = 24           # SizeOfPageHeaderData
+    LEAF_HDR = 16      # SGLTHDRSZ
+    SGDTSIZE = 16
+    OPAQUE_POS = 8184  # BLCKSZ - MAXALIGN(sizeof(SpGistPageOpaqueData))
+    MAX_LP = 2048      # more than (BLCKSZ - HDR) / 4 line pointers never fit
+
+cdef enum:
+    OK = 0
+    E_TRUNC_HDR     # leaf i, pos
+    E_SMALL         # leaf i, size
+    E_NOFIT         # leaf i, size, pos
+    E_POINTERS      # lower, upper, special
+    E_LP_CORRUPT    # off, pos, length (SP-GiST's own check of a tuple it reads)
+    E_NOT_PLACEHOLDER  # off
+    E_SPECIAL       # special
+    E_COUNT         # which (1 redirection, 2 placeholder), value
+    E_FAIL_ADD      # size, off
+    E_CORRUPT_LP    # offset, size (the PageIndex* check)
+    E_INVALID_OFFNUM  # off
+    E_INCORRECT
+    E_LENGTHS       # total, available
+    E_LP_PAST       # off
+
+
+cdef struct Err:
+    int code
+    int64_t a
+    int64_t b
+    int64_t c
+
+
+cdef unsigned char _EMPTY[1]
+
+
+cdef inline void put16(unsigned char *p, uint32_t v) noexcept nogil:
+    p[0] = <unsigned char>v
+    p[1] = <unsigned char>(v >> 8)
+
+
+cdef inline void put32(unsigned char *p, uint32_t v) noexcept nogil:
+    p[0] = <unsigned char>v
+    p[1] = <unsigned char>(v >> 8)
+    p[2] = <unsigned char>(v >> 16)
+    p[3] = <unsigned char>(v >> 24)
+
+
+cdef inline int64_t maxalign(int64_t n) noexcept nogil:
+    return (n + 7) & ~(<int64_t>7)
+
+
+cdef inline int fail(Err *e, int code, int64_t a, int64_t b, int64_t c) noexcept nogil:
+    e.code = code
+    e.a = a
+    e.b = b
+    e.c = c
+    return code
+
+
+cdef inline int64_t max_offset(const unsigned char *page) noexcept nogil:
+    cdef int64_t lower = ps_le16(page + 12)
+    return 0 if lower <= HDR else (lower - HDR) // 4
+
+
+cdef int check_pointers(const unsigned char *page, bint aligned, Err *e) noexcept nogil:
+    """bufpage._check_pointers (``aligned``) or the page_add_item / page_append_items check."""
+    cdef int64_t lower = ps_le16(page + 12)
+    cdef int64_t upper = ps_le16(page + 14)
+    cdef int64_t special = ps_le16(page + 16)
+    if lower < HDR or lower > upper or upper > special or special > BLCKSZ or (aligned and (special & 7)):
+        return fail(e, E_POINTERS, lower, upper, special)
+    return OK
+
+
+cdef int add_counter(unsigned char *page, int field, int64_t delta, Err *e) noexcept nogil:
+    cdef int64_t special = ps_le16(page + 16)
+    if special != OPAQUE_POS:
+        return fail(e, E_SPECIAL, special, 0, 0)
+    cdef int64_t v = <int64_t>ps_le16(page + OPAQUE_POS + 2 * field) + delta
+    if v < 0 or v > 0xFFFF:
+        return fail(e, E_COUNT, field, v, 0)
+    put16(page + OPAQUE_POS + 2 * field, <uint32_t>v)
+    return OK
+
+
+cdef int add_item(unsigned char *page, const unsigned char *tup, int64_t size, int64_t off, Err *e) noexcept nogil:
+    """PageAddItem(tup, off) in shuffle mode, off in 1 .. maxoff + 1 (_spgist_py._add_at)."""
+    cdef int64_t maxoff = max_offset(page)
+    if off < 1 or off > maxoff + 1:
+        return fail(e, E_FAIL_ADD, size, off, 0)
+    if check_pointers(page, False, e):
+        return e.code
+    cdef int64_t lower = ps_le16(page + 12)
+    cdef int64_t upper = ps_le16(page + 14)
+    cdef int64_t new_upper = upper - maxalign(size)
+    if lower + 4 > new_upper:
+        return fail(e, E_FAIL_ADD, size, off, 0)
+    cdef int64_t pos = HDR + (off - 1) * 4
+    if off <= maxoff:
+        memmove(page + pos + 4, page + pos, <size_t>(lower - pos))
+    put32(page + pos, <uint32_t>(new_upper | (1 << 15) | (size << 17)))
+    memcpy(page + new_upper, tup, <size_t>size)
+    put16(page + 12, <uint32_t>(lower + 4))
+    put16(page + 14, <uint32_t>new_upper)
+    return OK
+
+
+cdef int replace_placeholder(unsigned char *page, const unsigned char *tup, int64_t newlen, int64_t off,
+                             Err *e) noexcept nogil:
+    """The tuple at ``off`` (1 .. maxoff) must be a placeholder: nPlaceholder -= 1, then
+    PageIndexTupleDelete(off) + PageAddItem(tup, off) in one pass (bufpage.page_index_tuple_replace)."""
+    cdef int64_t nline = max_offset(page)
+    if HDR + 4 * off > BLCKSZ:
+        return fail(e, E_LP_PAST, off, 0, 0)
+    cdef uint32_t raw = ps_le32(page + HDR + (off - 1) * 4)
+    cdef int64_t pos = raw & 0x7FFF
+    cdef int64_t length = raw >> 17
+    cdef int64_t special = ps_le16(page + 16)
+    if length < 8 or pos < HDR or pos + length > (special if special < BLCKSZ else BLCKSZ):
+        return fail(e, E_LP_CORRUPT, off, pos, length)
+    if page[pos] & 3 != 3:
+        return fail(e, E_NOT_PLACEHOLDER, off, 0, 0)
+    if add_counter(page, 2, -1, e):
+        return e.code
+    if check_pointers(page, True, e):
+        return e.code
+    cdef int64_t lower = ps_le16(page + 12)
+    cdef int64_t upper = ps_le16(page + 14)
+    special = ps_le16(page + 16)
+    if pos < upper or pos + length > special or (pos & 7):
+        return fail(e, E_CORRUPT_LP, pos, length, 0)
+    cdef int64_t size = maxalign(length)
+    cdef int64_t new_upper = upper + size - maxalign(newlen)
+    if lower > new_upper:
+        return fail(e, E_FAIL_ADD, newlen, off, 0)
+    if pos > upper:
+        memmove(page + upper + size, page + upper, <size_t>(pos - upper))
+    cdef int64_t i
+    cdef unsigned char *lp
+    cdef uint32_t v
+    if nline > 1:
+        for i in range(nline):
+            lp = page + HDR + 4 * i
+            v = ps_le32(lp)
+            if <int64_t>(v & 0x7FFF) <= pos:
+                put32(lp, v + <uint32_t>size)
+    put32(page + HDR + (off - 1) * 4, <uint32_t>(new_upper | (1 << 15) | (newlen << 17)))
+    memcpy(page + new_upper, tup, <size_t>newlen)
+    put16(page + 14, <uint32_t>new_upper)
+    return OK
+
+
+cdef int parse_leaves(const unsigned char *data, int64_t total, int64_t at, int64_t n, int64_t *end,
+                      Err *e) noexcept nogil:
+    cdef int64_t pos = at
+    cdef int64_t i, size
+    for i in range(n):
+        if LEAF_HDR > total - pos:
+            return fail(e, E_TRUNC_HDR, i, pos, 0)
+        size = ps_le32(data + pos) >> 2
+        if size < LEAF_HDR:
+            return fail(e, E_SMALL, i, size, 0)
+        if size > total - pos:
+            return fail(e, E_NOFIT, i, size, pos)
+        pos += size
+    end[0] = pos
+    return OK
+
+
+cdef int place(unsigned char *page, const unsigned char *data, int64_t total, int64_t offsets_at,
+               int64_t select_at, int64_t at, int64_t n, bint want, int64_t *end, Err *e) noexcept nogil:
+    if parse_leaves(data, total, at, n, end, e):
+        return e.code
+    cdef int64_t pos = at
+    cdef int64_t i, size, off, maxoff
+    for i in range(n):
+        size = ps_le32(data + pos) >> 2
+        if select_at < 0 or (data[select_at + i] != 0) == want:
+            off = ps_le16(data + offsets_at + 2 * i)
+            maxoff = max_offset(page)
+            if 1 <= off <= maxoff:
+                if replace_placeholder(page, data + pos, size, off, e):
+                    return e.code
+            elif add_item(page, data + pos, size, off, e):
+                return e.code
+        pos += size
+    return OK
+
+
+cdef int retail_delete(unsigned char *page, int64_t offnum, Err *e) noexcept nogil:
+    """PageIndexTupleDelete (bufpage.page_index_tuple_delete)."""
+    if check_pointers(page, True, e):
+        return e.code
+    cdef int64_t lower = ps_le16(page + 12)
+    cdef int64_t upper = ps_le16(page + 14)
+    cdef int64_t nline = max_offset(page)
+    if offnum <= 0 or offnum > nline:
+        return fail(e, E_INVALID_OFFNUM, offnum, 0, 0)
+    cdef uint32_t raw = ps_le32(page + HDR + (offnum - 1) * 4)
+    cdef int64_t size = raw >> 17
+    cdef int64_t offset = raw & 0x7FFF
+    if offset < upper or offset + size > ps_le16(page + 16) or (offset & 7):
+        return fail(e, E_CORRUPT_LP, offset, size, 0)
+    size = maxalign(size)
+    cdef int64_t pos = HDR + (offnum - 1) * 4
+    memmove(page + pos, page + pos + 4, <size_t>(lower - pos - 4))
+    if offset > upper:
+        memmove(page + upper + size, page + upper, <size_t>(offset - upper))
+    upper += size
+    lower -= 4
+    put16(page + 12, <uint32_t>lower)
+    put16(page + 14, <uint32_t>upper)
+    cdef int64_t i
+    cdef unsigned char *lp
+    cdef uint32_t v
+    if lower > HDR:
+        for i in range(nline - 1):
+            lp = page + HDR + 4 * i
+            v = ps_le32(lp)
+            if <int64_t>(v & 0x7FFF) <= offset:
+                put32(lp, v + <uint32_t>size)
+    return OK
+
+
+cdef int index_multi_delete(unsigned char *page, const uint16_t *sorted_offs, int64_t nitems,
+                            Err *e) noexcept nogil:
+    """PageIndexMultiDelete (bufpage.page_index_multi_delete): ``sorted_offs`` ascending."""
+    cdef int64_t i
+    if nitems <= 2:
+        i = nitems - 1
+        while i >= 0:
+            if retail_delete(page, sorted_offs[i], e):
+                return e.code
+            i -= 1
+        return OK
+    if check_pointers(page, True, e):
+        return e.code
+    cdef int64_t lower = ps_le16(page + 12)
+    cdef int64_t upper = ps_le16(page + 14)
+    cdef int64_t special = ps_le16(page + 16)
+    cdef int64_t nline = max_offset(page)
+    cdef uint32_t keep[MAX_LP]
+    cdef int64_t nkeep = 0, nextitm = 0, totallen = 0, size, offset, offnum
+    cdef uint32_t itemid
+    for offnum in range(1, nline + 1):
+        itemid = ps_le32(page + HDR + (offnum - 1) * 4)
+        size = itemid >> 17
+        offset = itemid & 0x7FFF
+        if offset < upper or offset + size > special or (offset & 7):
+            return fail(e, E_CORRUPT_LP, offset, size, 0)
+        if nextitm < nitems and offnum == sorted_offs[nextitm]:
+            nextitm += 1
+        else:
+            keep[nkeep] = itemid
+            nkeep += 1
+            totallen += maxalign(size)
+    if nextitm != nitems:
+        return fail(e, E_INCORRECT, 0, 0, 0)
+    if totallen > special - lower:
+        return fail(e, E_LENGTHS, totallen, special - lower, 0)
+    cdef unsigned char scratch[BLCKSZ]
+    memcpy(scratch, page, BLCKSZ)
+    # compactify_tuples: the survivors packed down from pd_special in line-pointer order,
+    # each with its MAXALIGNed length (bufpage._compactify)
+    upper = special
+    cdef int64_t alen
+    for i in range(nkeep):
+        itemid = keep[i]
+        offset = itemid & 0x7FFF
+        alen = maxalign(itemid >> 17)
+        upper -= alen
+        memcpy(page + upper, scratch + offset, <size_t>alen)
+        put32(page + HDR + 4 * i, (itemid & ~(<uint32_t>0x7FFF)) | <uint32_t>upper)
+    put16(page + 12, <uint32_t>(HDR + 4 * nkeep))
+    put16(page + 14, <uint32_t>upper)
+    return OK
+
+
+cdef int spg_multi_delete(unsigned char *page, const unsigned char *offs, int64_t n, uint16_t *sorted_offs,
+                          int first_state, int rest_state, uint32_t blkno, uint32_t offnum, uint32_t xid,
+                          Err *e) noexcept nogil:
+    cdef int64_t i
+    for i in range(n):
+        sorted_offs[i] = ps_le16(offs + 2 * i)
+    qsort(sorted_offs, <size_t>n, sizeof(uint16_t), ps_cmp_u16)
+    if index_multi_delete(page, sorted_offs, n, e):
+        return e.code
+    cdef uint16_t first = ps_le16(offs)
+    cdef unsigned char dead[2][SGDTSIZE]
+    cdef int k, state
+    for k in range(2):
+        state = first_state if k == 0 else rest_state
+        put32(dead[k], <uint32_t>(state | (SGDTSIZE << 2)))
+        put16(dead[k] + 4, 0)
+        if state == 1:
+            put16(dead[k] + 6, blkno >> 16)
+            put16(dead[k] + 8, blkno & 0xFFFF)
+            put16(dead[k] + 10, offnum)
+            put32(dead[k] + 12, xid)
+        else:
+            put32(dead[k] + 6, 0xFFFFFFFF)
+            put16(dead[k] + 10, 0)
+            put32(dead[k] + 12, 0)
+    for i in range(n):
+        k = 0 if sorted_offs[i] == first else 1
+        state = first_state if k == 0 else rest_state
+        if add_item(page, dead[k], SGDTSIZE, sorted_offs[i], e):
+            return e.code
+        if state == 1:
+            if add_counter(page, 1, 1, e):
+                return e.code
+        elif state == 3:
+            if add_counter(page, 2, 1, e):
+                return e.code
+    return OK
+
+
+cdef object _error(Err *e):
+    cdef int c = e.code
+    if c == E_TRUNC_HDR:
+        return PageError(f"leaf tuple {e.a}: truncated header at {e.b}")
+    if c == E_SMALL:
+        return PageError(f"leaf tuple {e.a}: size {e.b} is below its header size")
+    if c == E_NOFIT:
+        return PageError(f"leaf tuple {e.a}: {e.b} bytes at {e.c} do not fit in the data")
+    if c == E_POINTERS:
+        return PageError(f"corrupted page pointers: lower = {e.a}, upper = {e.b}, special = {e.c}")
+    if c == E_LP_CORRUPT:
+        return PageError(f"line pointer {e.a} ({e.b}, {e.c}) is corrupt")
+    if c == E_NOT_PLACEHOLDER:
+        return PageError(f"tuple to be replaced at offset {e.a} is not a placeholder")
+    if c == E_SPECIAL:
+        return PageError(f"page special area at {e.a} is not an SP-GiST one")
+    if c == E_COUNT:
+        return PageError(f"{'redirection' if e.a == 1 else 'placeholder'} count would become {e.b}")
+    if c == E_FAIL_ADD:
+        return PageError(f"failed to add a tuple of size {e.a} at offset {e.b}")
+    if c == E_CORRUPT_LP:
+        return PageError(f"corrupted line pointer: offset = {e.a}, size = {e.b}")
+    if c == E_INVALID_OFFNUM:
+        return PageError(f"invalid index offnum: {e.a}")
+    if c == E_INCORRECT:
+        return PageError("incorrect index offsets supplied")
+    if c == E_LP_PAST:
+        return PageError(f"line pointer {e.a} is past the page")
+    if c == E_LENGTHS:
+        return PageError(f"corrupted item lengths: total {e.a}, available space {e.b}")
+    return PageError(f"SP-GiST kernel error {c}")
+
+
+cdef inline const unsigned char *_ptr(const unsigned char[::1] v) noexcept:
+    return &v[0] if v.shape[0] > 0 else _EMPTY
+
+
+cdef int _check_array(Py_ssize_t total, object at, object nbytes, str what) except -1:
+    if at < 0 or nbytes > total - at:
+        raise ValueError(f"{what} at {at} ({nbytes} bytes) is not inside the {total} bytes of data")
+    return 0
+
+
+def skip_leaves(data, at, n):
+    cdef const unsigned char[::1] d = memoryview(data).cast("B")
+    if n < 0:
+        raise ValueError(f"negative tuple count {n}")
+    _check_array(d.shape[0], at, 0, "the first leaf tuple")
+    cdef Err e
+    e.code = OK
+    cdef int64_t end = 0, c_at = at, c_n = n, total = d.shape[0]
+    cdef const unsigned char *p = _ptr(d)
+    with nogil:
+        parse_leaves(p, total, c_at, c_n, &end, &e)
+    if e.code:
+        raise _error(&e)
+    return end
+
+
+def place_leaves(page, data, offsets_at, select_at, tuples_at, n, want):
+    cdef unsigned char[::1] pg = page
+    if pg.shape[0] != BLCKSZ:
+        raise ValueError(f"the page is {pg.shape[0]} bytes, not {BLCKSZ}")
+    cdef const unsigned char[::1] d = memoryview(data).cast("B")
+    if n < 0:
+        raise ValueError(f"negative tuple count {n}")
+    _check_array(d.shape[0], offsets_at, 2 * n, "the offsets")
+    if select_at != -1:
+        _check_array(d.shape[0], select_at, n, "the page selectors")
+    _check_array(d.shape[0], tuples_at, 0, "the first leaf tuple")
+    cdef Err e
+    e.code = OK
+    cdef int64_t end = tuples_at
+    cdef int64_t c_off = offsets_at, c_sel = select_at, c_at = tuples_at, c_n = n, total = d.shape[0]
+    cdef bint c_want = bool(want)
+    cdef unsigned char *pp = &pg[0]
+    cdef const unsigned char *p = _ptr(d)
+    with nogil:
+        place(pp, p, total, c_off, c_sel, c_at, c_n, c_want, &end, &e)
+    if e.code:
+        raise _error(&e)
+    return end
+
+
+def multi_delete(page, data, offsets_at, n, first_state, rest_state, blkno, offnum, xid):
+    cdef unsigned char[::1] pg = page
+    if pg.shape[0] != BLCKSZ:
+        raise ValueError(f"the page is {pg.shape[0]} bytes, not {BLCKSZ}")
+    cdef const unsigned char[::1] d = memoryview(data).cast("B")
+    if n < 0:
+        raise ValueError(f"negative offset count {n}")
+    _check_array(d.shape[0], offsets_at, 2 * n, "the offsets")
+    if not (0 <= first_state <= 3 and 0 <= rest_state <= 3):
+        raise ValueError(f"tuple states {first_state}, {rest_state} are not 0-3")
+    if not (0 <= blkno <= 0xFFFF_FFFF and 0 <= offnum <= 0xFFFF and 0 <= xid <= 0xFFFF_FFFF):
+        raise ValueError(f"block {blkno}, offset {offnum} or xid {xid} is out of range")
+    if n == 0:
+        return None
+    cdef int64_t c_n = n
+    cdef uint16_t *sorted_offs = <uint16_t *>malloc(<size_t>c_n * sizeof(uint16_t))
+    if sorted_offs == NULL:
+        raise MemoryError()
+    cdef Err e
+    e.code = OK
+    cdef unsigned char *pp = &pg[0]
+    cdef const unsigned char *p = _ptr(d) + <int64_t>offsets_at
+    cdef int c_first = first_state, c_rest = rest_state
+    cdef uint32_t c_blk = blkno, c_offnum = offnum, c_xid = xid
+    try:
+        with nogil:
+            spg_multi_delete(pp, p, c_n, sorted_offs, c_first, c_rest, c_blk, c_offnum, c_xid, &e)
+    finally:
+        free(sorted_offs)
+    if e.code:
+        raise _error(&e)
+    return None

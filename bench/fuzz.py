@@ -31,6 +31,14 @@ Harnesses (``NAME``):
   bytes. Both must return the same tuple and write the same bytes into ``out`` (and none
   beyond the run's WAL).
 
+- ``spgist-leaves``: ``pageserver.walredo._spgist_c`` (SP-GiST's tuple kernel of the redo):
+  ``place_leaves`` or ``multi_delete`` on an SP-GiST leaf page. Input: mode (u8: bit 0
+  multi_delete, bit 1 a page selector array, bit 2 the selector wanted), tuple or offset count
+  (u8), page items (u8: the page ``spgist_leaf_page`` builds), one page byte to overwrite (u16
+  LE position, u8 value; positions past the page leave it alone), then the record bytes
+  (offsets at 0, the selectors after them, then the leaf tuples). Both must return the same
+  value and leave the same page, or fail with the same error class.
+
 The seed corpus is synthetic WAL (``safekeeper.testing.synthetic_wal``; for ``same-run``, runs of
 like records from ``like_records``; for ``take-append-run``, push streams of it) in these formats;
 ``--corpus DIR`` keeps it and what the run finds. Not part of the test run: it needs the
@@ -54,11 +62,12 @@ if TYPE_CHECKING:
     from protocol.pagestream import GetPageRequest
 
 HARNESSES = ("scan-records", "record-tracker", "crc32c", "same-run", "pagestream-getpages",
-             "getpage-load", "take-append-run")
+             "getpage-load", "take-append-run", "spgist-leaves")
 # the compiled module each harness fuzzes (its twin is the reference)
 MODULES = {"scan-records": "protocol._wal_c", "record-tracker": "protocol._wal_c", "crc32c": "protocol._wal_c",
            "same-run": "protocol._ingest_c", "pagestream-getpages": "protocol._pagestream_c",
-           "getpage-load": "protocol._getpage_load_c", "take-append-run": "protocol._pq_c"}
+           "getpage-load": "protocol._getpage_load_c", "take-append-run": "protocol._pq_c",
+           "spgist-leaves": "pageserver.walredo._spgist_c"}
 MAX_LENGTHS = (0, 4, 50, 1100, 1 << 20, (1 << 32) - 1)
 RUN_LSN = 0x2000000 + 8192 + 24  # LSN of the first record of a same-run input
 BASE = 0x2000000
@@ -129,6 +138,9 @@ def write_seeds(name: str, corpus: Path) -> None:
         return
     if name == "take-append-run":
         _append_run_seeds(corpus)
+        return
+    if name == "spgist-leaves":
+        _spgist_seeds(corpus)
         return
     if name == "same-run":
         for k, (tot_len, count) in enumerate(((59, 120), (203, 36), (250, 30))):
@@ -204,6 +216,56 @@ def _append_run_seeds(corpus: Path) -> None:
             stream += frame(b"v" + bytes(12))  # another message ends the run
         params = bytes([0, 4]) + (16_000).to_bytes(2, "little") + (9000 + 1000 * k).to_bytes(2, "little")
         (corpus / f"seed-run-{k}").write_bytes(params + bytes(stream))
+
+
+def spgist_leaf_page(items: int) -> tuple[bytearray, list[int]]:
+    """An SP-GiST leaf page of ``items`` tuples (live ones of several sizes, placeholders,
+    redirects, the page's counters kept) and the tuple state of each offset."""
+    import struct
+
+    from pageserver.walredo import bufpage as bp
+    from pageserver.walredo import spgist
+
+    page = bytearray(bp.BLCKSZ)
+    spgist.init_page(page, spgist.SPGIST_LEAF)
+    states: list[int] = []
+    for i in range(items):
+        state = (0, 0, 3, 1)[i % 4]
+        if state == 0:
+            size = (16, 24, 40, 21)[i % 7 % 4]
+            tup = struct.pack("<IHHHH", size << 2, 0, 0, 7, i & 0xFF) + bytes([i & 0xFF]) * (size - 12)
+        else:
+            tup = struct.pack("<IHHHHI", state | 16 << 2, 0, 0, 5, 9, 77)
+        if not bp.page_append_items(page, [tup]):
+            break
+        states.append(state)
+    struct.pack_into("<HH", page, bp.BLCKSZ - 6, states.count(1), states.count(3))
+    return page, states
+
+
+def _spgist_seeds(corpus: Path) -> None:
+    import struct
+
+    for k, (items, n, select) in enumerate(((8, 3, False), (40, 12, True), (120, 30, False), (200, 60, True))):
+        _page, states = spgist_leaf_page(items)
+        holes = [j + 1 for j, s in enumerate(states) if s == 3]
+        offsets, tuples, sel = [], [], []
+        nxt = len(states) + 1
+        for i in range(n):
+            if holes and i % 2:
+                offsets.append(holes.pop())
+            else:
+                offsets.append(nxt)
+                nxt += 1
+            size = 16 + 8 * (i % 3)
+            tuples.append(struct.pack("<IHHHH", size << 2, 0, 0, 3, i) + bytes(size - 12))
+            sel.append(1)
+        body = struct.pack(f"<{n}H", *offsets) + (bytes(sel) if select else b"") + b"".join(tuples)
+        mode = (2 | 4) if select else 0
+        (corpus / f"seed-place-{k}").write_bytes(bytes([mode, n, items]) + b"\xff\xff\x00" + body)
+        delete = sorted({1 + (7 * i) % max(1, len(states)) for i in range(n)})[: len(states)]
+        (corpus / f"seed-delete-{k}").write_bytes(bytes([1, len(delete), items]) + b"\xff\xff\x00"
+                                                  + struct.pack(f"<{len(delete)}H", *delete))
 
 
 def _outcome(fn: Callable[..., object], *args: object) -> tuple[object, ...]:
@@ -333,9 +395,36 @@ def _harness(name: str, native: ModuleType, twin: ModuleType) -> Callable[[bytes
             if a[2][n:] != b"\xee" * (out_size - n):  # type: ignore[index]
                 raise AssertionError("take_append_run wrote past the run's WAL")
 
+    def spgist_leaves(data: bytes) -> None:
+        if len(data) < 6:
+            return
+        mode, n, items = data[0], data[1], data[2]
+        at, value = int.from_bytes(data[3:5], "little"), data[5]
+        body = data[6:]
+        page, _ = spgist_leaf_page(items)
+        if at < PAGE:
+            page[at] = value
+
+        def run(m: ModuleType) -> tuple[object, ...]:
+            p = bytearray(page)
+            if mode & 1:
+                outcome = _outcome(m.multi_delete, p, body, 0, n, 1, 3, 5, 6, 7)
+            else:
+                select_at = 2 * n if mode & 2 else -1
+                tuples_at = 2 * n + (n if mode & 2 else 0)
+                outcome = _outcome(m.place_leaves, p, body, 0, select_at, tuples_at, n, (mode >> 2) & 1)
+            if len(p) != PAGE:
+                raise AssertionError(f"the page became {len(p)} bytes")
+            return (*outcome, bytes(p)) if outcome[0] == "ok" else outcome
+
+        a, b = run(native), run(twin)
+        if a != b:
+            raise AssertionError(f"spgist {'multi_delete' if mode & 1 else 'place_leaves'} differs: native {a[:2]} twin {b[:2]}")
+
     return {"scan-records": scan_records, "record-tracker": record_tracker, "crc32c": crc32c,
             "same-run": same_run, "pagestream-getpages": pagestream_getpages,
-            "getpage-load": getpage_load, "take-append-run": take_append_run}[name]
+            "getpage-load": getpage_load, "take-append-run": take_append_run,
+            "spgist-leaves": spgist_leaves}[name]
 
 
 def _fuzz_main(argv: list[str]) -> None:

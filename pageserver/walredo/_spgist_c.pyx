@@ -8,7 +8,7 @@
 
 from libc.stdint cimport uint16_t, uint32_t, int64_t
 from libc.string cimport memcpy, memmove
-from libc.stdlib cimport malloc, free, qsort
+from libc.stdlib cimport calloc, malloc, free, qsort
 
 cdef extern from "../../protocol/_bytes.h":
     uint16_t ps_le16(const unsigned char *p) nogil
@@ -59,6 +59,9 @@ cdef enum:
     E_INCORRECT
     E_LENGTHS       # total, available
     E_LP_PAST       # off
+    E_FAIL_RUN      # count, first offset
+    E_FAIL_REPLACE
+    E_NOMEM
 
 
 cdef struct Err:
@@ -143,11 +146,9 @@ cdef int add_item(unsigned char *page, const unsigned char *tup, int64_t size, i
     return OK
 
 
-cdef int replace_placeholder(unsigned char *page, const unsigned char *tup, int64_t newlen, int64_t off,
-                             Err *e) noexcept nogil:
-    """The tuple at ``off`` (1 .. maxoff) must be a placeholder: nPlaceholder -= 1, then
-    PageIndexTupleDelete(off) + PageAddItem(tup, off) in one pass (bufpage.page_index_tuple_replace)."""
-    cdef int64_t nline = max_offset(page)
+cdef int check_placeholder(const unsigned char *page, int64_t off, Err *e) noexcept nogil:
+    """The tuple at ``off`` (1 .. maxoff) is a PLACEHOLDER, its line pointer inside the page
+    (_spgist_py._item_pos)."""
     if HDR + 4 * off > BLCKSZ:
         return fail(e, E_LP_PAST, off, 0, 0)
     cdef uint32_t raw = ps_le32(page + HDR + (off - 1) * 4)
@@ -158,13 +159,26 @@ cdef int replace_placeholder(unsigned char *page, const unsigned char *tup, int6
         return fail(e, E_LP_CORRUPT, off, pos, length)
     if page[pos] & 3 != 3:
         return fail(e, E_NOT_PLACEHOLDER, off, 0, 0)
+    return OK
+
+
+cdef int replace_placeholder(unsigned char *page, const unsigned char *tup, int64_t newlen, int64_t off,
+                             Err *e) noexcept nogil:
+    """The tuple at ``off`` (1 .. maxoff) must be a placeholder: nPlaceholder -= 1, then
+    PageIndexTupleDelete(off) + PageAddItem(tup, off) in one pass (bufpage.page_index_tuple_replace)."""
+    cdef int64_t nline = max_offset(page)
+    if check_placeholder(page, off, e):
+        return e.code
     if add_counter(page, 2, -1, e):
         return e.code
     if check_pointers(page, True, e):
         return e.code
+    cdef uint32_t raw = ps_le32(page + HDR + (off - 1) * 4)
+    cdef int64_t pos = raw & 0x7FFF
+    cdef int64_t length = raw >> 17
     cdef int64_t lower = ps_le16(page + 12)
     cdef int64_t upper = ps_le16(page + 14)
-    special = ps_le16(page + 16)
+    cdef int64_t special = ps_le16(page + 16)
     if pos < upper or pos + length > special or (pos & 7):
         return fail(e, E_CORRUPT_LP, pos, length, 0)
     cdef int64_t size = maxalign(length)
@@ -205,23 +219,114 @@ cdef int parse_leaves(const unsigned char *data, int64_t total, int64_t at, int6
     return OK
 
 
+cdef struct Leaf:
+    int64_t off
+    int64_t pos
+    int64_t size
+
+
 cdef int place(unsigned char *page, const unsigned char *data, int64_t total, int64_t offsets_at,
-               int64_t select_at, int64_t at, int64_t n, bint want, int64_t *end, Err *e) noexcept nogil:
-    if parse_leaves(data, total, at, n, end, e):
-        return e.code
-    cdef int64_t pos = at
-    cdef int64_t i, size, off, maxoff
+               int64_t select_at, int64_t at, int64_t n, bint want, Leaf *leaves, Err *e) noexcept nogil:
+    """The twin's place_leaves step for step once the ``n`` tuples parsed: select, then runs of
+    appends and runs of placeholder replacements (``_spgist_py._add_or_replace_many``), so that
+    even a hostile page (two line pointers on one tuple) gives the twin's outcome."""
+    cdef int64_t pos = at, m = 0, i, j, k, size, off
     for i in range(n):
         size = ps_le32(data + pos) >> 2
         if select_at < 0 or (data[select_at + i] != 0) == want:
-            off = ps_le16(data + offsets_at + 2 * i)
-            maxoff = max_offset(page)
-            if 1 <= off <= maxoff:
-                if replace_placeholder(page, data + pos, size, off, e):
-                    return e.code
-            elif add_item(page, data + pos, size, off, e):
-                return e.code
+            leaves[m].off = ps_le16(data + offsets_at + 2 * i)
+            leaves[m].pos = pos
+            leaves[m].size = size
+            m += 1
         pos += size
+    cdef int64_t maxoff, nxt, lower, upper, special, need, nline, offset, length, asize, new_upper, q
+    cdef uint32_t raw, v
+    cdef unsigned char *lp
+    cdef bint dup
+    cdef unsigned char *seen
+    i = 0
+    while i < m:
+        maxoff = max_offset(page)
+        nxt = maxoff + 1
+        j = i
+        while j < m and leaves[j].off == nxt + (j - i):
+            j += 1
+        if j > i:
+            # appends at maxoff + 1 (bufpage.page_append_items): all fit or none is written
+            if check_pointers(page, False, e):
+                return e.code
+            lower = ps_le16(page + 12)
+            upper = ps_le16(page + 14)
+            need = 4 * (j - i)
+            for k in range(i, j):
+                need += maxalign(leaves[k].size)
+            if need > upper - lower:
+                return fail(e, E_FAIL_RUN, j - i, nxt, 0)
+            for k in range(i, j):
+                upper -= maxalign(leaves[k].size)
+                memcpy(page + upper, data + leaves[k].pos, <size_t>leaves[k].size)
+                put32(page + lower, <uint32_t>(upper | (1 << 15) | (leaves[k].size << 17)))
+                lower += 4
+            put16(page + 12, <uint32_t>lower)
+            put16(page + 14, <uint32_t>upper)
+            i = j
+            continue
+        while j < m and 1 <= leaves[j].off <= maxoff:
+            j += 1
+        if j == i:
+            return add_item(page, data + leaves[i].pos, leaves[i].size, leaves[i].off, e)  # 0 or past maxoff + 1
+        # a run of placeholder replacements; the same slot twice goes one by one
+        dup = False
+        if j - i > 1:
+            seen = <unsigned char *>calloc(<size_t>(maxoff + 1), 1)
+            if seen == NULL:
+                return fail(e, E_NOMEM, 0, 0, 0)
+            for k in range(i, j):
+                if seen[leaves[k].off]:
+                    dup = True
+                seen[leaves[k].off] = 1
+            free(seen)
+        if dup:
+            for k in range(i, j):
+                if replace_placeholder(page, data + leaves[k].pos, leaves[k].size, leaves[k].off, e):
+                    return e.code
+            i = j
+            continue
+        for k in range(i, j):
+            if check_placeholder(page, leaves[k].off, e):
+                return e.code
+        if add_counter(page, 2, -(j - i), e):
+            return e.code
+        if check_pointers(page, True, e):
+            return e.code
+        lower = ps_le16(page + 12)
+        upper = ps_le16(page + 14)
+        special = ps_le16(page + 16)
+        nline = max_offset(page)
+        for k in range(i, j):
+            off = leaves[k].off
+            raw = ps_le32(page + HDR + (off - 1) * 4)
+            length = raw >> 17
+            offset = raw & 0x7FFF
+            if offset < upper or offset + length > special or (offset & 7):
+                return fail(e, E_CORRUPT_LP, offset, length, 0)
+            asize = maxalign(length)
+            new_upper = upper + asize - maxalign(leaves[k].size)
+            if lower > new_upper:
+                return fail(e, E_FAIL_REPLACE, 0, 0, 0)
+            if offset > upper:
+                memmove(page + upper + asize, page + upper, <size_t>(offset - upper))
+            if nline > 1:
+                for q in range(nline):
+                    lp = page + HDR + 4 * q
+                    v = ps_le32(lp)
+                    if <int64_t>(v & 0x7FFF) <= offset:
+                        put32(lp, v + <uint32_t>asize)
+            put32(page + HDR + (off - 1) * 4, <uint32_t>(new_upper | (1 << 15) | (leaves[k].size << 17)))
+            memcpy(page + new_upper, data + leaves[k].pos, <size_t>leaves[k].size)
+            upper = new_upper
+            put16(page + 14, <uint32_t>upper)
+        i = j
     return OK
 
 
@@ -379,6 +484,12 @@ cdef object _error(Err *e):
         return PageError(f"invalid index offnum: {e.a}")
     if c == E_INCORRECT:
         return PageError("incorrect index offsets supplied")
+    if c == E_NOMEM:
+        return MemoryError()
+    if c == E_FAIL_RUN:
+        return PageError(f"failed to add {e.a} tuples at offset {e.b}")
+    if c == E_FAIL_REPLACE:
+        return PageError("failed to add a tuple in place of a placeholder")
     if c == E_LP_PAST:
         return PageError(f"line pointer {e.a} is past the page")
     if c == E_LENGTHS:
@@ -430,8 +541,23 @@ def place_leaves(page, data, offsets_at, select_at, tuples_at, n, want):
     cdef bint c_want = bool(want)
     cdef unsigned char *pp = &pg[0]
     cdef const unsigned char *p = _ptr(d)
+    cdef Leaf small[16]
+    cdef Leaf *leaves = small
     with nogil:
-        place(pp, p, total, c_off, c_sel, c_at, c_n, c_want, &end, &e)
+        parse_leaves(p, total, c_at, c_n, &end, &e)
+    if e.code:
+        raise _error(&e)
+    # one entry per tuple: parsed, each is at least 16 bytes, so n is bounded by the data
+    if c_n > 16:
+        leaves = <Leaf *>malloc(<size_t>c_n * sizeof(Leaf))
+        if leaves == NULL:
+            raise MemoryError()
+    try:
+        with nogil:
+            place(pp, p, total, c_off, c_sel, c_at, c_n, c_want, leaves, &e)
+    finally:
+        if leaves != small:
+            free(leaves)
     if e.code:
         raise _error(&e)
     return end

@@ -42,6 +42,7 @@ from typing import Any
 
 import psycopg
 
+from bench.impl_rows import add_impl_option, run_per_impl
 from common.ports import free_port
 from compute.postgres import PostgresInstance, postgres_tmpdir
 from control_plane import process
@@ -59,6 +60,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, default=None,
                         help="with --from: draw the start times of a saved run as this PNG (no run)")
     parser.add_argument("--from", dest="from_file", type=Path, default=None, help="JSON lines of an earlier run")
+    add_impl_option(parser)
 
 
 def emit(line: dict[str, Any]) -> None:
@@ -337,6 +339,8 @@ def run(args: argparse.Namespace) -> int:
         lines = [json.loads(x) for x in args.from_file.read_text().splitlines() if x.startswith("{")]
         plot(lines, args.plot)
         return 0
+    if args.impl is not None:  # --impl native,python: the whole bench once per implementation
+        return run_per_impl("bench.compute", args, "compute")
     scales = [int(s) for s in args.scales.split(",") if s]
     with open("/proc/loadavg") as f:
         emit({"metric": "machine", "loadavg": f.read().split()[:3], "cpus": os.cpu_count()})

@@ -37,6 +37,7 @@ import attrs
 import trio
 
 from bench import proc_cpu
+from bench.impl_rows import add_impl_option, run_per_impl
 from common.logging import setup_logging
 from pageserver.remote_tenant import TenantRemote
 from pageserver.remote_timeline import RemoteTimelineClient
@@ -78,6 +79,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="where the SeaweedFS it starts keeps its data (default: in the work directory, "
                              "the pageserver's disk; e.g. /dev/shm: a store with storage of its own, as a "
                              "remote S3 has)")
+    add_impl_option(parser)
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -333,6 +335,8 @@ def _cpu_list(spec: str | None) -> frozenset[int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.impl is not None:  # --impl native,python: the whole bench once per implementation
+        return run_per_impl("bench.remote", args, "remote")
     setup_logging(level="warning")  # stdout carries the JSON lines only; warnings go to stderr
     cpus = _cpu_list(args.cpus)
     if cpus is not None:

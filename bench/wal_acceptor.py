@@ -6,8 +6,10 @@ process, the proposer, pushes pre-framed AppendRequests as fast as the socket ta
 ``--seconds`` (or until ``--max-mib`` are acknowledged); ``--repeat N`` runs each N times and
 prints the best (the machine is shared; the other runs are listed in ``runs_mib_s``). The rate is the acknowledged
 flush_lsn progress divided by the time of the last acknowledgement. The same run measures
-the disk's raw rate for 1 MiB ``pwrite`` s into a preallocated file, with and without
-``fdatasync`` after each, as the ceiling; because the fsynced rate of a virtual disk swings
+the disk's raw rate for 1 MiB ``pwrite`` s (about one write group) into a preallocated file,
+with and without ``fdatasync`` after each, as the ceiling; without fsync twice, into fresh
+pages (``"page_cache": "fresh"``, what a new WAL segment gets) and over pages already in the
+page cache (``"cached"``), with the writer's MiB per CPU-second; because the fsynced rate of a virtual disk swings
 between minutes, every fsynced run is also preceded by a short raw fsynced measurement, and
 the line reports the median of run / adjacent raw (``median_pct_of_raw_fsync``), plus the
 median rate and MiB per CPU-second of the safekeeper over the runs. One JSON line per
@@ -20,7 +22,8 @@ safekeeper's record tracker and CRC checks do their normal work.
 AppendRequest size: the protocol caps one message at 128 KiB (MAX_SEND_SIZE), so the
 "1 MiB" configuration sends bursts of eight 128 KiB AppendRequests in one socket write.
 
-FLOORS (``--floors on``, the default; only for sizes >= 128 KiB): how fast *any* Python
+FLOORS (``--floors on``, the default; the ``-crc`` ones only for sizes >= 128 KiB, whose
+Python framing loop would be the floor at 1 KiB): how fast *any* Python
 receiver on this machine could take the same stream, measured in the same run, from the
 same proposer code, with the same pre-framed AppendRequest bytes and the same socket
 bursts, into the same directory. Each floor is its own process (``python -m
@@ -41,6 +44,9 @@ the stream bytes it has taken (the proposer converts them to WAL bytes):
 Anything the real safekeeper does beyond these (pgwire, acceptor, trio) is the gap between
 its row and the floor's; the floor's own distance to the raw fsynced rate is what no Python
 receiver structured like this can close on this machine.
+
+``--wal-io-engine writer-thread,threadpool`` runs the safekeeper rows once per WAL IO engine
+(``safekeeper.wal_io``), side by side.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ from protocol.wal.encoder import WalEncoder
 from protocol.wal.rmgr import RmgrId
 from safekeeper.record_tracker import RecordTracker
 from safekeeper.testing import XLOG_NOOP, SafekeeperProcess, TestProposer
+from safekeeper.wal_io import ENGINES
 from safekeeper.wal_storage import split_at_segments
 
 SIZES = {"1KiB": 1024, "8KiB": 8192, "128KiB": 128 * 1024, "1MiB": 1 << 20}
@@ -146,10 +153,11 @@ def framed_stream(
 async def run_config(
     workdir: Path, stream: bytes, start: Lsn, end: Lsn, msg_size: int, *, fsync: bool,
     coalescing: bool, seconds: float, impl: str = "native",
+    wal_io_engine: str = "writer-thread",
 ) -> dict[str, object]:
     sk = SafekeeperProcess(
         workdir, no_sync=not fsync, max_write_bytes=(1 << 20) if coalescing else 0,
-        pure_python=impl == "python",
+        pure_python=impl == "python", wal_io_engine=wal_io_engine,
     )
     sk.start()
     try:
@@ -206,6 +214,7 @@ async def run_config(
         "msg_size": msg_size,
         "fsync": fsync,
         "coalescing": coalescing,
+        "wal_io_engine": wal_io_engine,
         "acked_mib": round(acked / (1 << 20), 2),
         "seconds": round(elapsed, 3),
         "mib_s": round(acked / (1 << 20) / elapsed, 2) if elapsed > 0 else 0.0,
@@ -227,14 +236,26 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def raw_disk_rate(directory: Path, *, fsync: bool, seconds: float, max_mib: int) -> dict[str, object]:
+def raw_disk_rate(
+    directory: Path, *, fsync: bool, seconds: float, max_mib: int, cached: bool = False
+) -> dict[str, object]:
+    """1 MiB ``pwrite`` s (about one write group) into a preallocated file, each followed by
+    an ``fdatasync`` if ``fsync``. ``cached``: the file's pages were written once before the
+    timed pass, so the pass only overwrites pages already in the page cache (a fresh file
+    needs a new page-cache page for every 4 KiB, which is most of a no-fsync write's cost
+    on this machine)."""
     path = directory / "raw-disk-test"
     block = os.urandom(1 << 20)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    cpu0 = 0.0
     try:
         os.posix_fallocate(fd, 0, max_mib << 20)
         os.fsync(fd)
+        if cached:
+            for off in range(0, max_mib << 20, len(block)):
+                os.pwrite(fd, block, off)
         written = 0
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         while written < max_mib << 20 and time.perf_counter() - t0 < seconds:
             os.pwrite(fd, block, written)
@@ -242,6 +263,7 @@ def raw_disk_rate(directory: Path, *, fsync: bool, seconds: float, max_mib: int)
                 os.fdatasync(fd)
             written += len(block)
         elapsed = time.perf_counter() - t0
+        cpu_s = time.process_time() - cpu0
     finally:
         os.close(fd)
         path.unlink()
@@ -249,9 +271,11 @@ def raw_disk_rate(directory: Path, *, fsync: bool, seconds: float, max_mib: int)
         "bench": "raw-disk",
         "write_size": 1 << 20,
         "fsync": fsync,
+        "page_cache": "cached" if cached else "fresh",
         "mib": written >> 20,
         "seconds": round(elapsed, 3),
         "mib_s": round(written / (1 << 20) / elapsed, 2),
+        "mib_per_cpu_s": round(written / (1 << 20) / cpu_s, 2) if cpu_s > 0 else 0.0,
     }
 
 
@@ -562,6 +586,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="kernels of the safekeeper under test: native (Cython), python (PAGESTORE_PURE_PYTHON=1) or both, side by side",
     )
     parser.add_argument(
+        "--wal-io-engine", default="writer-thread",
+        help="the safekeeper's wal_io_engine: writer-thread, threadpool or both, side by side",
+    )
+    parser.add_argument(
         "--floors", default="on", choices=("on", "off", "only"),
         help="floor receivers beside the safekeeper for sizes >= 128KiB (only: floors alone)",
     )
@@ -619,14 +647,23 @@ def _repeat(
 
 def _one_real(
     workdir: Path, stream: bytes, start: Lsn, end: Lsn, msg_size: int, fsync: bool,
-    coalescing: bool, seconds: float, impl: str, i: int,
+    coalescing: bool, seconds: float, impl: str, engine: str, i: int,
 ) -> dict[str, object]:
     return trio.run(
         partial(
             run_config, workdir.with_name(f"{workdir.name}-{i}"), stream, start, end, msg_size,
             fsync=fsync, coalescing=coalescing, seconds=seconds, impl=impl,
+            wal_io_engine=engine,
         )
     )
+
+
+def _engines(text: str) -> list[str]:
+    engines = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [e for e in engines if e not in ENGINES]
+    if bad or not engines:
+        raise SystemExit(f"--wal-io-engine: {', '.join(ENGINES)} or several (got {text!r})")
+    return engines
 
 
 def _one_floor(
@@ -646,13 +683,17 @@ def run(args: argparse.Namespace) -> int:
     base = Path(tempfile.mkdtemp(prefix="pagestore-bench-sk-", dir=args.dir))
     rows: list[dict[str, object]] = []
     try:
-        for fsync in (True, False):
+        for fsync, cached in ((True, False), (False, False), (False, True)):
             raws = [
-                raw_disk_rate(base, fsync=fsync, seconds=args.seconds, max_mib=args.max_mib)
+                raw_disk_rate(
+                    base, fsync=fsync, seconds=args.seconds, max_mib=args.max_mib, cached=cached
+                )
                 for _ in range(max(args.repeat, 1))
             ]
             raw = max(raws, key=lambda r: float(r["mib_s"]))  # type: ignore[arg-type]
             raw["runs_mib_s"] = [r["mib_s"] for r in raws]
+            raw["runs_mib_per_cpu_s"] = [r["mib_per_cpu_s"] for r in raws]
+            raw["median_mib_s"] = statistics.median(float(r["mib_s"]) for r in raws)  # type: ignore[arg-type]
             print(json.dumps(raw), flush=True)
         template = segment_template(args.record_size)
         start = Lsn(WAL_SEGMENT_SIZE)
@@ -665,24 +706,29 @@ def run(args: argparse.Namespace) -> int:
                 for fsync in _flags(args.fsync) if args.floors != "only" else []:
                     for coalescing in _flags(args.coalescing):
                         for impl in _impls(args.impl):
-                            n += 1
+                            for engine in _engines(args.wal_io_engine):
+                                n += 1
 
-                            real = partial(
-                                _one_real, base / f"sk{n}", stream, start, end, msg_size, fsync,
-                                coalescing, args.seconds, impl,
-                            )
-                            result = _repeat(args, base, fsync, real)
-                            result["commit_advancing"] = commit
-                            result["impl"] = impl
-                            rows.append(result)
-                            print(json.dumps(result), flush=True)
-                if args.floors != "off" and msg_size >= MAX_SEND_SIZE and c == 0:
+                                real = partial(
+                                    _one_real, base / f"sk{n}", stream, start, end, msg_size,
+                                    fsync, coalescing, args.seconds, impl, engine,
+                                )
+                                result = _repeat(args, base, fsync, real)
+                                result["commit_advancing"] = commit
+                                result["impl"] = impl
+                                rows.append(result)
+                                print(json.dumps(result), flush=True)
+                if args.floors != "off" and c == 0:
                     modes: list[str] = []
                     flags = _flags(args.fsync)
                     if True in flags:
                         modes += FLOORS_FSYNC
                     if False in flags:
                         modes += [m for m in ("sink", *FLOORS_NO_FSYNC) if m not in modes]
+                    if msg_size < MAX_SEND_SIZE:
+                        # The -crc floors cut the framing per message in Python: below
+                        # 128 KiB that loop, not the machine, would be the floor.
+                        modes = [m for m in modes if not m.endswith("-crc")]
                     for mode in modes:
                         n += 1
 
@@ -714,8 +760,14 @@ def plot_impls(rows: list[dict[str, object]], path: Path) -> None:
         name = f"{size // 1024} KiB" if size < 1 << 20 else f"{size >> 20} MiB"
         return f"{name} fsync {'on' if r['fsync'] else 'off'}" + ("" if r["coalescing"] else " uncoal.")
 
+    several_engines = len({r.get("wal_io_engine") for r in rows}) > 1
+
+    def series(r: dict[str, object]) -> str:
+        # One bar per implementation, and per WAL IO engine when the run compared them.
+        return f"{r['impl']} {r['wal_io_engine']}" if several_engines else str(r["impl"])
+
     configs = list(dict.fromkeys(label(r) for r in rows))
-    impls = list(dict.fromkeys(str(r["impl"]) for r in rows))
+    impls = list(dict.fromkeys(series(r) for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(max(11.0, 1.1 * len(configs)), 5.2))
     width = 0.8 / max(len(impls), 1)
     for ax, key, title in (
@@ -724,7 +776,7 @@ def plot_impls(rows: list[dict[str, object]], path: Path) -> None:
     ):
         for k, impl in enumerate(impls):
             values = [
-                next((float(r[key]) for r in rows if label(r) == c and r["impl"] == impl), 0.0)  # type: ignore[arg-type]
+                next((float(r[key]) for r in rows if label(r) == c and series(r) == impl), 0.0)  # type: ignore[arg-type]
                 for c in configs
             ]
             ax.bar([x + k * width for x in range(len(configs))], values, width, label=impl)

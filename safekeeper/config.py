@@ -10,6 +10,7 @@ Unknown keys and bad values stop start-up with a message naming the key.
     ingest_queue = 4096          # AppendRequests buffered between the reader and the writer
     max_write_bytes = 1048576    # coalesce up to this much WAL per write+fsync; 0 = off
     ingest_queue_bytes = 8388608 # WAL received but not yet written, at most (about)
+    wal_io_engine = "writer-thread"  # or "threadpool": how WAL writes leave the event loop (safekeeper.wal_io)
     wal_removal_period_s = 10.0  # how often old WAL segments are removed; 0 = never
     remote_storage = {kind = "local", path = "/var/lib/pagestore/remote_storage"}  # WAL backup
     wal_backup_peers = [1, 2, 3] # every safekeeper's id, for the backup election (docs/remote-storage.md)
@@ -33,6 +34,7 @@ from common.logging import LEVELS
 from protocol.lsn import WAL_SEGMENT_SIZE
 from remote_storage import LocalStorageConfig, RemoteStorageConfig
 from remote_storage import register_hooks as register_remote_hooks
+from safekeeper.wal_io import ENGINES, WalIoEngine
 
 __all__ = ["ConfigError", "SafekeeperConfig", "load_config", "parse_config"]
 
@@ -78,6 +80,11 @@ class SafekeeperConfig:
     ingest_queue: int = attrs.field(default=4096, validator=_positive)
     max_write_bytes: int = attrs.field(default=1 << 20, validator=_non_negative)
     ingest_queue_bytes: int = attrs.field(default=8 << 20, validator=_positive)
+    # "writer-thread": one thread per timeline takes the WAL writes in order without the
+    # ingest loop waiting for each; "threadpool": one trio.to_thread call per write, awaited.
+    wal_io_engine: WalIoEngine = attrs.field(
+        default="writer-thread", validator=attrs.validators.in_(ENGINES)
+    )
     wal_removal_period_s: float = attrs.field(default=10.0, validator=_non_negative_float)
     log_level: str = attrs.field(default="info", validator=attrs.validators.in_(LEVELS))
     log_file: str | None = None

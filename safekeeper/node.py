@@ -130,7 +130,10 @@ class SafekeeperNode:
                             f"{tl_dir}: holds WAL segments but no {CONTROL_FILE_NAME}"
                         )
                     continue
-                tl = Timeline.load(tl_dir, self.cfg.id, no_sync=self.cfg.no_sync)
+                tl = Timeline.load(
+                    tl_dir, self.cfg.id, no_sync=self.cfg.no_sync,
+                    wal_io_engine=self.cfg.wal_io_engine,
+                )
                 if (tl.tenant_id.hex, tl.timeline_id.hex) != (tenant_dir.name, tl_dir.name):
                     # A copied directory: two timelines would claim one id, one silently lost.
                     raise ControlFileError(
@@ -160,6 +163,7 @@ class SafekeeperNode:
                         tenant_id,
                         timeline_id,
                         no_sync=self.cfg.no_sync,
+                        wal_io_engine=self.cfg.wal_io_engine,
                     )
                 )
                 self.timelines[key] = tl
@@ -187,6 +191,7 @@ class SafekeeperNode:
             "no_sync": self.cfg.no_sync,
             "ingest_queue": self.cfg.ingest_queue,
             "max_write_bytes": self.cfg.max_write_bytes,
+            "wal_io_engine": self.cfg.wal_io_engine,
             "wal_removal_period_s": self.cfg.wal_removal_period_s,
             "wal_backup": self.remote is not None,
             "wal_backup_peers": list(self.cfg.wal_backup_peers),

@@ -333,11 +333,13 @@ async def _write_stage(
     max_write_bytes: int,
     budget: _ByteBudget,
 ) -> None:
-    # With coalescing and fsync on, group N's fdatasync runs while group N+1 is checked and
-    # written (Timeline.write_appends/sync/finish), and N+1's fdatasync starts as soon as
-    # N+1 is written, even before N's has returned (at most SYNCS_IN_FLIGHT of them). Every
-    # AppendResponse still leaves only after its own group's fdatasync, in group order.
-    pipelined = max_write_bytes > 0 and not timeline.no_sync
+    # With coalescing on, group N's write (in the timeline's WAL IO engine) and, fsync on,
+    # its fdatasync run while group N+1 is checked and submitted
+    # (Timeline.write_appends/sync/finish), and N+1's fdatasync starts as soon as N+1 is
+    # written, even before N's has returned (at most SYNCS_IN_FLIGHT groups in flight).
+    # Every AppendResponse still leaves only after its own group's write and fdatasync, in
+    # group order.
+    pipelined = max_write_bytes > 0
     pendings: deque[PendingFlush] = deque()
 
     async def send(replies: Iterable[AcceptorMessage]) -> None:
@@ -346,7 +348,11 @@ async def _write_stage(
             await copy.send_many(payloads)
 
     async def finish_oldest() -> None:
-        await send([await timeline.finish(pendings.popleft())])
+        pending = pendings.popleft()
+        reply = await timeline.finish(pending)
+        # Written: the receive memory of the group's messages is free.
+        budget.release(pending.wal_bytes)
+        await send([reply])
 
     async def finish_all() -> None:
         while pendings:
@@ -369,10 +375,10 @@ async def _write_stage(
                 return
             batch, stop, appends, wal_bytes = _collect(first, messages, max_write_bytes)
             if pipelined and batch and len(appends) == len(batch):
-                replies, new_pending, error = await timeline.write_appends(appends)
-                # Written (pwritev done): the receive memory of these messages is free.
+                replies, new_pending, error = await timeline.write_appends(appends, wal_bytes)
                 del batch, appends
-                budget.release(wal_bytes)
+                if new_pending is None:
+                    budget.release(wal_bytes)
                 if replies:
                     # Refusals of this batch follow the acknowledgements of earlier groups.
                     await finish_all()

@@ -2,7 +2,7 @@
 
 Owns the glue between the pure ``Acceptor`` and the blocking ``WalStorage`` /
 control-file IO: ``process_batch`` runs a batch of proposer messages under the timeline's
-lock, carries out the acceptor's effects in order (blocking IO in ``trio.to_thread``), writes
+lock, carries out the acceptor's effects in order (blocking IO off the event loop's thread), writes
 all the batch's WAL as one group with one flush, and returns the replies. ``flush_lsn`` and
 ``commit_lsn`` are ``trio_util.AsyncValue`` s: replication senders wait on ``commit_lsn``.
 ``remove_old_wal`` deletes segments below the removal horizon (``safekeeper.wal_removal``),
@@ -10,8 +10,10 @@ saving the control file first when its ``commit_lsn`` would otherwise point into
 ``advance_backup`` records a segment the WAL backup stored (``safekeeper.wal_backup``).
 
 Concurrency: any number of push connections and senders may share a timeline; the lock makes
-acceptor transitions and WAL writes one at a time. Senders only read completed bytes below
-``commit_lsn``, so they never need the lock.
+acceptor transitions and WAL writes one at a time. Every call that changes the WAL storage
+runs in the timeline's WAL IO engine (``safekeeper.wal_io``: a writer thread or trio's
+threadpool), in submission order. Senders only read completed bytes below ``commit_lsn``,
+so they never need the lock.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from safekeeper.control_file import (
 )
 from safekeeper.record_tracker import InvalidWal
 from safekeeper.wal_backup import BackupStatus
+from safekeeper.wal_io import Job, WalIo, WalIoEngine
 from safekeeper.wal_removal import first_kept_segment, removal_horizon
 from safekeeper.wal_storage import TrackedGroup, WalStorage, WalStorageError
 
@@ -87,12 +90,19 @@ class ReplicaState:
 
 @attrs.define(eq=False)
 class PendingFlush:
-    """A written group whose fdatasync has not been published yet."""
+    """A submitted write group whose write and fdatasync have not been published yet.
 
-    fd: int
+    ``write`` is the group's write in the timeline's WAL IO engine; it returns the descriptor
+    for the group's fdatasync (-1: none needed) and the fsyncs the write did itself (segments
+    completed). ``write_lsn`` is where the group ends."""
+
+    write: Job[tuple[int, int]]
     write_lsn: Lsn
     record_end: Lsn
     epoch: int
+    # WAL bytes of the group's messages, released from the connection's byte budget once
+    # the write is done (the messages' receive memory is free then).
+    wal_bytes: int = 0
     done: trio.Event = attrs.field(factory=trio.Event)
     error: BaseException | None = None
 
@@ -123,11 +133,14 @@ class Timeline:
         storage: WalStorage,
         *,
         no_sync: bool,
+        wal_io_engine: WalIoEngine = "writer-thread",
     ) -> None:
         self.directory = directory
         self.acceptor = acceptor
         self.storage = storage
         self.no_sync = no_sync
+        # Every call that changes ``storage`` goes through this engine, in order.
+        self.io = WalIo(wal_io_engine)
         self.lock = trio.Lock()
         self.flush_lsn: trio_util.AsyncValue[Lsn] = trio_util.AsyncValue(acceptor.flush_lsn)
         self.commit_lsn: trio_util.AsyncValue[Lsn] = trio_util.AsyncValue(acceptor.commit_lsn)
@@ -152,7 +165,10 @@ class Timeline:
         return self.acceptor.state.timeline_id
 
     @classmethod
-    def load(cls, directory: Path, node_id: int, *, no_sync: bool) -> Timeline:
+    def load(
+        cls, directory: Path, node_id: int, *, no_sync: bool,
+        wal_io_engine: WalIoEngine = "writer-thread",
+    ) -> Timeline:
         """Open an existing timeline: read the control file, scan for the end of WAL."""
         state = read_control_file(directory)
         if state is None:
@@ -171,11 +187,15 @@ class Timeline:
         log.info(
             "timeline loaded", path=str(directory), term=state.term, end_of_wal=f"{end:X}"
         )
-        return cls(directory, Acceptor(node_id, state, end), storage, no_sync=no_sync)
+        return cls(
+            directory, Acceptor(node_id, state, end), storage, no_sync=no_sync,
+            wal_io_engine=wal_io_engine,
+        )
 
     @classmethod
     def create(
-        cls, directory: Path, node_id: int, tenant_id: TenantId, timeline_id: TimelineId, *, no_sync: bool
+        cls, directory: Path, node_id: int, tenant_id: TenantId, timeline_id: TimelineId, *,
+        no_sync: bool, wal_io_engine: WalIoEngine = "writer-thread",
     ) -> Timeline:
         directory.mkdir(parents=True, exist_ok=True)
         if has_wal_segments(directory):
@@ -193,7 +213,10 @@ class Timeline:
             fsync_dir(directory.parent)
             fsync_dir(directory.parent.parent)
         storage = WalStorage(directory, seg_size=state.wal_seg_size, no_sync=no_sync)
-        return cls(directory, Acceptor(node_id, state, INVALID_LSN), storage, no_sync=no_sync)
+        return cls(
+            directory, Acceptor(node_id, state, INVALID_LSN), storage, no_sync=no_sync,
+            wal_io_engine=wal_io_engine,
+        )
 
     # -- the write path ----------------------------------------------------------------------
 
@@ -276,11 +299,9 @@ class Timeline:
             )
             self.persisted = effect.state
         elif isinstance(effect, InitFirstSegment):
-            await trio.to_thread.run_sync(
-                self.storage.init_first_segment, effect.lsn, effect.system_id
-            )
+            await self.io.run(self.storage.init_first_segment, effect.lsn, effect.system_id)
         else:
-            await trio.to_thread.run_sync(self.storage.truncate, effect.lsn)
+            await self.io.run(self.storage.truncate, effect.lsn)
 
     async def _track(self, begin: Lsn, chunks: list[bytes | memoryview]) -> TrackedGroup:
         """The CPU half of a write group, here on the event loop's thread: record tracking
@@ -311,7 +332,7 @@ class Timeline:
             storage.flush()
 
         try:
-            await trio.to_thread.run_sync(write_and_flush, await self._track(begin, chunks))
+            await self.io.run(write_and_flush, await self._track(begin, chunks))
         finally:
             # On invalid WAL the storage kept only the valid prefix; follow it.
             self.acceptor.write_lsn = storage.write_lsn
@@ -321,19 +342,24 @@ class Timeline:
 
     # -- the pipelined write path ------------------------------------------------------------
     #
-    # write_appends() writes group N+1 (tracking on this thread, pwritev in a worker) while
-    # the fdatasync of group N, started by sync(), runs in another worker on its own
-    # descriptor; finish(N) then publishes N's flush and builds its AppendResponse. At most
-    # SYNCS_IN_FLIGHT syncs run per connection, and N's reply leaves only after N's fdatasync.
-    # A truncation in between (another proposer) bumps the storage epoch, and N's flush is
-    # then not published: the truncation has set the LSNs itself.
+    # write_appends() checks group N+1's records on this thread and submits its write to the
+    # timeline's WAL IO engine without waiting for it; with the writer-thread engine that
+    # write runs while the ingest loop goes on receiving and checking group N+2. sync(N)
+    # waits for N's write, then runs N's fdatasync (fsync on) in a worker on its own
+    # descriptor, overlapping later writes; finish(N) then publishes N's flush and builds its
+    # AppendResponse. At most SYNCS_IN_FLIGHT groups are in flight per connection, and N's
+    # reply leaves only after N's write (and, fsync on, N's fdatasync) returned. A
+    # truncation in between (another proposer) is queued behind the writes in the engine
+    # and bumps the storage epoch, and N's flush is then not published: the truncation has
+    # set the LSNs itself.
 
     async def write_appends(
-        self, batch: Sequence[AppendRequest]
+        self, batch: Sequence[AppendRequest], wal_bytes: int = 0
     ) -> tuple[list[AcceptorMessage], PendingFlush | None, Exception | None]:
-        """Check and write a batch of AppendRequests without flushing. Returns term-only
-        refusals, the pending flush (None if nothing was accepted) and the error that stopped
-        the batch, if any."""
+        """Check a batch of AppendRequests and submit its write, without waiting for it or
+        flushing. Returns term-only refusals, the pending flush (None if nothing was
+        accepted) and the error that stopped the batch, if any. ``wal_bytes`` is carried
+        by the pending flush (the caller's byte budget)."""
         replies: list[AcceptorMessage] = []
         begin = INVALID_LSN
         chunks: list[bytes | memoryview] = []
@@ -360,36 +386,43 @@ class Timeline:
                 error = exc
             if not accepted:
                 return replies, None, error
-            record_end = storage.flush_record_lsn
-            fd = -1
-            if chunks:
-                fsyncs_before = storage.fsync_count
-                try:
-                    group = await self._track(begin, chunks)
-                    record_end = group.record_end
-                    # The sync descriptor is opened in the same worker call: opening (like
-                    # closing) a file may block, so neither runs on the event loop's thread.
-                    fd = await trio.to_thread.run_sync(_write_and_open_sync, storage, begin, group)
-                except InvalidWal as exc:
-                    error = error or exc
-                    # Synced even so: the appends accepted before the invalid WAL are
-                    # acknowledged by finish(), so they must be durable first.
-                    fd = await trio.to_thread.run_sync(storage.sync_handle)
-                finally:
-                    acceptor.write_lsn = storage.write_lsn
-                self.stats.record_group(len(chunks), sum(len(c) for c in chunks))
-                self.stats.fsyncs += storage.fsync_count - fsyncs_before
-            pending = PendingFlush(
-                fd=fd,
-                write_lsn=storage.write_lsn,
-                record_end=Lsn(min(record_end, storage.write_lsn)),
-                epoch=storage.epoch,
-            )
-        return replies, pending, error
+            if not chunks:
+                # Nothing to write (empty appends): published in order after earlier groups
+                # (finish() takes the pending flushes in order).
+                write: Job[tuple[int, int]] = Job.completed((-1, 0))
+                end = acceptor.write_lsn
+                return replies, PendingFlush(
+                    write, end, Lsn(min(storage.flush_record_lsn, end)), storage.epoch, wal_bytes
+                ), error
+            size = sum(len(c) for c in chunks)
+            group = await self._track(begin, chunks)
+            self.stats.record_group(len(chunks), size)
+            if group.error is None:
+                end = Lsn(begin + size)
+                write = await self.io.submit(_write_and_open_sync, storage, begin, group)
+                return replies, PendingFlush(
+                    write, end, Lsn(min(group.record_end, end)), storage.epoch, wal_bytes
+                ), error
+            # Invalid WAL: the valid prefix is written and WAL cut back at its last record
+            # (after every write submitted before it), then synced even so: the appends
+            # accepted before the invalid WAL are acknowledged by finish(), so they must be
+            # durable first.
+            error = error or group.error
+            try:
+                await self.io.run(_write_and_open_sync, storage, begin, group)
+            except InvalidWal:
+                pass
+            finally:
+                acceptor.write_lsn = storage.write_lsn
+            write = await self.io.submit(_open_sync, storage)
+            return replies, PendingFlush(
+                write, storage.write_lsn, Lsn(min(group.record_end, storage.write_lsn)),
+                storage.epoch, wal_bytes,
+            ), error
 
     async def sync(self, pending: PendingFlush) -> None:
-        """The fdatasync of a pending group (run as its own task)."""
-        fd = pending.fd
+        """Wait for a pending group's write, then run its fdatasync (run as its own task)."""
+        fd = -1
         closed = False
 
         def sync_and_close() -> None:
@@ -403,6 +436,16 @@ class Timeline:
                 os.close(fd)
 
         try:
+            try:
+                fd, fsyncs = await pending.write.wait()
+            except BaseException:
+                # The write failed (the storage is broken now): the acceptor must not
+                # believe in WAL beyond what was written.
+                self.acceptor.write_lsn = Lsn(
+                    min(self.acceptor.write_lsn, self.storage.write_lsn)
+                )
+                raise
+            self.stats.fsyncs += fsyncs
             if fd >= 0:
                 await trio.to_thread.run_sync(sync_and_close)
                 self.stats.fsyncs += 1
@@ -601,10 +644,21 @@ def has_wal_segments(directory: Path) -> bool:
     return False
 
 
-def _write_and_open_sync(storage: WalStorage, begin: Lsn, group: TrackedGroup) -> int:
-    """Write a tracked group, then open the descriptor its fdatasync will use (-1: none)."""
+def _write_and_open_sync(
+    storage: WalStorage, begin: Lsn, group: TrackedGroup
+) -> tuple[int, int]:
+    """Write a tracked group, then open the descriptor its fdatasync will use (-1: none);
+    also returns how many fsyncs the write itself did (completed segments). The descriptor
+    is opened in the same engine call: opening (like closing) a file may block, so neither
+    runs on the event loop's thread."""
+    before = storage.fsync_count
     storage.write_tracked(begin, group)
-    return storage.sync_handle()
+    return storage.sync_handle(), storage.fsync_count - before
+
+
+def _open_sync(storage: WalStorage) -> tuple[int, int]:
+    """The fdatasync descriptor of what is written (after a write that stopped early)."""
+    return storage.sync_handle(), 0
 
 
 def _slices(

@@ -228,9 +228,12 @@ async def test_each_sync_in_flight_has_its_own_open_file_description(tmp_path: P
     for begin, chunk in ((START, wal[:half]), (Lsn(START + half), wal[half:])):
         req = AppendRequest(1, begin, Lsn(begin + len(chunk)), INVALID_LSN, INVALID_LSN, chunk)
         _, pending, error = await tl.write_appends([req])
-        assert error is None and pending is not None and pending.fd >= 0
-        pendings.append(pending)
-    fds = [tl.storage._fd] + [p.fd for p in pendings]
+        assert error is None and pending is not None
+        # The group's write (in the WAL IO engine) opened its fdatasync descriptor.
+        fd, _ = await pending.write.wait()
+        assert fd >= 0
+        pendings.append((pending, fd))
+    fds = [tl.storage._fd] + [fd for _, fd in pendings]
     try:
         for k, fd in enumerate(fds):
             os.lseek(fd, 1000 + k, os.SEEK_SET)
@@ -238,10 +241,10 @@ async def test_each_sync_in_flight_has_its_own_open_file_description(tmp_path: P
         assert [os.lseek(fd, 0, os.SEEK_CUR) for fd in fds] == [1000 + k for k in range(len(fds))]
         # And each names the segment being written.
         seg = os.fstat(tl.storage._fd)
-        assert all(os.fstat(p.fd).st_ino == seg.st_ino for p in pendings)
+        assert all(os.fstat(fd).st_ino == seg.st_ino for _, fd in pendings)
     finally:
-        for p in pendings:
+        for p, _ in pendings:
             await tl.sync(p)
-    for p in pendings:
+    for p, _ in pendings:
         await tl.finish(p)
     assert tl.acceptor.flush_lsn > START

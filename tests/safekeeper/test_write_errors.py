@@ -231,8 +231,13 @@ async def test_a_group_synced_before_the_break_is_not_acknowledged_after_it(
     assert error is None and pending is not None
     await tl.sync(pending)  # N is durable
     monkeypatch.setattr(os, "pwritev", failing(OSError(errno.EIO, "Input/output error")))
+    # N+1's write runs in the WAL IO engine: its failure is its pending flush's error.
+    _, failed, error = await tl.write_appends([append(wal, START, 1)])
+    assert error is None and failed is not None
     with pytest.raises(WalStorageBroken):
-        await tl.write_appends([append(wal, START, 1)])
+        await tl.sync(failed)
+    with pytest.raises(WalStorageBroken):
+        await tl.finish(failed)
     with pytest.raises(WalStorageBroken):
         await tl.finish(pending)
     assert tl.acceptor.flush_lsn == START

@@ -1,0 +1,201 @@
+"""The safekeeper's WAL IO engines (``safekeeper.wal_io``) and the ingest loop on them: calls
+run in submission order, one at a time, off the event loop's thread; results and errors
+reach the waiter; with the writer thread the ingest loop checks and submits the next group
+while a write is still running, yet acknowledges a group only after its write returned."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+
+import safekeeper.wal_io
+from protocol.errors import RemoteProtocolError
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn
+from protocol.safekeeper import (
+    AppendRequest,
+    AppendResponse,
+    ProposerElected,
+    ProposerGreeting,
+    ProposerMessage,
+    TermSwitchEntry,
+    VoteRequest,
+    decode_acceptor_message,
+)
+from safekeeper.config import ConfigError, parse_config
+from safekeeper.receive_wal import SYNCS_IN_FLIGHT, _ByteBudget, _write_stage
+from safekeeper.testing import synthetic_wal
+from safekeeper.timeline import Timeline
+from safekeeper.wal_io import ENGINES, Job, WalIo, WalIoEngine
+from safekeeper.wal_storage import TrackedGroup
+
+TENANT = TenantId(bytes(range(16)))
+TIMELINE = TimelineId(bytes(range(16, 32)))
+START = Lsn(WAL_SEGMENT_SIZE + 40)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_calls_run_in_order_one_at_a_time_off_the_loop_thread(engine: WalIoEngine) -> None:
+    io = WalIo(engine)
+    loop_thread = threading.get_ident()
+    running = 0
+    overlap = False
+    order: list[int] = []
+    threads: set[int] = set()
+
+    def call(k: int) -> int:
+        nonlocal running, overlap
+        running += 1
+        overlap = overlap or running > 1
+        threads.add(threading.get_ident())
+        order.append(k)
+        running -= 1
+        return k * k
+
+    jobs = [await io.submit(call, k) for k in range(200)]
+    assert [await job.wait() for job in jobs] == [k * k for k in range(200)]
+    assert order == list(range(200))
+    assert not overlap
+    assert loop_thread not in threads
+    if engine == "writer-thread":
+        assert len(threads) == 1  # one persistent thread, not one per call
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_an_error_reaches_the_waiter_and_later_calls_still_run(engine: WalIoEngine) -> None:
+    io = WalIo(engine)
+
+    def fail() -> None:
+        raise OSError(5, "Input/output error")
+
+    bad = await io.submit(fail)
+    good = await io.submit(lambda: "after")
+    with pytest.raises(OSError, match="Input/output error"):
+        await bad.wait()
+    with pytest.raises(OSError):  # asked again: the same error
+        await bad.wait()
+    assert await good.wait() == "after"
+
+
+async def test_the_writer_thread_does_not_block_the_submitter_and_waiting_is_not_cancellable() -> None:
+    io = WalIo("writer-thread")
+    gate = threading.Event()
+    done: list[str] = []
+
+    def slow() -> str:
+        assert gate.wait(10)
+        done.append("slow")
+        return "slow"
+
+    job = await io.submit(slow)  # returns while the call is blocked
+    assert not job.done
+    with trio.move_on_after(0.05) as scope:
+        scope.cancel()
+        trio.lowlevel.current_trio_token().run_sync_soon(gate.set)
+        # Cancelled before it waits, yet it waits for the call to end (as to_thread does).
+        assert await job.wait() == "slow"
+    assert done == ["slow"]
+
+
+async def test_an_idle_writer_thread_exits_and_the_next_call_starts_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(safekeeper.wal_io, "IDLE_EXIT_S", 0.05)
+    io = WalIo("writer-thread")
+    assert await io.run(threading.current_thread) is not threading.current_thread()
+    with trio.fail_after(10):
+        while io.has_thread():
+            await trio.sleep(0.02)
+    # The thread is gone; the next call starts a new one and runs.
+    second = await io.run(threading.current_thread)
+    assert io.has_thread() and second.is_alive() and second.name == "wal-writer"
+
+
+def test_the_engine_is_a_config_with_a_default() -> None:
+    assert parse_config({"data_dir": "/x"}).wal_io_engine == "writer-thread"
+    assert parse_config({"data_dir": "/x", "wal_io_engine": "threadpool"}).wal_io_engine == "threadpool"
+    with pytest.raises(ConfigError, match="wal_io_engine"):
+        parse_config({"data_dir": "/x", "wal_io_engine": "io_uring"})
+    with pytest.raises(ValueError, match="wal_io_engine"):
+        WalIo("io_uring")  # type: ignore[arg-type]
+
+
+def test_a_completed_job_is_done() -> None:
+    job = Job.completed(7)
+    assert job.done
+
+
+async def test_no_fsync_ingest_submits_the_next_group_while_a_write_runs_but_acks_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fsync off, writer thread: group 1's write is held; group 2 is checked and submitted
+    meanwhile (the pipelining), nothing is acknowledged until group 1's write returned, and
+    every acknowledgement covers only groups whose write returned."""
+    tl = Timeline.create(
+        tmp_path / "tl", 1, TENANT, TIMELINE, no_sync=True, wal_io_engine="writer-thread"
+    )
+    greeting = ProposerGreeting(
+        tenant_id=TENANT, timeline_id=TIMELINE, pg_version=150000, system_id=7,
+        wal_seg_size=WAL_SEGMENT_SIZE,
+    )
+    _, error = await tl.process_batch(
+        [greeting, VoteRequest(1), ProposerElected(1, START, (TermSwitchEntry(1, START),))]
+    )
+    assert error is None
+
+    gate = threading.Event()
+    written: list[Lsn] = []  # group end LSNs whose write returned
+    real_write = tl.storage.write_tracked
+
+    def held_first_write(begin: Lsn, group: TrackedGroup) -> None:
+        if not written:
+            assert gate.wait(10)
+        real_write(begin, group)
+        written.append(tl.storage.write_lsn)
+
+    monkeypatch.setattr(tl.storage, "write_tracked", held_first_write)
+
+    acks: list[tuple[Lsn, list[Lsn]]] = []
+
+    class Copy:
+        async def send_many(self, payloads: list[bytes]) -> None:
+            for payload in payloads:
+                msg = decode_acceptor_message(payload, 3)
+                assert isinstance(msg, AppendResponse)
+                acks.append((msg.flush_lsn, list(written)))
+
+    piece = 65536
+    groups = 4
+    wal = synthetic_wal(START, groups * piece, system_id=7)
+    send, receive = trio.open_memory_channel[ProposerMessage | RemoteProtocolError](100)
+    for k in range(groups):
+        begin = Lsn(START + k * piece)
+        chunk = wal[k * piece : (k + 1) * piece]
+        send.send_nowait(
+            AppendRequest(1, begin, Lsn(begin + len(chunk)), INVALID_LSN, INVALID_LSN, chunk)
+        )
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            # max_write_bytes = one message: every message is its own group.
+            nursery.start_soon(
+                _write_stage, Copy(), receive, tl, 3, piece, _ByteBudget(1 << 30)  # type: ignore[arg-type]
+            )
+            while tl.stats.groups < 2:
+                await trio.sleep(0.01)
+            await trio.sleep(0.1)
+            # Groups 2 and 3 were checked and submitted while group 1's write is still held
+            # (two groups pending, and the next one submitted before the loop waits for the
+            # oldest); group 4 waits.
+            assert tl.stats.groups == SYNCS_IN_FLIGHT + 1
+            assert written == [] and acks == []
+            gate.set()
+            await send.aclose()
+    assert len(written) == groups
+    assert [f for f, _ in acks] == sorted(f for f, _ in acks)
+    for flush, done in acks:
+        assert done and flush <= done[-1], f"ack at {flush:X} before its group was written"
+    assert acks[-1][0] == tl.acceptor.flush_lsn > START
+    assert tl.storage.read(START, groups * piece) == wal[: groups * piece]

@@ -61,6 +61,9 @@ class TlsStream(trio.abc.Stream):
         self._fd = transport.socket.fileno()
         # encrypted bytes taken from the outgoing BIO and not yet written (send_nowait)
         self._unsent = memoryview(b"")
+        # Set by receive_nowait: its socket read found the kernel drained (a caller that
+        # knows no request can be on its way, as at queue depth 1, waits before reading).
+        self.drained = False
 
     async def _flush(self) -> None:
         while self._sending:
@@ -171,17 +174,21 @@ class TlsStream(trio.abc.Stream):
         await self._flush()
 
     def _read_plain(self, limit: int) -> int:
-        view = self._view
+        view, obj, incoming = self._view, self._obj, self._in
         have = 0
         try:
-            while have < limit:
+            # Only when a read can give something: bytes in the incoming BIO, decrypted bytes
+            # in the SSL object, or the socket's EOF (read() reports it). A read that cannot
+            # raises SSLWantReadError, and building that exception costs more than the read
+            # of a small request: without the check every receive ended in one.
+            while have < limit and (incoming.pending or obj.pending() or incoming.eof):
                 # With a buffer, read() returns the count (typeshed says bytes).
-                n = cast(int, self._obj.read(limit - have, view[have:limit]))
+                n = cast(int, obj.read(limit - have, view[have:limit]))
                 if not n:
                     break
                 have += n
         except ssl.SSLWantReadError:
-            pass
+            pass  # a partial record: the rest is still on its way
         except ssl.SSLZeroReturnError:
             self._eof = True
         except ssl.SSLError as exc:
@@ -194,6 +201,7 @@ class TlsStream(trio.abc.Stream):
         when nothing is there now (``wait_readable``, then again)."""
         limit = min(max_bytes, RECEIVE_SIZE)
         have = self._read_plain(limit)
+        self.drained = False
         if not have and not self._eof:
             try:
                 n = os.readv(self._fd, [self._raw_view])
@@ -207,6 +215,11 @@ class TlsStream(trio.abc.Stream):
             elif n > 0:
                 self._in.write(self._raw_view[:n])
             have = self._read_plain(limit)
+            # Bytes returned, the kernel gave less than asked and every complete record is
+            # decrypted: the next receive_nowait would only find EAGAIN.
+            self.drained = (
+                0 < n < RECEIVE_SIZE and have > 0 and not self._in.pending and not self._obj.pending()
+            )
         if self._out.pending:
             self._write_nowait()  # a post-handshake message the read produced; rest: flush()
         if have or self._eof:

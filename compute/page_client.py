@@ -37,6 +37,7 @@ import trio
 
 from common.pgclient import PgClientConnection, connect
 from common.pgcopy import CopyBothStream
+from common.tls_socket import BlockingTlsSocket, start_tls
 from protocol.buffer import Reader
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
@@ -278,7 +279,7 @@ class BlockingPageClient:
     """One pagestream over a blocking TCP socket (no event loop): ``send`` requests ahead,
     ``receive`` responses in order, as ``PageClient`` does. Trust authentication only."""
 
-    def __init__(self, sock: socket.socket, version: PagestreamVersion) -> None:
+    def __init__(self, sock: socket.socket | BlockingTlsSocket, version: PagestreamVersion) -> None:
         self.sock = sock
         self.version = version
         # Received bytes and the read position in them: framing is parsed in place and each
@@ -307,11 +308,13 @@ class BlockingPageClient:
         password: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> BlockingPageClient:
-        sock = socket.create_connection((host, port), timeout=timeout_s)
+        tcp = socket.create_connection((host, port), timeout=timeout_s)
+        sock: socket.socket | BlockingTlsSocket = tcp
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if ssl_context is not None:
-                sock = _start_tls(sock, ssl_context, host)
+                # Over memory BIOs: a receive takes every record there is (common.tls_socket).
+                sock = start_tls(tcp, ssl_context, host)
             startup = {"user": user, "database": user, **(params or {})}
             decoder = BackendDecoder()
             sock.sendall(m.encode(m.StartupMessage(startup)))
@@ -324,7 +327,7 @@ class BlockingPageClient:
                 raise RemoteProtocolError("unsolicited data after CopyBothResponse")
             sock.settimeout(None)
         except BaseException:
-            sock.close()
+            tcp.close()
             raise
         return cls(sock, version)
 
@@ -398,17 +401,8 @@ class BlockingPageClient:
         self.close()
 
 
-def _start_tls(sock: socket.socket, ctx: ssl.SSLContext, host: str) -> socket.socket:
-    """SSLRequest, then the handshake (the server's certificate verified by ``ctx``)."""
-    sock.sendall(m.encode(m.SSLRequest()))
-    answer = sock.recv(1)
-    if answer != b"S":
-        raise PgError("server does not support SSL, but SSL was required", "08006", severity="FATAL")
-    return ctx.wrap_socket(sock, server_hostname=host)
-
-
 def _await_message(
-    sock: socket.socket, decoder: BackendDecoder, want: type, password: str | None = None
+    sock: socket.socket | BlockingTlsSocket, decoder: BackendDecoder, want: type, password: str | None = None
 ) -> None:
     """Read backend messages until one of type ``want``; an ErrorResponse raises ``PgError``;
     a password request is answered with ``password`` (the token)."""

@@ -17,7 +17,11 @@ run. One JSON line per measurement:
   endpoint: MB/s, and the GetPage batch sizes the page filesystem sent and the page service
   executed; twice: right after the load (``pages: wal``: the page service rebuilds every page
   from the load's WAL records) and after the pageserver compacted main with image layers
-  (``pages: images``: its steady state).
+  (``pages: images``: its steady state). ``--scan-impl native,python`` runs the scan right
+  after the load once per kernel implementation on the same layers (``--scan-rounds``
+  rounds, alternating), the storage nodes restarted on that implementation before each scan
+  (``pageserver_impl`` in the line is what the pageserver's ``/v1/status`` reports).
+  ``--repeat 0`` skips the start measurements.
 
 Each scale gets its own cluster (``init --free-ports --no-sync``: the safekeepers skip fsync, so
 the safekeeper disk is not what is measured). The data is loaded through a full endpoint
@@ -42,10 +46,11 @@ from typing import Any
 
 import psycopg
 
-from bench.impl_rows import add_impl_option, run_per_impl
+from bench.impl_rows import add_impl_option, parse_impls, run_per_impl
 from common.ports import free_port
 from compute.postgres import PostgresInstance, postgres_tmpdir
 from control_plane import process
+from protocol import _native
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +62,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tps-repeat", type=int, default=3,
                         help="rounds of the warm TPS runs, lazy and full alternating")
     parser.add_argument("--no-seqscan", action="store_true")
+    parser.add_argument("--scan-impl", default=None,
+                        help="native,python: the scan right after the load once per kernel implementation on "
+                             "the same cluster and layers, the storage nodes restarted with or without "
+                             "PAGESTORE_PURE_PYTHON=1 before each (default: the nodes as started, no restart)")
+    parser.add_argument("--scan-rounds", type=int, default=1,
+                        help="rounds of the scan right after the load (with --scan-impl: the implementations alternate)")
     parser.add_argument("--plot", type=Path, default=None,
                         help="with --from: draw the start times of a saved run as this PNG (no run)")
     parser.add_argument("--from", dest="from_file", type=Path, default=None, help="JSON lines of an earlier run")
@@ -67,9 +78,9 @@ def emit(line: dict[str, Any]) -> None:
     print(json.dumps({"bench": "compute", **line}), flush=True)
 
 
-def cli(workdir: Path, *args: str) -> str:
+def cli(workdir: Path, *args: str, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run(process.cli_command(*args, "--workdir", str(workdir)), cwd=process.ROOT,
-                          capture_output=True, text=True, check=False)
+                          capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"pagestore {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout
@@ -160,7 +171,7 @@ def run_scale(root: Path, scale: int, args: argparse.Namespace, seqscan: bool) -
         emit({"metric": "load", "scale": scale, "seconds": round(time.monotonic() - t, 1), "db_bytes": db_bytes})
         cli(wd, "endpoint", "stop", "load")
         emit({"metric": "flush", "scale": scale, "seconds": round(flush_layers(wd), 1)})
-        for storage in ("lazy", "full"):
+        for storage in ("lazy", "full") if args.repeat > 0 else ():
             runs = []
             for i in range(args.repeat):
                 r = timed_start(wd, f"{storage}{i}", storage)
@@ -173,7 +184,14 @@ def run_scale(root: Path, scale: int, args: argparse.Namespace, seqscan: bool) -
         if scale == args.tps_scale:
             tps_runs(wd, scale, args)
         if seqscan:
-            seqscan_run(wd, scale, "wal")
+            impls: list[str | None] = list(parse_impls(args.scan_impl)) if args.scan_impl else [None]
+            for i in range(args.scan_rounds):
+                for impl in impls:
+                    if impl is not None:
+                        restart_nodes(wd, impl)
+                    seqscan_run(wd, scale, "wal", scan_round=i)
+            if impls != [None]:  # the compaction and the images scan on this process's kernels
+                restart_nodes(wd, _native.IMPL)
             emit({"metric": "compaction", "scale": scale, "seconds": round(compact_with_images(wd), 1)})
             seqscan_run(wd, scale, "images")
     finally:
@@ -258,9 +276,21 @@ def compact_with_images(wd: Path) -> float:
     return time.monotonic() - t
 
 
-def seqscan_run(wd: Path, scale: int, pages: str) -> None:
+def restart_nodes(wd: Path, impl: str) -> None:
+    """Stop the storage nodes and start them again on the kernels ``impl`` names (``python``:
+    with ``PAGESTORE_PURE_PYTHON=1``), so that both implementations rebuild the same pages
+    from the same layers; the pageserver's page cache starts empty either way."""
+    env = {k: v for k, v in os.environ.items() if k != "PAGESTORE_PURE_PYTHON"}
+    if impl == "python":
+        env["PAGESTORE_PURE_PYTHON"] = "1"
+    cli(wd, "stop", env=env)
+    cli(wd, "start", env=env)
+
+
+def seqscan_run(wd: Path, scale: int, pages: str, scan_round: int = 0) -> None:
     """``pages``: ``wal`` (right after the load: the page service rebuilds each page from
-    WAL records) or ``images`` (after ``compact_with_images``)."""
+    WAL records) or ``images`` (after ``compact_with_images``). The line names the kernel
+    implementation the pageserver runs (its ``/v1/status``)."""
     ep = timed_start(wd, "scan", "lazy")
     ps_http = _pageserver_http(wd)
     before_ps = histogram(http_get(ps_http + "/metrics"), "pageserver_page_service_batch_size")
@@ -274,7 +304,8 @@ def seqscan_run(wd: Path, scale: int, pages: str) -> None:
     after_fs = histogram(http_get(pagefs_url(wd, "scan") + "/metrics"), "pagefs_getpage_batch_size")
     fs_batches = after_fs[1] - before_fs[1]
     ps_batches = after_ps[1] - before_ps[1]
-    emit({"metric": "seqscan", "scale": scale, "pages": pages, "table_bytes": size, "seconds": round(secs, 3),
+    emit({"metric": "seqscan", "scale": scale, "pages": pages, "pageserver_impl": _pageserver_impl(wd), "round": scan_round,
+          "table_bytes": size, "seconds": round(secs, 3),
           "mb_per_s": round(size / secs / 1e6, 1),
           "pagefs_batches": int(fs_batches),
           "pagefs_mean_batch": round((after_fs[0] - before_fs[0]) / fs_batches, 1) if fs_batches else None,
@@ -286,6 +317,10 @@ def seqscan_run(wd: Path, scale: int, pages: str) -> None:
 def _pageserver_http(wd: Path) -> str:
     cfg = tomllib.loads((wd / "pagestore.toml").read_text())
     return f"http://127.0.0.1:{cfg['pageserver']['http']}"
+
+
+def _pageserver_impl(wd: Path) -> str:
+    return str(json.loads(http_get(_pageserver_http(wd) + "/v1/status"))["impl"])
 
 
 def plot(lines: list[dict[str, Any]], out: Path) -> None:

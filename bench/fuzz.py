@@ -25,6 +25,12 @@ Harnesses (``NAME``):
   Input: requests in flight (u8), piece length (u8, x 97 bytes), resend (u8), then the
   response stream; every piece's returned requests, the count and the latencies must be equal
   (or the same error class).
+- ``heap-multi-insert``: ``pageserver.walredo._heap_c.multi_insert``, heap redo's placement of
+  a Heap2/MULTI_INSERT record's tuples on a page. Input: mode (u8: bit 0 XLOG_HEAP_INIT_PAGE;
+  bits 1-2 the page: fresh, 40 tuples with freed slots, or its header's 24 bytes from the
+  input), main-data length (u8), then the main data, the page header if asked for, and the
+  block data. Both must give the same outcome (flags, or error class and message) and leave
+  the same page bytes.
 - ``take-append-run``: ``protocol._pq_c.take_append_run`` (the safekeeper's receive kernel:
   CopyData framing, AppendRequest headers, coalescing into an output buffer). Input: start
   (u8), max_length choice (u8), output size (u16 LE), max_bytes (u16 LE), then raw pgwire
@@ -62,12 +68,14 @@ if TYPE_CHECKING:
     from protocol.pagestream import GetPageRequest
 
 HARNESSES = ("scan-records", "record-tracker", "crc32c", "same-run", "pagestream-getpages",
-             "getpage-load", "take-append-run", "spgist-leaves")
+             "getpage-load", "take-append-run", "spgist-leaves",
+             "heap-multi-insert")
 # the compiled module each harness fuzzes (its twin is the reference)
 MODULES = {"scan-records": "protocol._wal_c", "record-tracker": "protocol._wal_c", "crc32c": "protocol._wal_c",
            "same-run": "protocol._ingest_c", "pagestream-getpages": "protocol._pagestream_c",
            "getpage-load": "protocol._getpage_load_c", "take-append-run": "protocol._pq_c",
-           "spgist-leaves": "pageserver.walredo._spgist_c"}
+           "spgist-leaves": "pageserver.walredo._spgist_c",
+           "heap-multi-insert": "pageserver.walredo._heap_c"}
 MAX_LENGTHS = (0, 4, 50, 1100, 1 << 20, (1 << 32) - 1)
 RUN_LSN = 0x2000000 + 8192 + 24  # LSN of the first record of a same-run input
 BASE = 0x2000000
@@ -141,6 +149,9 @@ def write_seeds(name: str, corpus: Path) -> None:
         return
     if name == "spgist-leaves":
         _spgist_seeds(corpus)
+        return
+    if name == "heap-multi-insert":
+        _multi_insert_seeds(corpus)
         return
     if name == "same-run":
         for k, (tot_len, count) in enumerate(((59, 120), (203, 36), (250, 30))):
@@ -266,6 +277,42 @@ def _spgist_seeds(corpus: Path) -> None:
         delete = sorted({1 + (7 * i) % max(1, len(states)) for i in range(n)})[: len(states)]
         (corpus / f"seed-delete-{k}").write_bytes(bytes([1, len(delete), items]) + b"\xff\xff\x00"
                                                   + struct.pack(f"<{len(delete)}H", *delete))
+
+
+def multi_insert_record(ntuples: int, length: int, offsets: list[int] | None, flags: int = 0x20) -> tuple[bytes, bytes]:
+    """(main data, block data) of a Heap2/MULTI_INSERT of ``ntuples`` tuples of ``length``
+    body bytes (a pgbench_accounts row is 98 after its 24-byte header), as COPY writes them."""
+    import struct
+
+    main = struct.pack("<BxH", flags, ntuples) + (struct.pack(f"<{len(offsets)}H", *offsets) if offsets else b"")
+    data = bytearray()
+    for i in range(ntuples):
+        if len(data) & 1:
+            data += b"\0"
+        data += struct.pack("<HHHB", length, 4, 0x0b00, 24) + bytes([i & 0xFF]) * length
+    return main, bytes(data)
+
+
+def _multi_insert_page(mode: int, header: bytes) -> bytearray:
+    from pageserver.walredo import _heap_py
+    from pageserver.walredo import bufpage as bp
+
+    page = bp.new_page(0)
+    if mode == 1:
+        for i in range(40):
+            _heap_py.put_tuple(page, i + 1, i, 0, 0, 0, 0, 24, b"f" * (i % 50))
+        for off in (3, 17, 40):
+            bp.set_itemid(page, off, 0, bp.LP_UNUSED, 0)
+    elif mode == 2:
+        page[:24] = header.ljust(24, b"\0")
+    return page
+
+
+def _multi_insert_seeds(corpus: Path) -> None:
+    for k, (n, length, init) in enumerate(((61, 98, True), (1, 98, True), (20, 13, False), (3, 500, False))):
+        main, data = multi_insert_record(n, length, None if init else [41, 3, 17][: n] + list(range(42, 42 + n - 3)))
+        mode = (1 if init else 0) | (0 if init else 2)
+        (corpus / f"seed-{k}").write_bytes(bytes([mode, len(main) & 0xFF]) + main + data)
 
 
 def _outcome(fn: Callable[..., object], *args: object) -> tuple[object, ...]:
@@ -421,10 +468,32 @@ def _harness(name: str, native: ModuleType, twin: ModuleType) -> Callable[[bytes
         if a != b:
             raise AssertionError(f"spgist {'multi_delete' if mode & 1 else 'place_leaves'} differs: native {a[:2]} twin {b[:2]}")
 
+    def heap_multi_insert(data: bytes) -> None:
+        if len(data) < 2:
+            return
+        init, mode = bool(data[0] & 1), (data[0] >> 1) % 3
+        body = data[2:]
+        main, body = body[: data[1]], body[data[1] :]
+        header = b""
+        if mode == 2:
+            header, body = body[:24], body[24:]
+
+        def run(m: ModuleType) -> tuple[object, ...]:
+            page = _multi_insert_page(mode, header)
+            try:
+                got: tuple[object, ...] = ("ok", m.multi_insert(page, main, body, 0x1234, 77, init))
+            except Exception as exc:
+                got = ("err", type(exc).__name__, str(exc))
+            return (*got, bytes(page))
+
+        a, b = run(native), run(twin)
+        if a != b:
+            raise AssertionError(f"multi_insert differs: native {a[:3]} twin {b[:3]}")
+
     return {"scan-records": scan_records, "record-tracker": record_tracker, "crc32c": crc32c,
             "same-run": same_run, "pagestream-getpages": pagestream_getpages,
             "getpage-load": getpage_load, "take-append-run": take_append_run,
-            "spgist-leaves": spgist_leaves}[name]
+            "spgist-leaves": spgist_leaves, "heap-multi-insert": heap_multi_insert}[name]
 
 
 def _fuzz_main(argv: list[str]) -> None:

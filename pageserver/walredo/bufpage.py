@@ -11,6 +11,9 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
+# the public name stays bufpage.PageError; the class lives in errors (the kernels raise it too)
+from pageserver.walredo.errors import PageError as PageError
+
 BLCKSZ = 8192
 SIZE_OF_PAGE_HEADER = 24
 ITEM_ID_SIZE = 4
@@ -55,10 +58,6 @@ _pack_u16 = U16.pack_into
 _unpack_u16 = U16.unpack_from
 _pack_u32 = U32.pack_into
 _unpack_u32 = U32.unpack_from
-
-
-class PageError(Exception):
-    """A page whose pointers or items are inconsistent; redo cannot continue on it."""
 
 
 def maxalign(n: int) -> int:

@@ -1,4 +1,6 @@
-"""The redo error: a request whose page cannot be rebuilt says why, with the record's LSN."""
+"""The redo errors: a request whose page cannot be rebuilt says why, with the record's LSN;
+a page whose pointers or items are inconsistent (``PageError``, raised by the page primitives
+of ``bufpage`` and by the compiled heap kernel alike)."""
 
 from __future__ import annotations
 
@@ -18,3 +20,8 @@ class RedoError(Exception):
 
 class RedoValidationError(RedoError):
     """validate_redo: the replayed page differs (masked) from PostgreSQL's verification image."""
+
+
+class PageError(Exception):
+    """A page whose pointers or items are inconsistent, or an item that does not fit it: redo
+    cannot continue on it (the manager names the record and its LSN)."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import struct
 
+from pageserver.walredo import _heap_select as placement
 from pageserver.walredo import bufpage as bp
-from pageserver.walredo.errors import RedoError
+from pageserver.walredo.errors import PageError, RedoError
 from pageserver.walredo.visibilitymap import VM_ALL_FROZEN, VM_VALID_BITS, vm_set_in_page
 from protocol.wal.record import BlockRef, DecodedRecord
 from protocol.wal.rmgr import (
@@ -105,10 +106,6 @@ _XL_HEAP_PRUNE = struct.Struct("<IHH")  # latestRemovedXid, nredirected, ndead
 _XL_HEAP_FREEZE_PAGE = struct.Struct("<IH")  # cutoff_xid, ntuples
 _XL_HEAP_FREEZE_TUPLE = struct.Struct("<IHHHBx")  # xmax, offset, infomask2, infomask, frzflags
 _XL_HEAP_VISIBLE = struct.Struct("<IB")  # cutoff_xid, flags
-_XL_MULTI_INSERT = struct.Struct("<BxH")  # flags, ntuples
-_XL_MULTI_INSERT_TUPLE = struct.Struct("<HHHB")  # datalen, infomask2, infomask, hoff
-# header fields written by insert redo: xmin, xmax, cid, ctid(3 x u16), infomask2, infomask, hoff
-_TUPLE_HEADER = struct.Struct("<IIIHHHHHB")
 
 
 def _need(buf: bytes, st: struct.Struct, what: str, rec: DecodedRecord) -> tuple[int, ...]:
@@ -127,28 +124,6 @@ def _normal_item(page: bytearray, offnum: int, rec: DecodedRecord, what: str) ->
     return itemid & 0x7FFF, itemid >> 17
 
 
-def _make_tuple(
-    xmin: int,
-    xmax: int,
-    blkno: int,
-    offnum: int,
-    infomask2: int,
-    infomask: int,
-    hoff: int,
-    body: bytes | bytearray | memoryview,
-) -> bytearray:
-    tup = bytearray(SIZEOF_HEAP_TUPLE_HEADER + len(body))
-    _TUPLE_HEADER.pack_into(
-        tup, 0, xmin, xmax, 0, blkno >> 16, blkno & 0xFFFF, offnum, infomask2, infomask, hoff
-    )
-    tup[SIZEOF_HEAP_TUPLE_HEADER:] = body
-    return tup
-
-
-_LOWER_UPPER = struct.Struct("<HH")
-_LP_NORMAL_BITS = bp.LP_NORMAL << 15
-
-
 def _put_tuple(
     page: bytearray,
     offnum: int,
@@ -161,35 +136,12 @@ def _put_tuple(
     body: bytes | bytearray | memoryview,
     rec: DecodedRecord,
 ) -> None:
-    """Build the tuple and add it at ``offnum`` (PageAddItem, overwrite + heap mode).
-
-    Appending after the last line pointer (nearly every insert) writes header and body
-    straight into the page: the same bytes PageAddItem would copy, without building the tuple
-    first. Reusing a free slot goes through ``page_add_item``.
-    """
-    lower, upper = _LOWER_UPPER.unpack_from(page, bp.OFF_LOWER)
-    maxoff = (lower - bp.SIZE_OF_PAGE_HEADER) >> 2 if lower > bp.SIZE_OF_PAGE_HEADER else 0
-    if offnum != maxoff + 1 or lower < bp.SIZE_OF_PAGE_HEADER or upper > bp.get_special(page):
-        tup = _make_tuple(xmin, xmax, blkno, offnum, infomask2, infomask, hoff, body)
-        _add_tuple(page, tup, offnum, rec)
-        return
-    size = SIZEOF_HEAP_TUPLE_HEADER + len(body)
-    new_upper = upper - ((size + 7) & ~7)
-    if offnum > bp.MAX_HEAP_TUPLES_PER_PAGE or lower + 4 > new_upper:
-        raise RedoError(f"failed to add tuple at offset {offnum}", lsn=rec.end_lsn)
-    _TUPLE_HEADER.pack_into(
-        page, new_upper, xmin, xmax, 0, blkno >> 16, blkno & 0xFFFF, offnum, infomask2, infomask, hoff
-    )
-    page[new_upper + SIZEOF_HEAP_TUPLE_HEADER : new_upper + size] = body
-    _U32.pack_into(page, lower, new_upper | _LP_NORMAL_BITS | (size << 17))
-    _LOWER_UPPER.pack_into(page, bp.OFF_LOWER, lower + 4, new_upper)
-
-
-def _add_tuple(page: bytearray, tup: bytes | bytearray, offnum: int, rec: DecodedRecord) -> None:
-    if bp.max_offset(page) + 1 < offnum:
-        raise RedoError(f"invalid max offset number {offnum}", lsn=rec.end_lsn)
-    if bp.page_add_item(page, tup, offnum, overwrite=True, is_heap=True) == 0:
-        raise RedoError(f"failed to add tuple at offset {offnum}", lsn=rec.end_lsn)
+    """Build the tuple and add it at ``offnum`` (PageAddItem, overwrite + heap mode): the
+    placement kernel writes header and body straight into the page."""
+    try:
+        placement.put_tuple(page, offnum, xmin, xmax, blkno, infomask2, infomask, hoff, body)
+    except PageError as exc:
+        raise RedoError(str(exc), lsn=rec.end_lsn) from None
 
 
 def _fix_infomask_from_infobits(infobits: int, infomask: int, infomask2: int) -> tuple[int, int]:
@@ -470,33 +422,12 @@ def redo_visible(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
 
 
 def redo_multi_insert(page: bytearray, rec: DecodedRecord, blk: BlockRef) -> None:
-    flags, ntuples = _need(rec.main_data, _XL_MULTI_INSERT, "heap2 multi_insert", rec)
-    isinit = bool(rec.xl_info & XLOG_HEAP_INIT_PAGE)
-    if isinit:
-        bp.page_init(page, 0)
-        offsets: tuple[int, ...] = tuple(range(1, ntuples + 1))
-    else:
-        if len(rec.main_data) < 4 + 2 * ntuples:
-            raise RedoError("heap2 multi_insert: offsets missing", lsn=rec.end_lsn)
-        offsets = struct.unpack_from(f"<{ntuples}H", rec.main_data, 4)
-    data = blk.data
-    mv = memoryview(data)
-    xid = rec.xl_xid
-    blkno = blk.blkno
-    pos = 0
-    end = len(data)
-    for offnum in offsets:
-        pos = (pos + 1) & ~1
-        if pos + _XL_MULTI_INSERT_TUPLE.size > end:
-            raise RedoError("heap2 multi_insert: tuple header past block data", lsn=rec.end_lsn)
-        datalen, im2, im, hoff = _XL_MULTI_INSERT_TUPLE.unpack_from(data, pos)
-        pos += 7
-        if pos + datalen > end:
-            raise RedoError("heap2 multi_insert: tuple past block data", lsn=rec.end_lsn)
-        _put_tuple(page, offnum, xid, 0, blkno, im2, im, hoff, mv[pos : pos + datalen], rec)
-        pos += datalen
-    if pos != end:
-        raise RedoError("heap2 multi_insert: total tuple length mismatch", lsn=rec.end_lsn)
+    """heap_xlog_multi_insert: the placement kernel parses the record's tuples and places
+    them all in one call (a bulk load's heap pages are one or two of these records each)."""
+    try:
+        flags = placement.multi_insert(page, rec.main_data, blk.data, rec.xl_xid, blk.blkno, bool(rec.xl_info & XLOG_HEAP_INIT_PAGE))
+    except PageError as exc:
+        raise RedoError(str(exc), lsn=rec.end_lsn) from None
     bp.page_set_lsn(page, rec.end_lsn)
     if flags & XLH_INSERT_ALL_VISIBLE_CLEARED:
         bp.page_clear_all_visible(page)

@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from compute.postgres import PostgresInstance
+from pageserver.walredo import bufpage as bp
 from pageserver.walredo import clog
 from pageserver.walredo.manager import PostgresRedoManager, SlruPage
 from pageserver.walredo.verify import VERIFY_SETTINGS, VerifyReport, read_wal, verify_records
@@ -223,7 +224,6 @@ def _rel_path(datadir: Path, spc: int, db: int, rel: int, fork: int) -> Path:
 
 def test_replayed_pages_equal_data_files(wal_run: tuple[PostgresInstance, int, int]) -> None:
     """After CHECKPOINT, every page the run touched equals PostgreSQL's data file page (masked)."""
-    from pageserver.walredo import bufpage as bp
     from pageserver.walredo.mask import btree_mask, fsm_vm_mask, heap_mask, masked
 
     pg, start, end = wal_run
@@ -258,19 +258,29 @@ def test_replayed_pages_equal_data_files(wal_run: tuple[PostgresInstance, int, i
 
 
 def test_a_wrong_redo_is_caught(wal_run: tuple[PostgresInstance, int, int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check can fail: a redo that writes one wrong byte per inserted tuple is reported."""
+    """The check can fail: a redo that writes one wrong byte per placed heap tuple (the
+    placement kernel's INSERT/UPDATE and MULTI_INSERT entry points) is reported."""
     import itertools
 
-    from pageserver.walredo import heap
+    from pageserver.walredo import _heap_select as placement
 
-    real = heap._make_tuple
+    def flip_last_byte(page: bytearray, offnum: int) -> None:
+        raw = bp.get_itemid(page, offnum)
+        page[bp.lp_off(raw) + bp.lp_len(raw) - 1] ^= 0xFF
 
-    def broken(*args: object) -> bytearray:
-        tup = real(*args)  # type: ignore[arg-type]
-        tup[-1] ^= 0xFF
-        return tup
+    real_put, real_multi = placement.put_tuple, placement.multi_insert
 
-    monkeypatch.setattr(heap, "_make_tuple", broken)
+    def broken_put(page: bytearray, offnum: int, *args: object) -> None:
+        real_put(page, offnum, *args)  # type: ignore[arg-type]
+        flip_last_byte(page, offnum)
+
+    def broken_multi(page: bytearray, *args: object) -> int:
+        flags = real_multi(page, *args)  # type: ignore[arg-type]
+        flip_last_byte(page, bp.max_offset(page))
+        return flags
+
+    monkeypatch.setattr(placement, "put_tuple", broken_put)
+    monkeypatch.setattr(placement, "multi_insert", broken_multi)
     pg, start, end = wal_run
     report = verify_records(itertools.islice(read_wal(pg.wal_dir(), start, end), 3000), max_failures=5)
     assert report.failures and all("Heap" in f for f in report.failures), report.failures

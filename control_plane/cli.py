@@ -43,9 +43,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("control_plane.cmd_status", "nodes, timelines with their LSNs, endpoints"),
     "stop": ("control_plane.cmd_stop", "stop endpoints, pageserver and safekeepers"),
     "tenant create": ("control_plane.cmd_tenant_create", "create a tenant; its first timeline is branch main"),
+    "tenant delete": ("control_plane.cmd_tenant_delete", "delete a tenant everywhere, remote storage included"),
     "tenant list": ("control_plane.cmd_tenant_list", "list tenants"),
     "tenant migrate": ("control_plane.cmd_tenant_migrate", "move a tenant to another pageserver (new generation; endpoints follow)"),
     "timeline branch": ("control_plane.cmd_timeline_branch", "branch a timeline at an LSN"),
+    "timeline delete": ("control_plane.cmd_timeline_delete", "delete a timeline everywhere, remote storage included"),
     "timeline import": ("control_plane.cmd_timeline_import", "import a PostgreSQL data directory or tar as a timeline"),
     "timeline list": ("control_plane.cmd_timeline_list", "list a tenant's timelines"),
     "waldump": ("control_plane.cmd_waldump", "print WAL records of segment files as JSON lines"),
@@ -58,8 +60,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 GROUP_HELP = {
     "bench": "benchmarks; each prints JSON lines",
-    "tenant": "create, list and migrate tenants",
-    "timeline": "branch, list and import timelines",
+    "tenant": "create, list, migrate and delete tenants",
+    "timeline": "branch, list, import and delete timelines",
     "endpoint": "start and stop PostgreSQL computes on pagestore",
     "verify": "correctness checks against PostgreSQL",
 }

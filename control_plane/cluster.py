@@ -104,6 +104,12 @@ def start(env: LocalEnv, *, log: Any = print) -> None:
         for name, node_dir in order:
             cmd, http = _node_cmd(env, name)
             pid = process.running_pid(_pid_path(node_dir))
+            if pid is not None and process.is_exiting(pid):
+                # Killed or stopped a moment ago and not yet gone (its last threads still exit,
+                # holding its ports): wait for it rather than take it for a running node.
+                if not process.wait_gone(pid, timeout=STOP_TIMEOUT_S):
+                    raise ClusterError(f"{name} (pid {pid}) is exiting but has not gone in {STOP_TIMEOUT_S} s")
+                pid = None
             if pid is not None:
                 log(f"{name} is already running (pid {pid})")
                 continue
@@ -532,3 +538,101 @@ def migrate_tenant(env: LocalEnv, tenant_id: str | None, to: str, *, log: Any = 
             "next start drops it")
     return {"tenant_id": tenant, "from": src_name, "to": dst_name, "generation": gen,
             "endpoints": moved, "detached": detached, "seconds": round(time.monotonic() - started, 3)}
+
+
+# -- deletion ---------------------------------------------------------------------------------
+
+
+def _refuse_running_endpoints(env: LocalEnv, tenant: str, timelines: set[str] | None) -> list[str]:
+    """Names of the stopped endpoints on these timelines (None: any of the tenant's); a
+    running one is an error (its compute would lose its storage under it)."""
+    from control_plane.endpoint import list_endpoints  # (endpoint imports this module)
+
+    stale = []
+    for ep in list_endpoints(env):
+        if ep.spec.tenant_id != tenant or (timelines is not None and ep.spec.timeline_id not in timelines):
+            continue
+        if ep.running():
+            raise ClusterError(f"endpoint {ep.name} runs on timeline {ep.spec.timeline_id}: "
+                               f"`pagestore endpoint stop {ep.name}` first")
+        stale.append(ep.name)
+    return stale
+
+
+def _delete_on_safekeepers(env: LocalEnv, path: str) -> dict[str, Any]:
+    """``DELETE path`` on every safekeeper (each deletes its copy and the WAL backup's objects
+    under the prefix; a 404 means it had nothing)."""
+    out: dict[str, Any] = {}
+    for sk_id in env.safekeeper_ids:
+        try:
+            out[f"safekeeper_{sk_id}"] = request_json("DELETE", f"{env.safekeeper_http(sk_id)}{path}", timeout=300.0)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise ClusterError(f"safekeeper {sk_id}: {exc} (the deletion can be repeated)") from None
+            out[f"safekeeper_{sk_id}"] = None
+        except OSError as exc:
+            raise ClusterError(f"safekeeper {sk_id}: {exc} (the deletion can be repeated)") from None
+    return out
+
+
+def delete_timeline(env: LocalEnv, tenant_id: str | None, *, branch: str | None = None,
+                    timeline_id: str | None = None) -> dict[str, Any]:
+    """Delete a timeline everywhere: on its pageserver (local and ``tenants/.../timelines/<tl>/``
+    in remote storage; refused while it has branches) and on every safekeeper (local WAL and
+    the backup ``wal/<tenant>/<tl>/``); its branch names go. Refused while an endpoint runs on
+    it. The pageserver goes first: its WAL receiver would otherwise keep asking the
+    safekeepers for the timeline."""
+    require_running(env)
+    tenant = env.resolve_tenant(tenant_id)
+    if timeline_id is None:
+        if branch is None:
+            raise LocalEnvError("name the timeline: --branch-name or --timeline-id")
+        timeline_id = env.timeline_of_branch(tenant, branch)
+    stale = _refuse_running_endpoints(env, tenant, {timeline_id})
+    url = f"{tenant_http(env, tenant)}/v1/tenant/{tenant}/timeline/{timeline_id}"
+    try:
+        ps: Any = request_json("DELETE", url, timeout=600.0)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise ClusterError(f"deleting timeline {timeline_id}: {exc.msg}") from None
+        ps = None  # not on the pageserver (any more): the safekeepers may still have it
+    except OSError as exc:
+        raise ClusterError(f"deleting timeline {timeline_id}: {exc}") from None
+    sks = _delete_on_safekeepers(env, f"/v1/tenant/{tenant}/timeline/{timeline_id}")
+    if ps is None and not any(sks.values()):
+        raise ClusterError(f"timeline {tenant}/{timeline_id} not found")
+    names = env.remove_timeline_branches(tenant, {timeline_id})
+    return {"tenant_id": tenant, "timeline_id": timeline_id, "branches": names, "pageserver": ps,
+            "safekeepers": sks, "stopped_endpoints_left": stale}
+
+
+def delete_tenant(env: LocalEnv, tenant_id: str) -> dict[str, Any]:
+    """Delete a tenant everywhere: its pageserver (local and ``tenants/<tenant>/``), every
+    safekeeper (local and ``wal/<tenant>/``), its storage controller record (a tombstone that
+    keeps its generations from being reused) and its branch names."""
+    require_running(env)
+    stale = _refuse_running_endpoints(env, tenant_id, None)
+    url = f"{tenant_http(env, tenant_id)}/v1/tenant/{tenant_id}"
+    try:
+        ps: Any = request_json("DELETE", url, timeout=600.0)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise ClusterError(f"deleting tenant {tenant_id}: {exc.msg}") from None
+        ps = None
+    except OSError as exc:
+        raise ClusterError(f"deleting tenant {tenant_id}: {exc}") from None
+    sks = _delete_on_safekeepers(env, f"/v1/tenant/{tenant_id}")
+    if ps is None and not any(sks.values()):
+        raise ClusterError(f"tenant {tenant_id} not found")
+    controller = env.storage_controller_url
+    if controller is not None:
+        try:
+            request_json("DELETE", f"{controller}/control/v1/tenant/{tenant_id}")
+        except ApiError as exc:
+            if exc.status != 404:
+                raise ClusterError(f"storage controller: {exc}") from None
+        except OSError as exc:
+            raise ClusterError(f"storage controller: {exc}") from None
+    names = env.remove_timeline_branches(tenant_id, None)
+    return {"tenant_id": tenant_id, "branches": names, "pageserver": ps, "safekeepers": sks,
+            "stopped_endpoints_left": stale}

@@ -551,6 +551,24 @@ class LocalEnv:
             state["default_tenant_id"] = tenant_id
         self.save_state(state)
 
+    def remove_timeline_branches(self, tenant_id: str, timelines: set[str] | None) -> list[str]:
+        """Forget the branch names of these timelines (None: the whole tenant, and it stops
+        being the default); the names removed."""
+        state = self.load_state()
+        branches = state["branches"]
+        assert isinstance(branches, dict)
+        per_tenant = branches.get(tenant_id, {})
+        assert isinstance(per_tenant, dict)
+        gone = sorted(n for n, tl in per_tenant.items() if timelines is None or tl in timelines)
+        for name in gone:
+            del per_tenant[name]
+        if timelines is None:
+            branches.pop(tenant_id, None)
+            if state.get("default_tenant_id") == tenant_id:
+                state["default_tenant_id"] = None
+        self.save_state(state)
+        return gone
+
     def timeline_of_branch(self, tenant_id: str, name: str) -> str:
         branches = self.branches(tenant_id)
         if name not in branches:

@@ -119,6 +119,27 @@ def is_alive(pid: int) -> bool:
     return True
 
 
+def is_exiting(pid: int) -> bool:
+    """A zombie thread-group leader whose other threads are still exiting (after a signal):
+    ``is_alive`` still counts it (it holds its ports), but it is going."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"Z"
+
+
+def wait_gone(pid: int, *, timeout: float) -> bool:
+    """Wait until ``pid`` is no longer alive; False if it still is after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while is_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def running_pid(pid_path: Path) -> int | None:
     """The pid of ``pid_path`` if that very process still runs (same pid and start time)."""
     got = _read_pid_file(pid_path)

@@ -17,7 +17,9 @@ HTTP API (JSON):
   tenant registers it (409 if another node holds it).
 - ``POST /control/v1/tenant/{tenant_id}/attach {node_id}`` → ``{gen}``: move the tenant to
   ``node_id`` with a new generation (the CLI then tells that pageserver to attach with it).
-- ``GET /control/v1/tenant`` → ``{tenants: [{id, gen, node_id}]}``.
+- ``DELETE /control/v1/tenant/{tenant_id}``: the tenant was deleted; it keeps a tombstone
+  (node 0, its generation advanced past every one it had).
+- ``GET /control/v1/tenant`` → ``{tenants: [{id, gen, node_id}]}`` (node 0: deleted).
 """
 
 from __future__ import annotations
@@ -119,6 +121,17 @@ class GenerationStore:
             await self.persist()
             return out
 
+    async def forget(self, tenant_id: str) -> bool:
+        """A deleted tenant: no node holds it, and no generation it had is valid any more (a
+        tombstone: the next attach of the same id continues above it, never reuses one)."""
+        async with self.lock:
+            current = self.tenants.get(tenant_id)
+            if current is None:
+                return False
+            self.tenants[tenant_id] = (current[0] + 1, 0)
+            await self.persist()
+            return True
+
     def valid(self, tenant_id: str, gen: int) -> bool:
         current = self.tenants.get(tenant_id)
         return current is not None and current[0] == gen
@@ -164,6 +177,14 @@ def build_router(store: GenerationStore) -> Router:
         gen = await store.attach(tenant_id, body.node_id)
         log.info("tenant attached", tenant_id=tenant_id, node_id=body.node_id, gen=gen)
         return {"gen": gen}
+
+    @router.route("DELETE", "/control/v1/tenant/{tenant_id}")
+    async def forget(req: Request) -> object:
+        tenant_id = _tenant(req.params["tenant_id"])
+        if not await store.forget(tenant_id):
+            raise HttpError(404, f"tenant {tenant_id} not found")
+        log.info("tenant deleted", tenant_id=tenant_id)
+        return {}
 
     @router.route("GET", "/control/v1/tenant")
     async def tenants(_req: Request) -> object:

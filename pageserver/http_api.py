@@ -4,11 +4,14 @@ Routes (``docs/http-api.md`` documents bodies and answers):
 
 - ``GET  /v1/status``
 - ``POST /v1/tenant`` (create; body may name ``tenant_id``), ``GET /v1/tenant``,
-  ``GET /v1/tenant/{tenant_id}``
+  ``GET /v1/tenant/{tenant_id}``, ``DELETE /v1/tenant/{tenant_id}`` (here and its
+  ``tenants/<tenant>/`` objects in remote storage)
 - ``POST /v1/tenant/{tenant_id}/timeline`` (bootstrap, or branch with ``ancestor_timeline_id``
   and optional ``ancestor_start_lsn``), ``POST /v1/tenant/{tenant_id}/timeline/import``
   (a data directory or tar on this machine), ``GET /v1/tenant/{tenant_id}/timeline``,
-  ``GET /v1/tenant/{tenant_id}/timeline/{timeline_id}``
+  ``GET /v1/tenant/{tenant_id}/timeline/{timeline_id}``,
+  ``DELETE /v1/tenant/{tenant_id}/timeline/{timeline_id}`` (here and in remote storage; 412
+  while it has branches)
 - ``GET  /v1/tenant/{tenant_id}/timeline/{timeline_id}/keyspace[?at_lsn=X/Y]``
 - ``GET  /v1/tenant/{tenant_id}/timeline/{timeline_id}/relations[?at_lsn=X/Y]``: databases,
   relation forks and their sizes in blocks (what a lazy endpoint's page filesystem lists)
@@ -17,7 +20,8 @@ Routes (``docs/http-api.md`` documents bodies and answers):
 - ``GET  /metrics``
 
 Errors are ``{"msg": ...}``: 400 for a malformed id, LSN or body, 404 for an unknown tenant or
-timeline, 409 when creating something that exists, 503 while shutting down.
+timeline, 409 when creating something that exists, 412 when deleting a timeline with branches,
+503 while shutting down.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from pageserver.tenant import Tenant
 from pageserver.tenant_manager import (
     AlreadyExistsError,
     BadTimelineRequestError,
+    HasChildrenError,
     ShuttingDownError,
     TenantManager,
     TenantNotFoundError,
@@ -54,6 +59,7 @@ from protocol import _native
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, Lsn, format_lsn, parse_lsn
+from remote_storage.errors import RemoteStorageError
 
 PG_VERSION = 15
 
@@ -231,6 +237,11 @@ def _errors(handler: Handler) -> Handler:
             raise HttpError(400, str(exc)) from None
         except ShuttingDownError as exc:
             raise HttpError(503, str(exc)) from None
+        except HasChildrenError as exc:
+            raise HttpError(412, str(exc)) from None
+        except RemoteStorageError as exc:
+            # a deletion's remote part: what was deleted stays deleted, the request can be repeated
+            raise HttpError(503, f"remote storage: {exc}") from None
 
     return wrapped
 
@@ -280,6 +291,17 @@ def build_router(manager: TenantManager, registry: CollectorRegistry) -> Router:
     async def detach_tenant(req: Request) -> object:
         await manager.detach_tenant(_tenant_id(req.params["tenant_id"]))
         return {}
+
+    @route("DELETE", "/v1/tenant/{tenant_id}")
+    async def delete_tenant(req: Request) -> object:
+        removed = await manager.delete_tenant(_tenant_id(req.params["tenant_id"]))
+        return {"remote_objects_deleted": removed}
+
+    @route("DELETE", "/v1/tenant/{tenant_id}/timeline/{timeline_id}")
+    async def delete_timeline(req: Request) -> object:
+        removed = await manager.delete_timeline(_tenant_id(req.params["tenant_id"]),
+                                                _timeline_id(req.params["timeline_id"]))
+        return {"remote_objects_deleted": removed}
 
     @route("GET", "/v1/tenant")
     async def list_tenants(_: Request) -> list[TenantInfo]:

@@ -194,6 +194,10 @@ class RemoteTimelineClient:
         self.last_error: str | None = None
         self.failed_attempts = 0
         self.stopped = False
+        # The worker (``run``): cancelled by ``shutdown``, which waits for it to be gone.
+        self._worker_scope = trio.CancelScope()
+        self._worker_running = False
+        self._worker_gone = trio.Event()
 
     def __repr__(self) -> str:
         return f"<RemoteTimelineClient {self.tenant_id.hex}/{self.timeline_id.hex} gen {self.generation}>"
@@ -289,8 +293,25 @@ class RemoteTimelineClient:
 
     # -- the worker -------------------------------------------------------------------------------
 
+    async def shutdown(self) -> None:
+        """``stop``, cancel the worker and wait until it is gone: then no request of this
+        client is in flight any more (a timeline deletion lists the remote after this)."""
+        self.stop()
+        self._worker_scope.cancel()
+        if self._worker_running:
+            await self._worker_gone.wait()
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Execute the queue until cancelled (or ``stop``)."""
+        """Execute the queue until cancelled (or ``stop``/``shutdown``)."""
+        self._worker_running = True
+        try:
+            with self._worker_scope:
+                await self._run(task_status)
+        finally:
+            self._worker_running = False
+            self._worker_gone.set()
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
         task_status.started()
         while not self.stopped:
             if not self._ops:

@@ -26,6 +26,7 @@ from pathlib import Path
 import structlog
 import trio
 
+from pageserver import remote_layout
 from pageserver.config import PageserverConfig, split_addr
 from pageserver.control_plane_client import ControlPlaneClient
 from pageserver.deletion_queue import DeletionQueue
@@ -42,6 +43,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn, format_lsn
 from remote_storage import RemoteStorage, make_remote_storage
+from remote_storage.prefix_delete import delete_prefix
 
 log = structlog.get_logger("pageserver.tenant_manager")
 
@@ -66,6 +68,10 @@ class BadTimelineRequestError(ValueError):
 
 class ShuttingDownError(Exception):
     pass
+
+
+class HasChildrenError(Exception):
+    """A timeline with branches cannot be deleted: they read its layers below their start."""
 
 
 def _fresh_dir(path: Path) -> None:
@@ -270,6 +276,92 @@ class TenantManager:
                 # What the drain above did not delete leaks: the next attachment is elsewhere.
                 await trio.to_thread.run_sync(self.deletions.drop_tenant, tenant_id, "detached")
             log.info("tenant detached", tenant_id=tenant_id.hex)
+
+    # -- deletion --------------------------------------------------------------------------
+
+    async def _stop_ingest(self, tenant_id: TenantId, timeline_id: TimelineId) -> None:
+        got = self._ingests.pop((tenant_id, timeline_id), None)
+        if got is not None:
+            with trio.move_on_after(self.conf.shutdown_timeout_s):
+                await got[0].pause()
+            got[1].cancel()
+        self.ingest_failures.pop((tenant_id, timeline_id), None)
+
+    async def delete_timeline(self, tenant_id: TenantId, timeline_id: TimelineId) -> int:
+        """Delete a timeline here and in remote storage (every generation's objects); the
+        number of remote objects deleted. Refused while it has branches. Order: ingest and
+        the upload queue stopped (no request of theirs in flight); the local directory marked
+        unfinished (durable: a crash from here on makes the next load remove it, and it is
+        never uploaded again); the remote indexes deleted, then the layers (a crash between
+        leaves unnamed layers, leaks); the local directory, then its marker. A repeated
+        request after a failure in the remote part finishes it. The safekeepers' WAL of the
+        timeline is theirs to delete (``pagestore timeline delete`` asks them too)."""
+        if self.shutting_down.is_set():
+            raise ShuttingDownError("the pageserver is shutting down")
+        async with self._lock(tenant_id):
+            tenant = self.get_tenant(tenant_id)
+            tl = tenant.timelines.get(timeline_id)
+            marker = tenant.uninit_marker(timeline_id)
+            if tl is None and not (timeline_id in tenant.creating and marker.exists()):
+                raise TimelineNotFoundError(f"timeline {tenant_id}/{timeline_id} not found")
+            if tl is not None:
+                if (tenant_id, timeline_id) in self._unfinished:
+                    raise BadTimelineRequestError(f"timeline {tenant_id}/{timeline_id} is still being created")
+                children = sorted(t.timeline_id.hex for t in tenant.timelines.values() if t.ancestor is tl)
+                if children:
+                    raise HasChildrenError(
+                        f"timeline {tenant_id}/{timeline_id} has branches ({', '.join(children)}): delete them first"
+                    )
+                await self._stop_ingest(tenant_id, timeline_id)
+                if tl.remote is not None:
+                    await tl.remote.shutdown()
+                await tenant.mark_uninit(timeline_id)  # background jobs skip it from now on
+                del tenant.timelines[timeline_id]
+                await tl.shutdown()
+            removed = 0
+            if self.remote_storage is not None:
+                removed = await delete_prefix(self.remote_storage, remote_layout.timeline_prefix(tenant_id, timeline_id),
+                                              first=lambda key: remote_layout.index_generation(key) is not None)
+            await trio.to_thread.run_sync(
+                lambda: shutil.rmtree(tenant.timelines_dir / timeline_id.hex, ignore_errors=True))
+            await fsync_dir(tenant.engine, tenant.timelines_dir)
+            await tenant.clear_uninit(timeline_id)
+            log.info("timeline deleted", tenant_id=tenant_id.hex, timeline_id=timeline_id.hex,
+                     remote_objects=removed)
+            return removed
+
+    async def delete_tenant(self, tenant_id: TenantId) -> int:
+        """Delete a tenant here and in remote storage (``tenants/<tenant>/``, indexes first);
+        the number of remote objects deleted. Its local directory is first renamed to a
+        temporary name (durable), which the next start removes, so a crash half-way never
+        brings the tenant back from local disk. The storage controller's record and the
+        safekeepers' WAL are for the caller (``pagestore tenant delete``)."""
+        if self.shutting_down.is_set():
+            raise ShuttingDownError("the pageserver is shutting down")
+        async with self._lock(tenant_id):
+            tenant = self.get_tenant(tenant_id)
+            for tid in list(tenant.timelines):
+                await self._stop_ingest(tenant_id, tid)
+            scope = self._jobs.pop(tenant_id, None)
+            if scope is not None:
+                scope.cancel()
+            for tl in tenant.timelines.values():
+                if tl.remote is not None:
+                    await tl.remote.shutdown()
+            del self.tenants[tenant_id]
+            await tenant.shutdown()
+            doomed = self.tenants_dir / f"{TMP_PREFIX}deleted-{tenant_id.hex}"
+            await trio.to_thread.run_sync(os.rename, tenant.path, doomed)
+            await fsync_dir(tenant.engine, self.tenants_dir)
+            removed = 0
+            if self.remote_storage is not None:
+                removed = await delete_prefix(self.remote_storage, remote_layout.tenant_prefix(tenant_id),
+                                              first=lambda key: remote_layout.index_generation(key) is not None)
+            if self.deletions is not None:
+                await trio.to_thread.run_sync(self.deletions.drop_tenant, tenant_id, "deleted")
+            await trio.to_thread.run_sync(functools.partial(shutil.rmtree, doomed, ignore_errors=True))
+            log.info("tenant deleted", tenant_id=tenant_id.hex, remote_objects=removed)
+            return removed
 
     async def wait_remote(self, tl: Timeline) -> None:
         """Return once everything the timeline queued for remote storage is uploaded."""

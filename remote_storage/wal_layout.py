@@ -20,6 +20,11 @@ from protocol.lsn import WAL_SEGMENT_SIZE, parse_segment_file_name, segment_file
 WAL_ROOT = "wal"
 
 
+def wal_tenant_prefix(tenant_id: TenantId) -> str:
+    """The prefix (ending in ``/``) of every timeline's backup of a tenant."""
+    return f"{WAL_ROOT}/{tenant_id.hex}/"
+
+
 def wal_timeline_prefix(tenant_id: TenantId, timeline_id: TimelineId) -> str:
     """The prefix (ending in ``/``) under which a timeline's backed-up segments live."""
     return f"{WAL_ROOT}/{tenant_id.hex}/{timeline_id.hex}/"

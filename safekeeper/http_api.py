@@ -6,6 +6,12 @@ Routes (on ``common.http``):
 - ``GET /v1/tenant/{tenant_id}/timeline/{timeline_id}``: one timeline's status (term,
   flush_lsn, commit_lsn, term history, write statistics, replicas); 404 ``{"msg": ...}``
   when unknown;
+- ``DELETE /v1/tenant/{tenant_id}/timeline/{timeline_id}``: delete a timeline (its
+  connections and tasks stopped, its directory, and its WAL backup ``wal/<tenant>/<timeline>/``
+  in remote storage) → ``{timelines, dir_existed, remote_objects_deleted}``; idempotent (a
+  repeated request finishes a failed one);
+- ``DELETE /v1/tenant/{tenant_id}``: the same for every timeline of the tenant
+  (``wal/<tenant>/``);
 - ``GET /metrics``: ``safekeeper_*`` metrics (per timeline: flush/commit LSN, term, write
   groups, messages, bytes, fsyncs, and the histogram of messages per write group; with WAL
   backup on: ``safekeeper_backup_lsn``, ``safekeeper_wal_backup_rank``, uploaded segments and
@@ -14,14 +20,18 @@ Routes (on ``common.http``):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import TYPE_CHECKING
 
+import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from common.http import HttpError, HttpServer, HttpServerConfig, Request, Router
 from common.metrics import add_metrics_route, new_registry
+from protocol.errors import RemoteProtocolError
+from protocol.ids import TenantId, TimelineId
+from remote_storage.errors import RemoteStorageError
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -98,6 +108,16 @@ class _TimelineCollector(Collector):
                     backup_rank, backup_up, backup_bytes, backup_adopted, backup_fail)
 
 
+async def _deleting(work: Awaitable[dict[str, object]]) -> dict[str, object]:
+    try:
+        return await work
+    except (RemoteStorageError, OSError) as exc:
+        # What was deleted stays deleted; the request can be repeated.
+        raise HttpError(503, f"deletion not finished: {exc}") from None
+    except trio.TooSlowError:
+        raise HttpError(503, "the timeline's connections and tasks did not stop in time; retry") from None
+
+
 def build_http_server(node: SafekeeperNode) -> HttpServer:
     router = Router()
 
@@ -117,6 +137,31 @@ def build_http_server(node: SafekeeperNode) -> HttpServer:
                 404, f"timeline {req.params['tenant_id']}/{req.params['timeline_id']} not found"
             )
         return tl.status()
+
+    def ids(req: Request) -> tuple[TenantId, TimelineId | None]:
+        try:
+            tenant = TenantId.parse(req.params["tenant_id"])
+            timeline = req.params.get("timeline_id")
+            return tenant, None if timeline is None else TimelineId.parse(timeline)
+        except RemoteProtocolError as exc:
+            raise HttpError(400, str(exc)) from None
+
+    @router.route("DELETE", "/v1/tenant/{tenant_id}/timeline/{timeline_id}")
+    async def delete_timeline(req: Request) -> object:
+        tenant_id, timeline_id = ids(req)
+        assert timeline_id is not None
+        got = await _deleting(node.delete_timeline(tenant_id, timeline_id))
+        if not got["timelines"] and not got["dir_existed"] and not got["remote_objects_deleted"]:
+            raise HttpError(404, f"timeline {tenant_id}/{timeline_id} not found")
+        return got
+
+    @router.route("DELETE", "/v1/tenant/{tenant_id}")
+    async def delete_tenant(req: Request) -> object:
+        tenant_id, _ = ids(req)
+        got = await _deleting(node.delete_tenant(tenant_id))
+        if not got["timelines"] and not got["dir_existed"] and not got["remote_objects_deleted"]:
+            raise HttpError(404, f"tenant {tenant_id} not found")
+        return got
 
     node.security.add_reload_route(router)
     registry = new_registry()

@@ -18,11 +18,14 @@ Commands on the libpq port (tenant and timeline come from the startup ``options`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
+import shutil
 import ssl
 import sys
 import threading
+from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -30,6 +33,7 @@ import structlog
 import trio
 
 from common.auth import TOKEN_ENV, AuthKeyError, Service
+from common.fsync import fsync_dir
 from common.logging import setup_logging
 from common.pgserver import PgConnection, PgServer, PgServerConfig
 from common.security import NodeSecurity
@@ -54,6 +58,8 @@ from protocol.replication import (
     parse_replication_command,
 )
 from remote_storage import RemoteStorage, make_remote_storage
+from remote_storage.prefix_delete import delete_prefix
+from remote_storage.wal_layout import wal_tenant_prefix, wal_timeline_prefix
 from safekeeper.config import ConfigError, SafekeeperConfig, load_config
 from safekeeper.control_file import CONTROL_FILE_NAME, ControlFileError
 from safekeeper.http_api import build_http_server
@@ -66,6 +72,8 @@ from safekeeper.wal_removal import run_wal_removal
 from safekeeper.wal_storage import WalStorageError
 
 log = structlog.get_logger("safekeeper")
+
+DELETE_WAIT_S = 30.0  # for a deleted timeline's tasks and connections to end
 
 
 class SafekeeperNode:
@@ -105,6 +113,10 @@ class SafekeeperNode:
         )
         # Where the per-timeline background tasks (WAL removal, backup) run; set by run().
         self._tasks: trio.Nursery | None = None
+        # Per timeline, the cancel scopes of everything working on it (background tasks and
+        # connections): a deletion cancels them and waits until they are gone.
+        self._scopes: dict[tuple[TenantId, TimelineId], set[trio.CancelScope]] = {}
+        self._scopes_changed = trio.Event()
 
     def stop(self) -> None:
         """Begin a graceful shutdown (what SIGTERM does)."""
@@ -171,16 +183,80 @@ class SafekeeperNode:
                 log.info("timeline created", tenant_id=tenant_id.hex, timeline_id=timeline_id.hex)
             return tl
 
+    @contextlib.contextmanager
+    def timeline_scope(self, tenant_id: TenantId, timeline_id: TimelineId) -> Iterator[trio.CancelScope]:
+        """A cancel scope for work on one timeline, cancelled when the timeline is deleted."""
+        key = (tenant_id, timeline_id)
+        scope = trio.CancelScope()
+        scopes = self._scopes.setdefault(key, set())
+        scopes.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            scopes.discard(scope)
+            if not scopes and self._scopes.get(key) is scopes:
+                del self._scopes[key]
+            self._scopes_changed.set()
+
+    async def _for_timeline(self, tl: Timeline, fn: Callable[..., Awaitable[None]], *args: object) -> None:
+        with self.timeline_scope(tl.tenant_id, tl.timeline_id):
+            await fn(tl, *args)
+
     def _start_background(self, tl: Timeline) -> None:
         if self._tasks is None:
             return
         if self.remote is not None:
             # Before removal starts: from now on removal waits for the backup.
             tl.backup.enabled = True
-            self._tasks.start_soon(run_wal_backup, tl, self.remote, self.backup_settings)
+            self._tasks.start_soon(self._for_timeline, tl, run_wal_backup, self.remote, self.backup_settings)
         period = self.cfg.wal_removal_period_s
         if period > 0:
-            self._tasks.start_soon(run_wal_removal, tl, period)
+            self._tasks.start_soon(self._for_timeline, tl, run_wal_removal, period)
+
+    async def _cancel_timeline_work(self, keys: list[tuple[TenantId, TimelineId]]) -> None:
+        """Cancel every task and connection on these timelines and wait until they are gone
+        (a WAL write or upload in a worker thread finishes first: then nothing of theirs is
+        in flight)."""
+        for key in keys:
+            for scope in self._scopes.get(key, ()):
+                scope.cancel()
+        with trio.fail_after(DELETE_WAIT_S):
+            while any(self._scopes.get(key) for key in keys):
+                self._scopes_changed = trio.Event()
+                await self._scopes_changed.wait()
+
+    async def delete_timeline(self, tenant_id: TenantId, timeline_id: TimelineId) -> dict[str, object]:
+        """Delete a timeline: its tasks and connections stopped, its local directory, and its
+        WAL backup ``wal/<tenant>/<timeline>/`` in remote storage. Idempotent: a repeated
+        request (after a failure in the remote part, or on another safekeeper first) deletes
+        what is left; 404 only when nothing was there."""
+        return await self._delete([(tenant_id, timeline_id)], self.cfg.data_path / tenant_id.hex / timeline_id.hex,
+                                  wal_timeline_prefix(tenant_id, timeline_id))
+
+    async def delete_tenant(self, tenant_id: TenantId) -> dict[str, object]:
+        """Delete every timeline of a tenant here and its whole ``wal/<tenant>/`` tree."""
+        keys = [k for k in self.timelines if k[0] == tenant_id]
+        return await self._delete(keys, self.cfg.data_path / tenant_id.hex, wal_tenant_prefix(tenant_id))
+
+    async def _delete(self, keys: list[tuple[TenantId, TimelineId]], directory: Path, prefix: str) -> dict[str, object]:
+        async with self._create_lock:  # no timeline of theirs is created meanwhile
+            timelines = [self.timelines.pop(k) for k in keys if k in self.timelines]
+            await self._cancel_timeline_work(keys)
+            existed = directory.exists()
+
+            def remove() -> None:
+                shutil.rmtree(directory, ignore_errors=False)
+                fsync_dir(directory.parent)
+
+            if existed:
+                await trio.to_thread.run_sync(remove)
+            removed = 0
+            if self.remote is not None:
+                removed = await delete_prefix(self.remote, prefix)
+        for key in keys:
+            log.info("timeline deleted", tenant_id=key[0].hex, timeline_id=key[1].hex, remote_objects=removed)
+        return {"timelines": len(timelines), "dir_existed": existed, "remote_objects_deleted": removed}
 
     def status(self) -> dict[str, object]:
         return {
@@ -264,6 +340,13 @@ class SafekeeperHandler:
         conn.bind_log(tenant_id=tenant_id.hex, timeline_id=timeline_id.hex)
         # Every command below acts on the connection's tenant (or needs it named).
         conn.authorize(tenant_id)
+        with self.node.timeline_scope(tenant_id, timeline_id) as scope:
+            await self._serve(conn, cmd, tenant_id, timeline_id)
+        if scope.cancelled_caught:
+            raise PgError(f"timeline {tenant_id}/{timeline_id} was deleted", sqlstate.ADMIN_SHUTDOWN,
+                          severity="FATAL")
+
+    async def _serve(self, conn: PgConnection, cmd: object, tenant_id: TenantId, timeline_id: TimelineId) -> None:
         match cmd:
             case StartWalPush():
                 copy = await conn.enter_copy_both()

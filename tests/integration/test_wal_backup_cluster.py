@@ -13,12 +13,10 @@ import json
 import os
 import shutil
 import signal
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
-import tomli_w
 import trio
 
 from bench.oracle import Snapshot, catalog_rels, compare_snapshot
@@ -30,14 +28,9 @@ from control_plane.local_env import LocalEnv
 from control_plane.process import read_pid, wait_until
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import WAL_SEGMENT_SIZE, parse_lsn
-from remote_storage import (
-    LocalStorageConfig,
-    RemoteStorageConfig,
-    S3StorageConfig,
-    make_remote_storage,
-)
 from remote_storage.wal_layout import wal_timeline_prefix
 from tests.integration.cli_json import pagestore_json
+from tests.integration.cluster_remote import delete_remote, quick_safekeepers, remote_keys
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -51,42 +44,6 @@ def sk_timelines(env: LocalEnv, tenant_id: str) -> list[dict[str, Any]]:
     return out
 
 
-def store_config(env: LocalEnv) -> RemoteStorageConfig:
-    """The cluster's remote storage, as its nodes see it."""
-    table = env.remote_storage_table()
-    assert table is not None
-    kind = table.pop("kind")
-    if kind == "local":
-        return LocalStorageConfig(path=Path(table["path"]))
-    assert kind == "s3"
-    return S3StorageConfig(**table)
-
-
-def remote_keys(env: LocalEnv, prefix: str) -> list[str]:
-    async def keys() -> list[str]:
-        storage = make_remote_storage(store_config(env))
-        try:
-            return (await storage.list(prefix)).keys
-        finally:
-            await storage.aclose()
-
-    return trio.run(keys)
-
-
-def delete_remote(env: LocalEnv, prefix: str) -> int:
-    """Delete every object under ``prefix``; how many there were."""
-    async def delete() -> int:
-        storage = make_remote_storage(store_config(env))
-        try:
-            keys = (await storage.list(prefix)).keys
-            await storage.delete_objects(keys)
-            return len(keys)
-        finally:
-            await storage.aclose()
-
-    return trio.run(delete)
-
-
 @pytest.mark.parametrize("kind", ["local", "seaweedfs"])
 def test_pageserver_recreated_from_scratch_catches_up_from_the_wal_backup(
     pg_tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
@@ -97,14 +54,7 @@ def test_pageserver_recreated_from_scratch_catches_up_from_the_wal_backup(
                      "--remote-storage", kind]) == 0
     try:
         env = LocalEnv.load(workdir)
-        for sk_id in env.safekeeper_ids:
-            # Quicker than the defaults, so the test does not wait for them.
-            path = env.safekeeper_config_path(sk_id)
-            conf = tomllib.loads(path.read_text())
-            assert conf["remote_storage"]["kind"] == ("local" if kind == "local" else "s3")
-            assert conf["wal_backup_peers"] == env.safekeeper_ids
-            conf.update(wal_removal_period_s=0.2, wal_backup_period_s=0.2, peer_sync_period_s=0.2)
-            path.write_text(tomli_w.dumps(conf))
+        quick_safekeepers(env, kind)
         assert cli.main(["start", *wd]) == 0
         source = PostgresInstance.create(pg_tmp_path / "source")  # initdb: cleanly stopped
         # The tenant alone (no bootstrapped main timeline: the import is its only one).

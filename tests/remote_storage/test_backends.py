@@ -3,12 +3,13 @@ objects, ranged reads, listing with and without a delimiter, idempotent deletes,
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
 import trio
 
+from pageserver import remote_layout
 from remote_storage import (
     LocalStorageConfig,
     RemoteNotFoundError,
@@ -17,7 +18,9 @@ from remote_storage import (
     S3StorageConfig,
     make_remote_storage,
 )
+from remote_storage.base import Listing
 from remote_storage.errors import RemoteFatalError
+from remote_storage.prefix_delete import delete_prefix
 from remote_storage.retry import backoff_delay, retry
 
 
@@ -164,3 +167,46 @@ async def test_retry_until_success_and_not_on_fatal(autojump_clock: trio.testing
     with pytest.raises(RemoteStorageError):
         await retry(flaky, what="get", attempts=3)
     assert calls == 3
+
+
+class _Recording:
+    """A storage that records the keys of each delete call and can put an object in while a
+    deletion runs (a writer that had not stopped yet)."""
+
+    def __init__(self, inner: RemoteStorage, late_key: str | None = None) -> None:
+        self.inner = inner
+        self.calls: list[list[str]] = []
+        self.late_key = late_key
+
+    async def list(self, prefix: str, delimiter: str | None = None) -> Listing:
+        return await self.inner.list(prefix, delimiter)
+
+    async def delete_objects(self, keys: Sequence[str]) -> None:
+        self.calls.append(list(keys))
+        await self.inner.delete_objects(keys)
+        if self.late_key is not None:
+            key, self.late_key = self.late_key, None
+            await self.inner.upload(key, b"late")
+
+
+async def test_delete_prefix_only_its_objects_indexes_first(storage: RemoteStorage) -> None:
+    tl = "tenants/t1/timelines/aa/"
+    doomed = [tl + "index_part.json-00000001", tl + "index_part.json-00000002", tl + "L1-00000001",
+              tl + "L2-00000002"]
+    # neighbours: a timeline whose id starts like it, the tenant's other files, a WAL backup
+    kept = ["tenants/t1/timelines/aab/index_part.json-00000001", "tenants/t1/timelines/aa-note",
+            "tenants/t1/timelines/a/L1-00000001", "wal/t1/aa/000000010000000000000001"]
+    for key in doomed + kept:
+        await storage.upload(key, b"x")
+    rec = _Recording(storage, late_key=tl + "L3-00000002")
+    n = await delete_prefix(rec, tl, first=lambda k: remote_layout.index_generation(k) is not None)  # type: ignore[arg-type]
+    assert n == len(doomed) + 1  # the object put meanwhile went too
+    assert sorted(rec.calls[0]) == doomed[:2]  # the indexes in a call of their own, first
+    assert sorted(rec.calls[1]) == doomed[2:]
+    assert rec.calls[2:] == [[tl + "L3-00000002"]]
+    assert (await storage.list(tl)).keys == []
+    assert sorted((await storage.list("")).keys) == sorted(kept)
+    assert await delete_prefix(storage, tl) == 0  # again: nothing to do
+    for bad in ("tenants/t1/timelines/aa", "", "/"):
+        with pytest.raises(ValueError):
+            await delete_prefix(storage, bad)

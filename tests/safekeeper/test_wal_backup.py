@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import WAL_SEGMENT_SIZE, Lsn, format_lsn
+from protocol.pgwire.errors import PgError
 from remote_storage import (
     LocalStorageConfig,
     RemoteStorage,
@@ -185,6 +186,40 @@ async def test_store_down_backup_retries_removal_waits_then_catches_up(node: Saf
     await wait_for("removal", lambda: local_segments(node) == [3])
     assert tl.backup.last_error is None
     assert tl.backup.uploaded_segments == 2
+
+
+async def test_delete_ends_a_live_connection_and_takes_the_backup(node: SafekeeperNode) -> None:
+    await write_wal(node.pg_port or 0, SEG)  # segment 1 closed
+    tl = node.timelines[(TENANT, TIMELINE)]
+    await wait_for("backup", lambda: tl.acceptor.backup_lsn == 2 * SEG)
+    storage = node.remote
+    assert storage is not None
+    assert await remote_segments(storage) == [1]
+    # a neighbour in the store: another timeline of the tenant
+    other = wal_segment_key(TENANT, TimelineId.parse("ab" * 16), 1)
+    await storage.upload(other, b"other")
+    tl_dir = node.timeline_dir(TENANT, TIMELINE)
+    async with await TestProposer.connect("127.0.0.1", node.pg_port or 0, TENANT, TIMELINE) as p:
+        await p.greet()  # a live push connection on the timeline
+        got = await node.delete_timeline(TENANT, TIMELINE)
+        assert got == {"timelines": 1, "dir_existed": True, "remote_objects_deleted": 1}
+        with trio.fail_after(10), pytest.raises(PgError) as ended:
+            await p.vote(99)
+        assert ended.value.sqlstate == "57P01" and "was deleted" in str(ended.value)
+    assert (TENANT, TIMELINE) not in node.timelines
+    assert not tl_dir.exists()
+    assert await remote_segments(storage) == []
+    assert (await storage.list(wal_timeline_prefix(TENANT, TimelineId.parse("ab" * 16)))).keys == [other]
+    # again: nothing left (the HTTP route answers 404 for this)
+    assert await node.delete_timeline(TENANT, TIMELINE) == {
+        "timelines": 0, "dir_existed": False, "remote_objects_deleted": 0}
+    # the tenant: the rest of wal/<tenant>/ goes too
+    got = await node.delete_tenant(TENANT)
+    assert got["remote_objects_deleted"] == 1
+    assert (await storage.list(f"wal/{TENANT.hex}/")).keys == []
+    # a new proposer may create the timeline afresh
+    await write_wal(node.pg_port or 0, SEG // 4)
+    assert (TENANT, TIMELINE) in node.timelines
 
 
 async def test_the_elected_one_uploads_and_its_peer_adopts(

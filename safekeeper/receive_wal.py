@@ -387,7 +387,11 @@ async def _write_stage(
                     while len(pendings) >= SYNCS_IN_FLIGHT:
                         await finish_oldest()
                     pendings.append(new_pending)
-                    syncs.start_soon(timeline.sync, new_pending, name="wal_push.sync")
+                    if not timeline.no_sync:
+                        # fsync off there is nothing to run beside the next group's write:
+                        # finish() waits for the write itself (no task per group).
+                        new_pending.syncing = True  # before the task runs: finish() must not
+                        syncs.start_soon(timeline.sync, new_pending, name="wal_push.sync")
                 if error is not None:
                     await finish_all()
                     raise error

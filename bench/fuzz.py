@@ -36,6 +36,12 @@ Harnesses (``NAME``):
   (u8), max_length choice (u8), output size (u16 LE), max_bytes (u16 LE), then raw pgwire
   bytes. Both must return the same tuple and write the same bytes into ``out`` (and none
   beyond the run's WAL).
+- ``plan-cached``: ``pageserver.storage._plan_c.plan_cached``, a vectored read's planning in
+  one layer from its cached index blocks. Input: floor, cont, max_bytes, entries per block,
+  cached LSN and data_end choices (u8 each), then raw 42-byte index entries (key 18 | lsn 8 |
+  pos 8 | len 4 | crc 4; sorted or not); the keys asked are the entries' keys and their
+  successors. Both must return the same result, blobs, reads, key states and LRU order (or the
+  same error class).
 
 - ``spgist-leaves``: ``pageserver.walredo._spgist_c`` (SP-GiST's tuple kernel of the redo):
   ``place_leaves`` or ``multi_delete`` on an SP-GiST leaf page. Input: mode (u8: bit 0
@@ -69,13 +75,14 @@ if TYPE_CHECKING:
 
 HARNESSES = ("scan-records", "record-tracker", "crc32c", "same-run", "pagestream-getpages",
              "getpage-load", "take-append-run", "spgist-leaves",
-             "heap-multi-insert")
+             "heap-multi-insert", "plan-cached")
 # the compiled module each harness fuzzes (its twin is the reference)
 MODULES = {"scan-records": "protocol._wal_c", "record-tracker": "protocol._wal_c", "crc32c": "protocol._wal_c",
            "same-run": "protocol._ingest_c", "pagestream-getpages": "protocol._pagestream_c",
            "getpage-load": "protocol._getpage_load_c", "take-append-run": "protocol._pq_c",
            "spgist-leaves": "pageserver.walredo._spgist_c",
-           "heap-multi-insert": "pageserver.walredo._heap_c"}
+           "heap-multi-insert": "pageserver.walredo._heap_c",
+           "plan-cached": "pageserver.storage._plan_c"}
 MAX_LENGTHS = (0, 4, 50, 1100, 1 << 20, (1 << 32) - 1)
 RUN_LSN = 0x2000000 + 8192 + 24  # LSN of the first record of a same-run input
 BASE = 0x2000000
@@ -152,6 +159,9 @@ def write_seeds(name: str, corpus: Path) -> None:
         return
     if name == "heap-multi-insert":
         _multi_insert_seeds(corpus)
+        return
+    if name == "plan-cached":
+        _plan_seeds(corpus)
         return
     if name == "same-run":
         for k, (tot_len, count) in enumerate(((59, 120), (203, 36), (250, 30))):
@@ -313,6 +323,58 @@ def _multi_insert_seeds(corpus: Path) -> None:
         main, data = multi_insert_record(n, length, None if init else [41, 3, 17][: n] + list(range(42, 42 + n - 3)))
         mode = (1 if init else 0) | (0 if init else 2)
         (corpus / f"seed-{k}").write_bytes(bytes([mode, len(main) & 0xFF]) + main + data)
+_U64 = (1 << 64) - 1
+_PLAN_BOUNDS = (0, 1, 16, 40, 1 << 63, _U64, _U64 + 1, -1)
+
+
+def _plan_seeds(corpus: Path) -> None:
+    from pageserver.storage.key import rel_block_key
+
+    for k, (n_keys, versions) in enumerate(((3, 1), (12, 3), (40, 2))):
+        raw, off = bytearray(), 4096
+        for blk in range(0, n_keys * (1 + k % 2), 1 + k % 2):
+            for v in range(versions):
+                raw += rel_block_key(1663, 5, 16384, 0, blk) + (16 + 8 * v).to_bytes(8, "big")
+                raw += ((off << 1) | (v == 0)).to_bytes(8, "big") + (100).to_bytes(4, "big") + bytes(4)
+                off += 100
+        (corpus / f"seed-{k}").write_bytes(bytes([0, 5 + k, 2, 3 + k, k, 1]) + bytes(raw))
+
+
+def plan_outcome(mod: ModuleType, data: bytes) -> tuple[object, ...] | None:
+    """One ``plan-cached`` input run through ``mod`` (see the module docstring)."""
+    from collections import OrderedDict
+
+    from pageserver.storage.layer_file import _BLOCK_HDR, IndexBlock
+    from pageserver.storage.reconstruct import KeyState
+
+    if len(data) < 6:
+        return None
+    p, body = data[:6], data[6:]
+    n = min(len(body) // 42, 300)
+    raws = [body[i * 42 : (i + 1) * 42] for i in range(n)]
+    per = 1 + p[3] % 8
+    blocks = [IndexBlock(_BLOCK_HDR.pack(0, len(c), 0) + b"".join(c), len(c))
+              for c in (raws[i : i + per] for i in range(0, n, per))] or [IndexBlock(bytes(8), 0)]
+    fences = [b.prefixes[0] if b.prefixes else bytes(26) for b in blocks]
+    cache = OrderedDict(((1, b), block) for b, block in enumerate(blocks))
+    wanted: set[bytes] = set()
+    for r in raws[:64]:
+        key = r[:18]
+        wanted.add(key)
+        wanted.add(((int.from_bytes(key, "big") + 1) & ((1 << 144) - 1)).to_bytes(18, "big"))
+    keys = sorted(wanted)
+    states = {}
+    for key in keys:
+        st = KeyState(_PLAN_BOUNDS[p[4] % 5] if p[4] & 8 else -1, None)
+        st.pending = []
+        states[key] = st
+    blobs: list[tuple[int, int, int]] = []
+    reads: list[object] = []
+    max_bytes = (0, 64, 8192, 1 << 20, -1)[p[2] % 5]
+    data_end = (1 << 20, 1 << 40, _U64, 4096)[p[5] % 4]
+    outcome = _outcome(mod.plan_cached, fences, len(blocks), cache, 1, keys, _PLAN_BOUNDS[p[0] % 8],
+                       _PLAN_BOUNDS[p[1] % 8], states, blobs, reads, "r", max_bytes, 4096, data_end)
+    return (outcome, blobs, reads, [(k, s.complete, s.pending) for k, s in states.items()], list(cache))
 
 
 def _outcome(fn: Callable[..., object], *args: object) -> tuple[object, ...]:
@@ -489,11 +551,16 @@ def _harness(name: str, native: ModuleType, twin: ModuleType) -> Callable[[bytes
         a, b = run(native), run(twin)
         if a != b:
             raise AssertionError(f"multi_insert differs: native {a[:3]} twin {b[:3]}")
+    def plan_cached(data: bytes) -> None:
+        a, b = plan_outcome(native, data), plan_outcome(twin, data)
+        if a != b:
+            raise AssertionError(f"plan_cached differs: native {a and a[0]} twin {b and b[0]}")
 
     return {"scan-records": scan_records, "record-tracker": record_tracker, "crc32c": crc32c,
             "same-run": same_run, "pagestream-getpages": pagestream_getpages,
             "getpage-load": getpage_load, "take-append-run": take_append_run,
-            "spgist-leaves": spgist_leaves, "heap-multi-insert": heap_multi_insert}[name]
+            "spgist-leaves": spgist_leaves, "heap-multi-insert": heap_multi_insert,
+            "plan-cached": plan_cached}[name]
 
 
 def _fuzz_main(argv: list[str]) -> None:

@@ -26,6 +26,7 @@ NATIVE_MODULES: Final[dict[str, tuple[str, ...]]] = {
         "pageserver/walredo/_heap_c.pyx", "pageserver/walredo/_bufpage.pxd", "pageserver/walredo/_bufpage.h",
         "protocol/_bytes.h",
     ),
+    "pageserver.storage._plan_c": ("pageserver/storage/_plan_c.pyx", "protocol/_bytes.h"),
 }
 
 # compiled module -> its pure-Python twin (the reference).

@@ -30,10 +30,11 @@ import attrs
 import trio
 from crc32c import crc32c
 
-from pageserver.storage import _blobs_select
+from pageserver.storage import _blobs_select, _plan_select
 from pageserver.storage.io_engine import IoEngine
 from pageserver.storage.key import KEY_SIZE, Key, KeyRange, key_next
 from pageserver.storage.layer_file import (
+    DATA_START,
     IndexBlock,
     IndexBlockCache,
     IndexEntry,
@@ -93,6 +94,9 @@ _gather_blobs = _blobs_select.gather_blobs
 _ShortRead = _blobs_select.ShortRead
 _BlobOutsideRead = _blobs_select.BlobOutsideRead
 _BlobChecksumError = _blobs_select.BlobChecksumError
+# the layer-planning kernel (a module attribute, so tests can put the twin in its place)
+_plan_cached = _plan_select.plan_cached
+_EntryOutsideData = _plan_select.EntryOutsideData
 
 
 async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:
@@ -316,6 +320,9 @@ class PersistentLayer:
         ``bounds`` are ``scan_bounds(keys)`` if the caller has them (a walk reuses them for
         every layer its key list goes through unchanged). ``try_plan`` is the same without a
         coroutine when the index blocks are cached."""
+        left = self.try_plan(keys, floor, cont, states, ctx, bounds)
+        if left is not None:
+            return left
         r = self.reader
         scanned: list[list[tuple[IndexBlock, int, int]]] = []
         for start, end in scan_bounds(keys) if bounds is None else bounds:
@@ -333,24 +340,32 @@ class PersistentLayer:
         cont: int,
         states: dict[Key, KeyState],
         ctx: ReadContext,
-        bounds: Sequence[tuple[bytes, bytes]],
+        bounds: Sequence[tuple[bytes, bytes]] | None = None,
     ) -> Sequence[Key] | None:
         """``plan_reads`` if every index block it needs is cached, else None (and nothing
-        planned): the hot walk makes no coroutine per layer."""
+        planned): the hot walk makes no coroutine per layer. The search and the plan are one
+        call of the planning kernel (``_plan_c.plan_cached``, or its twin ``_plan_py``), which
+        finds the runs of ``keys`` itself (``bounds`` is for the awaiting path)."""
         r = self.reader
-        if len(bounds) == 1:
-            start, end = bounds[0]
-            runs = r.scan_cached(start, end)
-            if runs is None:
-                return None
-            return self._plan((runs,), keys, floor, cont, states, ctx)
-        scanned: list[list[tuple[IndexBlock, int, int]]] = []
-        for start, end in bounds:
-            runs = r.scan_cached(start, end)
-            if runs is None:
-                return None
-            scanned.append(runs)
-        return self._plan(scanned, keys, floor, cont, states, ctx)
+        summary = r.summary
+        cache = r.cache
+        try:
+            got = _plan_cached(
+                r.fences, summary.n_index_blocks, cache._blocks, r.file_id, keys, floor, cont,
+                states, ctx.blobs, ctx.reads, r, ctx.max_vectored_read_bytes, DATA_START,
+                summary.data_end,
+            )
+        except _EntryOutsideData as exc:
+            r.check_entry(*exc.args)  # raises LayerCorruptionError naming the file
+            raise AssertionError("the planning kernel and check_entry disagree") from exc
+        if got is None:
+            return None
+        hits, completed = got
+        cache.hits += hits
+        ctx.layers_visited += 1
+        if ctx.any_cached or completed or self.completes_keys:
+            return self._remaining(keys, floor, states, ctx)
+        return keys
 
     def _plan(
         self,

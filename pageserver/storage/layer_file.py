@@ -229,10 +229,12 @@ class IndexEntry:
 class IndexBlock:
     """A decoded index block: parallel lists, bisectable by the 26-byte (key, lsn) prefix."""
 
-    __slots__ = ("crcs", "keys", "lengths", "lsns", "positions", "prefixes")
+    __slots__ = ("crcs", "keys", "lengths", "lsns", "positions", "prefixes", "raw")
 
     def __init__(self, raw: bytes | memoryview, n: int) -> None:
-        rows = list(ENTRY.iter_unpack(raw[_BLOCK_HDR.size : _BLOCK_HDR.size + n * ENTRY.size]))
+        # the entries as stored: what the compiled planning kernel (_plan_c) searches
+        self.raw = bytes(raw[_BLOCK_HDR.size : _BLOCK_HDR.size + n * ENTRY.size])
+        rows = list(ENTRY.iter_unpack(self.raw))
         self.prefixes: list[bytes] = [r[0] for r in rows]
         # split once per (cached) block, so the read paths' inner loops do no slicing
         self.keys: list[Key] = [Key(p[:KEY_SIZE]) for p in self.prefixes]

@@ -43,7 +43,6 @@ from pageserver.storage.delta_layer import (
     PersistentLayer,
     ReadContext,
     read_and_resolve,
-    scan_bounds,
 )
 from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.key import Key, KeyRange, is_inherited_key, key_hex, key_next
@@ -187,10 +186,6 @@ async def _walk_timeline(
     # LSN, none will be.
     in_memory = True
     cached = ctx.any_cached
-    # scan bounds of the key list they were made for: on an L0 stack of records the list
-    # goes through layer after layer unchanged (no key completes), so they are made once
-    bounds: list[tuple[bytes, bytes]] = []
-    bounds_of: Sequence[Key] | None = None
     while True:
         if cached:
             unmapped = _pending(unmapped, states, cont_lsn, True)
@@ -244,11 +239,11 @@ async def _walk_timeline(
                 if st.complete:
                     routed = ()
             else:
-                if routed is not bounds_of:
-                    bounds, bounds_of = scan_bounds(routed), routed
-                left = layer.try_plan(routed, floor, cont, states, ctx, bounds)
+                # (the planning kernel finds the key runs itself; only a walk that must
+                # read index blocks first, ``plan_reads``, makes the scan bounds)
+                left = layer.try_plan(routed, floor, cont, states, ctx)
                 if left is None:
-                    left = await layer.plan_reads(routed, floor, cont, states, ctx, bounds)
+                    left = await layer.plan_reads(routed, floor, cont, states, ctx)
                 routed = left
         unmapped = routed
         cont_lsn = floor

@@ -1019,8 +1019,18 @@ class Timeline:
     async def _read_mixed(self, requests: dict[Key, Lsn], ctx: ReadContext | None) -> dict[Key, Result]:
         """``_read`` (vectored, with the page cache) for keys that each have their own LSN."""
 
-        async def walk(states: dict[Key, KeyState], ctx: ReadContext) -> None:
-            await read_path.get_vectored_mixed(self, requests, states, ctx)
+        lsns = set(requests.values())
+        if len(lsns) == 1:
+            # Every key at one LSN (a page-service batch while no WAL arrives): the one-LSN
+            # walk, which routes whole key lists per layer where the mixed one goes key by key.
+            (lsn,) = lsns
+
+            async def walk(states: dict[Key, KeyState], ctx: ReadContext) -> None:
+                await read_path.get_vectored(self, list(states), lsn, states, ctx)
+        else:
+
+            async def walk(states: dict[Key, KeyState], ctx: ReadContext) -> None:
+                await read_path.get_vectored_mixed(self, requests, states, ctx)
 
         return await self._read_requests(requests, walk, True, ctx)
 

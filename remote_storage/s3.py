@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import boto3
 import botocore.config
 import botocore.exceptions
+import structlog
 import trio
 
 from remote_storage.base import Listing
@@ -34,6 +35,13 @@ _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _FATAL = {"NoSuchBucket", "AccessDenied", "InvalidBucketName", "InvalidAccessKeyId",
           "SignatureDoesNotMatch", "InvalidArgument", "InvalidRange", "400", "403"}
 DELETE_BATCH = 1000  # S3's DeleteObjects limit
+# urllib3 sends a file body in blocks of 16 KiB by default, each a read, a sendall and a GIL
+# hand-off in the worker thread; 1 MiB blocks take about a third less CPU per PUT (0.10 against
+# 0.15 CPU-s per 128 MiB on SeaweedFS: bench remote's ingest part). Only how a body is cut into
+# send calls; the bytes on the wire are the same.
+SEND_BLOCK = 1 << 20
+
+log = structlog.get_logger("remote_storage.s3")
 
 
 def make_client(config: S3StorageConfig) -> Any:
@@ -57,7 +65,22 @@ def make_client(config: S3StorageConfig) -> Any:
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
-    return session.client("s3", endpoint_url=config.endpoint, config=bcfg)
+    client = session.client("s3", endpoint_url=config.endpoint, config=bcfg)
+    _set_send_block(client)
+    return client
+
+
+def _set_send_block(client: Any) -> None:
+    # botocore has no setting for it: its urllib3 pool manager passes connection_pool_kw to
+    # every connection it makes. If a botocore release changes that shape, PUTs still work
+    # (in 16 KiB blocks); say so once instead of failing.
+    manager = getattr(getattr(getattr(client, "_endpoint", None), "http_session", None), "_manager", None)
+    kw = getattr(manager, "connection_pool_kw", None)
+    if isinstance(kw, dict):
+        kw["blocksize"] = SEND_BLOCK
+    else:
+        log.warning("botocore's connection pool is not the shape expected; PUT bodies go in "
+                    "urllib3's default 16 KiB blocks (more CPU per upload)")
 
 
 def _translate(exc: Exception, what: str) -> RemoteStorageError:

@@ -210,3 +210,18 @@ async def test_delete_prefix_only_its_objects_indexes_first(storage: RemoteStora
     for bad in ("tenants/t1/timelines/aa", "", "/"):
         with pytest.raises(ValueError):
             await delete_prefix(storage, bad)
+
+
+def test_s3_client_sends_bodies_in_large_blocks() -> None:
+    """The botocore client's connections send a PUT body 1 MiB at a time (remote_storage.s3:
+    SEND_BLOCK), not urllib3's 16 KiB: a botocore release that moves the knob fails here."""
+    from remote_storage.s3 import SEND_BLOCK, make_client
+
+    client = make_client(S3StorageConfig(bucket="probe", endpoint="http://127.0.0.1:9", access_key_id="a",
+                                         secret_access_key="a"))
+    try:
+        pool = client._endpoint.http_session._manager.connection_from_url("http://127.0.0.1:9/")
+        assert pool.conn_kw["blocksize"] == SEND_BLOCK
+        assert pool._new_conn().blocksize == SEND_BLOCK
+    finally:
+        client.close()

@@ -125,29 +125,43 @@ class PagestreamContext:
     shutdown: Callable[[], Awaitable[object]] | None = None
 
 
-@attrs.frozen
 class Pending:
     """A decoded request on its way to Execution.
 
     ``error`` is a per-request failure decided while batching (bad LSNs, relnode 0); such a
     request is answered with an Error response and never folds.
+
+    A plain slots class, not attrs: one is made per request, and a frozen attrs class pays
+    an ``object.__setattr__`` per field (and a Python call for ``foldable``'s default).
+    Treated as immutable.
     """
 
-    request: Request
-    timeline: PageReader | None
-    lsn: Lsn
-    needs_wait: bool
-    error: PageRequestError | None
-    received_at: float
-    # Only a GetPage with no decided error joins a batch; decided once here rather than on
-    # every fold (the batch's first request is looked at for each request folded into it).
-    foldable: bool = attrs.field(
-        init=False,
-        default=attrs.Factory(
-            lambda self: self.error is None and type(self.request) is GetPageRequest,
-            takes_self=True,
-        ),
-    )
+    __slots__ = ("error", "foldable", "lsn", "needs_wait", "received_at", "request", "timeline")
+
+    def __init__(
+        self,
+        request: Request,
+        timeline: PageReader | None,
+        lsn: Lsn,
+        needs_wait: bool,
+        error: PageRequestError | None,
+        received_at: float,
+    ) -> None:
+        self.request = request
+        self.timeline = timeline
+        self.lsn = lsn
+        self.needs_wait = needs_wait
+        self.error = error
+        self.received_at = received_at
+        # Only a GetPage with no decided error joins a batch; decided once here rather than
+        # on every fold (the batch's first request is looked at for each request folded in).
+        self.foldable = error is None and type(request) is GetPageRequest
+
+    def __repr__(self) -> str:
+        return (
+            f"Pending(request={self.request!r}, lsn={self.lsn:#x}, needs_wait={self.needs_wait}, "
+            f"error={self.error!r})"
+        )
 
 
 @attrs.frozen

@@ -17,7 +17,7 @@ Errors come in two kinds (protocols.md §2.3):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 import attrs
 
@@ -78,9 +78,11 @@ class Shutdown(StreamEndingError):
     default_message = "shutdown"
 
 
-@attrs.frozen
-class PageRead:
-    """One page to read at one LSN; a batch of these is one vectored read."""
+class PageRead(NamedTuple):
+    """One page to read at one LSN; a batch of these is one vectored read.
+
+    A named tuple (one is made per GetPage): a frozen attrs class costs several times more to
+    build."""
 
     rel: RelTag
     blkno: int

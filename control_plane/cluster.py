@@ -292,7 +292,8 @@ def _placement(env: LocalEnv) -> dict[str, tuple[int, int]]:
     except (ApiError, OSError) as exc:
         raise ClusterError(f"the storage controller at {url} does not answer: {exc} "
                            "(`pagestore start` starts it)") from None
-    return {t["id"]: (int(t["gen"]), int(t["node_id"])) for t in doc["tenants"]}
+    # (node 0: a deleted tenant's tombstone, held by no pageserver)
+    return {t["id"]: (int(t["gen"]), int(t["node_id"])) for t in doc["tenants"] if int(t["node_id"]) != 0}
 
 
 def tenant_pageserver(env: LocalEnv, tenant_id: str) -> int:

@@ -104,7 +104,8 @@ class GenerationStore:
     async def attach(self, tenant_id: str, node_id: int, *, only_new: bool = False) -> int:
         async with self.lock:
             current = self.tenants.get(tenant_id)
-            if only_new and current is not None and current[1] != node_id:
+            # (node 0: a deleted tenant's tombstone; the id may be created again, above it)
+            if only_new and current is not None and current[1] not in (node_id, 0):
                 raise HttpError(409, f"tenant {tenant_id} is attached to pageserver {current[1]}")
             gen = 1 if current is None else current[0] + 1
             self.tenants[tenant_id] = (gen, node_id)

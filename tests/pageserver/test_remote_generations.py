@@ -112,6 +112,18 @@ async def test_generations_survive_a_controller_restart(tmp_path: Path) -> None:
     assert await again.re_attach(1) == {}
 
 
+async def test_a_deleted_tenant_keeps_a_tombstone(tmp_path: Path) -> None:
+    tenant_id = TenantId.generate().hex
+    store = GenerationStore(tmp_path / "generations.json")
+    assert await store.attach(tenant_id, 1, only_new=True) == 1
+    assert await store.forget(tenant_id)
+    again = GenerationStore(tmp_path / "generations.json")  # persisted before the answer
+    assert not again.valid(tenant_id, 1)  # a stale pageserver of it can neither publish nor delete
+    assert await again.re_attach(1) == {}  # no pageserver gets it back at start-up
+    assert await again.attach(tenant_id, 1, only_new=True) == 3  # the same id again: no reuse
+    assert not await again.forget(TenantId.generate().hex)
+
+
 async def test_controller_unreachable_means_not_valid(tmp_path: Path) -> None:
     from common.ports import free_port
 

@@ -287,6 +287,12 @@ def restart_nodes(wd: Path, impl: str) -> None:
     cli(wd, "start", env=env)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux ``/proc/PID/stat``), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def seqscan_run(wd: Path, scale: int, pages: str, scan_round: int = 0) -> None:
     """``pages``: ``wal`` (right after the load: the page service rebuilds each page from
     WAL records) or ``images`` (after ``compact_with_images``). The line names the kernel
@@ -296,10 +302,14 @@ def seqscan_run(wd: Path, scale: int, pages: str, scan_round: int = 0) -> None:
     before_ps = histogram(http_get(ps_http + "/metrics"), "pageserver_page_service_batch_size")
     before_fs = histogram(http_get(pagefs_url(wd, "scan") + "/metrics"), "pagefs_getpage_batch_size")
     size = int(query(ep["port"], "SELECT pg_relation_size('pgbench_accounts')"))
+    ps_pid = int((wd / "pageserver" / "pid").read_text().split()[0])
+    fs_pid = int(json.loads((wd / "endpoints" / "scan" / "pagefs-status.json").read_text())["pid"])
+    cpu0 = (_cpu_seconds(ps_pid), _cpu_seconds(fs_pid))
     t = time.monotonic()
     # sum(abalance) needs every heap page (count(*) could be an index-only scan)
     query(ep["port"], "SELECT sum(abalance) FROM pgbench_accounts")
     secs = time.monotonic() - t
+    ps_cpu, fs_cpu = _cpu_seconds(ps_pid) - cpu0[0], _cpu_seconds(fs_pid) - cpu0[1]
     after_ps = histogram(http_get(ps_http + "/metrics"), "pageserver_page_service_batch_size")
     after_fs = histogram(http_get(pagefs_url(wd, "scan") + "/metrics"), "pagefs_getpage_batch_size")
     fs_batches = after_fs[1] - before_fs[1]
@@ -307,6 +317,9 @@ def seqscan_run(wd: Path, scale: int, pages: str, scan_round: int = 0) -> None:
     emit({"metric": "seqscan", "scale": scale, "pages": pages, "pageserver_impl": _pageserver_impl(wd), "round": scan_round,
           "table_bytes": size, "seconds": round(secs, 3),
           "mb_per_s": round(size / secs / 1e6, 1),
+          # CPU per 8 KiB page of the scan: where the time goes when the machine is shared
+          "pageserver_cpu_us_per_page": round(ps_cpu / (size / 8192) * 1e6, 1),
+          "pagefs_cpu_us_per_page": round(fs_cpu / (size / 8192) * 1e6, 1),
           "pagefs_batches": int(fs_batches),
           "pagefs_mean_batch": round((after_fs[0] - before_fs[0]) / fs_batches, 1) if fs_batches else None,
           "page_service_batches": int(ps_batches),

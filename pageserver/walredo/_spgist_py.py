@@ -61,18 +61,23 @@ def _check_page(page: bytearray) -> None:
         raise ValueError(f"the page is {len(page)} bytes, not {bp.BLCKSZ}")
 
 
-def _check_array(data: bytes | memoryview, at: int, nbytes: int, what: str) -> None:
+def _check_array(data: bytes, at: int, nbytes: int, what: str) -> None:
     if at < 0 or nbytes > len(data) - at:
         raise ValueError(f"{what} at {at} ({nbytes} bytes) is not inside the {len(data)} bytes of data")
 
 
-def _leaf_spans(data: bytes | memoryview, at: int, n: int) -> list[tuple[int, int]]:
+def _as_bytes(data: Buffer) -> bytes:
+    """The record as ``bytes`` (the redo passes ``bytes``: no copy), so tuples slice out as bytes."""
+    return data if type(data) is bytes else bytes(memoryview(data).cast("B"))
+
+
+def _leaf_end(data: bytes, at: int, n: int) -> int:
+    """Where ``n`` back-to-back leaf tuples from ``at`` end, each checked."""
     if n < 0:
         raise ValueError(f"negative tuple count {n}")
     _check_array(data, at, 0, "the first leaf tuple")
     total = len(data)
     unpack = _U32.unpack_from
-    spans: list[tuple[int, int]] = []
     pos = at
     for i in range(n):
         if total - pos < LEAF_HDR:
@@ -82,15 +87,12 @@ def _leaf_spans(data: bytes | memoryview, at: int, n: int) -> list[tuple[int, in
             raise PageError(f"leaf tuple {i}: size {size} is below its header size")
         if size > total - pos:
             raise PageError(f"leaf tuple {i}: {size} bytes at {pos} do not fit in the data")
-        spans.append((pos, size))
         pos += size
-    return spans
+    return pos
 
 
 def skip_leaves(data: Buffer, at: int, n: int) -> int:
-    view = memoryview(data).cast("B")
-    spans = _leaf_spans(view, at, n)
-    return spans[-1][0] + spans[-1][1] if spans else at
+    return _leaf_end(_as_bytes(data), at, n)
 
 
 def _add_counter(page: bytearray, field: int, delta: int, what: str) -> None:
@@ -179,22 +181,31 @@ def _add_or_replace_many(page: bytearray, pairs: Sequence[tuple[int, bytes]]) ->
 
 def place_leaves(page: bytearray, data: Buffer, offsets_at: int, select_at: int, tuples_at: int, n: int, want: int) -> int:
     _check_page(page)
-    view = memoryview(data).cast("B")
+    raw = _as_bytes(data)
     if n < 0:
         raise ValueError(f"negative tuple count {n}")
-    _check_array(view, offsets_at, 2 * n, "the offsets")
+    _check_array(raw, offsets_at, 2 * n, "the offsets")
     if select_at != -1:
-        _check_array(view, select_at, n, "the page selectors")
-    spans = _leaf_spans(view, tuples_at, n)
-    offsets = struct.unpack_from(f"<{n}H", view, offsets_at)
+        _check_array(raw, select_at, n, "the page selectors")
+    end = _leaf_end(raw, tuples_at, n)  # every tuple checked before the page changes
+    offsets = struct.unpack_from(f"<{n}H", raw, offsets_at)
+    unpack = _U32.unpack_from
+    pairs: list[tuple[int, bytes]] = []
+    pos = tuples_at
     if select_at == -1:
-        pairs = [(offsets[i], bytes(view[p : p + s])) for i, (p, s) in enumerate(spans)]
+        for off in offsets:
+            nxt = pos + (unpack(raw, pos)[0] >> 2)
+            pairs.append((off, raw[pos:nxt]))
+            pos = nxt
     else:
         dest = bool(want)
-        sel = view[select_at : select_at + n]
-        pairs = [(offsets[i], bytes(view[p : p + s])) for i, (p, s) in enumerate(spans) if bool(sel[i]) == dest]
+        for i, off in enumerate(offsets):
+            nxt = pos + (unpack(raw, pos)[0] >> 2)
+            if bool(raw[select_at + i]) == dest:
+                pairs.append((off, raw[pos:nxt]))
+            pos = nxt
     _add_or_replace_many(page, pairs)
-    return spans[-1][0] + spans[-1][1] if spans else tuples_at
+    return end
 
 
 def _form_dead(state: int, blkno: int, offnum: int, xid: int) -> bytes:
@@ -217,17 +228,17 @@ def multi_delete(
     xid: int,
 ) -> None:
     _check_page(page)
-    view = memoryview(data).cast("B")
+    raw = _as_bytes(data)
     if n < 0:
         raise ValueError(f"negative offset count {n}")
-    _check_array(view, offsets_at, 2 * n, "the offsets")
+    _check_array(raw, offsets_at, 2 * n, "the offsets")
     if not (0 <= first_state <= 3 and 0 <= rest_state <= 3):
         raise ValueError(f"tuple states {first_state}, {rest_state} are not 0-3")
     if not (0 <= blkno <= 0xFFFF_FFFF and 0 <= offnum <= 0xFFFF and 0 <= xid <= 0xFFFF_FFFF):
         raise ValueError(f"block {blkno}, offset {offnum} or xid {xid} is out of range")
     if n == 0:
         return
-    offs = struct.unpack_from(f"<{n}H", view, offsets_at)
+    offs = struct.unpack_from(f"<{n}H", raw, offsets_at)
     ordered = sorted(offs)
     bp.page_index_multi_delete(page, ordered)
     first = offs[0]

@@ -56,7 +56,7 @@ def _set_counts(page: bytearray, redirects: int, placeholders: int) -> None:
 
 
 @st.composite
-def leaf_pages(draw: st.DrawFn, max_items: int = 120) -> tuple[bytearray, list[int]]:
+def leaf_pages(draw: st.DrawFn, max_items: int = 60) -> tuple[bytearray, list[int]]:
     """An SP-GiST leaf page of live tuples (MAXALIGNed and not), placeholders and redirects,
     with the counters PostgreSQL keeps; and the state of each offset."""
     page = bytearray(bp.BLCKSZ)
@@ -167,7 +167,7 @@ def test_same_names_and_signatures() -> None:
 # --- against PostgreSQL's steps ---------------------------------------------------------
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(case=placements())
 def test_place_leaves_equals_add_or_replace_one_at_a_time(impl: str, case: tuple[Any, ...]) -> None:
     page, data, offsets_at, select_at, tuples_at, n, want, applied = case
@@ -179,7 +179,7 @@ def test_place_leaves_equals_add_or_replace_one_at_a_time(impl: str, case: tuple
     assert got == expected
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(built=leaf_pages(), data=st.data())
 def test_multi_delete_equals_postgres_steps(impl: str, built: tuple[bytearray, list[int]], data: st.DataObject) -> None:
     page, states = built
@@ -229,6 +229,19 @@ def test_hostile_records_fail_with_the_same_error(impl: str, case: str, mutate: 
     assert len(page) == bp.BLCKSZ
 
 
+def test_a_tuple_that_does_not_fit_is_an_error(impl: str) -> None:
+    """Appended or in place of a placeholder, a tuple bigger than the free space fails."""
+    k = kernel(impl, SPG)
+    for off in (3, 2):  # maxoff + 1, the placeholder
+        page = bytearray(bp.BLCKSZ)
+        spgist.init_page(page, spgist.SPGIST_LEAF)
+        bp.page_append_items(page, [_leaf(4000, 1), _dead(PLACEHOLDER)])
+        _set_counts(page, 0, 1)
+        data = struct.pack("<H", off) + _leaf(4200, 2)
+        with pytest.raises(bp.PageError, match="failed to add"):
+            k.place_leaves(page, data, 0, -1, 2, 1, 1)
+
+
 BAD_ARGS: list[tuple[str, str, tuple[Any, ...]]] = [
     ("place_leaves", "negative count", (b"\x00" * 40, 0, -1, 4, -1, 1)),
     ("place_leaves", "offsets past the data", (b"\x00" * 40, 38, -1, 0, 2, 1)),
@@ -270,7 +283,7 @@ def _mutate(data: st.DataObject, buf: bytearray, lo: int, hi: int) -> None:
 
 
 @pytest.mark.native
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(case=placements(), data=st.data())
 def test_native_equals_twin_on_hostile_placements(case: tuple[Any, ...], data: st.DataObject) -> None:
     page, record, offsets_at, select_at, tuples_at, n, want, _ = case
@@ -288,7 +301,7 @@ def test_native_equals_twin_on_hostile_placements(case: tuple[Any, ...], data: s
 
 
 @pytest.mark.native
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(built=leaf_pages(), data=st.data())
 def test_native_equals_twin_on_hostile_deletes(built: tuple[bytearray, list[int]], data: st.DataObject) -> None:
     page, states = built
@@ -303,7 +316,7 @@ def test_native_equals_twin_on_hostile_deletes(built: tuple[bytearray, list[int]
 
 
 @pytest.mark.native
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(raw=st.binary(max_size=600), seed=st.integers(0, 2**32), header=st.lists(st.integers(0, 0xFFFF), min_size=3, max_size=3),
        data=st.data())
 def test_native_equals_twin_on_random_bytes(raw: bytes, seed: int, header: list[int], data: st.DataObject) -> None:
@@ -333,7 +346,7 @@ def test_native_equals_twin_on_random_bytes(raw: bytes, seed: int, header: list[
 
 
 @pytest.mark.native
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(case=placements(), data=st.data())
 def test_native_never_writes_outside_the_page(case: tuple[Any, ...], data: st.DataObject) -> None:
     """The page inside a larger buffer: whatever the (mutated) page and record, the bytes

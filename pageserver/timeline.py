@@ -430,7 +430,7 @@ class Timeline:
         if start >= n:
             return start, sub
         item = items[start]
-        if len(item) != 4 and not item[3]:
+        if len(item) != 4 and not item[1]:
             raise ValueError("a run of no values")
         lsn = item[1] if len(item) == 4 else item[1][sub]
         item = items[-1]

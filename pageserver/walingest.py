@@ -37,7 +37,7 @@ import struct
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import structlog
@@ -106,7 +106,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.lsn import WAL_SEGMENT_SIZE, XLOG_BLCKSZ, Lsn, format_lsn, segment_file_name
 from protocol.pgwire.sqlstate import DATA_CORRUPTED
 from protocol.wal import crc as _crcmod
-from protocol.wal.ingest_kernel import same_run
+from protocol.wal.ingest_kernel import WALK_REL, fused_walk, same_run
 from protocol.wal.reader import (
     SIMPLE_HEADERS,
     SIMPLE_PAYLOAD_AT,
@@ -241,8 +241,11 @@ _PD_LSN = struct.Struct("<II")
 _RUN_MIN = 4
 _EVEN_BYTES = bytes(range(0, 256, 2))
 _NO_CLAIMS: Sequence[int] = ()
-# (a module global, so that tests can count its calls)
+# (module globals, so that tests can count their calls)
 _same_run = same_run
+_fused_walk = fused_walk
+# relation forks the walk kernel is told about (the ones the fused path met last)
+_WALK_RELS_MAX = 16
 
 
 @lru_cache(maxsize=1024)
@@ -442,6 +445,8 @@ class WalIngest:
         # (start, end) of the last record seen, applied or skipped: a basebackup at
         # last_record_lsn gives its checkpoint record this xl_prev.
         self.last_record: tuple[Lsn, Lsn] | None = None
+        # the relation forks the fused walk kernel (``_fused_walk``) met last, newest last
+        self._walk_rels: list[RelKey] = []
 
     async def ingest_records(self, recs: Sequence[DecodedRecord]) -> None:
         """Ingest ``recs`` in order: the same values as ``ingest_record`` on each of them
@@ -629,10 +634,53 @@ class WalIngest:
         n_claims = len(claim_starts)
         ci = 0
         stop: NeedData | EndOfWal
+        walk_rels = self._walk_rels
         while True:
             pending = False  # a fused record waits for the slow records before it
             at_end = False  # the in-page walk stopped at the page's (or the input's) end
             cursor = dec.in_page_cursor()
+            if (
+                cursor is not None
+                and not slow
+                and not n_claims
+                and 0 <= cursor[2] - cursor[1] <= len(cursor[0])
+                and (state := dec.walk_state()) is not None
+            ):
+                # The walk kernel first: every record of the fused kind from here, across
+                # pages, as packed runs (``fused_walk``); the loop below takes what it refuses.
+                if nxt < 0:
+                    cp = w.checkpoint
+                    nxt = -1 if cp is None else cp.next_xid & 0xFFFF_FFFF
+                buf, base, pos, prev = cursor
+                assert prev is not None  # (walk_state)
+                seg_size, latest_page, tli = state
+                walked = 0
+                while True:
+                    table = [(*r, n) for r in walk_rels if (n := sizes.get(r)) is not None]
+                    pos, prev, latest_page, k, kitems, ksizes, why, want = _fused_walk(
+                        buf, base, pos, prev, latest_page, tli, seg_size, table, nxt, last
+                    )
+                    if k:
+                        walked += k
+                        items += cast("list[PutItem]", kitems)  # (its keys are storage keys)
+                        for r, nb in zip(table, ksizes, strict=True):
+                            if nb != r[4]:
+                                sizes[r[:4]] = nb
+                        last, last_start = pos, prev
+                    if why == WALK_REL and want is not None and want not in walk_rels and want in sizes:
+                        if len(walk_rels) >= _WALK_RELS_MAX:
+                            del walk_rels[0]
+                        walk_rels.append(want)
+                        continue
+                    break
+                if walked:
+                    dec.advance_walk(pos, prev, latest_page)
+                    taken += walked
+                    stats.records += walked
+                    stats.values += walked
+                    stats.wal_records += walked
+                    same_sig = b""
+                    cursor = dec.in_page_cursor()
             if cursor is not None:
                 buf, base, pos, prev = cursor
                 first = pos
@@ -929,12 +977,17 @@ class WalIngest:
             if len(item) == 4:
                 key, lsn, blob, will_init = item
                 nxt = (i + 1, 0)
+            elif len(item) == 6:
+                key, ends, packed, first, vlen, will_init = item
+                lsn = ends[v]
+                blob = packed[first + v * vlen : first + (v + 1) * vlen]
+                nxt = (i, v + 1) if v + 1 < len(ends) else (i + 1, 0)
             else:
                 key, lsns, head, raws, will_init = item
                 lsn, blob = lsns[v], head + raws[v]
                 nxt = (i, v + 1) if v + 1 < len(raws) else (i + 1, 0)
             # the end of the last record whose values are all stored
-            done = lsns[v - 1] if len(item) != 4 and v else 0
+            done = item[1][v - 1] if len(item) != 4 and v else 0
             j = i - 1
             while not done and j >= 0:
                 prior = items[j]

@@ -35,6 +35,7 @@ from pageserver.storage.layer_file import LayerDesc, LayerFileWriter, WriteOptio
 from pageserver.storage.reconstruct import KeyState
 from pageserver.storage.value import decode_value
 from protocol.lsn import MAX_LSN, Lsn
+from protocol.wal.ingest_kernel import append_triples
 
 _READ_WHOLE_MAX = 64 * 1024 * 1024
 # Values read per engine call when a big layer is flushed value by value (bounded memory).
@@ -47,9 +48,15 @@ _READ_BATCH_BYTES = 8 * 1024 * 1024
 # Values of one size cut by one struct call (``_values``; bounds the cached structs' size).
 _SAME_SIZE_RUN = 64
 
-# ``try_put_mixed``'s items: a value (key, lsn, blob, will_init) or a run of values of one key
-# (key, lsns, head, raws, will_init)
-PutItem = tuple[Key, int, bytes, bool] | tuple[Key, range, bytes, Sequence[bytes], bool]
+# ``try_put_mixed``'s items: a value (key, lsn, blob, will_init), a run of values of one key
+# (key, lsns, head, raws, will_init), or a packed run of values of one key and one length
+# (key, lsns, blob, at, vlen, will_init): value v is blob[at + v * vlen : at + (v + 1) * vlen]
+# (the ingest kernel's ``fused_walk``)
+PutItem = (
+    tuple[Key, int, bytes, bool]
+    | tuple[Key, range, bytes, Sequence[bytes], bool]
+    | tuple[Key, "array[int]", bytes, int, int, bool]
+)
 
 
 @lru_cache(maxsize=256)
@@ -161,7 +168,7 @@ class InMemoryLayer:
         if self.end_lsn is not None or start >= n:
             return start, sub
         item = items[start]
-        if len(item) != 4 and not item[3]:
+        if len(item) != 4 and not item[1]:
             raise ValueError("a run needs one rising LSN per value and raws of one length")
         if (item[1] if len(item) == 4 else item[1][sub]) < self.start_lsn:
             return start, sub
@@ -169,7 +176,7 @@ class InMemoryLayer:
         offset = base = file.length
         limit = base + file.room(max_size)
         index = self.index
-        pieces: list[bytes] = []
+        pieces: list[bytes | memoryview] = []
         add_piece = pieces.append
         last_key: Key | None = None
         entries: array[int] = array("Q")
@@ -206,9 +213,37 @@ class InMemoryLayer:
                 offset = end
                 i += 1
                 continue
+            if len(item) == 6:
+                key, ends, packed, first, vlen, will_init = item
+                m = len(ends)
+                count = min(m - v, (limit - offset) // vlen)
+                if count <= 0:
+                    break
+                stop = v + count
+                if key != last_key:
+                    found = index.get(key)
+                    last_lsn = -1 if found is None else found[-3]
+                if ends[v] <= last_lsn:
+                    break  # a replace, or below an earlier put: put() does it or raises
+                if key != last_key:
+                    if found is None:
+                        found = index[key] = array("Q")
+                    entries = found
+                    append = entries.append
+                    last_key = key
+                append_triples(entries, ends, v, stop, offset, vlen, will_init)
+                last_lsn = ends[stop - 1]
+                add_piece(memoryview(packed)[first + v * vlen : first + stop * vlen])
+                offset += count * vlen
+                if stop < m:
+                    v = stop
+                    break
+                i += 1
+                v = 0
+                continue
             key, lsns, head, raws, will_init = item
             m = len(raws)
-            if not m or len(lsns) != m or lsns.step <= 0:
+            if not m or len(lsns) != m or not isinstance(lsns, range) or lsns.step <= 0:
                 raise ValueError("a run needs one rising LSN per value and raws of one length")
             size = len(raws[0])
             vlen = len(head) + size

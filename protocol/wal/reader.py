@@ -369,6 +369,27 @@ class WalStreamDecoder:
         self._pos = self._last_end = pos
         self._prev = self._last_lsn = prev
 
+    def walk_state(self) -> tuple[int, int, int] | None:
+        """For the caller of ``in_page_cursor`` that walks across pages itself (the ingest
+        kernel's ``fused_walk``): ``(segment size, latest page header read, its timeline)``,
+        or ``None`` when only ``next_record`` may go next (the first record is still to be
+        found, or the ``in_page_cursor`` conditions fail). Such a caller checks every page
+        header it crosses as ``_check_page_header`` does (short headers of this timeline
+        only) and reports with ``advance_walk``."""
+        if self._find_first or self._prev is None:
+            return None
+        return self._segment_size, self._latest_page, self._latest_tli
+
+    def advance_walk(self, pos: int, prev: int, latest_page: int) -> None:
+        """The caller of ``walk_state`` took the records up to ``pos`` (the last one started
+        at ``prev``), crossing page headers up to the one at ``latest_page`` (all of the
+        timeline ``walk_state`` gave)."""
+        if latest_page < self._latest_page or pos < self._pos:
+            raise LocalProtocolError("advance_walk backwards")
+        self._pos = self._last_end = pos
+        self._prev = self._last_lsn = prev
+        self._latest_page = latest_page
+
     def crossing_record(self) -> tuple[bytes, int, int, int] | None:
         """For the caller of ``in_page_cursor`` whose in-page walk stopped at the page's end:
         the record at ``pos`` if it crosses into the next page and ends there, as

@@ -172,7 +172,10 @@ def test_every_crossing_record_is_taken(monkeypatch: pytest.MonkeyPatch) -> None
     fz.assert_same(batch, fused)
     crossing = [s for s, e in spans if s >> 13 != (e - 1) >> 13]
     after_header = [s for s, _e in spans if s & 8191 in (24, 40)]
-    assert taken == crossing
+    # each crossing record is taken by a fused path: the walk kernel (which crosses pages
+    # itself) or take_crossing, never read by next_record
+    assert set(taken) <= set(crossing)
+    assert not set(crossing) & set(reads)
     assert len(crossing) > 50
     # the records a page header precedes, the start, the end of the input
     assert len(reads) <= len(after_header) + 2

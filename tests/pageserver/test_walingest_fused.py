@@ -94,6 +94,12 @@ def capture_puts() -> Iterator[list[Put]]:
                     key, lsn, blob, will_init = item
                     puts.append((bytes(key), lsn, bytes(blob), will_init, self.start_lsn))
                 continue
+            if len(item) == 6:  # a packed run (the walk kernel's): value x at blob[at0 + x * vlen]
+                key, ends, packed, at0, vlen, will_init = item
+                for x in range(first, len(ends) if at < i else v):
+                    value = bytes(packed[at0 + x * vlen : at0 + (x + 1) * vlen])
+                    puts.append((bytes(key), ends[x], value, will_init, self.start_lsn))
+                continue
             key, lsns, head, raws, will_init = item
             for x in range(first, len(raws) if at < i else v):
                 puts.append((bytes(key), lsns[x], head + raws[x], will_init, self.start_lsn))

@@ -169,7 +169,8 @@ def test_runs_store_what_the_batch_path_stores(
 
 
 def test_runs_take_the_bulk_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Not vacuous: on a bulk load most records are taken in runs, runs are cut by full write
+    """Not vacuous: on a bulk load most records are taken in runs (the walk kernel's packed runs
+    or ``_same_run``'s), runs are cut by full write
     buffers and layer rolls (``_store`` goes on inside a run after ``put_encoded``),
     and the result is the batch path's."""
     wal, _spans = fz.encode(fz._bulk_load(3000))
@@ -187,8 +188,16 @@ def test_runs_take_the_bulk_load(monkeypatch: pytest.MonkeyPatch) -> None:
         cuts.append(v)
         return i, v
 
+    real_walk = walingest._fused_walk
+
+    def walking(*a: Any) -> Any:
+        got = real_walk(*a)
+        in_runs.append(sum(len(item[1]) for item in got[4] if len(item) == 6))
+        return got
+
     batch, _ = fz.both(wal, fz.chunking(len(wal), [131072]))
     monkeypatch.setattr(walingest, "_same_run", counting)
+    monkeypatch.setattr(walingest, "_fused_walk", walking)
     monkeypatch.setattr(InMemoryLayer, "try_put_mixed", cut)
     _, fused = fz.both(wal, fz.chunking(len(wal), [131072]))
     fz.assert_same(batch, fused)

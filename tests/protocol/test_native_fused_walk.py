@@ -1,0 +1,79 @@
+"""``fused_walk``, the ingest kernel's walk over a whole piece of WAL: compiled against the twin.
+
+On a bulk load's WAL (pages and a segment boundary crossed, records crossing pages) both give
+the same result from every record start, with the input cut anywhere and with single bytes
+changed (a seeded sample of each); and the walk takes nearly the whole load in one call."""
+
+from __future__ import annotations
+
+import random
+from array import array
+from typing import Any
+
+import pytest
+
+from tests.conftest import kernel
+from tests.pageserver import test_walingest_fused as fz
+
+INGEST = "protocol._ingest_c"
+REL = (1663, 5, 16384, 0)
+
+
+def _norm(result: tuple[Any, ...]) -> tuple[Any, ...]:
+    items = [tuple(x.tolist() if isinstance(x, array) else x for x in item) for item in result[4]]
+    return (*result[:4], items, *result[5:])
+
+
+def _outcome(fn: Any, *args: Any) -> tuple[Any, ...]:
+    try:
+        return ("ok", _norm(fn(*args)))
+    except Exception as exc:
+        return ("err", type(exc).__name__, str(exc))
+
+
+@pytest.fixture(scope="module")
+def load() -> tuple[bytes, int, list[tuple[int, int]]]:
+    wal, spans = fz.encode(fz._bulk_load(600))
+    base = fz.WAL_START  # (buf[0] is the first record)
+    return bytes(wal), base, [(int(s), int(e)) for s, e in spans]
+
+
+@pytest.mark.native
+def test_native_equals_twin_on_a_bulk_load(load: tuple[bytes, int, list[tuple[int, int]]]) -> None:
+    wal, base, spans = load
+    c, py = kernel("native", INGEST).fused_walk, kernel("python", INGEST).fused_walk
+    rng = random.Random(17)
+    for i in range(1, len(spans), 7):
+        pos, prev = spans[i][0], spans[i - 1][0]
+        for rels in ((), ((*REL, 0),), ((*REL, 1000),)):
+            buf = wal
+            if i % 3 == 0:
+                buf = wal[: rng.randrange(pos - base, len(wal) + 1)]
+            elif i % 3 == 1:
+                at = rng.randrange(pos - base, len(wal))
+                buf = wal[:at] + bytes((wal[at] ^ (1 << rng.randrange(8)),)) + wal[at + 1 :]
+            args = (buf, base, pos, prev, pos & ~8191, 1, 16 << 20, rels, 10_000, 0)
+            assert _outcome(c, *args) == _outcome(py, *args)
+
+
+def test_the_walk_takes_the_load(impl: str, load: tuple[bytes, int, list[tuple[int, int]]]) -> None:
+    wal, base, spans = load
+    walk = kernel(impl, INGEST).fused_walk
+    pos, prev = spans[1][0], spans[0][0]
+    got = walk(wal, base, pos, prev, pos & ~8191, 1, 16 << 20, ((*REL, 1000),), 10_000, 0)
+    # it stops only at the long page header of the segment boundary (and what the load
+    # itself cannot take), and ends where records end
+    assert got[3] > 40
+    assert got[0] in {e for _s, e in spans}
+    values = [v for item in got[4] if len(item) == 6 for v in item[1]]
+    assert values == sorted(values) and len(values) == got[3]
+
+
+def test_bad_arguments_are_the_same_value_error(impl: str) -> None:
+    walk = kernel(impl, INGEST).fused_walk
+    with pytest.raises(ValueError, match="MAXALIGNed"):
+        walk(b"\0" * 64, 0, 100, 0, 0, 1, 16 << 20, (), 0, 0)
+    with pytest.raises(ValueError, match="segment size"):
+        walk(b"\0" * 64, 0, 8, 0, 0, 1, 1000, (), 0, 0)
+    with pytest.raises(ValueError, match="relation fork"):
+        walk(b"\0" * 64, 0, 8, 0, 0, 1, 16 << 20, ((1, 2, 3),), 0, 0)

@@ -243,6 +243,11 @@ class SafekeeperNode:
         async with self._create_lock:  # no timeline of theirs is created meanwhile
             timelines = [self.timelines.pop(k) for k in keys if k in self.timelines]
             await self._cancel_timeline_work(keys)
+            for tl in timelines:
+                # A write its cancelled connection submitted may still be queued in the WAL
+                # IO engine: after it (calls run in order), close the segment, so nothing
+                # writes into the directory while it is removed.
+                await tl.io.run(tl.storage.close)
             existed = directory.exists()
 
             def remove() -> None:

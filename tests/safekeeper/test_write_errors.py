@@ -267,8 +267,11 @@ async def test_write_error_with_two_syncs_in_flight(
     finished: list[int] = []
     real_fdatasync = tl.storage.fdatasync
 
+    sync_started = threading.Event()
+
     def held_fdatasync(fd: int) -> None:
         started.append(len(started) + 1)
+        sync_started.set()
         assert gate.wait(10)
         real_fdatasync(fd)
         finished.append(len(finished) + 1)
@@ -282,6 +285,11 @@ async def test_write_error_with_two_syncs_in_flight(
     def second_write_fails(fd: int, buffers: list[memoryview], offset: int) -> int:
         writes[0] += 1
         if writes[0] == 2:
+            # The scenario is "N+1's write fails while N's fdatasync is held": N's sync task
+            # reaches its fdatasync only after N's write was reported back to the event loop,
+            # so without this wait a busy machine can fail N+1 first, and the nursery then
+            # cancels N's sync before it starts (also safe, but not what this test checks).
+            assert sync_started.wait(10)
             token.run_sync_soon(write_failed.set)
             raise OSError(errno.EIO, "Input/output error")
         return real_pwritev(fd, buffers, offset)

@@ -164,8 +164,21 @@ cdef class _Segs:
         return 0
 
 
-cdef object _block_raw(object block, list held):
-    """The block's raw entries (bytes of whole entries), kept alive in ``held``."""
+cdef object _cached_raw(object blocks, bint exact, object move_to_end, object file_id,
+                        Py_ssize_t blkno, list held):
+    """Block ``blkno``'s raw entries (bytes of whole entries) from the block mapping, touched in
+    its LRU order and kept alive in ``held``; None if the mapping lacks the block."""
+    cdef PyObject *found
+    ident = (file_id, blkno)
+    if exact:
+        found = PyDict_GetItem(blocks, ident)
+        block = <object>found if found != NULL else None
+    else:
+        block = blocks.get(ident)
+    if block is None:
+        return None
+    if move_to_end is not None:
+        move_to_end(ident)
     raw = block.raw
     if not PyBytes_Check(raw):
         raise TypeError("an index block's raw entries must be bytes")
@@ -185,7 +198,7 @@ def plan_cached(fences, n_blocks, blocks, file_id, keys, floor, cont, states, li
     cdef Py_ssize_t nkeys = len(keys), n_fences = len(fence_list), nblk = n_blocks
     cdef Py_ssize_t i, j, r, blkno, lo, hi, n_entries, run_first
     cdef list key_list = list(keys)
-    cdef object k, prev_k, ident, block, raw, st, pending_obj = None, got
+    cdef object k, raw, st, pending_obj = None, got
     cdef unsigned char start[C_PREFIX]
     cdef unsigned char end[C_KEY + 9]
     cdef const unsigned char *first_p
@@ -196,7 +209,6 @@ def plan_cached(fences, n_blocks, blocks, file_id, keys, floor, cont, states, li
     cdef _Segs segs = _Segs()
     cdef Py_ssize_t hits = 0, completed = 0
     cdef bint exact = PyDict_CheckExact(blocks) or type(blocks) is OrderedDict
-    cdef PyObject *found
     move_to_end = getattr(blocks, "move_to_end", None)
     for i in range(nkeys):
         k = key_list[i]
@@ -234,18 +246,10 @@ def plan_cached(fences, n_blocks, blocks, file_id, keys, floor, cont, states, li
         blkno = _fence_bisect_right(fence_list, start, C_PREFIX) - 1
         if blkno < 0:
             blkno = 0
-        ident = (file_id, blkno)
-        if exact:
-            found = PyDict_GetItem(blocks, ident)
-            block = <object>found if found != NULL else None
-        else:
-            block = blocks.get(ident)
-        if block is None:
+        raw = _cached_raw(blocks, exact, move_to_end, file_id, blkno, held)
+        if raw is None:
             return None
-        if move_to_end is not None:
-            move_to_end(ident)
         hits += 1
-        raw = _block_raw(block, held)
         rawp = <const unsigned char *>PyBytes_AS_STRING(raw)
         n_entries = PyBytes_GET_SIZE(raw) // C_ENTRY
         lo = _entry_bisect_left(rawp, 0, n_entries, start, C_PREFIX)
@@ -261,18 +265,10 @@ def plan_cached(fences, n_blocks, blocks, file_id, keys, floor, cont, states, li
             if _cmp(<const unsigned char *>PyBytes_AS_STRING(f), PyBytes_GET_SIZE(f), end, C_KEY + 9) >= 0:
                 break
             blkno += 1
-            ident = (file_id, blkno)
-            if exact:
-                found = PyDict_GetItem(blocks, ident)
-                block = <object>found if found != NULL else None
-            else:
-                block = blocks.get(ident)
-            if block is None:
+            raw = _cached_raw(blocks, exact, move_to_end, file_id, blkno, held)
+            if raw is None:
                 return None
-            if move_to_end is not None:
-                move_to_end(ident)
             hits += 1
-            raw = _block_raw(block, held)
             rawp = <const unsigned char *>PyBytes_AS_STRING(raw)
             n_entries = PyBytes_GET_SIZE(raw) // C_ENTRY
             hi = _entry_bisect_left(rawp, 0, n_entries, end, C_KEY + 9)

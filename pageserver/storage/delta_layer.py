@@ -6,10 +6,12 @@ answers:
 
 - the legacy, per-key read (``get_value_legacy``): index lookup for one key, then one ``pread``
   per blob, newest first, stopping at an image or a will_init record;
-- the vectored read (``get_values_vectored`` / ``plan_reads``, ``plan_key`` for one key): one
-  backward pass over the index entries of each run of consecutive keys routed here plans, per
-  key, the blobs from its newest will_init entry upward (and above its cached LSN); physically
-  adjacent planned blobs are read with one ``preadv`` up to ``max_vectored_read_bytes`` by
+- the vectored read (``get_values_vectored`` / ``plan_reads``, ``plan_key`` for one key): the
+  planning kernel (``_plan_c.plan_cached``, twin ``_plan_py``) searches the index blocks for
+  each run of consecutive keys routed here and plans, per key, the blobs from its newest
+  will_init entry upward (and above its cached LSN), from the block cache without a coroutine
+  (``try_plan``), or over the blocks read first when the cache lacks some; physically adjacent
+  planned blobs are read with one ``preadv`` up to ``max_vectored_read_bytes`` by
   ``execute_reads``, all layers' reads in one engine call after the walk; then values are
   checked, decoded and handed to the keys newest first.
 
@@ -22,7 +24,7 @@ import bisect
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +52,7 @@ from pageserver.storage.layer_file import (
 from pageserver.storage.reconstruct import KeyState
 from pageserver.storage.value import (
     VALUE_DECODERS,
-    Image,
     Value,
-    WalRecordValue,
     decode_value,
 )
 from protocol.lsn import MAX_LSN, Lsn
@@ -313,25 +313,23 @@ class PersistentLayer:
         cont: int,
         states: dict[Key, KeyState],
         ctx: ReadContext,
-        bounds: Sequence[tuple[bytes, bytes]] | None = None,
     ) -> Sequence[Key]:
         """``get_values_vectored`` that returns the keys still incomplete after this layer
         (``keys`` itself when none completed), so the walk needs no pass over all its keys.
-        ``bounds`` are ``scan_bounds(keys)`` if the caller has them (a walk reuses them for
-        every layer its key list goes through unchanged). ``try_plan`` is the same without a
-        coroutine when the index blocks are cached."""
-        left = self.try_plan(keys, floor, cont, states, ctx, bounds)
+        ``try_plan`` is the same without a coroutine when the index blocks are cached.
+
+        There is one planner, the planning kernel: when the block cache lacks a block the
+        search needs, the blocks are read (through the cache) and the kernel runs over them
+        as they were read, so a cache too small for one read's blocks plans the same."""
+        left = self.try_plan(keys, floor, cont, states, ctx)
         if left is not None:
             return left
-        r = self.reader
-        scanned: list[list[tuple[IndexBlock, int, int]]] = []
-        for start, end in scan_bounds(keys) if bounds is None else bounds:
-            runs = r.scan_cached(start, end)
-            if runs is None:
-                _index_miss(ctx)
-                runs = await r.scan(start, end)
-            scanned.append(runs)
-        return self._plan(scanned, keys, floor, cont, states, ctx)
+        _index_miss(ctx)
+        blocks = await self.reader.load_blocks(scan_bounds(keys))
+        left = self._plan_in(blocks, False, keys, floor, cont, states, ctx)
+        if left is None:
+            raise AssertionError("the planning kernel needs an index block load_blocks did not read")
+        return left
 
     def try_plan(
         self,
@@ -340,18 +338,30 @@ class PersistentLayer:
         cont: int,
         states: dict[Key, KeyState],
         ctx: ReadContext,
-        bounds: Sequence[tuple[bytes, bytes]] | None = None,
     ) -> Sequence[Key] | None:
         """``plan_reads`` if every index block it needs is cached, else None (and nothing
         planned): the hot walk makes no coroutine per layer. The search and the plan are one
         call of the planning kernel (``_plan_c.plan_cached``, or its twin ``_plan_py``), which
-        finds the runs of ``keys`` itself (``bounds`` is for the awaiting path)."""
+        finds the runs of ``keys`` itself."""
+        return self._plan_in(self.reader.cache._blocks, True, keys, floor, cont, states, ctx)
+
+    def _plan_in(
+        self,
+        blocks: MutableMapping[tuple[int, int], IndexBlock],
+        cached: bool,
+        keys: Sequence[Key],
+        floor: int,
+        cont: int,
+        states: dict[Key, KeyState],
+        ctx: ReadContext,
+    ) -> Sequence[Key] | None:
+        """The planning kernel over ``blocks`` (the block cache's LRU dict when ``cached``:
+        its hits are counted there)."""
         r = self.reader
         summary = r.summary
-        cache = r.cache
         try:
             got = _plan_cached(
-                r.fences, summary.n_index_blocks, cache._blocks, r.file_id, keys, floor, cont,
+                r.fences, summary.n_index_blocks, blocks, r.file_id, keys, floor, cont,
                 states, ctx.blobs, ctx.reads, r, ctx.max_vectored_read_bytes, DATA_START,
                 summary.data_end,
             )
@@ -361,185 +371,28 @@ class PersistentLayer:
         if got is None:
             return None
         hits, completed = got
-        cache.hits += hits
+        if cached:
+            r.cache.hits += hits
         ctx.layers_visited += 1
-        if ctx.any_cached or completed or self.completes_keys:
-            return self._remaining(keys, floor, states, ctx)
-        return keys
-
-    def _plan(
-        self,
-        scanned: Sequence[list[tuple[IndexBlock, int, int]]],
-        keys: Sequence[Key],
-        floor: int,
-        cont: int,
-        states: dict[Key, KeyState],
-        ctx: ReadContext,
-    ) -> Sequence[Key]:
-        """Plan from the scanned index runs (one list per run of consecutive keys).
-
-        One pass over the entries, *backwards*: per key that is newest first, the order its
-        values are taken in, so a key is done in this layer at its first will_init entry, or
-        at the first entry below ``floor`` or at/below its cached LSN (all older ones are
-        too). Each taken blob joins the read being grown when it ends where that read starts
-        (index order is (key, lsn) order is file order), up to ``max_vectored_read_bytes``; a
-        read's blobs get consecutive slots, highest offset first.
-        """
-        r = self.reader
-        ctx.layers_visited += 1
-        blobs = ctx.blobs
-        reads = ctx.reads
-        max_bytes = ctx.max_vectored_read_bytes
-        slot = len(blobs)
-        # the read being grown: [rd_start, rd_end) of the file, its blobs from slot rd_slot
-        rd_start = rd_end = -1
-        rd_slot = slot
-        completed = 0
-        pending: list[tuple[Lsn, Image | WalRecordValue | int]] = []
-        for runs in reversed(scanned):
-            cur = b""
-            done = True
-            cached = -1
-            st: KeyState | None = None
-            for block, lo, hi in reversed(runs):
-                bkeys, lsns, positions = block.keys, block.lsns, block.positions
-                lengths, crcs = block.lengths, block.crcs
-                for i in range(hi - 1, lo - 1, -1):
-                    key = bkeys[i]
-                    if key != cur:
-                        cur = key
-                        st = states[key]
-                        done = st.complete
-                        cached = st.cached_lsn
-                        if st.pending is None:
-                            raise AssertionError("blob planned for a non-deferring key")
-                        pending = st.pending
-                    if done:
-                        continue
-                    lsn = lsns[i]
-                    if lsn >= cont:
-                        continue
-                    if lsn < floor or lsn <= cached:
-                        done = True  # and so are the key's older entries
-                        continue
-                    pos = positions[i]
-                    off = pos >> 1
-                    length = lengths[i]
-                    if off + length != rd_start or rd_end - off > max_bytes:
-                        if rd_start >= 0:
-                            r.check_entry(rd_start, rd_end - rd_start)
-                            reads.append((r, rd_start, rd_end - rd_start, rd_slot, slot - rd_slot))
-                        rd_end = off + length
-                        rd_slot = slot
-                    rd_start = off
-                    blobs.append((off, length, crcs[i]))
-                    pending.append((lsn, slot))
-                    slot += 1
-                    if pos & 1:
-                        assert st is not None
-                        st.complete = done = True
-                        completed += 1
-        if rd_start >= 0:
-            r.check_entry(rd_start, rd_end - rd_start)
-            reads.append((r, rd_start, rd_end - rd_start, rd_slot, slot - rd_slot))
         if ctx.any_cached or completed or self.completes_keys:
             return self._remaining(keys, floor, states, ctx)
         return keys
 
     async def plan_key(
-        self, key: Key, start: bytes, floor: int, cont: int, st: KeyState, ctx: ReadContext
+        self, key: Key, floor: int, cont: int, st: KeyState, ctx: ReadContext
     ) -> None:
-        """``plan_reads`` for one key (``start`` is ``key`` + LSN 0, its scan bound): one
-        index block lookup, then the same backward pass over the key's entries, with no key
-        lists or scan runs (``try_plan_key`` without a coroutine). A key whose entries cross
-        an index block boundary takes ``plan_reads``."""
-        if self.try_plan_key(key, start, floor, cont, st, ctx):
-            return
-        r = self.reader
-        blkno = max(0, bisect.bisect_right(r.fences, start) - 1)
-        if r.cache.peek(r.file_id, blkno) is None:
-            _index_miss(ctx)
-        block = await r.block(blkno)
-        if not self._plan_key_in(block, blkno, key, start, floor, cont, st, ctx):
-            await self.plan_reads([key], floor, cont, {key: st}, ctx)
+        """``plan_reads`` for one key (``try_plan_key`` without a coroutine)."""
+        if not self.try_plan_key(key, floor, cont, st, ctx):
+            await self.plan_reads((key,), floor, cont, {key: st}, ctx)
 
     def try_plan_key(
-        self, key: Key, start: bytes, floor: int, cont: int, st: KeyState, ctx: ReadContext
+        self, key: Key, floor: int, cont: int, st: KeyState, ctx: ReadContext
     ) -> bool:
-        """``plan_key`` if its index block is cached and holds all the key's entries; else
-        False, with nothing planned."""
+        """``plan_key`` if the key's index blocks are cached; else False, with nothing
+        planned. The same planning kernel as for many keys."""
         if st.complete:
             return True
-        r = self.reader
-        blkno = bisect.bisect_right(r.fences, start) - 1
-        if blkno < 0:
-            blkno = 0
-        block = r.cache.peek(r.file_id, blkno)
-        if block is None:
-            return False
-        return self._plan_key_in(block, blkno, key, start, floor, cont, st, ctx)
-
-    def _plan_key_in(
-        self,
-        block: IndexBlock,
-        blkno: int,
-        key: Key,
-        start: bytes,
-        floor: int,
-        cont: int,
-        st: KeyState,
-        ctx: ReadContext,
-    ) -> bool:
-        pending = st.pending
-        if pending is None:
-            raise AssertionError("blob planned for a non-deferring key")
-        r = self.reader
-        bkeys = block.keys
-        n = len(bkeys)
-        first = bisect.bisect_left(block.prefixes, start)
-        end = first
-        while end < n and bkeys[end] == key:
-            end += 1
-        fences = r.fences
-        if end == n and blkno + 1 < len(fences) and fences[blkno + 1].startswith(key):
-            return False  # the key's entries go on in the next block
-        ctx.layers_visited += 1
-        if end > first:
-            lsns, positions = block.lsns, block.positions
-            blobs = ctx.blobs
-            max_bytes = ctx.max_vectored_read_bytes
-            cached = st.cached_lsn
-            slot = len(blobs)
-            rd_start = rd_end = -1
-            rd_slot = slot
-            for i in range(end - 1, first - 1, -1):
-                lsn = lsns[i]
-                if lsn >= cont:
-                    continue
-                if lsn < floor or lsn <= cached:
-                    break
-                pos = positions[i]
-                off = pos >> 1
-                length = block.lengths[i]
-                if off + length != rd_start or rd_end - off > max_bytes:
-                    if rd_start >= 0:
-                        r.check_entry(rd_start, rd_end - rd_start)
-                        ctx.reads.append((r, rd_start, rd_end - rd_start, rd_slot, slot - rd_slot))
-                    rd_end = off + length
-                    rd_slot = slot
-                rd_start = off
-                blobs.append((off, length, block.crcs[i]))
-                pending.append((lsn, slot))
-                slot += 1
-                if pos & 1:
-                    st.complete = True
-                    break
-            if rd_start >= 0:
-                r.check_entry(rd_start, rd_end - rd_start)
-                ctx.reads.append((r, rd_start, rd_end - rd_start, rd_slot, slot - rd_slot))
-        if not st.complete:
-            self._absent(st, floor)
-        return True
+        return self._plan_in(self.reader.cache._blocks, True, (key,), floor, cont, {key: st}, ctx) is not None
 
     # Whether every key routed here ends here (image layers): ``_remaining`` must run.
     completes_keys = False

@@ -27,7 +27,7 @@ import itertools
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import cache
 from itertools import accumulate, compress, islice, repeat
 from operator import ge, lshift, or_
@@ -411,40 +411,31 @@ class LayerFileReader:
             blkno += 1
         return out
 
-    def scan_cached(self, start: bytes, end: bytes) -> list[tuple[IndexBlock, int, int]] | None:
-        """``scan`` without a coroutine when every index block of the range is cached; None
-        means: use ``scan``."""
+    async def load_blocks(
+        self, bounds: Iterable[tuple[bytes, bytes]]
+    ) -> dict[tuple[int, int], IndexBlock]:
+        """Every index block the planning kernel's search visits for each ``[start, end)`` of
+        ``bounds`` (the blocks ``scan`` reads), read through the block cache and keyed as the
+        cache keys them: the kernel's block mapping when the cache lacks some, which holds
+        them all even when the bounded cache cannot."""
+        out: dict[tuple[int, int], IndexBlock] = {}
         fences = self.fences
-        blkno = bisect.bisect_right(fences, start) - 1
-        if blkno < 0:
-            blkno = 0
-        # IndexBlockCache.get inlined (once per layer of every walk)
-        cache = self.cache
-        blocks = cache._blocks
-        ident = (self.file_id, blkno)
-        block = blocks.get(ident)
-        if block is None:
-            return None  # (``scan`` counts the miss)
-        blocks.move_to_end(ident)
-        prefixes = block.prefixes
-        lo = bisect.bisect_left(prefixes, start)
-        hi = bisect.bisect_left(prefixes, end, lo)
-        out = [(block, lo, hi)] if hi > lo else []
         n_blocks = self.summary.n_index_blocks
-        # rarely, the range goes on in the next blocks
-        while hi == len(prefixes) and blkno + 1 < n_blocks and fences[blkno + 1] < end:
-            blkno += 1
-            ident = (self.file_id, blkno)
-            block = blocks.get(ident)
-            if block is None:
-                return None
-            blocks.move_to_end(ident)
+        file_id = self.file_id
+        for start, end in bounds:
+            # the kernel's walk: the first block by the fences, then on while the range
+            # fills a block and the next block's fence is below its end
+            blkno = bisect.bisect_right(fences, start) - 1
+            if blkno < 0:
+                blkno = 0
+            block = out[(file_id, blkno)] = await self.block(blkno)
             prefixes = block.prefixes
-            hi = bisect.bisect_left(prefixes, end)
-            if hi:
-                out.append((block, 0, hi))
-            cache.hits += 1
-        cache.hits += 1
+            hi = bisect.bisect_left(prefixes, end, bisect.bisect_left(prefixes, start))
+            while hi == len(prefixes) and blkno + 1 < n_blocks and fences[blkno + 1] < end:
+                blkno += 1
+                block = out[(file_id, blkno)] = await self.block(blkno)
+                prefixes = block.prefixes
+                hi = bisect.bisect_left(prefixes, end)
         return out
 
     def prefetch_index(self, start: bytes, end: bytes) -> None:

@@ -232,8 +232,8 @@ async def _walk_timeline(
             elif len(routed) == 1:
                 key = routed[0]
                 st = states[key]
-                if not layer.try_plan_key(key, key + ZERO_LSN, floor, cont, st, ctx):
-                    await layer.plan_key(key, key + ZERO_LSN, floor, cont, st, ctx)
+                if not layer.try_plan_key(key, floor, cont, st, ctx):
+                    await layer.plan_key(key, floor, cont, st, ctx)
                 if ctx.any_cached:
                     st.floor_reached(floor)
                 if st.complete:
@@ -255,7 +255,6 @@ async def _walk_one(tl: ReadableTimeline, key: Key, cont_lsn: int, st: KeyState,
     layer-map ranges; reads are still only planned, and done after the walk."""
     layer_map = tl.layer_map
     in_memory = True
-    start = key + ZERO_LSN
     ctx.on_index_miss = functools.partial(_prefetch_index, layer_map, key, key, cont_lsn)
     while True:
         if ctx.any_cached:
@@ -273,8 +272,8 @@ async def _walk_one(tl: ReadableTimeline, key: Key, cont_lsn: int, st: KeyState,
             if hit is None:
                 return
             layer, floor = hit
-            if not layer.try_plan_key(key, start, floor, cont_lsn, st, ctx):
-                await layer.plan_key(key, start, floor, cont_lsn, st, ctx)
+            if not layer.try_plan_key(key, floor, cont_lsn, st, ctx):
+                await layer.plan_key(key, floor, cont_lsn, st, ctx)
         if floor >= cont_lsn:
             raise LayerStuckError(f"read of {key_hex(key)} stuck at {cont_lsn:X}")
         cont_lsn = floor

@@ -6,8 +6,9 @@ newest first. On the same index, keys, key states, bounds and block cache they m
 same result (or the same error), leave the same blobs, reads, key states and LRU order, and on
 hostile indexes (unsorted entries, offsets outside the data section, raw entries that are not
 what the block decodes to, LSNs and bounds at the ends of u64, fences past the block count)
-fail alike. The layer-level test checks the kernel's plan is what ``PersistentLayer._plan``
-(the path that reads index blocks first) makes on a real layer file.
+fail alike. The layer-level test checks, on a real layer file, that a walk which must read
+index blocks first (``plan_reads`` over ``load_blocks``, with an empty cache or one too small to
+hold a read's blocks) plans what the hot walk (``try_plan`` over the block cache) plans.
 """
 
 from __future__ import annotations
@@ -223,16 +224,12 @@ def test_a_block_missing_from_the_cache_plans_nothing(impl: str) -> None:
     assert all(s.pending == [] and not s.complete for s in states.values())
 
 
-async def test_the_kernel_plans_what_the_awaiting_path_plans(impl: str, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a real delta layer, the planning kernel and ``PersistentLayer._plan`` (over
-    ``LayerFileReader.scan``) plan the same blobs, reads and key states."""
-    from pageserver.storage.delta_layer import (
-        PersistentLayer,
-        ReadContext,
-        scan_bounds,
-        write_delta_layer,
-    )
+async def test_a_cold_index_plans_what_the_cached_index_plans(impl: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a real delta layer, ``plan_reads`` with the index blocks not cached (a fresh cache, or
+    one that holds no block at all) plans the same blobs, reads and key states as ``try_plan``
+    over a warm cache: one planner, whatever the cache holds."""
+    from pageserver.storage.delta_layer import PersistentLayer, ReadContext, write_delta_layer
     from pageserver.storage.io_engine import make_io_engine
     from pageserver.storage.key import KeyRange, key_next
     from pageserver.storage.layer_file import IndexBlockCache
@@ -257,31 +254,40 @@ async def test_the_kernel_plans_what_the_awaiting_path_plans(impl: str, tmp_path
 
     path = await write_delta_layer(engine, tmp_path, KeyRange(_key(0), key_next(_key(599))), Lsn(16), Lsn(401), feed())
     assert path is not None
-    layer = await PersistentLayer.open(engine, path, IndexBlockCache(1000))
+    warm = await PersistentLayer.open(engine, path, IndexBlockCache(1000))
+    none = await PersistentLayer.open(engine, path, IndexBlockCache(0))
+    assert warm.reader.summary.n_index_blocks > 3  # runs of keys cross index blocks
     try:
         for trial in range(30):
             keys = sorted(_key(b) for b in rng.sample(range(650), rng.randint(1, 40)))
+            if trial % 5 == 4:
+                keys = [_key(b) for b in range(100, 100 + rng.randint(80, 300))]  # one long run
             floor, cont = sorted(rng.sample(range(420), 2))
             cached = {k: rng.choice([-1, 100, 200]) if trial % 3 == 0 else -1 for k in keys}
             max_bytes = rng.choice([64, 4096, 1 << 17])
             outs = []
-            for how in ("await", "kernel"):
+            for how in ("cold", "no cache", "warm"):
+                layer = warm if how != "no cache" else none
+                if how == "cold":
+                    warm.reader.cache.clear()
                 states = {k: KeyState(cached[k], None) for k in keys}
                 for s in states.values():
                     s.pending = []
                 ctx = ReadContext(max_vectored_read_bytes=max_bytes, any_cached=trial % 3 == 0)
-                if how == "await":
-                    scanned = [await layer.reader.scan(a, b) for a, b in scan_bounds(keys)]
-                    left = layer._plan(scanned, keys, floor, cont, states, ctx)
-                else:
+                if how == "warm":
                     got = layer.try_plan(keys, floor, cont, states, ctx)
-                    assert got is not None  # every block is cached by now
+                    assert got is not None  # the cold pass cached every block it read
                     left = got
+                else:
+                    assert layer.try_plan(keys, floor, cont, states, ctx) is None
+                    left = await layer.plan_reads(keys, floor, cont, states, ctx)
                 outs.append((list(left), ctx.blobs, [r[1:] for r in ctx.reads], ctx.layers_visited,
                              {k: (s.complete, s.pending) for k, s in states.items()}))
-            assert outs[0] == outs[1]
+            assert outs[0] == outs[1] == outs[2]
+            assert len(none.reader.cache._blocks) == 0
     finally:
-        await layer.aclose()
+        await warm.aclose()
+        await none.aclose()
 
 
 @pytest.mark.native

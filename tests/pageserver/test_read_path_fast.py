@@ -29,7 +29,6 @@ from hypothesis import strategies as hst
 from pageserver.storage import _blobs_py, delta_layer, read_path
 from pageserver.storage.config import StorageConfig
 from pageserver.storage.delta_layer import (
-    ZERO_LSN,
     PersistentLayer,
     ReadContext,
     read_and_resolve,
@@ -125,7 +124,7 @@ async def _compare_paths(
         one = seeded(key)
         one.pending = []
         ctx1 = ReadContext(max_vectored_read_bytes=max_bytes, any_cached=any_cached)
-        await layer.plan_key(key, key + ZERO_LSN, floor, cont, one, ctx1)
+        await layer.plan_key(key, floor, cont, one, ctx1)
         if any_cached:
             one.floor_reached(floor)
         await read_and_resolve(ctx1, [one])

@@ -31,7 +31,6 @@ from hypothesis import strategies as hst
 from pageserver.storage import _blobs_py, delta_layer, read_path
 from pageserver.storage.config import StorageConfig
 from pageserver.storage.delta_layer import (
-    ZERO_LSN,
     PersistentLayer,
     ReadContext,
     read_and_resolve,
@@ -325,7 +324,7 @@ async def _read_all(layer: PersistentLayer, keys: Sequence[Key], how: str) -> di
         await layer.plan_reads(list(keys), 0, 130, states, ctx)
     else:
         for key in keys:
-            await layer.plan_key(key, key + ZERO_LSN, 0, 130, states[key], ctx)
+            await layer.plan_key(key, 0, 130, states[key], ctx)
     await read_and_resolve(ctx, states.values())
     return {key: (st.img, list(st.records)) for key, st in states.items()}
 

@@ -10,46 +10,34 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 import common.fsync
 import safekeeper.control_file
 import safekeeper.timeline
-from protocol.errors import RemoteProtocolError
-from protocol.ids import TenantId, TimelineId
-from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn
-from protocol.safekeeper import (
-    AppendRequest,
-    AppendResponse,
-    ProposerElected,
-    ProposerGreeting,
-    ProposerMessage,
-    TermSwitchEntry,
-    VoteRequest,
-    decode_acceptor_message,
-)
+from protocol.lsn import INVALID_LSN, Lsn
+from protocol.safekeeper import AppendRequest
 from safekeeper.acceptor import AcceptorError
 from safekeeper.receive_wal import SYNCS_IN_FLIGHT, _ByteBudget, _write_stage
 from safekeeper.testing import synthetic_wal
 from safekeeper.timeline import Timeline
 from safekeeper.wal_storage import WalStorageBroken, WalStorageError
-
-TENANT = TenantId(bytes(range(16)))
-TIMELINE = TimelineId(bytes(range(16, 32)))
-START = Lsn(WAL_SEGMENT_SIZE + 40)
-
+from tests.safekeeper.conftest import (
+    START,
+    SYSTEM_ID,
+    TENANT,
+    TIMELINE,
+    AckRecorder,
+    elected_timeline,
+    queued_appends,
+    wait_until,
+)
 
 
 async def _elected_timeline(tmp_path: Path) -> Timeline:
     """A timeline with fsync on, greeted and elected in term 1 at ``START``."""
-    tl = Timeline.create(tmp_path / "tl", 1, TENANT, TIMELINE, no_sync=False)
-    greeting = ProposerGreeting(
-        tenant_id=TENANT, timeline_id=TIMELINE, pg_version=150000, system_id=7,
-        wal_seg_size=WAL_SEGMENT_SIZE,
-    )
-    elected = ProposerElected(1, START, (TermSwitchEntry(1, START),))
-    _, error = await tl.process_batch([greeting, VoteRequest(1), elected])
-    assert error is None
-    return tl
+    return await elected_timeline(tmp_path / "tl", no_sync=False)
+
 
 async def test_error_after_valid_appends_still_syncs_before_the_ack(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -67,7 +55,7 @@ async def test_error_after_valid_appends_still_syncs_before_the_ack(
 
     monkeypatch.setattr(os, "fdatasync", recording_fdatasync)
 
-    wal = synthetic_wal(START, 8192, system_id=7)
+    wal = synthetic_wal(START, 8192, system_id=SYSTEM_ID)
     good = AppendRequest(1, START, Lsn(START + len(wal)), INVALID_LSN, INVALID_LSN, wal)
     gap_at = Lsn(START + len(wal) + 8192)
     gap = AppendRequest(1, gap_at, Lsn(gap_at + 16), INVALID_LSN, INVALID_LSN, b"x" * 16)
@@ -118,7 +106,7 @@ async def test_a_failed_fdatasync_is_never_retried_into_an_acknowledgement(
         real_fdatasync(fd)
 
     monkeypatch.setattr(os, "fdatasync", failing_once)
-    wal = synthetic_wal(START, 16384, system_id=7)
+    wal = synthetic_wal(START, 16384, system_id=SYSTEM_ID)
     half = len(wal) // 2
     first = AppendRequest(1, START, Lsn(START + half), INVALID_LSN, INVALID_LSN, wal[:half])
     _, pending, error = await tl.write_appends([first])
@@ -175,40 +163,27 @@ async def test_syncs_in_flight_are_bounded_and_acks_follow_their_own_fsync(
     monkeypatch.setattr(tl.storage, "sync_handle", numbered_sync_handle)
     monkeypatch.setattr(tl.storage, "fdatasync", slow_first_fdatasync)
 
-    acks: list[tuple[Lsn, list[int]]] = []
-
-    class Copy:
-        async def send_many(self, payloads: list[bytes]) -> None:
-            for payload in payloads:
-                msg = decode_acceptor_message(payload, 3)
-                assert isinstance(msg, AppendResponse)
-                acks.append((msg.flush_lsn, list(finished)))
-
-    wal = synthetic_wal(START, 4 * 65536, system_id=7)
+    recorder = AckRecorder(lambda: list(finished))
     piece = 65536
     groups = 4
-    send, receive = trio.open_memory_channel[ProposerMessage | RemoteProtocolError](100)
-    for k in range(groups):
-        begin = Lsn(START + k * piece)
-        chunk = wal[k * piece : (k + 1) * piece]
-        send.send_nowait(
-            AppendRequest(1, begin, Lsn(begin + len(chunk)), INVALID_LSN, INVALID_LSN, chunk)
-        )
+    wal = synthetic_wal(START, groups * piece, system_id=SYSTEM_ID)
+    send, receive = queued_appends(wal, piece, groups)
     budget = _ByteBudget(1 << 30)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             # max_write_bytes = one message: every message is its own group.
             nursery.start_soon(
-                _write_stage, Copy(), receive, tl, 3, piece, budget  # type: ignore[arg-type]
+                _write_stage, recorder, receive, tl, 3, piece, budget  # type: ignore[arg-type]
             )
-            while len(started) < SYNCS_IN_FLIGHT:
-                await trio.sleep(0.01)
-            await trio.sleep(0.2)
-            # The first sync blocks: exactly SYNCS_IN_FLIGHT started, nothing acknowledged.
+            await wait_until(lambda: len(started) >= SYNCS_IN_FLIGHT)
+            # Everything that can run without the first fdatasync has run once every task
+            # waits: exactly SYNCS_IN_FLIGHT syncs started, nothing acknowledged.
+            await trio.testing.wait_all_tasks_blocked(0.05)
             assert len(started) == SYNCS_IN_FLIGHT
-            assert acks == []
+            assert recorder.acks == []
             gate.set()
             await send.aclose()
+    acks = recorder.acks
     assert [f for f, _ in acks] == sorted(f for f, _ in acks)
     assert len(acks) == groups
     for k, (_flush, done) in enumerate(acks, start=1):
@@ -222,7 +197,7 @@ async def test_each_sync_in_flight_has_its_own_open_file_description(tmp_path: P
     group 1 would be acknowledged. Each pending sync must therefore open the segment anew
     (a shared description shows as a shared file offset)."""
     tl = await _elected_timeline(tmp_path)
-    wal = synthetic_wal(START, 16384, system_id=7)
+    wal = synthetic_wal(START, 16384, system_id=SYSTEM_ID)
     half = len(wal) // 2
     pendings = []
     for begin, chunk in ((START, wal[:half]), (Lsn(START + half), wal[half:])):

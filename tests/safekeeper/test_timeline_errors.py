@@ -5,33 +5,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn
+from protocol.lsn import INVALID_LSN, Lsn
 from protocol.safekeeper import (
     AppendRequest,
     AppendResponse,
-    ProposerElected,
-    ProposerGreeting,
-    TermSwitchEntry,
     VoteRequest,
 )
 from safekeeper.record_tracker import InvalidWal
 from safekeeper.testing import synthetic_wal
-from safekeeper.timeline import Timeline
-from tests.safekeeper.test_pipelined_durability import TENANT, TIMELINE
-
-START = Lsn(WAL_SEGMENT_SIZE + 40)
+from tests.safekeeper.conftest import START, SYSTEM_ID, elected_timeline
 
 
 async def test_invalid_wal_before_a_non_append_is_the_proposers_error(tmp_path: Path) -> None:
-    tl = Timeline.create(tmp_path / "tl", 1, TENANT, TIMELINE, no_sync=True)
-    greeting = ProposerGreeting(
-        tenant_id=TENANT, timeline_id=TIMELINE, pg_version=150000, system_id=7,
-        wal_seg_size=WAL_SEGMENT_SIZE,
-    )
-    elected = ProposerElected(1, START, (TermSwitchEntry(1, START),))
-    _, error = await tl.process_batch([greeting, VoteRequest(1), elected])
-    assert error is None
-    wal = bytearray(synthetic_wal(START, 16384, system_id=7))
+    tl = await elected_timeline(tmp_path / "tl", no_sync=True)
+    wal = bytearray(synthetic_wal(START, 16384, system_id=SYSTEM_ID))
     half = 8192
     wal[half + 2000] ^= 0x40  # damage a record of the second AppendRequest
     good = AppendRequest(1, START, Lsn(START + half), INVALID_LSN, INVALID_LSN, bytes(wal[:half]))

@@ -10,31 +10,23 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 import safekeeper.wal_io
-from protocol.errors import RemoteProtocolError
-from protocol.ids import TenantId, TimelineId
-from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn
-from protocol.safekeeper import (
-    AppendRequest,
-    AppendResponse,
-    ProposerElected,
-    ProposerGreeting,
-    ProposerMessage,
-    TermSwitchEntry,
-    VoteRequest,
-    decode_acceptor_message,
-)
+from protocol.lsn import Lsn
 from safekeeper.config import ConfigError, parse_config
 from safekeeper.receive_wal import SYNCS_IN_FLIGHT, _ByteBudget, _write_stage
 from safekeeper.testing import synthetic_wal
-from safekeeper.timeline import Timeline
 from safekeeper.wal_io import ENGINES, Job, WalIo, WalIoEngine
 from safekeeper.wal_storage import TrackedGroup
-
-TENANT = TenantId(bytes(range(16)))
-TIMELINE = TimelineId(bytes(range(16, 32)))
-START = Lsn(WAL_SEGMENT_SIZE + 40)
+from tests.safekeeper.conftest import (
+    START,
+    SYSTEM_ID,
+    AckRecorder,
+    elected_timeline,
+    queued_appends,
+    wait_until,
+)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -134,17 +126,7 @@ async def test_no_fsync_ingest_submits_the_next_group_while_a_write_runs_but_ack
     """fsync off, writer thread: group 1's write is held; group 2 is checked and submitted
     meanwhile (the pipelining), nothing is acknowledged until group 1's write returned, and
     every acknowledgement covers only groups whose write returned."""
-    tl = Timeline.create(
-        tmp_path / "tl", 1, TENANT, TIMELINE, no_sync=True, wal_io_engine="writer-thread"
-    )
-    greeting = ProposerGreeting(
-        tenant_id=TENANT, timeline_id=TIMELINE, pg_version=150000, system_id=7,
-        wal_seg_size=WAL_SEGMENT_SIZE,
-    )
-    _, error = await tl.process_batch(
-        [greeting, VoteRequest(1), ProposerElected(1, START, (TermSwitchEntry(1, START),))]
-    )
-    assert error is None
+    tl = await elected_timeline(tmp_path / "tl", no_sync=True, wal_io_engine="writer-thread")
 
     gate = threading.Event()
     written: list[Lsn] = []  # group end LSNs whose write returned
@@ -158,41 +140,28 @@ async def test_no_fsync_ingest_submits_the_next_group_while_a_write_runs_but_ack
 
     monkeypatch.setattr(tl.storage, "write_tracked", held_first_write)
 
-    acks: list[tuple[Lsn, list[Lsn]]] = []
-
-    class Copy:
-        async def send_many(self, payloads: list[bytes]) -> None:
-            for payload in payloads:
-                msg = decode_acceptor_message(payload, 3)
-                assert isinstance(msg, AppendResponse)
-                acks.append((msg.flush_lsn, list(written)))
-
+    recorder = AckRecorder(lambda: list(written))
     piece = 65536
     groups = 4
-    wal = synthetic_wal(START, groups * piece, system_id=7)
-    send, receive = trio.open_memory_channel[ProposerMessage | RemoteProtocolError](100)
-    for k in range(groups):
-        begin = Lsn(START + k * piece)
-        chunk = wal[k * piece : (k + 1) * piece]
-        send.send_nowait(
-            AppendRequest(1, begin, Lsn(begin + len(chunk)), INVALID_LSN, INVALID_LSN, chunk)
-        )
+    wal = synthetic_wal(START, groups * piece, system_id=SYSTEM_ID)
+    send, receive = queued_appends(wal, piece, groups)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             # max_write_bytes = one message: every message is its own group.
             nursery.start_soon(
-                _write_stage, Copy(), receive, tl, 3, piece, _ByteBudget(1 << 30)  # type: ignore[arg-type]
+                _write_stage, recorder, receive, tl, 3, piece, _ByteBudget(1 << 30)  # type: ignore[arg-type]
             )
-            while tl.stats.groups < 2:
-                await trio.sleep(0.01)
-            await trio.sleep(0.1)
-            # Groups 2 and 3 were checked and submitted while group 1's write is still held
-            # (two groups pending, and the next one submitted before the loop waits for the
-            # oldest); group 4 waits.
+            await wait_until(lambda: tl.stats.groups >= SYNCS_IN_FLIGHT + 1)
+            # Once every task waits (the write stage on group 1's held write), groups 2 and
+            # 3 were checked and submitted while group 1's write is still held (two groups
+            # pending, and the next one submitted before the loop waits for the oldest);
+            # group 4 waits.
+            await trio.testing.wait_all_tasks_blocked(0.05)
             assert tl.stats.groups == SYNCS_IN_FLIGHT + 1
-            assert written == [] and acks == []
+            assert written == [] and recorder.acks == []
             gate.set()
             await send.aclose()
+    acks = recorder.acks
     assert len(written) == groups
     assert [f for f, _ in acks] == sorted(f for f, _ in acks)
     for flush, done in acks:

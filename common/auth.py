@@ -15,6 +15,9 @@ lives in ``common.pgauth`` and ``common.http``.
 Permission (``check_permission``): a ``tenant`` token may touch its own tenant's data only,
 never node-wide operations; ``pageserverapi`` may do everything on a pageserver and nothing
 on a safekeeper; ``safekeeperdata`` everything on a safekeeper and nothing on a pageserver.
+The storage controller (``check_scope``, Neon's rule) asks each route for one exact scope:
+``generations_api`` for the pageservers' upcalls, ``admin`` for its control API; an ``admin``
+token passes everywhere on it, and neither scope is valid on a pageserver or a safekeeper.
 """
 
 from __future__ import annotations
@@ -48,12 +51,19 @@ PUBLIC_KEY_NAME = "auth_public_key.pem"
 # Environment variable a node or a client reads its own token from (never a command-line
 # argument: ``ps`` shows those to every user of the machine).
 TOKEN_ENV = "PAGESTORE_AUTH_TOKEN"
+# A pageserver's ``generations_api`` token for its upcalls to the storage controller (Neon's
+# ``control_plane_api_token``), beside its ``safekeeperdata`` token in TOKEN_ENV.
+CONTROL_PLANE_TOKEN_ENV = "PAGESTORE_CONTROL_PLANE_API_TOKEN"
 
 
 class Scope(enum.Enum):
     TENANT = "tenant"
     PAGESERVERAPI = "pageserverapi"
     SAFEKEEPERDATA = "safekeeperdata"
+    # The storage controller's: the pageservers' upcalls (re-attach, attach, validate) ...
+    GENERATIONS_API = "generations_api"
+    # ... and its control API (moving and deleting tenants), what the CLI holds.
+    ADMIN = "admin"
 
 
 class Service(enum.Enum):
@@ -61,6 +71,7 @@ class Service(enum.Enum):
 
     PAGESERVER = "pageserver"
     SAFEKEEPER = "safekeeper"
+    STORAGE_CONTROLLER = "storage_controller"
 
 
 class AuthError(Exception):
@@ -305,8 +316,20 @@ def check_permission(service: Service, claims: Claims, tenant_id: TenantId | Non
                 f"used for tenant {tenant_id.hex}",
             )
         return
+    if service is Service.STORAGE_CONTROLLER:
+        raise ValueError("the storage controller's routes name their scope: use check_scope")
     allowed = Scope.PAGESERVERAPI if service is Service.PAGESERVER else Scope.SAFEKEEPERDATA
     if claims.scope is not allowed:
         raise AuthError(
             "forbidden", f"a {claims.scope.value} token is not valid on the {service.value}"
+        )
+
+
+def check_scope(claims: Claims, required: Scope) -> None:
+    """The storage controller's rule: a route needs exactly ``required``, or ``admin``.
+    Raises ``AuthError("forbidden", ...)`` if the token has neither."""
+    if claims.scope is not required and claims.scope is not Scope.ADMIN:
+        raise AuthError(
+            "forbidden",
+            f"a {claims.scope.value} token is not valid here (this call needs {required.value})",
         )

@@ -33,7 +33,9 @@ Auth (``HttpServer(..., auth=HttpAuth(verifier, service))``, docs/auth.md): ever
 the exact paths in ``HttpAuth.open_paths`` (``/v1/status``, ``/metrics``) needs
 ``Authorization: Bearer <jwt>``. The check is the server's, not each handler's, so a new
 route cannot forget it: a route whose pattern has ``{tenant_id}`` is that tenant's operation,
-any other route is node-wide (``pageserverapi`` / ``safekeeperdata`` only). No or a malformed
+any other route is node-wide (``pageserverapi`` / ``safekeeperdata`` only); with
+``scope_of`` (the storage controller) the path alone names the scope a route needs
+(``common.auth.check_scope``). No or a malformed
 header: 401; a bad, expired or insufficient token: 403; one warning log line each, with the
 peer and the reason. TLS: ``ssl_context`` makes the port HTTPS (TLS from the first byte).
 """
@@ -53,7 +55,7 @@ import h11
 import structlog
 import trio
 
-from common.auth import AuthError, JwtVerifier, Service, check_permission
+from common.auth import AuthError, JwtVerifier, Scope, Service, check_permission, check_scope
 from common.config import ConfigError, strict_primitives, structure_config
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId
@@ -191,6 +193,9 @@ class HttpAuth:
     verifier: JwtVerifier
     service: Service
     open_paths: frozenset[str] = frozenset({"/v1/status", "/metrics"})
+    # The scope a request path needs, for a node whose routes each name one (the storage
+    # controller); None: the tenant / node-wide rule of ``check_permission``.
+    scope_of: Callable[[str], Scope] | None = None
 
     def check(self, request: Request, params: dict[str, str]) -> None:
         """Raise ``HttpError`` 401/403 unless the request's token covers it."""
@@ -201,6 +206,9 @@ class HttpAuth:
         if not sep or kind != "Bearer" or not token or not token.isascii():
             raise AuthError("header", "malformed authorization header (want 'Bearer <jwt>')")
         claims = self.verifier.decode(token)
+        if self.scope_of is not None:
+            check_scope(claims, self.scope_of(request.path))
+            return
         tenant: TenantId | None = None
         if "tenant_id" in params:
             try:

@@ -7,13 +7,14 @@ A key path or certificate that does not load stops the node's start-up with the 
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
 import structlog
 import trio
 
-from common.auth import AuthKeyError, JwtVerifier, Service
+from common.auth import AuthKeyError, JwtVerifier, Scope, Service
 from common.http import HttpAuth, HttpError, Request, Router
 from common.pgauth import JwtAuthenticator
 from common.tls import reload_server_context, server_context
@@ -32,7 +33,7 @@ class NodeSecurity:
 
     def add_reload_route(self, router: Router) -> None:
         """``POST /v1/reload_auth_validation_keys`` (node-wide: ``pageserverapi`` on a
-        pageserver, ``safekeeperdata`` on a safekeeper): re-read the key path, so a key added
+        pageserver, ``safekeeperdata`` on a safekeeper, ``admin`` on the storage controller): re-read the key path, so a key added
         to (or removed from) the directory counts without a restart, on both ports. 400 when
         auth is off; 500 naming the problem when the keys do not load (the old ones stay)."""
         verifier = self.verifier
@@ -74,13 +75,17 @@ class NodeSecurity:
         http_auth_type: str,
         key_path: Path | None,
         ssl_files: tuple[Path, Path] | None,
+        scope_of: Callable[[str], Scope] | None = None,
     ) -> NodeSecurity:
+        """``scope_of``: the HTTP port's routes each need the scope it names for their path
+        (the storage controller; ``HttpAuth.scope_of``)."""
         verifier: JwtVerifier | None = None
         if "NeonJWT" in (pg_auth_type, http_auth_type):
             if key_path is None:
                 raise ValueError("NeonJWT auth needs auth_validation_public_key_path")
             verifier = JwtVerifier.from_key_path(key_path)
         pg = JwtAuthenticator(verifier, service) if verifier and pg_auth_type == "NeonJWT" else None
-        http = HttpAuth(verifier, service) if verifier and http_auth_type == "NeonJWT" else None
+        http = (HttpAuth(verifier, service, scope_of=scope_of)
+                if verifier and http_auth_type == "NeonJWT" else None)
         ctx = None if ssl_files is None else server_context(*ssl_files)
         return cls(pg, http, ctx, verifier, ssl_files)

@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench wal-acceptor": ("bench.wal_acceptor", "safekeeper WAL ingest MiB/s: sizes x fsync x coalescing"),
     "demo": ("control_plane.cmd_demo", "the main job: cluster, pgbench, branch at an LSN, compare pages"),
     "endpoint list": ("control_plane.cmd_endpoint_list", "list endpoints"),
+    "endpoint remove": ("control_plane.cmd_endpoint_remove", "remove a stopped endpoint's directory and its entry"),
     "endpoint start": ("control_plane.cmd_endpoint_start", "start a PostgreSQL 15 compute on a branch (or read-only at an LSN)"),
     "endpoint stop": ("control_plane.cmd_endpoint_stop", "stop an endpoint and its walproposer bridge"),
     "fuzz": ("bench.fuzz", "coverage-guided fuzzing of a native decoder against its pure-Python twin (atheris)"),
@@ -62,7 +63,7 @@ GROUP_HELP = {
     "bench": "benchmarks; each prints JSON lines",
     "tenant": "create, list, migrate and delete tenants",
     "timeline": "branch, list, import and delete timelines",
-    "endpoint": "start and stop PostgreSQL computes on pagestore",
+    "endpoint": "start, stop and remove PostgreSQL computes on pagestore",
     "verify": "correctness checks against PostgreSQL",
 }
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from common.auth import TOKEN_ENV, Scope
+from common.auth import CONTROL_PLANE_TOKEN_ENV, TOKEN_ENV, Scope
 from control_plane import process
 from control_plane.http_client import ApiError, get_json, post_json, request_json
 from control_plane.local_env import LocalEnv, LocalEnvError, port_free
@@ -57,11 +57,19 @@ def _node_cmd(env: LocalEnv, name: str) -> tuple[list[str], str]:
 
 
 def _node_env(env: LocalEnv, name: str) -> dict[str, str]:
-    """The pageserver's token for the safekeepers (its WAL receivers), and a safekeeper's for
-    its peers' HTTP (safekeeper.peers), in the node's environment."""
+    """The pageserver's token for the safekeepers (its WAL receivers) and for its upcalls to
+    the storage controller, and a safekeeper's for its peers' HTTP (safekeeper.peers), in the
+    node's environment (never on its command line)."""
+    out: dict[str, str] = {}
     token = (env.token(Scope.SAFEKEEPERDATA)
              if _is_pageserver(name) or name.startswith("safekeeper_") else None)
-    return {} if token is None else {TOKEN_ENV: token}
+    if token is not None:
+        out[TOKEN_ENV] = token
+    if _is_pageserver(name) and env.storage_controller_url is not None:
+        upcalls = env.token(Scope.GENERATIONS_API)
+        if upcalls is not None:
+            out[CONTROL_PLANE_TOKEN_ENV] = upcalls
+    return out
 
 
 def _node_ports(env: LocalEnv, name: str) -> list[int]:

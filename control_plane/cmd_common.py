@@ -65,6 +65,14 @@ def guarded(body: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
     return run
 
 
+def stale_endpoints_hint(names: list[str]) -> str:
+    """What to do about the stopped endpoints a deletion left (empty: none)."""
+    if not names:
+        return ""
+    return (f"; stopped endpoints {', '.join(names)} named it: `pagestore endpoint remove NAME` "
+            "removes each")
+
+
 def table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()

@@ -6,7 +6,14 @@ from __future__ import annotations
 import argparse
 
 from control_plane import cluster
-from control_plane.cmd_common import add_json, add_workdir, emit, guarded, load_env
+from control_plane.cmd_common import (
+    add_json,
+    add_workdir,
+    emit,
+    guarded,
+    load_env,
+    stale_endpoints_hint,
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -18,5 +25,5 @@ def configure(parser: argparse.ArgumentParser) -> None:
 @guarded
 def run(args: argparse.Namespace) -> int:
     data = cluster.delete_tenant(load_env(args), args.tenant)
-    emit(args, data, lambda d: f"tenant {d['tenant_id']} deleted")
+    emit(args, data, lambda d: f"tenant {d['tenant_id']} deleted" + stale_endpoints_hint(d["stopped_endpoints_left"]))
     return 0

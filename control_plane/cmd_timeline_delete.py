@@ -7,7 +7,15 @@ from __future__ import annotations
 import argparse
 
 from control_plane import cluster
-from control_plane.cmd_common import add_json, add_tenant, add_workdir, emit, guarded, load_env
+from control_plane.cmd_common import (
+    add_json,
+    add_tenant,
+    add_workdir,
+    emit,
+    guarded,
+    load_env,
+    stale_endpoints_hint,
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -24,5 +32,6 @@ def run(args: argparse.Namespace) -> int:
     data = cluster.delete_timeline(load_env(args), args.tenant_id, branch=args.branch_name,
                                    timeline_id=args.timeline_id)
     emit(args, data, lambda d: f"timeline {d['timeline_id']} deleted"
-         + (f" (branches {', '.join(d['branches'])})" if d["branches"] else ""))
+         + (f" (branches {', '.join(d['branches'])})" if d["branches"] else "")
+         + stale_endpoints_hint(d["stopped_endpoints_left"]))
     return 0

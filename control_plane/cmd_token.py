@@ -2,6 +2,7 @@
 
     PGPASSWORD=$(pagestore token --tenant-id T) psql "host=127.0.0.1 port=64000 user=x" ...
     curl -H "Authorization: Bearer $(pagestore token --scope pageserverapi)" .../v1/tenant
+    curl -H "Authorization: Bearer $(pagestore token --scope admin)" .../control/v1/tenant
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the tenant a `tenant` token is for (default: the cluster's default tenant)")
     parser.add_argument("--scope", default="tenant", choices=[s.value for s in Scope],
                         help="tenant (a compute's or user's, one tenant), pageserverapi (all of the "
-                             "pageserver), safekeeperdata (all of the safekeepers); default tenant")
+                             "pageserver), safekeeperdata (all of the safekeepers), admin (the "
+                             "storage controller's control API), generations_api (its pageserver "
+                             "upcalls); default tenant")
     parser.add_argument("--ttl", type=parse_ttl, default=3600.0,
                         help="lifetime: 90s, 15m, 1h (default), 7d, or never (no exp claim)")
 

@@ -619,6 +619,31 @@ def stop_endpoint(env: LocalEnv, name: str, *, mode: str = "fast", log: Any = pr
     _stop_pagefs(ep, log)
 
 
+def remove_endpoint(env: LocalEnv, name: str) -> dict[str, Any]:
+    """Remove a stopped endpoint: its directory (data directory, logs, page filesystem cache)
+    and so its entry in ``endpoint list``. Its pages and WAL are the timeline's, on the
+    pageserver and the safekeepers: nothing of the branch goes. Refused while its PostgreSQL,
+    its walproposer bridge or its page filesystem runs (or the mount is left): the directory
+    is never removed under a live process or through a mount."""
+    ep = load_endpoint(env, name)
+    left = []
+    if (pid := ep.pg_pid()) is not None:
+        left.append(f"PostgreSQL (pid {pid})")
+    if (pid := process.running_pid(ep.bridge_pid_path)) is not None:
+        left.append(f"its walproposer bridge (pid {pid})")
+    if ep.pagefs_left():
+        left.append("its page filesystem")
+    if left:
+        raise EndpointError(f"endpoint {name!r} is running ({', '.join(left)}): "
+                            f"`pagestore endpoint stop {name}` first")
+    # The spec goes first: a removal cut short leaves a directory no command lists, which the
+    # next `endpoint start` of that name clears.
+    (ep.dir / "endpoint.json").unlink()
+    shutil.rmtree(ep.dir)
+    return {"name": name, "tenant_id": ep.spec.tenant_id, "timeline_id": ep.spec.timeline_id,
+            "branch": ep.spec.branch, "removed": str(ep.dir)}
+
+
 def follow_tenant(env: LocalEnv, tenant_id: str, ps_id: int, *, log: Any = print) -> list[str]:
     """Point the tenant's endpoints at pageserver ``ps_id`` (after a migration): a running
     lazy endpoint's page filesystem reads from it from now on; every endpoint records it (a

@@ -237,7 +237,7 @@ class LocalEnv:
     def storage_controller_url(self) -> str | None:
         """The controller's HTTP API (None: a one-pageserver cluster issues its own generations)."""
         port = self.config.storage_controller_port
-        return None if not port else f"http://127.0.0.1:{port}"
+        return None if not port else f"{self._scheme}://127.0.0.1:{port}"
 
     def safekeeper_dir(self, sk_id: int) -> Path:
         return self.workdir / f"safekeeper_{sk_id}"
@@ -357,6 +357,8 @@ class LocalEnv:
         sk_token = self.token(Scope.SAFEKEEPERDATA)
         for i in self.safekeeper_ids:
             register_credentials(self.safekeeper_http(i), sk_token, ctx)
+        if self.storage_controller_url is not None:
+            register_credentials(self.storage_controller_url, self.token(Scope.ADMIN), ctx)
 
     def _create_credentials(self) -> None:
         if self.config.auth:
@@ -430,9 +432,16 @@ class LocalEnv:
         return self.storage_controller_dir / "storage_controller.toml"
 
     def storage_controller_config_table(self) -> dict[str, Any]:
-        return {"workdir": str(self.storage_controller_dir),
-                "listen_http_addr": f"127.0.0.1:{self.config.storage_controller_port}",
-                "log_file": str(self.storage_controller_dir / "storage_controller.log")}
+        d = self.storage_controller_dir
+        table: dict[str, Any] = {"workdir": str(d),
+                                 "listen_http_addr": f"127.0.0.1:{self.config.storage_controller_port}",
+                                 "log_file": str(d / "storage_controller.log")}
+        # Only its HTTP port: the pg keys of _auth_table are not the controller's.
+        if self.config.auth:
+            table.update(http_auth_type="NeonJWT", auth_validation_public_key_path=str(self.public_key_path))
+        if self.config.tls:
+            table.update(ssl_cert_file=str(d / CERT_NAME), ssl_key_file=str(d / KEY_NAME))
+        return table
 
     def safekeeper_config_path(self, sk_id: int) -> Path:
         return self.safekeeper_dir(sk_id) / "safekeeper.toml"

@@ -20,6 +20,12 @@ HTTP API (JSON):
 - ``DELETE /control/v1/tenant/{tenant_id}``: the tenant was deleted; it keeps a tombstone
   (node 0, its generation advanced past every one it had).
 - ``GET /control/v1/tenant`` → ``{tenants: [{id, gen, node_id}]}`` (node 0: deleted).
+
+Auth (``http_auth_type = "NeonJWT"``, docs/auth.md; Neon's scopes): ``/upcall/v1/*`` needs a
+``generations_api`` token (what the pageservers hold), every other route an ``admin`` token
+(what the CLI holds); ``admin`` passes everywhere; only ``/v1/status`` is open. Without it
+anyone who reaches the port could hand out generations, move tenants or tombstone them.
+TLS (``ssl_cert_file``/``ssl_key_file``): the port speaks HTTPS.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import sys
 from pathlib import Path
 
@@ -34,9 +41,11 @@ import attrs
 import structlog
 import trio
 
+from common.auth import AuthKeyError, Scope, Service
 from common.config import ConfigError, load_config
 from common.http import HttpError, HttpServer, HttpServerConfig, Request, Router
 from common.logging import setup_logging
+from common.security import NodeSecurity
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId
 
@@ -49,6 +58,34 @@ class StorageControllerConfig:
     listen_http_addr: str = "127.0.0.1:1234"
     log_file: Path | None = None
     log_level: str = "info"
+    # "NeonJWT": every route but /v1/status needs a token (``route_scope``); "Trust": none.
+    http_auth_type: str = attrs.field(default="Trust", validator=attrs.validators.in_(("Trust", "NeonJWT")))
+    auth_validation_public_key_path: Path | None = None
+    ssl_cert_file: Path | None = None
+    ssl_key_file: Path | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.ssl_cert_file is None) != (self.ssl_key_file is None):
+            raise ValueError("ssl_cert_file and ssl_key_file go together: set both or neither")
+
+    def security(self) -> NodeSecurity:
+        """Keys and certificate loaded (``AuthKeyError``/``OSError``/``ssl.SSLError`` name a
+        file that does not load)."""
+        ssl_files = None if self.ssl_cert_file is None or self.ssl_key_file is None else (
+            self.ssl_cert_file, self.ssl_key_file)
+        return NodeSecurity.build(
+            Service.STORAGE_CONTROLLER, pg_auth_type="Trust", http_auth_type=self.http_auth_type,
+            key_path=self.auth_validation_public_key_path, ssl_files=ssl_files, scope_of=route_scope,
+        )
+
+
+UPCALL_PREFIX = "/upcall/v1/"
+
+
+def route_scope(path: str) -> Scope:
+    """The scope a route needs: the pageservers' upcalls ``generations_api``, everything else
+    (the control API, key and certificate reloads, and any route added later) ``admin``."""
+    return Scope.GENERATIONS_API if path.startswith(UPCALL_PREFIX) else Scope.ADMIN
 
 
 @attrs.frozen
@@ -145,8 +182,10 @@ def _tenant(raw: str) -> str:
         raise HttpError(400, f"bad tenant id {raw!r}: {exc}") from None
 
 
-def build_router(store: GenerationStore) -> Router:
+def build_router(store: GenerationStore, security: NodeSecurity | None = None) -> Router:
     router = Router()
+    if security is not None:
+        security.add_reload_route(router)
 
     @router.route("GET", "/v1/status")
     async def status(_req: Request) -> object:
@@ -199,11 +238,14 @@ async def serve(
 ) -> None:
     config.workdir.mkdir(parents=True, exist_ok=True)
     store = GenerationStore(config.workdir / "generations.json")
+    security = config.security()
     host, _, port = config.listen_http_addr.rpartition(":")
-    server = HttpServer(build_router(store), HttpServerConfig(host=host, port=int(port)))
+    server = HttpServer(build_router(store, security), HttpServerConfig(host=host, port=int(port)),
+                        auth=security.http_auth, ssl_context=security.ssl_context)
     async with trio.open_nursery() as nursery:
         bound: int = await nursery.start(server.serve)
-        log.info("storage controller started", port=bound, tenants=len(store.tenants))
+        log.info("storage controller started", port=bound, tenants=len(store.tenants),
+                 auth=security.http_auth is not None, tls=security.ssl_context is not None)
         task_status.started(bound)
 
 
@@ -218,5 +260,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"storage-controller: {exc}", file=sys.stderr)
         return 2
     setup_logging(log_file=config.log_file, level=config.log_level)
+    try:
+        config.security()  # a key or certificate that does not load: say so, exit 2
+    except (AuthKeyError, OSError, ValueError, ssl.SSLError) as exc:
+        print(f"storage-controller: cannot start: {exc}", file=sys.stderr)
+        return 2
     trio.run(serve, config)
     return 0

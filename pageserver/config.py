@@ -124,7 +124,8 @@ class PageserverConfig:
     # TLS on both ports when set (libpq: SSLRequest answered S, plaintext refused; HTTP: https).
     ssl_cert_file: Path | None = None
     ssl_key_file: Path | None = None
-    # CA the WAL receivers verify the safekeepers' certificates with (TLS to them when set).
+    # CA the WAL receivers verify the safekeepers' certificates with (TLS to them when set),
+    # and the upcalls the storage controller's (when control_plane_api is https).
     ssl_ca_file: Path | None = None
     # The durable tier (remote-storage.md): {kind = "local", path = "..."} or {kind = "s3",
     # endpoint, bucket, prefix, region}; None: layers live on this node's disk only.

@@ -3,7 +3,11 @@
 tenant it creates, ``validate`` before it deletes remote objects or reports
 ``remote_consistent_lsn`` (remote-storage.md §3).
 
-Plain HTTP/JSON through urllib in a worker thread. ``re_attach`` and ``attach`` retry until the
+HTTP(S)/JSON through urllib in a worker thread; with auth on, every call carries the node's
+``generations_api`` token as ``Authorization: Bearer`` (from ``$PAGESTORE_CONTROL_PLANE_API_TOKEN``,
+never a command-line argument), and with TLS the controller's certificate is verified against
+the cluster's CA (``ssl_ca_file``). A refused token (401/403) is not retried: the message says
+why. ``re_attach`` and ``attach`` retry until the
 controller answers (the node cannot serve a tenant without a generation); ``validate`` tries a
 few times and then answers "not valid": the deletion is dropped (a leak) or the LSN stays (the
 safekeepers keep WAL) — both safe while the controller is away.
@@ -12,6 +16,7 @@ safekeepers keep WAL) — both safe while the controller is away.
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.error
 import urllib.request
 from typing import Any
@@ -35,18 +40,29 @@ class ControlPlaneRefusedError(ControlPlaneError):
 
 
 class ControlPlaneClient:
-    def __init__(self, base_url: str, node_id: int, *, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        node_id: int,
+        *,
+        timeout_s: float = 10.0,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/") + "/"
         self.node_id = node_id
         self.timeout_s = timeout_s
+        self._headers = {"content-type": "application/json"}
+        if token is not None:
+            self._headers["authorization"] = f"Bearer {token}"
+        self.ssl_context = ssl_context
 
     def _post_sync(self, path: str, body: object) -> Any:
         req = urllib.request.Request(
-            self.base_url + path, data=json.dumps(body).encode(), method="POST",
-            headers={"content-type": "application/json"},
+            self.base_url + path, data=json.dumps(body).encode(), method="POST", headers=self._headers,
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout_s, context=self.ssl_context) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as err:
             text = err.read().decode(errors="replace")

@@ -22,7 +22,7 @@ from pathlib import Path
 import structlog
 import trio
 
-from common.auth import TOKEN_ENV, AuthKeyError, Service
+from common.auth import CONTROL_PLANE_TOKEN_ENV, TOKEN_ENV, AuthKeyError, Service
 from common.config import ConfigError
 from common.http import HttpServer, HttpServerConfig
 from common.logging import setup_logging
@@ -68,9 +68,12 @@ class PageserverNode:
         *,
         handle_signals: bool = False,
         safekeeper_token: str | None = None,
+        control_plane_token: str | None = None,
     ) -> None:
         """``safekeeper_token``: the WAL receivers' token for safekeepers with auth on
-        (``run`` takes it from ``$PAGESTORE_AUTH_TOKEN``: never a command-line argument)."""
+        (``run`` takes it from ``$PAGESTORE_AUTH_TOKEN``: never a command-line argument);
+        ``control_plane_token``: the ``generations_api`` token of the upcalls to the storage
+        controller (``$PAGESTORE_CONTROL_PLANE_API_TOKEN``)."""
         self.conf = conf
         self.handle_signals = handle_signals
         self.registry = new_registry()
@@ -82,7 +85,8 @@ class PageserverNode:
             key_path=conf.auth_key_path if conf.auth_enabled else None,
             ssl_files=conf.ssl_paths,
         )
-        self.manager = TenantManager(conf, safekeeper_token=safekeeper_token)
+        self.manager = TenantManager(conf, safekeeper_token=safekeeper_token,
+                                     control_plane_token=control_plane_token)
         self.page_metrics = PageServiceMetrics.register(self.registry)
         self.pg_port: int | None = None
         self.http_port: int | None = None
@@ -160,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     keep_freed_heap()
     try:
         node = PageserverNode(conf, handle_signals=True,
-                              safekeeper_token=os.environ.get(TOKEN_ENV) or None)
+                              safekeeper_token=os.environ.get(TOKEN_ENV) or None,
+                              control_plane_token=os.environ.get(CONTROL_PLANE_TOKEN_ENV) or None)
     except (AuthKeyError, OSError, ValueError, ssl.SSLError) as exc:
         print(f"pageserver: cannot start: {exc}", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ from pathlib import Path
 import structlog
 import trio
 
+from common.tls import client_context
 from pageserver import remote_layout
 from pageserver.config import PageserverConfig, split_addr
 from pageserver.control_plane_client import ControlPlaneClient
@@ -81,7 +82,13 @@ def _fresh_dir(path: Path) -> None:
 
 
 class TenantManager:
-    def __init__(self, conf: PageserverConfig, *, safekeeper_token: str | None = None) -> None:
+    def __init__(
+        self,
+        conf: PageserverConfig,
+        *,
+        safekeeper_token: str | None = None,
+        control_plane_token: str | None = None,
+    ) -> None:
         self.conf = conf
         # The WAL receivers' safekeeperdata token (the node's PAGESTORE_AUTH_TOKEN).
         self.safekeeper_token = safekeeper_token
@@ -103,7 +110,9 @@ class TenantManager:
             None if conf.remote_storage is None else make_remote_storage(conf.remote_storage)
         )
         self.control_plane: ControlPlaneClient | None = (
-            None if conf.control_plane_api is None else ControlPlaneClient(conf.control_plane_api, conf.id)
+            None if conf.control_plane_api is None else ControlPlaneClient(
+                conf.control_plane_api, conf.id, token=control_plane_token,
+                ssl_context=None if conf.ssl_ca_path is None else client_context(conf.ssl_ca_path))
         )
         # Remote deletions persisted across restarts (opened in ``start``).
         self.deletions: DeletionQueue | None = None

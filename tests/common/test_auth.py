@@ -20,6 +20,7 @@ from common.auth import (
     Scope,
     Service,
     check_permission,
+    check_scope,
     load_public_keys,
 )
 from protocol.ids import TenantId
@@ -68,7 +69,7 @@ def test_expiry_has_leeway(kit: AuthKit) -> None:
 
 @pytest.mark.parametrize(
     "claims",
-    [{"scope": "tenant"}, {"scope": "admin"}, {"tenant_id": "11" * 16},
+    [{"scope": "tenant"}, {"scope": "infra"}, {"scope": "superuser"}, {"tenant_id": "11" * 16},
      {"scope": "tenant", "tenant_id": "xyz"}, {"scope": "tenant", "tenant_id": 5},
      {"scope": "pageserverapi", "aud": "someone"}],
 )
@@ -142,6 +143,13 @@ PS, SK = Service.PAGESERVER, Service.SAFEKEEPER
         (SK, Claims(Scope.SAFEKEEPERDATA), None, True),
         (SK, Claims(Scope.PAGESERVERAPI), T1, False),
         (SK, Claims(Scope.PAGESERVERAPI), None, False),
+        # the storage controller's scopes are valid on it only
+        (PS, Claims(Scope.ADMIN), T1, False),
+        (PS, Claims(Scope.ADMIN), None, False),
+        (PS, Claims(Scope.GENERATIONS_API), None, False),
+        (SK, Claims(Scope.ADMIN), T1, False),
+        (SK, Claims(Scope.ADMIN), None, False),
+        (SK, Claims(Scope.GENERATIONS_API), None, False),
     ],
 )
 def test_permission_table(service: Service, claims: Claims, tenant: TenantId | None, ok: bool) -> None:
@@ -151,3 +159,31 @@ def test_permission_table(service: Service, claims: Claims, tenant: TenantId | N
         with pytest.raises(AuthError) as info:
             check_permission(service, claims, tenant)
         assert info.value.forbidden
+
+
+@pytest.mark.parametrize(
+    ("claims", "required", "ok"),
+    [
+        (Claims(Scope.GENERATIONS_API), Scope.GENERATIONS_API, True),
+        (Claims(Scope.ADMIN), Scope.GENERATIONS_API, True),  # admin passes everywhere
+        (Claims(Scope.ADMIN), Scope.ADMIN, True),
+        (Claims(Scope.GENERATIONS_API), Scope.ADMIN, False),  # a pageserver cannot move tenants
+        (Claims(Scope.TENANT, T1), Scope.ADMIN, False),
+        (Claims(Scope.TENANT, T1), Scope.GENERATIONS_API, False),
+        (Claims(Scope.PAGESERVERAPI), Scope.ADMIN, False),
+        (Claims(Scope.PAGESERVERAPI), Scope.GENERATIONS_API, False),
+        (Claims(Scope.SAFEKEEPERDATA), Scope.GENERATIONS_API, False),
+    ],
+)
+def test_controller_scope_table(claims: Claims, required: Scope, ok: bool) -> None:
+    if ok:
+        check_scope(claims, required)
+    else:
+        with pytest.raises(AuthError) as info:
+            check_scope(claims, required)
+        assert info.value.forbidden
+
+
+def test_controller_permission_needs_a_route_scope() -> None:
+    with pytest.raises(ValueError, match="check_scope"):
+        check_permission(Service.STORAGE_CONTROLLER, Claims(Scope.ADMIN), None)

@@ -153,6 +153,31 @@ def test_init_several_pageservers(tmp_path: Path, capsys: pytest.CaptureFixture[
         conf = load_pageserver_config(Path(p["config"]))
         assert conf.id == i and conf.workdir == workdir.absolute() / f"pageserver_{i}"
         assert conf.control_plane_api == f"{init['storage_controller']}/upcall/v1/"
+    # Auth on the controller too (the default): its config checks tokens with the cluster's
+    # key; each pageserver gets a generations_api token in its environment, the CLI an admin one.
+    from common.auth import CONTROL_PLANE_TOKEN_ENV, TOKEN_ENV, JwtVerifier, Scope
+    from common.config import load_config
+    from control_plane import http_client
+    from control_plane.cluster import _node_env
+    from control_plane.storage_controller import StorageControllerConfig
+
+    env = LocalEnv.load(workdir)
+    sc = load_config(StorageControllerConfig, env.storage_controller_config_path)
+    assert sc.http_auth_type == "NeonJWT" and sc.auth_validation_public_key_path == env.public_key_path
+    verifier = JwtVerifier.from_key_path(env.public_key_path)
+    node_env = _node_env(env, "pageserver_2")
+    assert verifier.decode(node_env[CONTROL_PLANE_TOKEN_ENV]).scope is Scope.GENERATIONS_API
+    assert verifier.decode(node_env[TOKEN_ENV]).scope is Scope.SAFEKEEPERDATA
+    assert CONTROL_PLANE_TOKEN_ENV not in _node_env(env, "safekeeper_1")
+    assert init["storage_controller"] is not None
+    cli_token, _ = http_client._credentials_for(f"{init['storage_controller']}/control/v1/tenant")
+    assert cli_token is not None and verifier.decode(cli_token).scope is Scope.ADMIN
+    assert pagestore("init", "--workdir", str(tmp_path / "open"), "--free-ports", "--pageservers", "2",
+                     "--remote-storage", "local", "--no-auth") == 0
+    capsys.readouterr()
+    open_env = LocalEnv.load(tmp_path / "open")
+    assert load_config(StorageControllerConfig, open_env.storage_controller_config_path).http_auth_type == "Trust"
+    assert _node_env(open_env, "pageserver_1") == {}
     assert pagestore("status", "--workdir", str(workdir), "--json") == 0
     st = json.loads(capsys.readouterr().out)
     assert [n["name"] for n in st["nodes"]] == ["pageserver_1", "pageserver_2", "pageserver_3", "safekeeper_1",
@@ -216,3 +241,43 @@ def test_stale_pid_file_never_names_another_process(tmp_path: Path) -> None:
     finally:
         assert process.stop_pid(pid, timeout=5) in ("terminated", "killed")
     assert process.running_pid(pid_path) is None
+
+
+def test_endpoint_remove_takes_a_stopped_endpoints_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``endpoint remove``: a stopped endpoint's directory and entry go; a live process of it
+    (here its bridge's pid file naming this test's process) refuses the removal, and the
+    deletions' hint names the command. (A running PostgreSQL: ``test_timeline_delete``.)"""
+    import os
+
+    import cattrs
+
+    from control_plane.cmd_common import stale_endpoints_hint
+    from control_plane.endpoint import EndpointSpec, endpoint_dir
+
+    workdir = tmp_path / "c"
+    env = LocalEnv.create(workdir, plan_ports(1, free_ports=True))
+    for name in ("a", "b"):
+        d = endpoint_dir(env, name)
+        (d / "pgdata").mkdir(parents=True)
+        (d / "pgdata" / "PG_VERSION").write_text("15\n")
+        spec = EndpointSpec(name=name, tenant_id="a" * 32, timeline_id="1" * 32, branch="main", port=1,
+                            basebackup_lsn="0/0", read_only=False)
+        (d / "endpoint.json").write_text(json.dumps(cattrs.unstructure(spec)))
+    (endpoint_dir(env, "b") / "bridge.pid").write_text(f"{os.getpid()}\n")
+    wd = ["--workdir", str(workdir)]
+    assert cli.main(["endpoint", "remove", *wd, "a"]) == 0
+    assert capsys.readouterr().out.startswith("endpoint a removed")
+    assert not endpoint_dir(env, "a").exists()
+    assert cli.main(["endpoint", "remove", *wd, "b"]) == 1
+    err = capsys.readouterr().err
+    assert f"endpoint 'b' is running (its walproposer bridge (pid {os.getpid()}))" in err
+    assert "`pagestore endpoint stop b` first" in err
+    assert (endpoint_dir(env, "b") / "endpoint.json").exists()
+    assert cli.main(["endpoint", "remove", *wd, "a"]) == 1
+    assert "no endpoint 'a'" in capsys.readouterr().err
+    assert cli.main(["endpoint", "remove", *wd, "../x"]) == 1
+    assert "bad endpoint name" in capsys.readouterr().err
+    assert stale_endpoints_hint([]) == ""
+    assert "stopped endpoints d, e named it: `pagestore endpoint remove NAME`" in stale_endpoints_hint(["d", "e"])

@@ -22,7 +22,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +38,6 @@ from protocol.lsn import Lsn, parse_lsn
 from tests.integration.cli_json import pagestore_json
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
-
-
-@pytest.fixture
-def cluster_dir(pg_tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Iterator[Path]:
-    workdir = pg_tmp_path / "cluster"
-    assert cli.main(["init", "--workdir", str(workdir), "--free-ports", "--no-sync"]) == 0
-    try:
-        yield workdir
-    finally:
-        cli.main(["stop", "--workdir", str(workdir), "--immediate"])
 
 
 @attrs.frozen

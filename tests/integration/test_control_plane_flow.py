@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -59,16 +58,6 @@ def locked_snapshot(pg: PostgresInstance) -> tuple[int, int, str]:
     )
     total, n, lsn = out.splitlines()[-1].split("|")
     return int(total), int(n), lsn
-
-
-@pytest.fixture
-def cluster_dir(pg_tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Iterator[Path]:
-    workdir = pg_tmp_path / "cluster"
-    pagestore(capsys, "init", "--workdir", str(workdir), "--free-ports", "--no-sync")
-    try:
-        yield workdir
-    finally:
-        cli.main(["stop", "--workdir", str(workdir), "--immediate"])
 
 
 def test_branch_past_lsn_and_import(cluster_dir: Path, pg_tmp_path: Path,

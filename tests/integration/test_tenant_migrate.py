@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +49,8 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 
 @pytest.fixture
-def cluster_dir(pg_tmp_path: Path) -> Iterator[Path]:
-    workdir = pg_tmp_path / "cluster"
-    assert cli.main(["init", "--workdir", str(workdir), "--free-ports", "--no-sync", "--pageservers", "2",
-                     "--remote-storage", "seaweedfs"]) == 0
-    try:
-        yield workdir
-    finally:
-        cli.main(["stop", "--workdir", str(workdir), "--immediate"])
+def cluster_init_args() -> list[str]:  # for cluster_dir (tests/integration/conftest.py)
+    return ["--pageservers", "2", "--remote-storage", "seaweedfs"]
 
 
 def test_tenant_migrates_under_load(cluster_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

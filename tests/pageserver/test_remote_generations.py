@@ -12,6 +12,7 @@ from pathlib import Path
 
 import trio
 
+from common.auth import Scope
 from control_plane.storage_controller import GenerationStore, StorageControllerConfig, serve
 from pageserver import remote_layout
 from pageserver.control_plane_client import ControlPlaneClient
@@ -19,13 +20,17 @@ from pageserver.remote_tenant import TenantRemote, find_index
 from pageserver.tenant import Tenant
 from protocol.ids import TenantId, TimelineId
 from remote_storage import LocalStorageConfig, make_remote_storage
+from tests.auth_helpers import AuthKit
 from tests.pageserver.remote_helpers import FaultyStorage, check_remote_invariant
 from tests.pageserver.test_compaction_concurrency import CFG, Model, check, write_l0
 from tests.pageserver.test_remote_upload import workload
 
 
-def _post(url: str, body: object) -> object:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"}, method="POST")
+def _post(url: str, body: object, token: str | None = None) -> object:
+    headers = {"content-type": "application/json"}
+    if token is not None:
+        headers["authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
 
@@ -37,12 +42,16 @@ def remote_for(store: object, cp: ControlPlaneClient, tenant_id: TenantId, gen: 
 async def test_stale_attachment_is_fenced(tmp_path: Path) -> None:
     store = FaultyStorage(make_remote_storage(LocalStorageConfig(path=tmp_path / "remote")))
     tenant_id, timeline_id = TenantId.generate(), TimelineId.generate()
+    kit = AuthKit.create(tmp_path / "auth")  # with auth on, as a cluster runs it
+    upcalls, admin = kit.token(Scope.GENERATIONS_API), kit.token(Scope.ADMIN)
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(serve, StorageControllerConfig(workdir=tmp_path / "sc", listen_http_addr="127.0.0.1:0"))
+        port = await nursery.start(serve, StorageControllerConfig(
+            workdir=tmp_path / "sc", listen_http_addr="127.0.0.1:0", http_auth_type="NeonJWT",
+            auth_validation_public_key_path=kit.public_path))
         url = f"http://127.0.0.1:{port}"
-        cp1 = ControlPlaneClient(url + "/upcall/v1/", 1)
-        cp2 = ControlPlaneClient(url + "/upcall/v1/", 2)
-        cp3 = ControlPlaneClient(url + "/upcall/v1/", 3)
+        cp1 = ControlPlaneClient(url + "/upcall/v1/", 1, token=upcalls)
+        cp2 = ControlPlaneClient(url + "/upcall/v1/", 2, token=upcalls)
+        cp3 = ControlPlaneClient(url + "/upcall/v1/", 3, token=upcalls)
         gen1 = await cp1.attach(tenant_id)
         assert gen1 == 1
 
@@ -56,7 +65,7 @@ async def test_stale_attachment_is_fenced(tmp_path: Path) -> None:
         assert tla.remote_consistent_lsn == model_a.last_lsn
 
         # the controller moves the tenant to node 2: generation 2, loads generation 1's index
-        gen2 = (await trio.to_thread.run_sync(_post, f"{url}/control/v1/tenant/{tenant_id.hex}/attach", {"node_id": 2}))
+        gen2 = (await trio.to_thread.run_sync(_post, f"{url}/control/v1/tenant/{tenant_id.hex}/attach", {"node_id": 2}, admin))
         assert gen2 == {"gen": 2}
         b = await Tenant.load(tmp_path / "b", tenant_id, CFG, nursery=nursery, remote=remote_for(store, cp2, tenant_id, 2))
         tlb = b.timelines[timeline_id]
@@ -85,7 +94,7 @@ async def test_stale_attachment_is_fenced(tmp_path: Path) -> None:
         assert tlb.remote_consistent_lsn == model_b.last_lsn
 
         # generation 3 (node 3) follows generation 2's index, never the stale one's later index
-        assert (await trio.to_thread.run_sync(_post, f"{url}/control/v1/tenant/{tenant_id.hex}/attach", {"node_id": 3})) == {"gen": 3}
+        assert (await trio.to_thread.run_sync(_post, f"{url}/control/v1/tenant/{tenant_id.hex}/attach", {"node_id": 3}, admin)) == {"gen": 3}
         chosen = await find_index(store, tenant_id, timeline_id, 3)
         assert chosen is not None and chosen[0] == 2
         c = await Tenant.load(tmp_path / "c", tenant_id, CFG, nursery=nursery, remote=remote_for(store, cp3, tenant_id, 3))

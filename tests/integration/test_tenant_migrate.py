@@ -22,6 +22,8 @@ import os
 import shutil
 import signal
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,13 @@ def test_tenant_migrates_under_load(cluster_dir: Path, capsys: pytest.CaptureFix
     assert {n["name"] for n in st["nodes"] if n["http_ok"]} == {
         "pageserver_1", "pageserver_2", "safekeeper_1", "safekeeper_2", "safekeeper_3",
         "storage_controller", "seaweedfs"}
+    # Auth is on, on the storage controller too: without a token it moves nothing.
+    assert env.storage_controller_url is not None
+    anon = urllib.request.Request(f"{env.storage_controller_url}/control/v1/tenant/{'ab' * 16}/attach",
+                                  b'{"node_id": 2}', {"content-type": "application/json"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(anon, timeout=30)
+    assert refused.value.code == 401
     tenant = pagestore_json(capsys, "tenant", "create", *wd)
     tenant_id, timeline_id = tenant["tenant_id"], str(tenant["timeline_id"])
     assert tenant["pageserver"] == "pageserver_1"

@@ -178,6 +178,18 @@ def test_init_several_pageservers(tmp_path: Path, capsys: pytest.CaptureFixture[
     open_env = LocalEnv.load(tmp_path / "open")
     assert load_config(StorageControllerConfig, open_env.storage_controller_config_path).http_auth_type == "Trust"
     assert _node_env(open_env, "pageserver_1") == {}
+    # --tls: the controller speaks HTTPS with its own certificate, and the upcalls verify it.
+    assert pagestore("init", "--workdir", str(tmp_path / "tls"), "--free-ports", "--pageservers", "2",
+                     "--remote-storage", "local", "--tls") == 0
+    capsys.readouterr()
+    tls_env = LocalEnv.load(tmp_path / "tls")
+    assert tls_env.storage_controller_url is not None and tls_env.storage_controller_url.startswith("https://")
+    tls_sc = load_config(StorageControllerConfig, tls_env.storage_controller_config_path)
+    assert tls_sc.ssl_cert_file is not None and tls_sc.ssl_cert_file.exists()
+    assert tls_sc.security().ssl_context is not None
+    tls_ps = load_pageserver_config(tls_env.pageserver_config_path_of(2))
+    assert tls_ps.control_plane_api == f"{tls_env.storage_controller_url}/upcall/v1/"
+    assert tls_ps.ssl_ca_path is not None and tls_ps.ssl_ca_path.exists()
     assert pagestore("status", "--workdir", str(workdir), "--json") == 0
     st = json.loads(capsys.readouterr().out)
     assert [n["name"] for n in st["nodes"]] == ["pageserver_1", "pageserver_2", "pageserver_3", "safekeeper_1",

@@ -67,9 +67,9 @@ def test_tenant_migrates_under_load(cluster_dir: Path, capsys: pytest.CaptureFix
     assert env.storage_controller_url is not None
     anon = urllib.request.Request(f"{env.storage_controller_url}/control/v1/tenant/{'ab' * 16}/attach",
                                   b'{"node_id": 2}', {"content-type": "application/json"}, method="POST")
-    with pytest.raises(urllib.error.HTTPError) as refused:
+    with pytest.raises(urllib.error.HTTPError) as anon_refused:
         urllib.request.urlopen(anon, timeout=30)
-    assert refused.value.code == 401
+    assert anon_refused.value.code == 401
     tenant = pagestore_json(capsys, "tenant", "create", *wd)
     tenant_id, timeline_id = tenant["tenant_id"], str(tenant["timeline_id"])
     assert tenant["pageserver"] == "pageserver_1"

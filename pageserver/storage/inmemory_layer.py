@@ -59,6 +59,19 @@ PutItem = (
 )
 
 
+def _run_entries(index: dict[Key, array[int]], key: Key, lsn: int) -> array[int] | None:
+    """The index array a run of ``key``'s values from ``lsn`` on is appended to (a new one for
+    a new key), or ``None`` when ``lsn`` is not above the key's last entry: a replace, or
+    below an earlier put, which ``put`` does or refuses. (The index's own array: entries
+    appended earlier in the same ``try_put_mixed`` count.)"""
+    found = index.get(key)
+    if found is None:
+        found = index[key] = array("Q")
+    elif lsn <= found[-3]:
+        return None
+    return found
+
+
 @lru_cache(maxsize=256)
 def _same_size_values(size: int, count: int) -> struct.Struct:
     return struct.Struct(f"{size}s" * count)
@@ -213,6 +226,10 @@ class InMemoryLayer:
                 offset = end
                 i += 1
                 continue
+            # a run of one key's values: packed by the walk kernel (key, ends, packed, first,
+            # vlen, will_init) or collected by the in-page loop (key, lsns, head, raws,
+            # will_init); the values from ``v`` on that fit go in, their index entries
+            # appended to the key's array (``_run_entries``)
             if len(item) == 6:
                 key, ends, packed, first, vlen, will_init = item
                 m = len(ends)
@@ -220,62 +237,44 @@ class InMemoryLayer:
                 if count <= 0:
                     break
                 stop = v + count
-                if key != last_key:
-                    found = index.get(key)
-                    last_lsn = -1 if found is None else found[-3]
-                if ends[v] <= last_lsn:
-                    break  # a replace, or below an earlier put: put() does it or raises
-                if key != last_key:
-                    if found is None:
-                        found = index[key] = array("Q")
-                    entries = found
-                    append = entries.append
-                    last_key = key
-                append_triples(entries, ends, v, stop, offset, vlen, will_init)
-                last_lsn = ends[stop - 1]
-                add_piece(memoryview(packed)[first + v * vlen : first + stop * vlen])
-                offset += count * vlen
-                if stop < m:
-                    v = stop
-                    break
-                i += 1
-                v = 0
-                continue
-            key, lsns, head, raws, will_init = item
-            m = len(raws)
-            if not m or len(lsns) != m or not isinstance(lsns, range) or lsns.step <= 0:
-                raise ValueError("a run needs one rising LSN per value and raws of one length")
-            size = len(raws[0])
-            vlen = len(head) + size
-            count = min(m - v, (limit - offset) // vlen) if vlen else m - v
-            if count <= 0:
-                break
-            stop = v + count
-            joined = head.join(raws[v:stop] if v or stop < m else raws)
-            if len(joined) != count * vlen - len(head):
-                raise ValueError("a run needs one rising LSN per value and raws of one length")
-            if key != last_key:
-                found = index.get(key)
-                last_lsn = -1 if found is None else found[-3]
-            if lsns[v] <= last_lsn:
-                break  # a replace, or below an earlier put: put() does it or raises
-            if key != last_key:
+                found = _run_entries(index, key, ends[v])
                 if found is None:
-                    found = index[key] = array("Q")
-                entries = found
-                append = entries.append
-                last_key = key
-            # the triples (lsn, offset << 1 | will_init, length) by slice assignments into a
-            # list (the cheapest interleave measured: ~0.07 µs per value)
-            triples = [vlen] * (3 * count)
-            triples[0::3] = lsns[v:stop]
-            at = (offset << 1) | will_init
-            step = vlen << 1
-            triples[1::3] = range(at, at + count * step, step) if vlen else [at] * count
-            entries.fromlist(triples)
-            last_lsn = lsns[stop - 1]
-            add_piece(head)
-            add_piece(joined)
+                    break
+                append_triples(found, ends, v, stop, offset, vlen, will_init)
+                add_piece(memoryview(packed)[first + v * vlen : first + stop * vlen])
+                run_last = ends[stop - 1]
+            else:
+                key, lsns, head, raws, will_init = item
+                m = len(raws)
+                if not m or len(lsns) != m or not isinstance(lsns, range) or lsns.step <= 0:
+                    raise ValueError("a run needs one rising LSN per value and raws of one length")
+                size = len(raws[0])
+                vlen = len(head) + size
+                count = min(m - v, (limit - offset) // vlen) if vlen else m - v
+                if count <= 0:
+                    break
+                stop = v + count
+                joined = head.join(raws[v:stop] if v or stop < m else raws)
+                if len(joined) != count * vlen - len(head):
+                    raise ValueError("a run needs one rising LSN per value and raws of one length")
+                found = _run_entries(index, key, lsns[v])
+                if found is None:
+                    break
+                # the triples (lsn, offset << 1 | will_init, length) by slice assignments into
+                # a list (the cheapest interleave measured: ~0.07 µs per value)
+                triples = [vlen] * (3 * count)
+                triples[0::3] = lsns[v:stop]
+                at = (offset << 1) | will_init
+                step = vlen << 1
+                triples[1::3] = range(at, at + count * step, step) if vlen else [at] * count
+                found.fromlist(triples)
+                add_piece(head)
+                add_piece(joined)
+                run_last = lsns[stop - 1]
+            entries = found
+            append = entries.append
+            last_key = key
+            last_lsn = run_last
             offset += count * vlen
             if stop < m:
                 v = stop

@@ -229,7 +229,7 @@ def fused_walk(buf, base, pos, prev, latest_page, tli, seg_size, rels, nxt, last
         raise MemoryError()
     cdef Py_ssize_t used = 0, records = 0, nruns = 0
     cdef int stop = C_WALK_INPUT
-    cdef uint32_t srel[4]
+    cdef uint32_t srel[4]  # the relation a WALK_REL stop names (set at that stop only)
     cdef uint64_t at, page_at, end, nextpage, rest
     cdef Py_ssize_t o, no, page_rem
     cdef uint32_t tot_len, xid, crc, spc, db, rel, blkno, n
@@ -239,6 +239,7 @@ def fused_walk(buf, base, pos, prev, latest_page, tli, seg_size, rels, nxt, last
     cdef unsigned char *w
     cdef uint32_t c
     cdef Run *cur
+    srel[0] = srel[1] = srel[2] = srel[3] = 0  # (gcc cannot see that it is read only after that stop)
     try:
         with nogil:
             while True:

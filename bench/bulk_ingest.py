@@ -55,13 +55,6 @@ the final flush),
 was done (the final ``flush_s`` excludes it). ``--l0-worker-nice N`` sets the worker's
 niceness (default ``WORKER_NICE``).
 
-The WAL pre-check (``--precheck on,off``, default ``on``: the production setting): with
-``off`` the receiver's ``precheck_min_bytes`` is 0 and the ingest checks every record
-itself; the configurations are every L0 writer times every pre-check setting, interleaved in
-each round. ``precheck_cpu_s`` is the pre-check children's CPU time up to the end of the
-ingest (a child that already exited counts 0); ``precheck_messages`` how many big XLogData
-messages the child checked during the ingest and how many went unchecked (while it started).
-
 The WAL (``--workload``): ``insert`` (default) is the bulk INSERT above; ``regress`` runs the
 first ``--regress-groups`` test lines of PostgreSQL's regression suite (``parallel_schedule``,
 from ``.cache/pg-regress``) against the PostgreSQL with ``wal_consistency_checking = all`` and
@@ -90,16 +83,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-import attrs
 import trio
-from prometheus_client import REGISTRY
 
 from compute.postgres import PostgresInstance, chown_to_postgres
 from pageserver.import_datadir import import_datadir, run_initdb
 from pageserver.storage.config import StorageConfig
 from pageserver.storage.l0_worker import WORKER_NICE, L0Worker
 from pageserver.tenant import Tenant
-from pageserver.wal_precheck import WalPrecheck
 from pageserver.wal_receiver import WalReceiverConfig
 from pageserver.walingest import TimelineWalIngest
 from pageserver.walredo.manager import PostgresRedoManager
@@ -145,8 +135,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"niceness of the L0 worker process (default {WORKER_NICE})")
     parser.add_argument("--rounds", type=int, default=1,
                         help="ingest runs per configuration, interleaved (default 1)")
-    parser.add_argument("--precheck", default="on",
-                        help="comma-separated WAL pre-check settings to compare (on, off)")
     parser.add_argument("--workload", choices=("insert", "regress"), default="insert",
                         help="the WAL: a bulk INSERT (default), or PostgreSQL's regression suite with "
                              "wal_consistency_checking = all and wal_compression = zstd (an image on "
@@ -276,15 +264,6 @@ def _l0_writers(text: str) -> list[Literal["inline", "process"]]:
     return out
 
 
-def _prechecks(text: str) -> list[bool]:
-    out = []
-    for name in text.split(","):
-        if name not in ("on", "off"):
-            raise SystemExit(f"--precheck: unknown setting {name!r} (on, off)")
-        out.append(name == "on")
-    return out
-
-
 def _impls(text: str | None) -> list[str | None]:
     if text is None:
         return [None]
@@ -342,33 +321,9 @@ def _worker_cpu_s(pid: int | None) -> float:
     return 0.0 if pid is None else _proc_cpu_s(pid)
 
 
-def _precheck_messages() -> tuple[int, int]:
-    """The receivers' counts of big XLogData messages pre-checked and not (process-wide)."""
-    checked, unchecked = (
-        REGISTRY.get_sample_value("pageserver_wal_precheck_messages_total", {"result": r}) or 0.0
-        for r in ("checked", "unchecked")
-    )
-    return int(checked), int(unchecked)
-
-
-class _Prechecks:
-    """The receiver's pre-check factory, keeping every session's handle for its child's CPU."""
-
-    def __init__(self) -> None:
-        self.made: list[WalPrecheck] = []
-
-    def __call__(self) -> WalPrecheck:
-        self.made.append(WalPrecheck())
-        return self.made[-1]
-
-    def cpu_s(self) -> float:
-        return sum(_worker_cpu_s(p.pid) for p in self.made)
-
-
 async def _ingest(
     root: Path, pg: PostgresInstance, end: Lsn, args: argparse.Namespace,
     l0_writer: Literal["inline", "process"] = "process", tenant_dir: str = "tenant",
-    precheck: bool = True,
 ) -> dict[str, Any]:
     config = StorageConfig(io_engine=args.io_engine, compaction_period_s=0, gc_period_s=0,
                            l0_writer=l0_writer)
@@ -380,11 +335,7 @@ async def _ingest(
         imported = await import_datadir(tl, root / "init")
         await tl.flush()
         cfg = WalReceiverConfig(safekeepers=(("127.0.0.1", pg.port),), idle_timeout_s=60)
-        if not precheck:
-            cfg = attrs.evolve(cfg, precheck_min_bytes=0)
-        prechecks = _Prechecks()
-        ing = TimelineWalIngest(tl, cfg, precheck=prechecks)
-        checked0, unchecked0 = _precheck_messages()
+        ing = TimelineWalIngest(tl, cfg)
         load0 = os.getloadavg()[0]
         _reset_peak_rss()
         rss0 = _status_mib("VmRSS")
@@ -399,8 +350,6 @@ async def _ingest(
         runq_s = _runq_wait_s() - w0
         load1 = os.getloadavg()[0]
         worker_cpu_s = _worker_cpu_s(tl.l0_worker.pid) - worker0
-        precheck_cpu_s = prechecks.cpu_s()
-        checked1, unchecked1 = _precheck_messages()
         pending = bool(tl.frozen_layers)
         t1 = time.perf_counter()
         await tl.wait_background_flush()
@@ -428,9 +377,6 @@ async def _ingest(
         "loadavg": [round(load0, 1), round(load1, 1)],
         "flush_s": round(flush_s, 2),
         "l0_writer": l0_writer,
-        "precheck": "on" if precheck else "off",
-        "precheck_cpu_s": round(precheck_cpu_s, 2),
-        "precheck_messages": {"checked": checked1 - checked0, "unchecked": unchecked1 - unchecked0},
         "l0_worker_nice": args.l0_worker_nice,
         "l0_worker_cpu_s": round(worker_cpu_s, 2),
         "l0_worker_cpu_final_s": round(worker_cpu_final_s, 2),
@@ -532,13 +478,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         trio.run(run_initdb, root / "init")
         pg, start, end, recovery_s = _prepare(root, args)
-        configs = [(w, c, i) for i in _impls(args.impl) for w in _l0_writers(args.l0_writer)
-                   for c in _prechecks(args.precheck)]
-        runs: dict[tuple[str, bool, str | None], list[dict[str, Any]]] = {c: [] for c in configs}
+        configs = [(w, i) for i in _impls(args.impl) for w in _l0_writers(args.l0_writer)]
+        runs: dict[tuple[str, str | None], list[dict[str, Any]]] = {c: [] for c in configs}
         for round_no in range(max(1, args.rounds)):
-            for writer, precheck, impl in configs:
-                tenant_dir = f"tenant-{writer}-{precheck}-{impl}-{round_no}"
-                result = _ingest_in(impl, root, pg, end, args, writer, tenant_dir, precheck)
+            for writer, impl in configs:
+                tenant_dir = f"tenant-{writer}-{impl}-{round_no}"
+                result = _ingest_in(impl, root, pg, end, args, writer, tenant_dir)
                 shutil.rmtree(root / tenant_dir, ignore_errors=True)
                 result = {
                     "bench": "bulk_ingest",
@@ -550,19 +495,18 @@ def run(args: argparse.Namespace) -> int:
                     "io_engine": args.io_engine,
                     "round": round_no,
                 }
-                runs[writer, precheck, impl].append(result)
+                runs[writer, impl].append(result)
                 _emit(result)
         if args.floor_runs > 0 and args.workload == "regress":
             _emit({"note": "floors skipped: they read the whole WAL into memory (--workload insert only)"})
         elif args.floor_runs > 0:
             first = runs[configs[0]][0]
             _floors(root, parse_lsn(first["ingest_start"]), end, recovery_s, args.floor_runs)
-        for (name, precheck, _impl), results in runs.items():
+        for (name, _impl), results in runs.items():
             summary: dict[str, Any] = {"bench": "bulk_ingest_summary", "impl": results[0]["impl"],
-                                       "l0_writer": name,
-                                       "precheck": "on" if precheck else "off", "runs": len(results),
+                                       "l0_writer": name, "runs": len(results),
                                        "pg_recovery_s": round(recovery_s, 2)}
-            for field in ("ingest_s", "ingest_cpu_s", "us_per_record_cpu", "precheck_cpu_s",
+            for field in ("ingest_s", "ingest_cpu_s", "us_per_record_cpu",
                           "l0_worker_cpu_s", "l0_worker_cpu_final_s", "background_flush_wait_s",
                           "flush_s", "ratio"):
                 summary[field] = round(statistics.median(r[field] for r in results), 3)

@@ -1,9 +1,9 @@
-"""What the pageserver's worker children (the L0 writer, the WAL pre-check) share on their side
-of the pipes: setting the pipes up, exact reads from the parent's pipe, and the watchdog that
-ends an orphan.
+"""The child side of the pageserver's worker processes (the L0 writer,
+``pageserver.storage.l0_worker``): setting the pipes up, exact reads from the parent's pipe,
+and the watchdog that ends an orphan.
 
-Standard library only: a child importing this starts fast (the WAL pre-check's does not import
-trio at all). The parent side is ``common.children``.
+Standard library only, so that a child importing it starts fast. The parent side is
+``common.children``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The parent side of the pageserver's worker children (the L0 writer, the WAL pre-check):
+"""The parent side of the pageserver's worker children (the L0 writer):
 starting, stopping and reaping a child process from trio. The child side is
 ``common.child_io``."""
 

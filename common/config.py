@@ -20,7 +20,9 @@
 
 Rules: unknown keys are refused (``forbid_extra_keys``); primitives are strict (``"12"`` is
 not an int, ``1`` is not a string, ``true`` is not a number); ``Literal`` values are checked;
-nested attrs classes, lists and dicts work. Every problem becomes one line of
+nested attrs classes, lists and dicts work. A key the program no longer has can be named in
+``removed`` (key -> what to do instead): a file that still sets it is refused with that text
+rather than a bare "unknown key", so an upgrade says why. Every problem becomes one line of
 ``ConfigError.errors`` shaped ``key.path: what is wrong`` (for example
 ``page_service_pipelining.max_batch_size: expected an integer, got 'x'``), and
 ``str(ConfigError)`` lists them all. ``dump_config`` writes TOML back (the CLI uses it).
@@ -157,18 +159,28 @@ def _flatten(exc: BaseException, path: str) -> list[str]:
 
 def structure_config(
     cls: type[T], data: Mapping[str, Any], *, converter: cattrs.Converter | None = None,
-    source: str = "config",
+    source: str = "config", removed: Mapping[str, str] | None = None,
 ) -> T:
-    """Build ``cls`` from a parsed TOML table, or raise ``ConfigError``."""
+    """Build ``cls`` from a parsed TOML table, or raise ``ConfigError``. ``removed``: top-level
+    keys that no longer exist, each with the line that tells the user what to do; a table
+    that sets one is refused (with its other faults, if any)."""
     conv = converter or make_converter()
+    gone = [k for k in (removed or {}) if k in data]
+    errors = [f"{k}: {(removed or {})[k]}" for k in sorted(gone)]
+    if gone:
+        data = {k: v for k, v in data.items() if k not in gone}
     try:
-        return conv.structure(data, cls)
+        out = conv.structure(data, cls)
     except (cattrs.BaseValidationError, _TagError, ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(_flatten(exc, ""), source) from None
+        raise ConfigError(errors + _flatten(exc, ""), source) from None
+    if errors:
+        raise ConfigError(errors, source)
+    return out
 
 
 def load_config(
-    cls: type[T], source: Path | str, *, converter: cattrs.Converter | None = None
+    cls: type[T], source: Path | str, *, converter: cattrs.Converter | None = None,
+    removed: Mapping[str, str] | None = None,
 ) -> T:
     """Load ``cls`` from a TOML file (``Path``) or TOML text (``str``)."""
     if isinstance(source, Path):
@@ -185,7 +197,7 @@ def load_config(
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"TOML syntax: {exc}"], name) from None
-    return structure_config(cls, data, converter=converter, source=name)
+    return structure_config(cls, data, converter=converter, source=name, removed=removed)
 
 
 def _drop_none(value: Any) -> Any:

@@ -19,7 +19,8 @@
     checkpoint_distance = 268435456
     io_engine = "threadpool"
 
-Unknown keys and bad values stop start-up with a message naming the key (``common.config``).
+Unknown keys and bad values stop start-up with a message naming the key (``common.config``);
+a key that was removed (``REMOVED_KEYS``) is refused with what to do instead.
 ``page_service_pipelining`` is the page service's tagged union (``pageserver.page_service.config``);
 ``tenant_config`` is ``pageserver.storage.config.StorageConfig``. ``io_engine`` and
 ``wait_lsn_timeout_s`` at the top level override the tenant defaults (they are node-wide knobs
@@ -51,13 +52,16 @@ AUTH_TYPES = ("Trust", "NeonJWT")
 
 DEFAULT_PG_PORT = 64000
 DEFAULT_HTTP_PORT = 9898
-# XLogData messages this big or bigger are pre-checked (a catch-up's, not a live compute's);
-# 0, the default: never. Since the ingest kernel (protocol/_ingest_c.pyx) checks a run of
-# like records in one call, the pre-check child costs the pageserver more CPU per record than
-# it saves (docs/bench-native.md, bench bulk-ingest): the ingest runs in one process. 32 KiB
-# (32768) turns it on. Here rather than in pageserver.wal_receiver: loading a config (every
-# CLI command does) must not import the WAL receiver and trio.
-DEFAULT_PRECHECK_MIN_BYTES = 0
+_NO_PRECHECK = (
+    "removed: the pageserver no longer has a WAL pre-check child (the ingest checks every "
+    "record itself, in one process); delete this key"
+)
+# Keys older pageservers took: a file that still sets one is refused with this text, not
+# ignored (a setting that silently does nothing would mislead whoever reads the file).
+REMOVED_KEYS = {
+    "wal_precheck_min_bytes": _NO_PRECHECK,
+    "wal_precheck_max_children": _NO_PRECHECK,
+}
 
 
 def _addr_ok(value: str) -> bool:
@@ -101,14 +105,6 @@ class PageserverConfig:
     tenant_config: StorageConfig = attrs.field(factory=StorageConfig)
     # WAL receivers pull each timeline's WAL from these (host:port); empty = no WAL receivers.
     safekeepers: tuple[str, ...] = attrs.field(default=(), validator=_check_addrs)
-    # XLogData messages of at least this many bytes are pre-checked in a child process per
-    # receiving timeline (pageserver/wal_precheck.py; docs/wal-precheck.md); 0: never.
-    wal_precheck_min_bytes: int = attrs.field(
-        default=DEFAULT_PRECHECK_MIN_BYTES, validator=attrs.validators.ge(0)
-    )
-    # At most this many pre-check children at a time, all timelines together (0: one per core
-    # beyond the first); a receiving session beyond it goes without.
-    wal_precheck_max_children: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     log_file: Path | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Seconds a stopping node gives open connections before cancelling them.
@@ -205,7 +201,8 @@ def make_pageserver_converter() -> cattrs.Converter:
 def load_pageserver_config(path: Path) -> PageserverConfig:
     """Read ``path``; ``common.config.ConfigError`` names every bad key. A relative ``workdir``
     is relative to the file's directory."""
-    cfg = load_config(PageserverConfig, path, converter=make_pageserver_converter())
+    cfg = load_config(PageserverConfig, path, converter=make_pageserver_converter(),
+                      removed=REMOVED_KEYS)
     if not cfg.workdir.is_absolute():
         cfg = attrs.evolve(cfg, workdir=(path.parent / cfg.workdir).resolve())
     rs = cfg.remote_storage
@@ -217,7 +214,8 @@ def load_pageserver_config(path: Path) -> PageserverConfig:
 def parse_pageserver_config(text: str) -> PageserverConfig:
     import tomllib
 
-    return structure_config(PageserverConfig, tomllib.loads(text), converter=make_pageserver_converter())
+    return structure_config(PageserverConfig, tomllib.loads(text), converter=make_pageserver_converter(),
+                            removed=REMOVED_KEYS)
 
 
 def dump_pageserver_config(cfg: PageserverConfig) -> str:

@@ -119,8 +119,6 @@ class TimelineInfo:
     state: Literal["Active"]
     wal_receiver_safekeeper: str | None
     wal_receiver_error: str | None
-    # why the WAL pre-check child was turned off (None: in use, or never needed)
-    wal_precheck_disabled: str | None = None
     # WAL segments the receiver read back from the safekeepers' WAL backup (remote storage)
     wal_receiver_remote_segments: int = 0
 
@@ -211,7 +209,6 @@ def timeline_info(tl: Timeline, manager: TenantManager) -> TimelineInfo:
         wal_receiver_error=manager.ingest_failures.get(
             (tl.tenant_id, tl.timeline_id), receiver.last_error if receiver is not None else None
         ),
-        wal_precheck_disabled=receiver.precheck_disabled if receiver is not None else None,
         wal_receiver_remote_segments=receiver.remote_segments if receiver is not None else 0,
     )
 

@@ -36,7 +36,6 @@ from pageserver.remote_tenant import TenantRemote, highest_generation, list_remo
 from pageserver.storage.io_engine import fsync_dir
 from pageserver.tenant import Tenant, TimelineExistsError
 from pageserver.timeline import Timeline
-from pageserver.wal_precheck import PrecheckPool, default_children
 from pageserver.wal_receiver import RemoteWal, WalReceiverConfig
 from pageserver.walingest import TimelineWalIngest, WalIngest
 from pageserver.walredo.manager import PostgresRedoManager
@@ -105,7 +104,6 @@ class TenantManager:
         self.ingest_failures: dict[tuple[TenantId, TimelineId], str] = {}
         self._nursery: trio.Nursery | None = None
         self.shutting_down = trio.Event()
-        self.precheck_pool = PrecheckPool(conf.wal_precheck_max_children or default_children())
         self.remote_storage: RemoteStorage | None = (
             None if conf.remote_storage is None else make_remote_storage(conf.remote_storage)
         )
@@ -399,7 +397,6 @@ class TenantManager:
             tenant_id=tl.tenant_id,
             timeline_id=tl.timeline_id,
             application_name=f"pageserver-{self.conf.id}",
-            precheck_min_bytes=self.conf.wal_precheck_min_bytes,
             auth_token=self.safekeeper_token,
             ssl_ca_file=None if self.conf.ssl_ca_file is None else str(self.conf.ssl_ca_path),
         )
@@ -407,8 +404,7 @@ class TenantManager:
         remote_wal = None if self.remote_storage is None else RemoteWal(
             self.remote_storage, tl.tenant_id, tl.timeline_id
         )
-        ingest = TimelineWalIngest(tl, cfg, ingest=WalIngest(tl), precheck=self.precheck_pool,
-                                   remote_wal=remote_wal)
+        ingest = TimelineWalIngest(tl, cfg, ingest=WalIngest(tl), remote_wal=remote_wal)
         scope = trio.CancelScope()
 
         key = (tl.tenant_id, tl.timeline_id)

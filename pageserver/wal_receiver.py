@@ -41,13 +41,6 @@ A record the callee rejects as malformed (``RemoteProtocolError`` from it) is no
 failure: every safekeeper sends the same WAL, so the receiver stops with ``WalIngestError``.
 Cancellation stops it at once: connections are closed under a short shielded deadline.
 
-With ``on_wal``, a session reads up to ``read_ahead`` messages ahead in a task of its own
-(``_ReadAhead``) and hands every XLogData of at least ``precheck_min_bytes`` to the WAL
-pre-check (``pageserver.wal_precheck``: a child process that checks the runs of like records
-on the second core while this process ingests the message before); ``on_wal`` gets each
-message's claims with it. A pre-check failure ends the session (``WalPrecheckError``, not the
-safekeeper's fault: no backoff); three in a row turn the pre-check off until restart.
-
 WAL no safekeeper holds any more (they answer ``START_REPLICATION`` with 58P01, "segment
 already removed": they trimmed it after the WAL backup stored it and the pageserver reported it
 durable, and this pageserver is behind that, e.g. recreated from scratch) comes from remote
@@ -56,8 +49,7 @@ storage when ``remote_wal`` is given: the receiver downloads the backed-up segme
 feeds them to the decoder in 128 KiB pieces as if they were XLogData, until the next segment is
 not in the store. A record cut by that segment end stays in the decoder, and the next
 safekeeper session starts at the end of what was fed (a segment boundary, which the
-safekeepers keep) with that decoder, so no record is lost or handed over twice; the pre-check
-is off for that one session (it expects a record boundary). A remote session that hands over
+safekeepers keep) with that decoder, so no record is lost or handed over twice. A remote session that hands over
 nothing (the store does not have the segment either) is a failure like a safekeeper's, logged
 with both positions, and retried with backoff.
 
@@ -74,12 +66,8 @@ from typing import Protocol
 import attrs
 import structlog
 import trio
-from prometheus_client import Counter
 
 from common import pgclient
-from pageserver.config import DEFAULT_PRECHECK_MIN_BYTES
-from pageserver.wal_precheck import WalPrecheck, WalPrecheckError
-from pageserver.wal_runs import MAX_PIECE
 from protocol.errors import PROTOCOL_VIOLATION, RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import WAL_SEGMENT_SIZE, Lsn, format_lsn, parse_lsn
@@ -101,25 +89,6 @@ from remote_storage.retry import retry
 from remote_storage.wal_layout import wal_segment_key
 
 log = structlog.get_logger("wal_receiver")
-
-PRECHECK_MESSAGES = Counter(
-    "pageserver_wal_precheck_messages",
-    "XLogData messages of at least precheck_min_bytes, by whether the child checked them "
-    "(unchecked: the child was not ready yet, the message did not continue the stream, or it "
-    "was bigger than a piece the pre-check takes)",
-    ["result"],
-)
-_CHECKED = PRECHECK_MESSAGES.labels(result="checked")
-_UNCHECKED = PRECHECK_MESSAGES.labels(result="unchecked")
-PRECHECK_FAILURES = Counter(
-    "pageserver_wal_precheck_failures",
-    "WAL receiver sessions ended by a pre-check failure (child died, hung, garbled, no start)",
-)
-PRECHECK_DISABLED = Counter(
-    "pageserver_wal_precheck_disabled",
-    "WAL receivers that turned the pre-check off after failures in a row",
-)
-
 
 class CopyStream(Protocol):
     async def receive(self) -> bytes | None: ...
@@ -144,48 +113,9 @@ OnRecord = Callable[[DecodedRecord], Awaitable[None]]
 OnRecords = Callable[[list[DecodedRecord]], Awaitable[None]]
 
 
-class ClaimedRuns(Protocol):
-    """Runs of like records whose bytes were checked ahead of the ingest, sorted by start
-    (``pageserver.wal_runs.RunClaims``): run ``i`` is the records at ``starts[i]``,
-    ``starts[i] + strides[i]``, ... ``lasts[i]``, each with the header fields and layout
-    bytes of the first, ``xl_prev`` the record before (from the second on), CRC-32C right,
-    all inside one WAL page: ``_same_run``'s checks."""
-
-    @property
-    def starts(self) -> Sequence[int]: ...
-
-    @property
-    def lasts(self) -> Sequence[int]: ...
-
-    @property
-    def strides(self) -> Sequence[int]: ...
-
-
-# takes every record the decoder can give, with the pre-check's claims for the message just
-# fed (None: not pre-checked): (records taken, end of the last one, what stopped it)
-OnWal = Callable[
-    [WalStreamDecoder, ClaimedRuns | None], Awaitable[tuple[int, Lsn, NeedData | EndOfWal]]
-]
-
-
-class Precheck(Protocol):
-    """The part of ``pageserver.wal_precheck.WalPrecheck`` the receiver drives: pieces in,
-    their claims out, in order."""
-
-    @property
-    def ready(self) -> bool: ...
-
-    async def start(self) -> None: ...
-
-    async def submit(self, base: int, data: bytes | memoryview) -> None: ...
-
-    async def result(self) -> ClaimedRuns: ...
-
-    async def aclose(self) -> None: ...
-
-
-# a session's pre-check (None: this session goes without, e.g. the pageserver's are all busy)
-PrecheckFactory = Callable[[], Precheck | None]
+# takes every record the decoder can give from what was fed: (records taken, end of the last
+# one, what stopped it)
+OnWal = Callable[[WalStreamDecoder], Awaitable[tuple[int, Lsn, NeedData | EndOfWal]]]
 
 
 # The production connector.
@@ -255,10 +185,6 @@ class SafekeeperLagging(Exception):
         self.position = position
 
 
-# Sessions in a row ending with a pre-check failure after which the receiver stops using it.
-PRECHECK_FAILURES_TO_DISABLE = 3
-
-
 @attrs.frozen
 class WalReceiverConfig:
     safekeepers: tuple[Addr, ...]
@@ -274,12 +200,6 @@ class WalReceiverConfig:
     lagging_wal_timeout_s: float = 3.0
     min_backoff_s: float = 0.05
     max_backoff_s: float = 5.0
-    # With ``on_wal``: XLogData messages of at least this many bytes (a catch-up's 128 KiB
-    # pieces, not a live compute's few records) are pre-checked in a child process while the
-    # message before is ingested (``pageserver.wal_precheck``). 0: never.
-    precheck_min_bytes: int = DEFAULT_PRECHECK_MIN_BYTES
-    # How many messages the reader may receive ahead of the ingest (pre-checked meanwhile).
-    read_ahead: int = 4
     # A safekeeperdata JWT sent as the password (safekeepers with auth on); repr=False: the
     # config may be logged, the token never.
     auth_token: str | None = attrs.field(default=None, repr=False)
@@ -333,7 +253,6 @@ class WalReceiver:
         on_wal: OnWal | None = None,
         connect: Connector = pgclient_connect,
         progress: ProgressFn | None = None,
-        precheck: PrecheckFactory | None = None,
         remote_wal: RemoteWal | None = None,
     ) -> None:
         if not cfg.safekeepers:
@@ -346,13 +265,6 @@ class WalReceiver:
         self._on_records = on_records
         self._on_wal = on_wal
         self._progress = progress
-        # one pre-check per session (its child starts at the first big message)
-        self._precheck: PrecheckFactory | None = None
-        self.precheck_failures = 0  # sessions in a row that ended with WalPrecheckError
-        self._precheck_answered = False  # the last session's pre-check answered a piece
-        self.precheck_disabled: str | None = None  # why it was turned off
-        if on_wal is not None and cfg.precheck_min_bytes > 0:
-            self._precheck = precheck if precheck is not None else WalPrecheck
         # End of the last record handed to on_record: where the next session starts.
         self.last_record_lsn = start_lsn
         # Where that record starts, once one was handed over: the next session's first record
@@ -397,7 +309,7 @@ class WalReceiver:
             addr = chosen.addr
             self._next = (self.cfg.safekeepers.index(addr) + 1) % len(self.cfg.safekeepers)
             before = self.records_received
-            failed = precheck_failed = False
+            failed = False
             try:
                 await self._session(chosen)
             except* SafekeeperLagging as eg:
@@ -420,30 +332,8 @@ class WalReceiver:
                 self._failed(addr, leaf, "wal receiver session ended")
                 if isinstance(leaf, PgError) and leaf.sqlstate == WAL_REMOVED:
                     self._read_remote = True
-            except* WalPrecheckError as eg:
-                # Our own child process, not the safekeeper (no backoff for it): the next
-                # session has a new child; nothing was taken unchecked. The ingest is complete
-                # without claims, so a pre-check that keeps failing is turned off, loudly,
-                # rather than stall catch-up session after session.
-                exc = _first_leaf(eg)
-                self.last_error = f"{_addr(addr)}: {exc!r}"
-                precheck_failed = True
-                self.precheck_failures += 1
-                PRECHECK_FAILURES.inc()
-                log.error("wal pre-check failed", safekeeper=_addr(addr), error=repr(exc),
-                          at=format_lsn(self.last_record_lsn), failures=self.precheck_failures)
-                if self.precheck_failures >= PRECHECK_FAILURES_TO_DISABLE and self._precheck is not None:
-                    self._precheck = None
-                    self.precheck_disabled = f"after {self.precheck_failures} failures in a row: {exc!r}"
-                    PRECHECK_DISABLED.inc()
-                    log.error("wal pre-check turned off until restart; the ingest checks every "
-                              "record itself", reason=self.precheck_disabled)
             finally:
                 self.current = None
-            if self._precheck_answered and not precheck_failed:
-                # (only a session whose pre-check worked ends a run of failures: sessions that
-                # never got to use it, e.g. a stream that ended first, say nothing about it)
-                self.precheck_failures = 0
             if self.records_received > before:
                 self._backoff.pop(addr, None)
             elif failed:
@@ -541,31 +431,14 @@ class WalReceiver:
                      continues_remote=carry is not None)
             decoder = carry or WalStreamDecoder(start, prev_lsn=self._last_record_start)
             reply = _Wakeup()
-            precheck = (
-                self._precheck() if self._precheck is not None and carry is None else None
-            )
-            self._precheck_answered = False
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._status_sender, copy, reply)
-                    if precheck is None:
-                        await self._receive(addr, _Unchecked(copy), decoder, reply)
-                    else:
-                        ahead = _ReadAhead(copy, precheck, self.cfg, start)
-                        nursery.start_soon(ahead.run, nursery)
-                        try:
-                            await self._receive(addr, ahead, decoder, reply)
-                        finally:
-                            self._precheck_answered = ahead.answered > 0
-            finally:
-                if precheck is not None:
-                    with trio.CancelScope(shield=True):
-                        await precheck.aclose()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._status_sender, copy, reply)
+                await self._receive(addr, copy, decoder, reply)
         finally:
             await _close_all([conn])
 
     async def _receive(
-        self, addr: Addr, messages: _Messages, decoder: WalStreamDecoder, reply: _Wakeup
+        self, addr: Addr, copy: CopyStream, decoder: WalStreamDecoder, reply: _Wakeup
     ) -> None:
         lag_timeout = self.cfg.lagging_wal_timeout_s if len(self.cfg.safekeepers) > 1 else math.inf
         last_message = trio.current_time()
@@ -578,7 +451,7 @@ class WalReceiver:
             silent_at = last_message + self.cfg.idle_timeout_s
             # (A cancelled receive loses nothing: the client's buffer keeps partial messages.)
             with trio.move_on_at(min(silent_at, look_around_at)) as waiting:
-                msg, checked = await messages.receive()
+                payload = await copy.receive()
             if waiting.cancelled_caught:
                 if trio.current_time() >= silent_at:
                     raise trio.TooSlowError(
@@ -586,8 +459,9 @@ class WalReceiver:
                     )
                 continue
             last_message = trio.current_time()
-            if msg is None:
+            if payload is None:
                 raise EOFError("the safekeeper ended the stream")
+            msg = _wal_message(payload)
             if isinstance(msg, PrimaryKeepalive):
                 if msg.reply_requested:
                     reply.fire()
@@ -596,20 +470,16 @@ class WalReceiver:
                 raise WalDecodeError(
                     f"XLogData at {format_lsn(msg.wal_start)}, expected {format_lsn(decoder.fed_lsn)}"
                 )
-            # (the claims come in message order: taken before the feed, whatever happens next)
-            runs = await messages.claims() if checked else None
-            await self._feed(decoder, msg.data, runs)
+            await self._feed(decoder, msg.data)
             # Time spent handing WAL over is neither silence nor lag.
             last_message = trio.current_time()
             look_around_at = last_message + lag_timeout
 
-    async def _feed(
-        self, decoder: WalStreamDecoder, data: bytes | memoryview, runs: ClaimedRuns | None
-    ) -> None:
+    async def _feed(self, decoder: WalStreamDecoder, data: bytes | memoryview) -> None:
         """Feed one piece of WAL and hand over the records it completes."""
         decoder.feed(data)
         if self._on_wal is not None:
-            stop = await self._take(self._on_wal, decoder, runs)
+            stop = await self._take(self._on_wal, decoder)
         else:
             batch: list[DecodedRecord] = []
             stop = decoder.decode_into(batch)
@@ -644,7 +514,7 @@ class WalReceiver:
                     )
                 view = memoryview(data)[decoder.fed_lsn - segno * seg:]
                 for i in range(0, len(view), REMOTE_PIECE):
-                    await self._feed(decoder, view[i : i + REMOTE_PIECE], None)
+                    await self._feed(decoder, view[i : i + REMOTE_PIECE])
                 self.remote_segments += 1
                 fed += 1
                 segno += 1
@@ -677,11 +547,9 @@ class WalReceiver:
             best = max(ahead, key=lambda p: p.position)
             raise SafekeeperLagging(current, best.addr, best.position, received)
 
-    async def _take(
-        self, on_wal: OnWal, decoder: WalStreamDecoder, runs: ClaimedRuns | None
-    ) -> NeedData | EndOfWal:
+    async def _take(self, on_wal: OnWal, decoder: WalStreamDecoder) -> NeedData | EndOfWal:
         try:
-            n, end, stop = await on_wal(decoder, runs)
+            n, end, stop = await on_wal(decoder)
         except RemoteProtocolError as exc:
             raise WalIngestError(
                 f"ingest rejected WAL after {format_lsn(self.last_record_lsn)}: {exc}"
@@ -735,93 +603,6 @@ class WalReceiver:
         else:
             flush = apply = received
         return StandbyStatusUpdate(received, flush, apply, pg_now(), False)
-
-
-Message = XLogData | PrimaryKeepalive | None  # None: the stream ended
-
-
-class _Messages(Protocol):
-    async def receive(self) -> tuple[Message, bool]: ...
-
-    async def claims(self) -> ClaimedRuns: ...
-
-
-class _Unchecked:
-    """The stream's messages as they come, none pre-checked."""
-
-    def __init__(self, copy: CopyStream) -> None:
-        self._copy = copy
-
-    async def receive(self) -> tuple[Message, bool]:
-        payload = await self._copy.receive()
-        return (None if payload is None else _wal_message(payload)), False
-
-    async def claims(self) -> ClaimedRuns:
-        raise AssertionError("no message was pre-checked")
-
-
-class _ReadAhead:
-    """A task that receives up to ``cfg.read_ahead`` messages ahead of the ingest and hands
-    each XLogData of at least ``cfg.precheck_min_bytes`` to the pre-check on the way (so the
-    child checks the next piece while this process ingests the one before); ``receive`` and
-    ``claims`` give the messages and, for the checked ones, their claims, in order. The first
-    such message starts the child in a task of its own; until it is ready (~70 ms) messages
-    go unchecked rather than wait. Runs in the session's nursery: an error of any of these
-    tasks ends the session. Only a message that continues the stream is checked (the
-    ingest ends the session at one whose ``wal_start`` lies: hostile input, never an error of
-    the pre-check's), and only one the pre-check takes (``MAX_PIECE``). An answer that does not
-    come within ``idle_timeout_s`` (a stuck child) ends the session (``WalPrecheckError``).
-    """
-
-    def __init__(self, copy: CopyStream, precheck: Precheck, cfg: WalReceiverConfig, start: Lsn) -> None:
-        self._copy = copy
-        self._precheck = precheck
-        self._min = cfg.precheck_min_bytes
-        self._answer_timeout = cfg.idle_timeout_s
-        self._next = start  # where the next XLogData must start to continue the stream
-        self.answered = 0  # claims the pre-check gave
-        self._send, self._recv = trio.open_memory_channel[tuple[Message, bool]](
-            max(0, cfg.read_ahead - 1)
-        )
-
-    async def run(self, nursery: trio.Nursery) -> None:
-        # (The channel is never closed: on an error the nursery cancels the reading side, which
-        # must see the error, not an end of messages.)
-        starting = False
-        while True:
-            payload = await self._copy.receive()
-            if payload is None:
-                await self._send.send((None, False))
-                return
-            msg = _wal_message(payload)
-            checked = False
-            if isinstance(msg, XLogData):
-                if msg.wal_start == self._next:
-                    self._next = Lsn(self._next + len(msg.data))
-                    checked = self._min <= len(msg.data) <= MAX_PIECE
-                if checked and not self._precheck.ready:
-                    if not starting:
-                        nursery.start_soon(self._precheck.start)
-                        starting = True
-                    checked = False
-                if checked:
-                    # (a view of the received message's immutable bytes: the very ones fed)
-                    await self._precheck.submit(msg.wal_start, msg.data)
-                    _CHECKED.inc()
-                elif len(msg.data) >= self._min:
-                    _UNCHECKED.inc()
-            await self._send.send((msg, checked))
-
-    async def receive(self) -> tuple[Message, bool]:
-        return await self._recv.receive()
-
-    async def claims(self) -> ClaimedRuns:
-        # (a cancelled result() leaves the handle in step; the session ends anyway)
-        with trio.move_on_after(self._answer_timeout):
-            runs = await self._precheck.result()
-            self.answered += 1
-            return runs
-        raise WalPrecheckError(f"the pre-check gave no answer for {self._answer_timeout:g} s")
 
 
 def _wal_message(payload: bytes) -> XLogData | PrimaryKeepalive:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
@@ -88,9 +87,7 @@ from pageserver.storage.value import (
 )
 from pageserver.timeline import Timeline
 from pageserver.wal_receiver import (
-    ClaimedRuns,
     Connector,
-    PrecheckFactory,
     Progress,
     RemoteWal,
     WalReceiver,
@@ -239,41 +236,11 @@ _PD_LSN = struct.Struct("<II")
 # together with up to the rest of its page's records when at least this many more could follow
 # on the page.
 _RUN_MIN = 4
-_EVEN_BYTES = bytes(range(0, 256, 2))
-_NO_CLAIMS: Sequence[int] = ()
 # (module globals, so that tests can count their calls)
 _same_run = same_run
 _fused_walk = fused_walk
 # relation forks the walk kernel is told about (the ones the fused path met last)
 _WALK_RELS_MAX = 16
-
-
-@lru_cache(maxsize=1024)
-def _run_struct(one: str, gap: int, count: int) -> struct.Struct:
-    """``count`` times ``one``, ``gap`` pad bytes between two (none after the last, so an
-    unpack never reads past the last record)."""
-    return struct.Struct("<" + f"{gap}x".join([one] * count))
-
-
-def _claimed_run(
-    buf: bytes, o: int, tot_len: int, stride: int, m: int, vm_at: int
-) -> tuple[int, tuple[bytes, ...]]:
-    """``_same_run`` for ``m`` records after the one at ``o`` that a pre-check claim
-    (``pageserver.wal_runs``) says are like it, chained and CRC-checked: what the claim
-    does not cover -- the INSERT's flags byte at ``vm_at`` without the VM bit -- then the raw
-    bytes of the record at ``o`` and of the ``m`` that passed."""
-    if vm_at > 0:
-        m = _vm_kept(buf, o + stride + vm_at, stride, m)
-    return m, _run_struct(f"{tot_len}s", stride - tot_len, m + 1).unpack_from(buf, o)
-
-
-def _vm_kept(buf: bytes, at: int, stride: int, m: int) -> int:
-    """How many of the ``m`` flags bytes at ``at``, ``at + stride``... in a row have no VM
-    bit (0x01: the INSERT clears a VM bit, which the per-record path handles)."""
-    flags = buf[at : at + (m - 1) * stride + 1 : stride]
-    if flags.translate(None, _EVEN_BYTES):
-        return next(i for i, f in enumerate(flags) if f & 0x01)
-    return m
 
 
 # 1 GiB of zero pages: far beyond any bulk extension PostgreSQL does without WAL.
@@ -564,9 +531,7 @@ class WalIngest:
         final = recs[-1]
         self.last_record = (final.lsn, final.end_lsn)
 
-    async def ingest_decoder(
-        self, dec: WalStreamDecoder, runs: ClaimedRuns | None = None
-    ) -> tuple[int, Lsn, NeedData | EndOfWal]:
+    async def ingest_decoder(self, dec: WalStreamDecoder) -> tuple[int, Lsn, NeedData | EndOfWal]:
         """Decode and ingest every record ``dec`` can give from the bytes fed so far, in LSN
         order; returns (records taken, end LSN of the last one or 0, what stopped the
         decoder). The same values, statistics and ``last_record_lsn`` as ``decode_into``
@@ -589,13 +554,7 @@ class WalIngest:
         ``_fused_whole``). Records like the one just taken that follow it on the page are
         checked together (``_same_run``) and collected as one run item, stored with the values
         by ``_store``. ``last_record_lsn`` advances as in ``ingest_records``: before
-        every await, at the end, and only over records whose values are all stored.
-
-        ``runs``: the WAL pre-check's claims about the bytes just fed (docs/wal-precheck.md).
-        A record a claim covers -- on the claim's stride grid, with its stride, at or after its
-        start -- needs no CRC check here, and the like records after it in the claim (within
-        the page and the input) are taken as a run without ``_same_run``'s byte checks
-        (``_claimed_run``); every other test is made as without claims."""
+        every await, at the end, and only over records whose values are all stored."""
         tl = self.tl
         w = self.w
         sizes = w.rel_sizes
@@ -625,14 +584,6 @@ class WalIngest:
         will_init = False
         blkno = 0
         xid_ok = -1  # an xid that passed the nextXid test (while nxt holds)
-        # the pre-check's claims (sorted runs of like records whose bytes it checked) and the
-        # first one that may cover the record at hand
-        if runs is None:
-            claim_starts = claim_lasts = claim_strides = _NO_CLAIMS
-        else:
-            claim_starts, claim_lasts, claim_strides = runs.starts, runs.lasts, runs.strides
-        n_claims = len(claim_starts)
-        ci = 0
         stop: NeedData | EndOfWal
         walk_rels = self._walk_rels
         while True:
@@ -642,7 +593,6 @@ class WalIngest:
             if (
                 cursor is not None
                 and not slow
-                and not n_claims
                 and 0 <= cursor[2] - cursor[1] <= len(cursor[0])
                 and (state := dec.walk_state()) is not None
             ):
@@ -768,37 +718,18 @@ class WalIngest:
                         xid_ok = xid
                     stride = end - pos
                     m = 0  # like records after this one, taken with it as one run
-                    claimed = -1  # how many of them a pre-check claim covers (-1: no claim)
-                    if n_claims:
-                        while ci < n_claims and claim_lasts[ci] < pos:
-                            ci += 1
-                        if (
-                            ci < n_claims
-                            and claim_starts[ci] <= pos
-                            and claim_strides[ci] == stride
-                            and not (pos - claim_starts[ci]) % stride
-                        ):
-                            # (never past the page or the input: as the claim says, but cheap)
-                            claimed = min((claim_lasts[ci] - pos) // stride, (bound - pos - tot_len) // stride)
-                    if claimed < 0:
-                        raw = buf[o : o + tot_len]
-                        if crc32c(raw[:20], crc32c(raw[SIZE_OF_XLOG_RECORD:])) != crc:
-                            break  # next_record reports it
-                        if (
-                            grown is None
-                            and vm_at >= 0
-                            and (k := (bound - end - tot_len) // stride + 1) >= _RUN_MIN
-                            and buf[end - base + SIZE_OF_XLOG_RECORD : end - base + payload_at] == sig
-                        ):
-                            # like records after this one (a bulk load's INSERTs into one heap
-                            # page): checked together, collected as one run (no value per record)
-                            m, raws = _same_run(buf, o, pos, tot_len, stride, k, vm_at)
-                    elif claimed and grown is None and vm_at >= 0:
-                        # the claim checked this record's CRC and the run's bytes already
-                        m, raws = _claimed_run(buf, o, tot_len, stride, claimed, vm_at)
-                        raw = raws[0]
-                    else:
-                        raw = buf[o : o + tot_len]  # (its CRC: checked by the claim)
+                    raw = buf[o : o + tot_len]
+                    if crc32c(raw[:20], crc32c(raw[SIZE_OF_XLOG_RECORD:])) != crc:
+                        break  # next_record reports it
+                    if (
+                        grown is None
+                        and vm_at >= 0
+                        and (k := (bound - end - tot_len) // stride + 1) >= _RUN_MIN
+                        and buf[end - base + SIZE_OF_XLOG_RECORD : end - base + payload_at] == sig
+                    ):
+                        # like records after this one (a bulk load's INSERTs into one heap
+                        # page): checked together, collected as one run (no value per record)
+                        m, raws = _same_run(buf, o, pos, tot_len, stride, k, vm_at)
                     if m:
                         top = end + m * stride
                         add((key, range(end, top + 1, stride), head, raws, will_init))
@@ -1630,7 +1561,6 @@ class TimelineWalIngest:
         *,
         connect: Connector = pgclient_connect,
         ingest: WalIngest | None = None,
-        precheck: PrecheckFactory | None = None,
         remote_wal: RemoteWal | None = None,
     ) -> None:
         self.tl = timeline
@@ -1638,7 +1568,6 @@ class TimelineWalIngest:
         self._remote_wal = remote_wal
         self.ingest = ingest if ingest is not None else WalIngest(timeline)
         self._connect = connect
-        self._precheck = precheck
         self.receiver: WalReceiver | None = None
         self._in_record = False
         self._between: trio.Event | None = None  # set when the record in progress is done
@@ -1654,14 +1583,12 @@ class TimelineWalIngest:
         # a flush waits for the whole batch (a few ms of WAL)
         await self._applying(self.ingest.ingest_records(recs))
 
-    async def _on_wal(
-        self, dec: WalStreamDecoder, runs: ClaimedRuns | None
-    ) -> tuple[int, Lsn, NeedData | EndOfWal]:
+    async def _on_wal(self, dec: WalStreamDecoder) -> tuple[int, Lsn, NeedData | EndOfWal]:
         # the fused path (a flush waits for one XLogData message's records, like a batch)
         out: list[tuple[int, Lsn, NeedData | EndOfWal]] = []
 
         async def apply() -> None:
-            out.append(await self.ingest.ingest_decoder(dec, runs))
+            out.append(await self.ingest.ingest_decoder(dec))
 
         await self._applying(apply())
         return out[0]
@@ -1726,7 +1653,6 @@ class TimelineWalIngest:
             on_wal=self._on_wal,
             progress=self.progress,
             connect=self._connect,
-            precheck=self._precheck,
             remote_wal=self._remote_wal,
         )
         await self.receiver.run()

@@ -87,6 +87,26 @@ def test_bad_config_names_the_key(text: str, key: str) -> None:
     assert key in str(info.value)
 
 
+@pytest.mark.parametrize("key", ["wal_precheck_min_bytes", "wal_precheck_max_children"])
+def test_a_removed_key_is_refused_with_what_to_do(tmp_path: Path, key: str) -> None:
+    """A config file written for the pageserver that had the WAL pre-check child is refused,
+    not silently accepted, and the error says why and what to do; other faults of the same
+    file are still listed."""
+    path = tmp_path / "ps.toml"
+    path.write_text(f'workdir = "data"\n{key} = 32768\n')
+    with pytest.raises(ConfigError) as info:
+        load_pageserver_config(path)
+    assert info.value.errors == [
+        f"{key}: removed: the pageserver no longer has a WAL pre-check child (the ingest "
+        "checks every record itself, in one process); delete this key"
+    ]
+    with pytest.raises(ConfigError) as info:
+        parse_pageserver_config(f'workdir = "/x"\n{key} = 0\nbogus = 1')
+    assert len(info.value.errors) == 2
+    assert info.value.errors[0].startswith(f"{key}: removed:")
+    assert info.value.errors[1] == "bogus: unknown key"
+
+
 def test_backup_command_forms() -> None:
     cmd = parse_backup_command("basebackup", (T, TL))
     assert (cmd.lsn, cmd.gzip, cmd.full) == (None, False, False)

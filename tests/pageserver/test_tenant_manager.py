@@ -266,7 +266,7 @@ async def test_a_failed_wal_ingest_stops_that_timeline_only(
     failing: list[TimelineId] = []
 
     class FakeIngest:
-        def __init__(self, tl: Timeline, cfg: object, *, ingest: object, precheck: object,
+        def __init__(self, tl: Timeline, cfg: object, *, ingest: object,
                      remote_wal: object = None) -> None:
             self.tl = tl
             self.receiver = None

@@ -19,7 +19,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pageserver.wal_receiver import (
-    ClaimedRuns,
     PgConnection,
     Progress,
     WalIngestError,
@@ -346,58 +345,12 @@ async def test_a_record_the_ingest_rejects_stops_the_receiver(
     assert recv.last_record_lsn == start
 
 
-@attrs.frozen
-class TaggedClaims:
-    """What ``FakePrecheck`` answers: no runs, and which piece it is for."""
-
-    base: int
-    end: int
-    starts: tuple[int, ...] = ()
-    lasts: tuple[int, ...] = ()
-    strides: tuple[int, ...] = ()
-
-
-class FakePrecheck:
-    """A pre-check without a child: answers each piece with a ``TaggedClaims``, in order,
-    once ``start`` made it ready."""
-
-    def __init__(self, log: list[str]) -> None:
-        self.queue: list[TaggedClaims] = []
-        self.log = log
-        self.log.append("new")
-        self.ready = False
-
-    async def start(self) -> None:
-        assert not self.ready
-        self.log.append("start")
-        await trio.lowlevel.checkpoint()
-        self.ready = True
-
-    async def submit(self, base: int, data: bytes | memoryview) -> None:
-        assert self.ready
-        await trio.lowlevel.checkpoint()
-        self.queue.append(TaggedClaims(base, base + len(data)))
-
-    async def result(self) -> TaggedClaims:
-        await trio.lowlevel.checkpoint()
-        return self.queue.pop(0)
-
-    async def aclose(self) -> None:
-        self.log.append("close")
-
-
 @settings(max_examples=15, deadline=None)
-@given(
-    st.integers(0, 2**32), st.sampled_from([None, 30000, 70000]), st.integers(0, 3), st.booleans()
-)
-def test_on_wal_takes_every_record_once_in_order(
-    seed: int, cut: int | None, failures: int, precheck: bool
-) -> None:
+@given(st.integers(0, 2**32), st.sampled_from([None, 30000, 70000]), st.integers(0, 3))
+def test_on_wal_takes_every_record_once_in_order(seed: int, cut: int | None, failures: int) -> None:
     """``on_wal`` (the ingest's fused path) gets the fed decoder and says how many records it
     took and where the last one ended; sessions restart there, also after it failed
-    part-way, and a record it rejects as malformed stops the receiver. With the pre-check
-    (every message big enough, read ahead), each fed message comes with its own claims, and
-    every session's pre-check is closed."""
+    part-way, and a record it rejects as malformed stops the receiver."""
     wal, spans = make_wal(60, seed)
     start = spans[0][0]
 
@@ -406,19 +359,9 @@ def test_on_wal_takes_every_record_once_in_order(
         sks = {p: FakeSafekeeper(wal, rng, cut=cut) for p in (1, 2)}
         applied: list[tuple[Lsn, Lsn]] = []
         failures_left = failures
-        checks: list[str] = []
-        checked: list[int] = []
 
-        async def on_wal(
-            dec: WalStreamDecoder, runs: ClaimedRuns | None
-        ) -> tuple[int, Lsn, NeedData | EndOfWal]:
+        async def on_wal(dec: WalStreamDecoder) -> tuple[int, Lsn, NeedData | EndOfWal]:
             nonlocal failures_left
-            if precheck and runs is not None:
-                # the claims about the message just fed (its end is the decoder's)
-                assert isinstance(runs, TaggedClaims) and runs.end == dec.fed_lsn
-                checked.append(runs.base)
-            else:
-                assert runs is None
             recs: list[DecodedRecord] = []
             stop = dec.decode_into(recs)
             for i, rec in enumerate(recs):
@@ -431,13 +374,8 @@ def test_on_wal_takes_every_record_once_in_order(
             await trio.lowlevel.checkpoint()
             return len(recs), recs[-1].end_lsn if recs else Lsn(0), stop
 
-        cfg = WalReceiverConfig(
-            safekeepers=(("h", 1), ("h", 2)), precheck_min_bytes=1 if precheck else 0
-        )
-        recv = WalReceiver(
-            cfg, start_lsn=start, on_wal=on_wal, connect=connector(sks),
-            precheck=lambda: FakePrecheck(checks),
-        )
+        cfg = WalReceiverConfig(safekeepers=(("h", 1), ("h", 2)))
+        recv = WalReceiver(cfg, start_lsn=start, on_wal=on_wal, connect=connector(sks))
         want = expected_records(wal, start)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(recv.run)
@@ -447,18 +385,8 @@ def test_on_wal_takes_every_record_once_in_order(
         assert applied == want
         assert recv.last_record_lsn == want[-1][1]
         assert recv.records_received >= len(want)
-        if precheck:
-            # every session made its own, started it at most once and closed it
-            per_session = " ".join(checks).replace(" new", "|new").split("|")
-            assert len(per_session) == recv.sessions
-            assert set(per_session) <= {"new close", "new start close"}
-            assert "new start close" in per_session and checked  # (some came after it)
-        else:
-            assert checks == []
 
-        async def rejecting(
-            dec: WalStreamDecoder, runs: ClaimedRuns | None
-        ) -> tuple[int, Lsn, NeedData | EndOfWal]:
+        async def rejecting(dec: WalStreamDecoder) -> tuple[int, Lsn, NeedData | EndOfWal]:
             raise RemoteProtocolError("bad record", sqlstate="XX001")
 
         recv = WalReceiver(cfg, start_lsn=start, on_wal=rejecting, connect=connector(sks))

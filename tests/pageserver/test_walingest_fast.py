@@ -47,14 +47,12 @@ from pageserver.storage.key import Key
 from pageserver.storage.layer_file import WriteOptions
 from pageserver.storage.value import TAG_CLEAR_VM_FLAGS
 from pageserver.tenant import Tenant
-from pageserver.wal_runs import RunFinder
 from pageserver.walingest import WalIngest
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import WAL_SEGMENT_SIZE, Lsn, parse_lsn, segment_file_name
 from protocol.wal.reader import EndOfWal, WalStreamDecoder
 from protocol.wal.record import DecodedRecord
 from protocol.wal.walk import walk_crc
-from tests.pageserver.test_wal_precheck import claim_problem, covered, like_pairs
 from tests.pageserver.test_walingest_fused import Put, capture_puts
 from tests.tmpdirs import pg_tmpdir
 
@@ -309,10 +307,8 @@ async def test_batch_ingest_mutants_are_caught(
 
 async def _puts(
     root: Path, wal: RealWal, fused: bool, chunk: int, general: list[int] | None = None,
-    claimed: bool = False,
 ) -> tuple[list[Put], list[tuple[int, int]], Lsn, object, object, object, object]:
-    """Every value stored, in order, ingesting the WAL by the fused or the batch path (the
-    fused one with the WAL pre-check's claims for each piece if ``claimed``)."""
+    """Every value stored, in order, ingesting the WAL by the fused or the batch path."""
     async with trio.open_nursery() as nursery:
         tenant = Tenant(root, TenantId.generate(), CONFIG, nursery=nursery)
         tl = await tenant.create_timeline(TimelineId.generate())
@@ -331,14 +327,12 @@ async def _puts(
 
             ing.ingest_records = counting  # type: ignore[method-assign]  # (a count of what took that path)
         per_piece: list[tuple[int, int]] = []
-        finder = RunFinder() if claimed else None
         with capture_puts() as puts:
             for at in range(page - WAL_SEGMENT_SIZE, len(wal.wal), chunk):
                 piece = wal.wal[at : at + chunk]
-                runs = None if finder is None else finder.feed(at + WAL_SEGMENT_SIZE, piece)
                 dec.feed(piece)
                 if fused:
-                    n, end_lsn, stop = await ing.ingest_decoder(dec, runs)
+                    n, end_lsn, stop = await ing.ingest_decoder(dec)
                     last = int(end_lsn)
                 else:
                     batch: list[DecodedRecord] = []
@@ -371,30 +365,6 @@ async def test_fused_ingest_equals_batch_path(pg_tmp_path: Path, real_wal: RealW
     # not vacuous: most records went through the fused path, not ingest_records
     assert isinstance(stats, walingest.IngestStats)
     assert sum(general) < stats.records // 3
-    # and with the WAL pre-check's claims: the same again
-    claimed = await _puts(pg_tmp_path / "claimed", real_wal, True, chunk, claimed=True)
-    assert claimed[0] == puts
-    assert claimed[1:] == want[1:]
-
-
-def test_precheck_claims_hold_on_real_wal(real_wal: RealWal) -> None:
-    """Every claim the WAL pre-check makes about real PostgreSQL WAL (in the receiver's
-    pieces) holds by its definition (a reference written from it, tests/pageserver/
-    test_wal_precheck.py), and the claims cover every pair of like records the decoder finds."""
-    stream = real_wal.wal
-    base = Lsn(WAL_SEGMENT_SIZE)
-    finder = RunFinder()
-    all_claims: list[tuple[int, int, int]] = []
-    for at in range(0, len(stream), CHUNK):
-        low = finder.walked_from(base + at)
-        claims = finder.feed(base + at, stream[at : at + CHUNK])
-        all_claims += claims.triples()
-        for claim in claims.triples()[::7]:  # (a sample: the reference is slow)
-            assert claim_problem(stream, base, low, base + at + CHUNK, claim) is None
-    records, _end = _decode(real_wal, CHUNK, batched=True)
-    pairs = list(like_pairs(records, [(base, base + len(stream))]))
-    assert len(pairs) > 1000
-    assert all(covered(all_claims, a, b) for a, b in pairs)
 
 
 async def test_waiters_inside_a_batch_wake(pg_tmp_path: Path, real_wal: RealWal) -> None:

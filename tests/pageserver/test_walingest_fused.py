@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,15 +32,12 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pageserver import walingest
 from pageserver.pg_control import CheckPoint
 from pageserver.storage.config import StorageConfig
 from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.key import SLRU_CLOG, Key
 from pageserver.storage.value import Image
 from pageserver.tenant import Tenant
-from pageserver.wal_receiver import ClaimedRuns
-from pageserver.wal_runs import RunFinder
 from pageserver.walingest import WalIngest
 from protocol.errors import RemoteProtocolError
 from protocol.ids import TenantId, TimelineId
@@ -136,10 +133,8 @@ def _checkpoint() -> CheckPoint:
 
 async def ingest(
     wal: bytes, pieces: list[int], fused: bool, skip_to: Lsn | None, root: Path,
-    claims: Callable[[int, bytes], ClaimedRuns] | None = None,
 ) -> Run:
-    """Seed a timeline, then feed ``wal`` (from WAL_START) in ``pieces`` to one path (the
-    fused one with ``claims(lsn, piece)`` for each piece, if given: the pre-check's)."""
+    """Seed a timeline, then feed ``wal`` (from WAL_START) in ``pieces`` to one path."""
     tenant = Tenant(root, TenantId.generate(), CONFIG)
     try:
         tl = await tenant.create_timeline(TimelineId.generate())
@@ -165,12 +160,11 @@ async def ingest(
             at = 0
             for size in pieces:
                 piece = wal[at : at + size]
-                runs = None if claims is None else claims(WAL_START + at, piece)
                 dec.feed(piece)
                 at += size
                 try:
                     if fused:
-                        n, end_lsn, stop = await ing.ingest_decoder(dec, runs)
+                        n, end_lsn, stop = await ing.ingest_decoder(dec)
                         last = int(end_lsn)
                     else:
                         batch: list[DecodedRecord] = []
@@ -196,13 +190,10 @@ async def ingest(
 
 
 def both(wal: bytes, pieces: list[int], skip_to: Lsn | None = None) -> tuple[Run, Run]:
-    """The batch and the fused path's runs; the fused path with the pre-check's claims must
-    store what it stores without them (the callers compare fused with batch)."""
+    """The batch and the fused path's runs (the callers compare them)."""
     with tempfile.TemporaryDirectory() as d:
         batch = trio.run(ingest, wal, pieces, False, skip_to, Path(d) / "batch")
         fused = trio.run(ingest, wal, pieces, True, skip_to, Path(d) / "fused")
-        claimed = trio.run(ingest, wal, pieces, True, skip_to, Path(d) / "claimed", RunFinder().feed)
-    assert_same(fused, claimed)
     return batch, fused
 
 
@@ -393,22 +384,6 @@ def test_fused_path_takes_the_bulk_load(monkeypatch: pytest.MonkeyPatch) -> None
     assert len(batch.puts) == 3000 + 3000 // 50  # the records and the new sizes
     pages = len(wal) // 8192
     assert sum(general) <= pages + 2  # about one record per page: the one crossing into it
-    # with the claims, no run is checked here: the claims stand for _same_run
-    calls = {"_same_run": 0, "_claimed_run": 0}
-    for name in calls:
-        real_fn = getattr(walingest, name)
-
-        def counted(*a: Any, _name: str = name, _real: Any = real_fn) -> Any:
-            calls[_name] += 1
-            return _real(*a)
-
-        monkeypatch.setattr(walingest, name, counted)
-    with tempfile.TemporaryDirectory() as d:
-        claimed = trio.run(
-            ingest, wal, chunking(len(wal), [131072]), True, None, Path(d), RunFinder().feed
-        )
-    assert_same(batch, claimed)
-    assert calls["_same_run"] == 0 and calls["_claimed_run"] >= pages
 
 
 

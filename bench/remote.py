@@ -7,11 +7,16 @@
   threads as the queue uses), in ``--rounds`` interleaved rounds: MB/s (medians) and the median
   of the per-round ratios (goal: queue >= 80 % of the plain loop).
 - ``ingest``: ``--ingest-mib`` of 8 KiB page images put into a timeline and flushed into L0s,
-  with uploads off (no remote storage) and on (the queue uploading behind the flushes),
-  interleaved over ``--rounds`` rounds: MB/s of ingest and the median of the per-round ratios
-  (goal >= 90 %); the CPU seconds of the trio thread (the ingest's own work) and of the
-  process (the upload threads too); with uploads on, the seconds until
-  ``remote_consistent_lsn`` caught up.
+  with uploads off (no remote storage) and on (the queue uploading behind the flushes; layers
+  zstd-compressed, the node's default), and optionally ``on-uncompressed`` (layers stored as
+  they are) and ``on-signed`` (SigV4 over the body), interleaved over ``--rounds`` rounds: MB/s
+  of ingest and the median of the per-round ratios (goal >= 90 %); the CPU seconds of the trio
+  thread (the ingest's own work), of the process (the upload threads too) and of SeaweedFS
+  (``bench.proc_cpu``); with uploads on, the seconds until ``remote_consistent_lsn`` caught up
+  and the bytes sent against the bytes of the layer files. The pages (``--ingest-pages``) are
+  those of a real pgbench database (``pgbench -i -s --ingest-pgbench-scale`` in a PostgreSQL
+  started here, every page of its relation files, cycled: how compressible a real database's
+  layers are) or unique random pages (incompressible: the worst case for compression).
 - ``attach``: a tenant with ``--attach-mib`` of layers (default 1024) in remote storage is
   attached by a fresh node with an empty disk: seconds to attach (list, index, reconcile: no
   layer downloaded), then the latency of the first read of one page (on-demand: fetches only the
@@ -35,10 +40,12 @@ from typing import Any
 
 import attrs
 import trio
+from prometheus_client import REGISTRY
 
 from bench import proc_cpu
 from bench.impl_rows import add_impl_option, run_per_impl
 from common.logging import setup_logging
+from compute.postgres import PostgresInstance, postgres_tmpdir
 from pageserver.remote_tenant import TenantRemote
 from pageserver.remote_timeline import RemoteTimelineClient
 from pageserver.storage.config import StorageConfig
@@ -65,6 +72,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved rounds of the upload (queue, plain loop, threaded loop) and ingest "
                              "(off, on) configurations")
+    parser.add_argument("--ingest-pages", choices=("pgbench", "random"), default="pgbench",
+                        help="page images to ingest: a real pgbench database's pages, or unique random ones")
+    parser.add_argument("--ingest-pgbench-scale", type=int, default=10,
+                        help="pgbench scale of that database (10: about 160 MB of pages, cycled)")
     parser.add_argument("--ingest-configs", default="off,on",
                         help=f"comma-separated, 'off' first, of {','.join(INGEST_CONFIGS)}")
     parser.add_argument("--cpus", default=None,
@@ -180,20 +191,51 @@ def bench_upload(endpoint: str, work: Path, upload_mib: int, layer_mib: int, rou
 # -- ingest ----------------------------------------------------------------------------------
 
 
-async def _ingest(tl: Timeline, mib: int, start_block: int = 0, cpu: dict[str, Any] | None = None,
-                  pids: dict[str, int] | None = None) -> float:
-    """Seconds to put and flush ``mib`` of page images; ``cpu`` gets the CPU seconds of the
-    trio thread (the ingest's own work) and of the whole process (upload threads too), and
-    the breakdown per thread group and per process of ``pids`` (``bench.proc_cpu``)."""
+def pgbench_pages(scale: int) -> list[bytes]:
+    """Every 8 KiB page of a real pgbench database's relation files (tables, indexes, their
+    free space and visibility maps) at ``scale``, after a checkpoint."""
+    with postgres_tmpdir("pagestore-bench-remote-pg-") as tmp:
+        pg = PostgresInstance.create(tmp / "data")
+        pg.start()
+        try:
+            pg.pgbench("-i", "-s", str(scale), "-q")
+            pg.psql("VACUUM ANALYZE")
+            pg.psql("CHECKPOINT")
+            db_oid = pg.psql("SELECT oid FROM pg_database WHERE datname = 'postgres'")
+        finally:
+            pg.stop()
+        pages: list[bytes] = []
+        for path in sorted((tmp / "data" / "base" / db_oid).iterdir()):
+            if not path.name.split("_")[0].split(".")[0].isdigit():
+                continue
+            data = path.read_bytes()
+            pages += [data[i:i + PAGE] for i in range(0, len(data) - PAGE + 1, PAGE)]
+    return pages
+
+
+def random_pages(mib: int = 32) -> list[bytes]:
+    """Unique random pages (``mib`` of them, cycled: far more than a zstd window apart)."""
+    return [os.urandom(PAGE) for _ in range(mib * MiB // PAGE)]
+
+
+def _counter(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+async def _ingest(tl: Timeline, mib: int, pages: list[bytes], start_block: int = 0,
+                  cpu: dict[str, Any] | None = None, pids: dict[str, int] | None = None) -> float:
+    """Seconds to put and flush ``mib`` of page images (``pages``, cycled); ``cpu`` gets the
+    CPU seconds of the trio thread (the ingest's own work) and of the whole process (upload
+    threads too), and the breakdown per thread group and per process of ``pids``
+    (``bench.proc_cpu``)."""
     n = mib * MiB // PAGE
-    page = os.urandom(PAGE)
     lsn = tl.last_record_lsn
     sample = proc_cpu.Sample.take(pids)
     started = time.perf_counter()
     thread0, process0 = time.thread_time(), time.process_time()
     for i in range(n):
         lsn = Lsn(lsn + 0x40)
-        await tl.put(rel_block_key(1663, 5, 16384, 0, start_block + i), lsn, Image(page))
+        await tl.put(rel_block_key(1663, 5, 16384, 0, start_block + i), lsn, Image(pages[i % len(pages)]))
         tl.finish_write(lsn)
     await tl.flush()
     if cpu is not None:
@@ -203,12 +245,15 @@ async def _ingest(tl: Timeline, mib: int, start_block: int = 0, cpu: dict[str, A
     return time.perf_counter() - started
 
 
-# off: no remote storage; on: uploads behind the flushes (the node's S3 settings);
-# on-signed: the same with SigV4 over the body (a SHA-256 of every PUT, ``payload_signing``)
-INGEST_CONFIGS = ("off", "on", "on-signed")
+# off: no remote storage; on: uploads behind the flushes (the node's S3 settings: layers
+# zstd-compressed); on-uncompressed: layers stored as they are (``compression = "none"``);
+# on-signed: the node's settings with SigV4 over the body (``payload_signing``)
+INGEST_CONFIGS = ("off", "on", "on-uncompressed", "on-signed")
+_SENT = "pageserver_remote_upload_stored_bytes_total"
+_LAYER_BYTES = "pageserver_remote_upload_bytes_total"
 
 
-async def _ingest_run(work: Path, mib: int, endpoint: str, config: str,
+async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: list[bytes],
                       pids: dict[str, int] | None = None) -> dict[str, Any]:
     cfg = _storage_config(16)
     async with trio.open_nursery() as nursery:
@@ -218,13 +263,14 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str,
             storage = make_remote_storage(attrs.evolve(_s3(endpoint, "bench-ingest"),
                                                        payload_signing=config == "on-signed"))
             await storage.list("nothing/")
-            remote = TenantRemote(storage, 1)
+            remote = TenantRemote(storage, 1, compression="none" if config == "on-uncompressed" else "zstd")
         tenant = Tenant(work, TenantId.generate(), cfg, nursery=nursery, remote=remote)
         tl = await tenant.create_timeline(TimelineId.generate())
         if tl.remote is not None:
             await tl.remote.wait_uploaded()
         cpu: dict[str, Any] = {}
-        seconds = await _ingest(tl, mib, cpu=cpu, pids=pids)
+        sent0, layer0 = _counter(_SENT), _counter(_LAYER_BYTES)
+        seconds = await _ingest(tl, mib, pages, cpu=cpu, pids=pids)
         out: dict[str, Any] = {"config": config, "uploads": config != "off", "seconds": round(seconds, 3),
                                "mb_s": round(mib * MiB / 1e6 / seconds, 1),
                                **{k: round(v, 3) if isinstance(v, float) else v for k, v in cpu.items()}}
@@ -233,6 +279,8 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str,
             await tl.remote.wait_uploaded()
             out["catch_up_s"] = round(time.perf_counter() - t0, 3)
             out["remote_consistent_lsn_equal"] = tl.remote_consistent_lsn == tl.disk_consistent_lsn
+            out["layer_bytes"] = int(_counter(_LAYER_BYTES) - layer0)
+            out["sent_bytes"] = int(_counter(_SENT) - sent0)
         await tenant.shutdown()
         if storage is not None:
             await storage.aclose()
@@ -251,8 +299,8 @@ def _median_cpu(runs: list[dict[str, Any]]) -> dict[str, float]:
     return {k: round(statistics.median(v), 3) for k, v in sorted(flat.items())}
 
 
-def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int, pids: dict[str, int] | None = None,
-                 configs: tuple[str, ...] = ("off", "on")) -> None:
+def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int, pages: list[bytes], page_source: str,
+                 pids: dict[str, int] | None = None, configs: tuple[str, ...] = ("off", "on")) -> None:
     if configs[:1] != ("off",) or any(c not in INGEST_CONFIGS for c in configs):
         raise SystemExit(f"--ingest-configs: 'off' and any of {INGEST_CONFIGS[1:]}, got {configs}")
     runs: list[dict[str, Any]] = []
@@ -260,10 +308,12 @@ def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int, pids: dict[st
     for r in range(rounds):  # interleaved rounds (order rotated): load changes hit all alike
         order = configs[r % n:] + configs[:r % n]
         for config in order:
-            runs.append({"round": r, **trio.run(_ingest_run, work / f"ingest-{len(runs)}", mib, endpoint, config, pids)})
+            runs.append({"round": r, **trio.run(_ingest_run, work / f"ingest-{len(runs)}", mib, endpoint, config,
+                                                pages, pids)})
     seconds = {c: {x["round"]: x["seconds"] for x in runs if x["config"] == c} for c in configs}
     med = {c: statistics.median(seconds[c].values()) for c in configs}
-    out: dict[str, Any] = {"part": "ingest", "mib": mib, "runs": runs}
+    out: dict[str, Any] = {"part": "ingest", "mib": mib, "pages": page_source, "distinct_pages": len(pages),
+                           "runs": runs}
     for c in configs:
         out[f"{c}_mb_s"] = round(mib * MiB / 1e6 / med[c], 1)
     for c in configs[1:]:
@@ -271,6 +321,10 @@ def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int, pids: dict[st
         suffix = "" if c == "on" else "_" + c.removeprefix("on-")
         out[f"ratio_on{suffix}_vs_off_per_round"] = [round(p, 3) for p in per_round]
         out[f"ratio_on{suffix}_vs_off"] = round(statistics.median(per_round), 3)
+    for c in configs[1:]:  # bytes sent per byte of layer files (compression), over all rounds
+        done = [x for x in runs if x["config"] == c]
+        out[f"{c}_sent_vs_layer_bytes"] = round(sum(x["sent_bytes"] for x in done) / max(1, sum(
+            x["layer_bytes"] for x in done)), 4)
     for c in configs:  # where the time goes: per thread group and process, medians of the rounds
         out[f"{c}_trio_thread_cpu_s"] = statistics.median(
             x["trio_thread_cpu_s"] for x in runs if x["config"] == c)
@@ -282,7 +336,7 @@ def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int, pids: dict[st
 # -- attach ----------------------------------------------------------------------------------
 
 
-async def _attach(endpoint: str, work: Path, mib: int) -> dict[str, Any]:
+async def _attach(endpoint: str, work: Path, mib: int, pages: list[bytes]) -> dict[str, Any]:
     # L0s of 64 MiB, then image layers over the whole keyspace at the end (no L0 -> L1 merge:
     # the images are what a steady-state tenant's reads end at)
     cfg = attrs.evolve(_storage_config(64), compaction_threshold=1000)
@@ -292,7 +346,7 @@ async def _attach(endpoint: str, work: Path, mib: int) -> dict[str, Any]:
         tenant = Tenant(work / "a", tenant_id, cfg, nursery=nursery, remote=TenantRemote(storage, 1))
         tl = await tenant.create_timeline(timeline_id)
         t0 = time.perf_counter()
-        await _ingest(tl, mib)
+        await _ingest(tl, mib, pages)
         await tl.compact(force_image=True)
         assert tl.remote is not None
         await tl.remote.wait_uploaded()
@@ -357,12 +411,15 @@ def run(args: argparse.Namespace) -> int:
               "cpus": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()]})
         if "upload" in parts:
             bench_upload(endpoint, work, args.upload_mib, args.layer_mib, args.rounds)
+        pages: list[bytes] = []
+        if "ingest" in parts or "attach" in parts:
+            pages = pgbench_pages(args.ingest_pgbench_scale) if args.ingest_pages == "pgbench" else random_pages()
         if "ingest" in parts:
             pids = {} if server is None or server.proc is None else {"seaweedfs": server.proc.pid}
-            bench_ingest(endpoint, work, args.ingest_mib, args.rounds, pids,
+            bench_ingest(endpoint, work, args.ingest_mib, args.rounds, pages, args.ingest_pages, pids,
                          tuple(args.ingest_configs.split(",")))
         if "attach" in parts:
-            emit(trio.run(_attach, endpoint, work, args.attach_mib))
+            emit({**trio.run(_attach, endpoint, work, args.attach_mib, pages), "pages": args.ingest_pages})
     finally:
         if server is not None:
             server.stop(grace_s=2.0)

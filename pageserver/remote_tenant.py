@@ -48,6 +48,7 @@ from pageserver.storage.layer_file import LayerCorruptionError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import format_lsn
 from remote_storage import RemoteStorage
+from remote_storage.config import Compression
 from remote_storage.retry import retry
 
 log = structlog.get_logger("pageserver.remote_tenant")
@@ -65,6 +66,10 @@ class TenantRemote:
     # The node's persisted deletion queue (None: deletions are not persisted; a crash between
     # an index and its deletions leaks the objects).
     deletions: DeletionQueue | None = None
+    # How layer files are stored remotely (``remote_storage.compression``; the index records
+    # it per layer, so either setting reads every object)
+    compression: Compression = "zstd"
+    compression_level: int = 1
 
 
 async def list_remote_tenants(storage: RemoteStorage) -> list[TenantId]:
@@ -120,7 +125,7 @@ async def find_index(
 
 
 def _write_local_index(directory: Path, part: IndexPart) -> None:
-    local = attrs.evolve(part, generations={})
+    local = attrs.evolve(part, generations={}, stored={})
     tmp = directory / (INDEX_PART + ".___temp")
     with open(tmp, "wb") as f:
         f.write(local.to_json())
@@ -240,4 +245,5 @@ def make_client(
         remote.storage, tenant_id, timeline_id, remote.generation, local_dir,
         remote_index=remote_index, validate=remote.validate, pins=pins, on_unpinned=on_unpinned,
         parallel_uploads=remote.parallel_uploads, deletions=remote.deletions,
+        compression=remote.compression, compression_level=remote.compression_level,
     )

@@ -29,6 +29,12 @@ remove WAL only below it. Uploads and deletions retry forever with capped backof
 (``remote_storage.retry``): while the store is down, ingest and flushes go on, the queue grows,
 and ``remote_consistent_lsn`` stays where it was.
 
+Layer files are stored compressed (``compression = "zstd"``, the default of the
+``remote_storage`` table) or as they are: each upload compresses its file into a temp file
+beside it in a worker thread (``pageserver.remote_compression``), PUTs that, and the index
+records how each object is stored. Downloads read that from the index they come from, so
+objects of any age (and of either setting) read back alike.
+
 Until ``activate`` (a timeline still being bootstrapped or imported) nothing is queued: only
 the newest index is kept and queued whole on activation, so the remote never sees a half-made
 timeline.
@@ -37,6 +43,7 @@ timeline.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -48,17 +55,28 @@ import trio
 from prometheus_client import Counter, Gauge, Histogram
 
 from common.fsync import fsync_dir
-from pageserver import remote_layout
+from pageserver import remote_compression, remote_layout
 from pageserver.deletion_queue import DeletionList, DeletionQueue
-from pageserver.storage.index_part import IndexPart
+from pageserver.storage.index_part import IndexPart, StoredLayer
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN
 from remote_storage import RemoteNotFoundError, RemoteStorage
+from remote_storage.config import Compression
 from remote_storage.retry import retry
 
 log = structlog.get_logger("pageserver.remote_timeline")
 
-UPLOADED_BYTES = Counter("pageserver_remote_upload_bytes", "bytes of layer files uploaded")
+UPLOADED_BYTES = Counter("pageserver_remote_upload_bytes", "bytes of layer files uploaded (before compression)")
+UPLOADED_STORED_BYTES = Counter(
+    "pageserver_remote_upload_stored_bytes", "bytes of layer objects uploaded (after compression: what the store keeps)"
+)
+DOWNLOADED_BYTES = Counter("pageserver_remote_download_bytes", "bytes of layer files downloaded (after decompression)")
+DOWNLOADED_STORED_BYTES = Counter(
+    "pageserver_remote_download_stored_bytes", "bytes of layer objects downloaded (before decompression)"
+)
+CODEC_SECONDS = Counter(
+    "pageserver_remote_codec_seconds", "seconds spent compressing and decompressing layer files", ["op"]
+)
 UPLOADED_LAYERS = Counter("pageserver_remote_uploaded_layers", "layer files uploaded")
 UPLOADED_INDEXES = Counter("pageserver_remote_uploaded_indexes", "index_part.json objects uploaded")
 DELETED_OBJECTS = Counter("pageserver_remote_deleted_objects", "layer objects deleted from remote storage")
@@ -73,6 +91,7 @@ Validator = Callable[[], Awaitable[bool]]
 
 DOWNLOAD_ATTEMPTS = 5  # a reader waits for these (about 0.7 s of backoff in all)
 _TEMP_DOWNLOAD = ".___temp_download"
+_TEMP_STORED = ".___temp_stored"  # a compressed object on its way up or down
 
 
 async def always_valid() -> bool:
@@ -108,23 +127,49 @@ class Barrier:
 Op = UploadLayer | UploadIndex | Delete | Barrier
 
 
+def _unlink_all(paths: tuple[Path, ...]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
 async def download_layer(
-    storage: RemoteStorage, key: str, path: Path, size: int, *, attempts: int = DOWNLOAD_ATTEMPTS
+    storage: RemoteStorage, key: str, path: Path, size: int, *, stored: StoredLayer | None = None,
+    attempts: int = DOWNLOAD_ATTEMPTS,
 ) -> None:
-    """``key`` into ``path`` (temp file, size check against the index, rename, dir fsync)."""
+    """``key`` into ``path`` (temp file, size check against the index, rename, dir fsync).
+    ``stored``: how the object is stored, as its index says (None: as it is, ``size`` bytes);
+    a compressed object is downloaded to a temp file, size-checked, then decompressed with the
+    checks of ``pageserver.remote_compression`` (a corrupt one: ``LayerCorruptionError``, not
+    retried)."""
     tmp = path.with_name(path.name + _TEMP_DOWNLOAD)
+    stored_tmp = path.with_name(path.name + _TEMP_STORED)
+    compressed = stored is not None and stored.compression != "none"
+    want = stored.size if stored is not None else size
 
     async def get() -> None:
-        got = await storage.download_file(key, tmp)
-        if got != size:
-            raise OSError(f"{key}: downloaded {got} bytes, the index says {size}")
+        got = await storage.download_file(key, stored_tmp if compressed else tmp)
+        if got != want:
+            # A short or long transfer (or object): retried, then the read fails.
+            raise OSError(f"{key}: downloaded {got} bytes, the index says {want}")
+
+    def decompress() -> None:
+        started = time.monotonic()
+        try:
+            remote_compression.decompress_file(stored_tmp, tmp, size, key)
+        finally:
+            stored_tmp.unlink(missing_ok=True)
+            CODEC_SECONDS.labels("decompress").inc(time.monotonic() - started)
 
     try:
         await retry(get, what=f"download {key}", attempts=attempts)
+        if compressed:
+            await trio.to_thread.run_sync(decompress)
     except BaseException:
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(lambda: tmp.unlink(missing_ok=True))
+            await trio.to_thread.run_sync(_unlink_all, (tmp, stored_tmp))
         raise
+    DOWNLOADED_STORED_BYTES.inc(want)
+    DOWNLOADED_BYTES.inc(size)
 
     def publish() -> None:
         os.rename(tmp, path)
@@ -167,6 +212,8 @@ class RemoteTimelineClient:
         on_unpinned: Callable[[], Awaitable[None]] | None = None,
         parallel_uploads: int = DEFAULT_PARALLEL_UPLOADS,
         deletions: DeletionQueue | None = None,
+        compression: Compression = "zstd",
+        compression_level: int = 1,
     ) -> None:
         self.storage = storage
         self.tenant_id = tenant_id
@@ -178,14 +225,23 @@ class RemoteTimelineClient:
         self._on_unpinned = on_unpinned
         self.parallel_uploads = parallel_uploads
         self.deletions = deletions
+        self.compression = compression
+        self.compression_level = compression_level
+        # Compression is CPU work in worker threads: at most two at once (a core each on a
+        # small machine), whatever parallel_uploads allows for the PUTs.
+        self._codec_limiter = trio.CapacityLimiter(2)
         # The remote objects of the last scheduled index: name -> (size, generation)
         self._layers: dict[str, tuple[int, int]] = {}
+        # How each uploaded object is stored, by key: what an index naming it records. Filled
+        # when an upload completes (and from the remote index), dropped when it is deleted.
+        self._stored: dict[str, StoredLayer] = {}
         self.remote_consistent_lsn = INVALID_LSN  # visible: uploaded and validated
         self.projected_lsn = INVALID_LSN  # uploaded, maybe not validated yet
         self.uploaded_index: IndexPart | None = remote_index  # the last index known remote
         if remote_index is not None:
             for name, size in remote_index.layers.items():
                 self._layers[name] = (size, remote_index.generations.get(name, generation))
+                self._stored[self.layer_key(name, self._layers[name][1])] = remote_index.stored_layer(name)
             self.remote_consistent_lsn = self.projected_lsn = remote_index.disk_consistent_lsn
         self._ops: collections.deque[Op] = collections.deque()
         self._wakeup = trio.Event()
@@ -217,9 +273,11 @@ class RemoteTimelineClient:
         """The remote object of layer ``name`` (as the last scheduled index names it) into
         ``path``: temp file, size check, rename, directory fsync; bounded retries."""
         known = self._layers.get(name)
-        if known is None:
+        key = None if known is None else self.layer_key(name, known[1])
+        stored = None if key is None else self._stored.get(key)
+        if key is None or stored is None:
             raise RemoteNotFoundError(f"layer {name} is not in the remote index of {self.timeline_id.hex}")
-        await download_layer(self.storage, self.layer_key(name, known[1]), path, size)
+        await download_layer(self.storage, key, path, size, stored=stored)
 
     # -- scheduling (synchronous: called from the timeline's index_part write) ------------------
 
@@ -383,21 +441,49 @@ class RemoteTimelineClient:
 
         await retry(attempt, what=what)
 
+    def _compress(self, x: UploadLayer, dst: Path) -> StoredLayer:
+        """``x``'s file into ``dst`` as zstd (worker thread); "none" if that saves nothing."""
+        started = time.monotonic()
+        try:
+            read, written = remote_compression.compress_file(x.path, dst, self.compression_level)
+        finally:
+            CODEC_SECONDS.labels("compress").inc(time.monotonic() - started)
+        if read != x.size:
+            # The index says x.size: an object of another size must not be named by it.
+            raise OSError(f"{x.path}: compressed {read} bytes, the index says {x.size}")
+        if written >= read:
+            dst.unlink()
+            return StoredLayer("none", x.size)
+        return StoredLayer("zstd", written)
+
     async def _upload_layers(self, batch: list[UploadLayer]) -> None:
         limiter = trio.CapacityLimiter(self.parallel_uploads)
 
         async def one(x: UploadLayer) -> None:
             key = self.layer_key(x.name, self.generation)
+            stored_tmp = x.path.with_name(x.name + _TEMP_STORED)
+            stored = StoredLayer("none", x.size)
 
             async def put() -> None:
-                size = await self.storage.upload_file(key, x.path)
-                if size != x.size:
-                    # The index says x.size: an object of another size must not be named by it.
-                    raise OSError(f"{x.path}: uploaded {size} bytes, the index says {x.size}")
+                nonlocal stored
+                if self.compression != "none":
+                    async with self._codec_limiter:
+                        stored = await trio.to_thread.run_sync(self._compress, x, stored_tmp)
+                src = stored_tmp if stored.compression != "none" else x.path
+                size = await self.storage.upload_file(key, src)
+                if size != stored.size:
+                    # The index says stored.size: an object of another size must not be named by it.
+                    raise OSError(f"{src}: uploaded {size} bytes, the index says {stored.size}")
 
-            async with limiter:
-                await self._retry(f"upload {key}", put)
+            try:
+                async with limiter:
+                    await self._retry(f"upload {key}", put)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(functools.partial(stored_tmp.unlink, missing_ok=True))
+            self._stored[key] = stored
             UPLOADED_BYTES.inc(x.size)
+            UPLOADED_STORED_BYTES.inc(stored.size)
             UPLOADED_LAYERS.inc()
 
         async with trio.open_nursery() as nursery:
@@ -406,6 +492,15 @@ class RemoteTimelineClient:
 
     async def _upload_index(self, part: IndexPart) -> None:
         key = remote_layout.index_key(self.tenant_id, self.timeline_id, self.generation)
+        stored: dict[str, StoredLayer] = {}
+        for name in part.layers:
+            got = self._stored.get(self.layer_key(name, part.generations[name]))
+            if got is None:
+                # Queue order makes every layer's upload complete before an index naming it.
+                raise AssertionError(f"{key} would name layer {name}, which is not uploaded")
+            if got.compression != "none":
+                stored[name] = got
+        part = attrs.evolve(part, stored=stored)
         body = part.to_json()
         started = time.monotonic()
         await self._retry(f"upload {key}", lambda: self.storage.upload(key, body))
@@ -422,6 +517,8 @@ class RemoteTimelineClient:
         UPLOAD_INDEX_SECONDS.observe(time.monotonic() - started)
 
     async def _delete(self, keys: tuple[str, ...]) -> None:
+        for key in keys:  # no later index names them (a re-upload of a key comes after this)
+            self._stored.pop(key, None)
         if not await self.validate():
             DROPPED_DELETIONS.inc(len(keys))
             log.warning("generation no longer current: not deleting (objects leak)",

@@ -33,6 +33,7 @@ from pageserver.control_plane_client import ControlPlaneClient
 from pageserver.deletion_queue import DeletionQueue
 from pageserver.import_datadir import DatadirImportError, bootstrap_timeline, import_datadir
 from pageserver.remote_tenant import TenantRemote, highest_generation, list_remote_tenants
+from pageserver.remote_timeline import always_valid
 from pageserver.storage.io_engine import fsync_dir
 from pageserver.tenant import Tenant, TimelineExistsError
 from pageserver.timeline import Timeline
@@ -226,10 +227,11 @@ class TenantManager:
                 generation = await cp.attach(tenant_id)
             else:
                 generation = await highest_generation(self.remote_storage, tenant_id) + 1
-        if cp is None:
-            return TenantRemote(self.remote_storage, generation, deletions=self.deletions)
-        return TenantRemote(self.remote_storage, generation, functools.partial(cp.validate, tenant_id, generation),
-                            deletions=self.deletions)
+        rs = self.conf.remote_storage
+        assert rs is not None
+        validate = always_valid if cp is None else functools.partial(cp.validate, tenant_id, generation)
+        return TenantRemote(self.remote_storage, generation, validate, deletions=self.deletions,
+                            compression=rs.compression, compression_level=rs.compression_level)
 
     # -- attach and detach ----------------------------------------------------------------------
 

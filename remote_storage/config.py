@@ -5,18 +5,28 @@ region = "us-east-1"}``.
 Credentials are not config: boto3 finds them the usual way (environment, ``~/.aws``);
 ``access_key_id`` / ``secret_access_key`` are for test stores such as SeaweedFS that accept
 any. A relative local ``path`` is taken relative to the node's workdir by the node.
+
+``compression`` (``"zstd"``, the default, or ``"none"``) and ``compression_level`` say how the
+pageserver stores layer files in the store (``pageserver.remote_compression``); the index
+records it per layer, so a change applies to new uploads and every object stays readable.
+Indexes and WAL segments are stored as they are.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Literal
 
 import attrs
 import cattrs
 
 from common.config import register_tagged_union
+
+Compression = Literal["none", "zstd"]
+COMPRESSIONS: Final[tuple[Compression, ...]] = ("none", "zstd")
+# zstd levels 1-3 cost 2-5 ms of CPU per MiB; higher ones are far slower for little more
+_LEVELS = attrs.validators.and_(attrs.validators.ge(1), attrs.validators.le(19))
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
@@ -40,6 +50,8 @@ def _prefix(_inst: object, attr: attrs.Attribute[str], value: str) -> None:
 class LocalStorageConfig:
     path: Path
     concurrency_limit: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    compression: Compression = "zstd"
+    compression_level: int = attrs.field(default=1, validator=_LEVELS)
 
 
 @attrs.frozen(kw_only=True)
@@ -61,6 +73,8 @@ class S3StorageConfig:
     # every upload and download, and the layer format's own CRC-32C over every blob, index
     # block and the summary, checked when the file is opened and read.
     payload_signing: bool = False
+    compression: Compression = "zstd"
+    compression_level: int = attrs.field(default=1, validator=_LEVELS)
 
 
 RemoteStorageConfig = LocalStorageConfig | S3StorageConfig

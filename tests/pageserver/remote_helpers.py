@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import trio
+import zstandard
 
 from pageserver import remote_layout
 from pageserver.storage.index_part import IndexPart
@@ -119,7 +120,11 @@ async def check_remote_invariant(storage: RemoteStorage) -> int:
             gen = part.generations[name]
             obj = prefix + name + remote_layout.suffix(gen)
             assert obj in keys, f"{key} names {obj}, which is not in remote storage"
-            got = len(await storage.download(obj))
-            assert got == size, f"{obj}: {got} bytes, {key} says {size}"
+            raw = await storage.download(obj)
+            stored = part.stored_layer(name)
+            assert len(raw) == stored.size, f"{obj}: {len(raw)} bytes, {key} says {stored}"
+            if stored.compression == "zstd":
+                raw = zstandard.ZstdDecompressor().decompress(raw)
+            assert len(raw) == size, f"{obj}: {len(raw)} bytes as a file, {key} says {size}"
         checked += 1
     return checked

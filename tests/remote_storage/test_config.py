@@ -34,7 +34,14 @@ def test_kinds_round_trip() -> None:
     assert s3.remote_storage == S3StorageConfig(
         endpoint="http://127.0.0.1:8333", bucket="pagestore", prefix="a/b", region="eu-west-1"
     )
-    for cfg in (local, s3, Node()):
+    assert local.remote_storage.compression == s3.remote_storage.compression == "zstd"  # the default
+    plain = load_config(Node, 'remote_storage = {kind = "local", path = "/r", compression = "none"}',
+                        converter=_conv())
+    assert plain.remote_storage == LocalStorageConfig(path=Path("/r"), compression="none")
+    level3 = load_config(Node, 'remote_storage = {kind = "s3", bucket = "b-1", compression_level = 3}',
+                         converter=_conv())
+    assert isinstance(level3.remote_storage, S3StorageConfig) and level3.remote_storage.compression_level == 3
+    for cfg in (local, s3, plain, level3, Node()):
         assert load_config(Node, dump_config(cfg, converter=_conv()), converter=_conv()) == cfg
 
 
@@ -46,6 +53,9 @@ def test_kinds_round_trip() -> None:
         ('remote_storage = {kind = "local", path = "/x", bucket = "b"}', "remote_storage.bucket: unknown key"),
         ('remote_storage = {kind = "s3", bucket = "under_score"}', "DNS-style bucket name"),
         ('remote_storage = {kind = "s3", bucket = "okay", timeout_s = 0}', "timeout_s must be positive"),
+        ('remote_storage = {kind = "local", path = "/x", compression = "gzip"}', "remote_storage.compression"),
+        ('remote_storage = {kind = "s3", bucket = "okay", compression_level = 0}', "compression_level"),
+        ('remote_storage = {kind = "local", path = "/x", compression_level = 20}', "compression_level"),
     ],
 )
 def test_bad_tables_name_the_key(text: str, error: str) -> None:

@@ -24,6 +24,7 @@ from control_plane.process import read_pid, wait_until
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import parse_lsn
 from tests.integration.cli_json import pagestore_json
+from tests.integration.cluster_remote import check_newest_index
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -101,3 +102,6 @@ def test_pageserver_loses_its_disk_and_comes_back(cluster_dir: Path, capsys: pyt
     st = pagestore_json(capsys, "status", *wd)
     (tl,) = [t for t in st["timelines"] if t["timeline_id"] == timeline_id]
     assert parse_lsn(tl["remote_consistent_lsn"]) > 0
+    # it came back from layers stored compressed (the node's default) and decompressed
+    part = check_newest_index(env, tenant_id, timeline_id)
+    assert "zstd" in {part.stored_layer(name).compression for name in part.layers}, part

@@ -886,6 +886,14 @@ class Timeline:
 
         return await self._read_requests(dict.fromkeys(keys, lsn), walk, use_cache, ctx)
 
+    def _seed_states(self, requests: dict[Key, Lsn], use_cache: bool) -> dict[Key, KeyState]:
+        """A fresh ``KeyState`` per key, seeded from the page cache's hits."""
+        hits = self.page_cache.lookup_many(self._key, requests) if use_cache else None
+        if not hits:
+            return {key: KeyState() for key in requests}
+        return {key: KeyState() if (hit := hits.get(key)) is None else KeyState(hit[0], hit[1])
+                for key in requests}
+
     async def _read_requests(
         self,
         requests: dict[Key, Lsn],
@@ -895,10 +903,7 @@ class Timeline:
     ) -> dict[Key, Result]:
         """The body of every read: page-cache hits seed the key states, ``walk`` collects
         each key's values, then each key is reconstructed at its LSN (and memorized)."""
-        states: dict[Key, KeyState] = {}
-        for key, lsn in requests.items():
-            hit = self.page_cache.lookup(self._key, key, lsn) if use_cache else None
-            states[key] = KeyState() if hit is None else KeyState(hit[0], hit[1])
+        states = self._seed_states(requests, use_cache)
         ctx = ctx or ReadContext(max_vectored_read_bytes=self.config.max_vectored_read_bytes)
         self.graveyard.readers += 1
         per_layer = self.graveyard.per_layer
@@ -929,9 +934,7 @@ class Timeline:
                         raise
                     log.info("a layer was evicted under a read; reading again", timeline_id=self.timeline_id.hex,
                              attempt=attempt)
-                    states = {key: KeyState() if (hit := self.page_cache.lookup(self._key, key, lsn) if use_cache
-                                                  else None) is None else KeyState(hit[0], hit[1])
-                              for key, lsn in requests.items()}
+                    states = self._seed_states(requests, use_cache)
                 finally:
                     for _, x in pinned:
                         x.readers -= 1
@@ -942,12 +945,17 @@ class Timeline:
         self._raise_if_shut_down()
         await self.graveyard.collect()
         out: dict[Key, Result] = {}
-        for i, key_st in enumerate(states.items()):
-            key, st = key_st
-            if i and i % RECONSTRUCT_YIELD_EVERY == 0:
+        redone = 0
+        for key, st in states.items():
+            img = st.img
+            if img is not None and st.complete and not st.records and not st.missing:
+                out[key] = img[1]  # an image and nothing above it: reconstruct_value's answer
+                continue
+            if redone and redone % RECONSTRUCT_YIELD_EVERY == 0:
                 # redo is CPU on the event loop: a batch of hundreds of keys (compaction's image
                 # layers, with validation on) must not starve the page service's connections
                 await trio.lowlevel.checkpoint()
+            redone += 1
             try:
                 page, applied = reconstruct_value(key, requests[key], st, self.redo)
             except PageReconstructError as exc:
@@ -1042,6 +1050,18 @@ class Timeline:
         never does that) costs one more walk per extra LSN: a walk holds one LSN per key."""
         if self.config.get_impl != "vectored":
             return await self.get_pages_per_lsn(requests)
+        batch = dict(requests)
+        if len(batch) == len(requests) and (not batch or min(batch.values()) >= self.latest_gc_cutoff_lsn):
+            # The usual batch: every key once (so at one LSN), none below the GC cutoff: one
+            # walk, no per-request bookkeeping of rounds and answers.
+            admitted = self._admit(batch.values())
+            try:
+                results = await self._read_mixed(batch, ctx)
+                if self.config.validate_get:
+                    await self._validate_mixed(batch, results)
+            finally:
+                self._release(admitted)
+            return [results[key] for key in batch]
         answers: dict[tuple[Key, Lsn], Result] = {}
         rounds: list[dict[Key, Lsn]] = []
         for key, lsn in dict.fromkeys(requests):
@@ -1061,18 +1081,22 @@ class Timeline:
             for batch in rounds:
                 results = await self._read_mixed(batch, ctx)
                 if self.config.validate_get:
-                    by_lsn: dict[Lsn, list[Key]] = {}
-                    for key, lsn in batch.items():
-                        by_lsn.setdefault(lsn, []).append(key)
-                    for lsn, keys in by_lsn.items():
-                        oracle = await self._read(keys, lsn, "legacy", use_cache=False)
-                        got = {k: results[k] for k in keys}
-                        self._validate(lsn, got, oracle, "vectored-mixed", "legacy")
+                    await self._validate_mixed(batch, results)
                 for key, lsn in batch.items():
                     answers[(key, lsn)] = results[key]
         finally:
             self._release(admitted)
         return [answers[(key, lsn)] for key, lsn in requests]
+
+    async def _validate_mixed(self, batch: dict[Key, Lsn], results: dict[Key, Result]) -> None:
+        """``validate_get`` for a mixed-LSN read: the legacy path per LSN as the oracle."""
+        by_lsn: dict[Lsn, list[Key]] = {}
+        for key, lsn in batch.items():
+            by_lsn.setdefault(lsn, []).append(key)
+        for lsn, keys in by_lsn.items():
+            oracle = await self._read(keys, lsn, "legacy", use_cache=False)
+            got = {k: results[k] for k in keys}
+            self._validate(lsn, got, oracle, "vectored-mixed", "legacy")
 
     async def get_pages_per_lsn(self, requests: Sequence[tuple[Key, Lsn]]) -> list[Result]:
         """``get_pages`` the old way, one walk per distinct LSN (an oracle for tests/benches)."""

@@ -16,7 +16,9 @@ the timeline's shutdown cut short (``TimelineShutdownError``) -> ``Shutdown`` (5
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Sequence
+from typing import Final, cast
 
 import trio
 
@@ -154,30 +156,37 @@ class TimelinePageReader:
 
     async def get_pages(self, reads: Sequence[PageRead]) -> list[bytes | PageRequestError]:
         known = self._sizes_at
-        try:
-            # A hot timeline has every (fork, LSN) of the batch cached: no size read at all.
-            sizes: list[int | PageRequestError] = [known[(r.rel, r.lsn)] for r in reads]
-        except KeyError:
-            try:
-                by_key = await self._sizes(reads)
-            except TimelineShutdownError as exc:
-                raise Shutdown(str(exc)) from None
-            sizes = [by_key[(r.rel, r.lsn)] for r in reads]
+        by_key: dict[tuple[RelTag, Lsn], int | PageRequestError] | None = None
         out: list[bytes | PageRequestError] = [ZERO_PAGE] * len(reads)
         wanted: list[int] = []
         keyed: list[tuple[Key, Lsn]] = []
-        for i, (read, size) in enumerate(zip(reads, sizes, strict=True)):
+        # One pass per read: its fork's size, then its key. A batch is usually one fork at one
+        # LSN, and the decoder hands out one RelTag object per fork: the size lookup (a tuple
+        # and an attrs hash) and the key's first 14 bytes are made once per run of reads of
+        # the same fork and LSN, not once per read.
+        prev_rel: RelTag | None = None
+        prev_lsn = Lsn(-1)
+        size: int | PageRequestError = 0
+        prefix = b""
+        for i, read in enumerate(reads):
+            rel, lsn = read.rel, read.lsn
+            if rel is not prev_rel or lsn != prev_lsn:
+                prev_rel, prev_lsn = rel, lsn
+                got = known.get((rel, lsn)) if by_key is None else by_key[(rel, lsn)]
+                if got is None:
+                    # A hot timeline has every (fork, LSN) cached: this is the cold start
+                    try:
+                        by_key = await self._sizes(reads)
+                    except TimelineShutdownError as exc:
+                        raise Shutdown(str(exc)) from None
+                    got = by_key[(rel, lsn)]
+                size = got
+                prefix = _rel_prefix(rel)
             if isinstance(size, PageRequestError):
                 out[i] = size
             elif read.blkno < size:
-                rel = read.rel
                 wanted.append(i)
-                keyed.append(
-                    (
-                        rel_block_key(rel.spcnode, rel.dbnode, rel.relnode, rel.forknum, read.blkno),
-                        read.lsn,
-                    )
-                )
+                keyed.append((_block_key(prefix, read.blkno), lsn))
         if keyed:
             try:
                 results = await self.timeline.get_pages(keyed)
@@ -189,6 +198,16 @@ class TimelinePageReader:
 
     async def wait_shutdown(self) -> None:
         await self._shutdown.wait()
+
+
+# A relation block's key is its fork's 14 bytes then the block number (big-endian u32): what
+# ``rel_block_key`` packs, split so a batch packs the fork's part once.
+_KEY_TAIL: Final = struct.Struct(">14sI")
+_block_key: Final = cast(Callable[[bytes, int], Key], _KEY_TAIL.pack)
+
+
+def _rel_prefix(rel: RelTag) -> bytes:
+    return rel_block_key(rel.spcnode, rel.dbnode, rel.relnode, rel.forknum, 0)[:14]
 
 
 def _size_of(

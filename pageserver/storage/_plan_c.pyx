@@ -15,6 +15,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_Check, P
 from cpython.dict cimport PyDict_GetItem, PyDict_CheckExact
 from cpython.object cimport PyObject
 from cpython.list cimport PyList_Append
+from cpython.long cimport PyLong_CheckExact, PyLong_AsLongLongAndOverflow
 
 cdef extern from "../../protocol/_bytes.h":
     uint32_t ps_be32(const unsigned char *p) nogil
@@ -55,6 +56,16 @@ cdef struct Bound:
 
 cdef Bound _bound(object x) except *:
     cdef Bound b
+    cdef int overflow = 0
+    cdef long long v
+    if PyLong_CheckExact(x):
+        # the usual bound: an int that fits in 64 bits signed, no Python comparison
+        v = PyLong_AsLongLongAndOverflow(x, &overflow)
+        if not overflow:
+            b.below = v < 0
+            b.above = False
+            b.v = <uint64_t>v if v >= 0 else 0
+            return b
     b.below = x < 0
     b.above = x > 0xFFFFFFFFFFFFFFFF
     b.v = 0
@@ -232,6 +243,8 @@ def plan_cached(fences, n_blocks, blocks, file_id, keys, floor, cont, states, li
                     run_first = i
             runs.append((run_first, nkeys - 1))
     # 1. search
+    cdef Py_ssize_t last_blk = -1
+    cdef object last_raw = None
     for r in range(len(runs)):
         i, j = runs[r]
         first_p = <const unsigned char *>PyBytes_AS_STRING(key_list[i])
@@ -246,9 +259,15 @@ def plan_cached(fences, n_blocks, blocks, file_id, keys, floor, cont, states, li
         blkno = _fence_bisect_right(fence_list, start, C_PREFIX) - 1
         if blkno < 0:
             blkno = 0
-        raw = _cached_raw(blocks, exact, move_to_end, file_id, blkno, held)
-        if raw is None:
-            return None
+        if blkno != last_blk:
+            raw = _cached_raw(blocks, exact, move_to_end, file_id, blkno, held)
+            if raw is None:
+                return None
+            last_blk, last_raw = blkno, raw
+        else:
+            # the block the previous lookup touched: the twin's second lookup finds the same
+            # block and leaves the LRU order as it is
+            raw = last_raw
         hits += 1
         rawp = <const unsigned char *>PyBytes_AS_STRING(raw)
         n_entries = PyBytes_GET_SIZE(raw) // C_ENTRY
@@ -268,6 +287,7 @@ def plan_cached(fences, n_blocks, blocks, file_id, keys, floor, cont, states, li
             raw = _cached_raw(blocks, exact, move_to_end, file_id, blkno, held)
             if raw is None:
                 return None
+            last_blk, last_raw = blkno, raw
             hits += 1
             rawp = <const unsigned char *>PyBytes_AS_STRING(raw)
             n_entries = PyBytes_GET_SIZE(raw) // C_ENTRY
@@ -285,7 +305,8 @@ def plan_cached(fences, n_blocks, blocks, file_id, keys, floor, cont, states, li
     cdef uint64_t rd_start = 0, rd_end = 0, lsn, pos, off, length
     cdef uint32_t crc
     cdef const unsigned char *cur = NULL
-    cdef Py_ssize_t s, cur_run = -1
+    cdef Py_ssize_t s, cur_run = -1, k_lo = 0, k_at = -1
+    cdef int c
     rd_slot = slot
     for s in range(segs.n - 1, -1, -1):
         if segs.items[s].run != cur_run:
@@ -294,12 +315,29 @@ def plan_cached(fences, n_blocks, blocks, file_id, keys, floor, cont, states, li
             done = True
             b_cached = _bound(-1)
             st = None
+            k_lo, k_at = runs[cur_run]
         rawp = segs.items[s].raw
         for i in range(segs.items[s].hi - 1, segs.items[s].lo - 1, -1):
             p = rawp + i * C_ENTRY
             if cur == NULL or memcmp(p, cur, C_KEY) != 0:
                 cur = p
-                st = states[PyBytes_FromStringAndSize(<const char *>p, C_KEY)]
+                # The entry's key is one of the run's keys (the search bounded it by them):
+                # look the state up by that object (its hash is cached) rather than a new
+                # bytes. Entries come backwards, so the run's keys are passed over backwards;
+                # a key not among them (a hostile, unsorted index) takes a new bytes, as the
+                # twin's lookup would.
+                k = None
+                while k_at >= k_lo:
+                    c = memcmp(PyBytes_AS_STRING(key_list[k_at]), p, C_KEY)
+                    if c > 0:
+                        k_at -= 1
+                        continue
+                    if c == 0:
+                        k = key_list[k_at]
+                    break
+                if k is None:
+                    k = PyBytes_FromStringAndSize(<const char *>p, C_KEY)
+                st = states[k]
                 done = bool(st.complete)
                 b_cached = _bound(st.cached_lsn)
                 got = st.pending

@@ -157,7 +157,8 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
     metrics = PageServiceMetrics.register(registry)
     handler = PageServiceHandler(Lookup(), _page_service_config(mode), metrics)
     authenticator, ssl_context = _server_security(workdir.parent, security)
-    server = PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None),
+    server = PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None,
+                                              tls_sender_thread=security != "auth+tls-inline"),
                       authenticator=authenticator, ssl_context=ssl_context)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.serve)
@@ -177,7 +178,9 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
 # Auth and TLS (--security off,auth,auth+tls): keys, a CA and a token written once per run into
 # the run's directory; the token goes to the client processes as a file (never on argv).
 
-SECURITY_MODES = ("off", "auth", "auth+tls")
+# auth+tls-inline: TLS with every write encrypted on the event loop's thread (no sender
+# thread, PgServerConfig.tls_sender_thread=False), to compare with auth+tls.
+SECURITY_MODES = ("off", "auth", "auth+tls", "auth+tls-inline")
 
 
 def _write_security(base: Path, targets: list[tuple[str, str]]) -> None:
@@ -204,7 +207,7 @@ def _server_security(base: Path, security: str) -> tuple[Any, Any]:
     auth = JwtAuthenticator(JwtVerifier.from_key_path(base / "auth" / "auth_public_key.pem"),
                             Service.PAGESERVER)
     ctx = server_context(base / "node" / "server.crt", base / "node" / "server.key") \
-        if security == "auth+tls" else None
+        if security.startswith("auth+tls") else None
     return auth, ctx
 
 
@@ -215,7 +218,7 @@ def _client_security(base: Path, security: str, tenant: str) -> dict[str, Any]:
     from common.tls import client_context
 
     kw: dict[str, Any] = {"password": (base / "auth" / f"token-{tenant}").read_text()}
-    if security == "auth+tls":
+    if security.startswith("auth+tls"):
         kw["ssl_context"] = client_context(base / "ca" / "ca.crt")
     return kw
 
@@ -498,7 +501,8 @@ def _run_config(
         "pages": args.pages,
         **_measured_fields(count, hist, elapsed, server_cpu_s),
         "batching_factor": round(server["batching_factor"], 2),
-        **{k: v for k, v in server.items() if k.startswith(("connect_ms", "client_cpu"))},
+        **{k: v for k, v in server.items()
+           if k.startswith(("connect_ms", "client_cpu", "server_loop_cpu"))},
     }
 
 
@@ -568,11 +572,14 @@ def _measure(
         port = _read_json(proc.stdout, "port")["port"]
         base = Path(serve_argv[1]).parent if serve_argv[0] == "--serve" else None
         cpu_before = _process_cpu_s(proc.pid)
+        # The server's main thread (its event loop) apart: TLS's sender threads are the rest.
+        loop_before = _process_cpu_s(proc.pid, proc.pid)
 
         def window_opens() -> None:
             # steady state only: connection set-up is connect_ms_p50/p95's
-            nonlocal cpu_before
+            nonlocal cpu_before, loop_before
             cpu_before = _process_cpu_s(proc.pid)
+            loop_before = _process_cpu_s(proc.pid, proc.pid)
 
         if args.client == "trio":
             cpu0 = time.process_time()
@@ -586,7 +593,9 @@ def _measure(
                 window_opens,
             )
         cpu_after = _process_cpu_s(proc.pid)
+        loop_after = _process_cpu_s(proc.pid, proc.pid)
         server_cpu_s = (cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1])
+        loop_cpu_s = sum(loop_after) - sum(loop_before)
         cost = {} if base is None else _connect_cost(port, base, security, *targets[0])
         proc.send_signal(signal.SIGTERM)
         final = {**_read_json(proc.stdout, final_key), **cost}
@@ -594,6 +603,8 @@ def _measure(
             # The load generator's own CPU: it must stay well below the server's for the rows
             # to measure the server (PostgreSQL's is pgbench, in C).
             final["client_cpu_us_per_request"] = round(client_cpu_s / count * 1e6, 1)
+            # of server_cpu_us_per_request, the event loop's thread (the rest: other threads)
+            final["server_loop_cpu_us_per_request"] = round(loop_cpu_s / count * 1e6, 1)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
@@ -644,9 +655,10 @@ def _null_serve(kind: str) -> None:
     print(json.dumps({"stopped": kind}), flush=True)
 
 
-def _process_cpu_s(pid: int) -> tuple[float, float]:
-    """(utime, stime) of process ``pid`` in seconds (``/proc/<pid>/stat``, Linux)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
+def _process_cpu_s(pid: int, tid: int | None = None) -> tuple[float, float]:
+    """(utime, stime) of process ``pid`` in seconds (``/proc/<pid>/stat``, Linux); of its
+    thread ``tid`` only if given (``/proc/<pid>/task/<tid>/stat``)."""
+    stat = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
     return int(fields[11]) / _CLOCK_TICKS, int(fields[12]) / _CLOCK_TICKS
 
@@ -894,7 +906,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--security",
         default="off",
         help="comma list: off, auth (a tenant JWT checked at connection start), auth+tls (and "
-        "TLS, verified); each configuration is run once per security mode, side by side, and "
+        "TLS, verified; large writes encrypted in a sender thread), auth+tls-inline (TLS with "
+        "every write encrypted on the event loop's thread); each configuration is run once per "
+        "security mode, side by side, and "
         "its row carries connect_ms_p50/p95 (connection set-up, 100 in a row)",
     )
     parser.add_argument(

@@ -109,6 +109,9 @@ class PgServerConfig:
     # After shutdown() handlers get this long to finish before they are cancelled.
     shutdown_timeout_s: float = 5.0
     max_message_len: int = DEFAULT_MAX_MESSAGE_LEN
+    # TLS: a connection encrypts its large writes in a sender thread of its own
+    # (common.tls_stream); False keeps every write on the event loop's thread.
+    tls_sender_thread: bool = True
 
 
 class QueryHandler(Protocol):
@@ -614,7 +617,8 @@ class PgConnection:
         tls: TlsStream | trio.SSLStream[trio.abc.Stream]
         if isinstance(self._stream, trio.SocketStream):
             # Hands the handlers every record already received (pagestream batching).
-            tls = TlsStream(self._stream, ctx, server_side=True)
+            tls = TlsStream(self._stream, ctx, server_side=True,
+                            offload=self.server.config.tls_sender_thread)
         else:
             tls = trio.SSLStream(self._stream, ctx, server_side=True)
         await tls.do_handshake()

@@ -1,7 +1,13 @@
-"""common.tls_stream: a receive returns every TLS record already received; handshake, EOF."""
+"""common.tls_stream: a receive returns every TLS record already received; handshake, EOF;
+the sender thread that encrypts large writes (order, a read meanwhile, backlog, a broken
+connection, the thread's end)."""
 
 from __future__ import annotations
 
+import random
+import socket
+import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -9,7 +15,7 @@ import trio
 import trio.testing
 
 from common.tls import client_context, server_context
-from common.tls_stream import TlsStream
+from common.tls_stream import OFFLOAD_BACKLOG, OFFLOAD_MIN_BYTES, TlsStream
 from tests.auth_helpers import TlsKit
 
 
@@ -107,3 +113,187 @@ async def test_nowait_paths_keep_the_bytes_in_order(tls: TlsKit) -> None:
             got = server.receive_nowait(100)
         assert got == b""  # close_notify, then EOF
         await server.aclose()
+
+
+# -- the sender thread (large writes encrypted off the event loop's thread) -----------------
+
+
+def _senders() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "tls-sender"]
+
+
+async def _no_sender_left() -> None:
+    with trio.fail_after(5):
+        while _senders():
+            await trio.sleep(0.02)
+
+
+async def _handshake(server: TlsStream, client: TlsStream) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.do_handshake)
+        await client.do_handshake()
+
+
+async def test_sender_thread_keeps_every_byte_in_order(tls: TlsKit) -> None:
+    """Large writes go to the sender thread, small ones stay inline unless the thread still has
+    work (then they queue behind it): the client receives exactly what was sent, in order,
+    while requests keep arriving and being read the other way; after close_notify and
+    ``aclose`` no thread is left."""
+    rng = random.Random(19)
+    sends = [rng.randbytes(rng.choice([100, 9000, OFFLOAD_MIN_BYTES, 300_000])) for _ in range(60)]
+    sent = b"".join(sends)
+    with trio.fail_after(30):
+        server, client = await _pair(tls, tls.ca_cert)
+        await _handshake(server, client)
+        received = bytearray()
+        requests = [b"request %d;" % i for i in range(200)]
+        got_requests = bytearray()
+
+        async def client_side() -> None:
+            for r in requests:
+                await client.send_all(r)
+            while len(received) < len(sent):
+                received.extend(await client.receive_some(1 << 20))
+
+        async def server_reads() -> None:
+            while len(got_requests) < sum(map(len, requests)):
+                got = server.receive_nowait(1 << 20)
+                if got is None:
+                    await server.wait_readable()
+                    continue
+                got_requests.extend(got)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client_side)
+            nursery.start_soon(server_reads)
+            for data in sends:
+                if not server.send_nowait(data):
+                    await server.flush()
+                await trio.lowlevel.checkpoint()
+            await server.send_all(b"")  # everything written before it returns
+            assert not server.unsent
+        assert server.offloaded >= sum(len(d) >= OFFLOAD_MIN_BYTES for d in sends)
+        assert bytes(received) == sent
+        assert bytes(got_requests) == b"".join(requests)
+        await client.aclose()
+        got = server.receive_nowait(100)
+        while got is None:
+            await server.wait_readable()
+            got = server.receive_nowait(100)
+        assert got == b""  # close_notify after the data, then EOF
+        await server.aclose()
+        await _no_sender_left()
+
+
+async def test_a_read_waits_for_the_sender_and_loses_nothing(tls: TlsKit) -> None:
+    """While the thread holds the SSL object, ``receive_nowait`` neither blocks nor drops what
+    the socket gave it: None, then ``wait_readable`` returns once the thread lets go, and the
+    bytes are there."""
+    with trio.fail_after(10):
+        server, client = await _pair(tls, tls.ca_cert)
+        await _handshake(server, client)
+        assert server.send_nowait(bytes(OFFLOAD_MIN_BYTES))  # the thread exists from now on
+        received = bytearray()
+        while len(received) < OFFLOAD_MIN_BYTES:
+            received.extend(await client.receive_some(1 << 20))
+        await client.send_all(b"first;")
+        await trio.sleep(0.1)
+        held, release = threading.Event(), threading.Event()
+
+        def hold_the_lock() -> None:  # what the thread does while it encrypts
+            with server._ssl_lock:
+                held.set()
+                release.wait(5)
+            with server._state:
+                server._notify_locked()
+
+        holder = threading.Thread(target=hold_the_lock)
+        holder.start()
+        held.wait(5)
+        assert server.receive_nowait(1 << 20) is None  # did not block, did not lose
+        await client.send_all(b"second;")
+        await trio.sleep(0.1)
+        assert server.receive_nowait(1 << 20) is None
+        release.set()
+        await server.wait_readable()
+        holder.join()
+        got = b""
+        while got != b"first;second;":
+            more = server.receive_nowait(1 << 20)
+            if more is None:
+                await server.wait_readable()
+                continue
+            got += more
+        # A receive parked on the socket when the thread takes the lock: what arrives then is
+        # kept for after the thread's piece.
+        result: list[bytes] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: _receive_into(server, result))
+            await trio.sleep(0.1)  # parked in the socket read
+            held.clear()
+            release.clear()
+            holder = threading.Thread(target=hold_the_lock)
+            holder.start()
+            held.wait(5)
+            await client.send_all(b"third;")
+            await trio.sleep(0.1)
+            assert not result
+            release.set()
+        holder.join()
+        assert result == [b"third;"]
+        await client.aclose()
+        await server.aclose()
+        await _no_sender_left()
+
+
+async def _receive_into(stream: TlsStream, result: list[bytes]) -> None:
+    result.append(await stream.receive_some(1 << 20))
+
+
+async def test_sender_backlog_holds_the_writer_back(tls: TlsKit) -> None:
+    """A client that does not read: ``send_nowait`` answers False once the thread holds more
+    than ``OFFLOAD_BACKLOG``, and ``flush`` waits until the client reads."""
+    with trio.fail_after(30):
+        server, client = await _pair(tls, tls.ca_cert)
+        await _handshake(server, client)
+        chunk = bytes(range(256)) * 1024  # 256 KiB
+        sent = 0
+        while server.send_nowait(chunk):
+            sent += len(chunk)
+            assert sent < 64 * OFFLOAD_BACKLOG
+        sent += len(chunk)
+        assert server.unsent
+        with trio.move_on_after(0.3) as waited:
+            await server.flush()
+        assert waited.cancelled_caught  # nobody reads: the backlog stays
+        received = bytearray()
+
+        async def drain() -> None:
+            while len(received) < sent:
+                received.extend(await client.receive_some(1 << 20))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain)
+            await server.flush()
+        assert bytes(received) == chunk * (sent // len(chunk))
+        await client.aclose()
+        await server.aclose()
+        await _no_sender_left()
+
+
+async def test_sender_thread_reports_a_broken_connection(tls: TlsKit) -> None:
+    """The client vanishes (RST) while the thread writes: the next send or flush raises
+    BrokenResourceError, ``aclose`` returns, and the thread ends."""
+    with trio.fail_after(30):
+        server, client = await _pair(tls, tls.ca_cert)
+        await _handshake(server, client)
+        sock = client.transport_stream.socket
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # unread data and linger 0: the server's writes fail with ECONNRESET
+        with pytest.raises(trio.BrokenResourceError):
+            for _ in range(1000):
+                if not server.send_nowait(bytes(256 * 1024)):
+                    await server.flush()
+                await trio.sleep(0.001)
+        await server.aclose()
+        await _no_sender_left()

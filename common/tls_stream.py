@@ -216,7 +216,9 @@ class TlsStream(trio.abc.Stream):
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         self._check_sender()
         if self._queued:
-            self._offload(data)  # after what the thread has, in order
+            # After what the thread has, in order; a copy, since a cancelled wait below would
+            # hand the caller its buffer back while the thread may still read it.
+            self._offload(bytes(data))
         else:
             self._write_inline(data)
         await self._flush()
@@ -376,10 +378,10 @@ class TlsStream(trio.abc.Stream):
             raise trio.BrokenResourceError(f"socket connection broken: {self._sender_error}")
 
     def _offload(self, data: bytes | bytearray | memoryview) -> bool:
-        first, self._unsent = self._unsent, memoryview(b"")  # ours go before the new bytes
         with self._state:
             if self._closing:
                 raise trio.ClosedResourceError("the TLS stream is closed")
+            first, self._unsent = self._unsent, memoryview(b"")  # ours go before the new bytes
             if self._sender is None:
                 self._token = trio.lowlevel.current_trio_token()
                 # A duplicate of the socket's descriptor: the thread's writes can never reach

@@ -25,6 +25,8 @@ park is the check.) ``*_nowait`` calls never yield.
 ``HandoffQueue.receiver_idle`` tells the producer that the consumer is parked on an empty
 queue, i.e. has nothing in hand: the producer may then do the consumer's next step itself
 without reordering anything (the pipeline's Reading task folds directly when Batching is idle).
+``FoldChannel.receiver_idle`` is the same for the consumer of batches: parked on an empty batch,
+it has answered everything it took (the pipeline's fast lane relies on that).
 """
 
 from __future__ import annotations
@@ -206,3 +208,9 @@ class FoldChannel(_Ends, Generic[T]):
 
     def pending(self) -> int:
         return len(self._batch)
+
+    @property
+    def receiver_idle(self) -> bool:
+        """The consumer is parked on an empty batch: it holds nothing, so everything folded
+        before has been taken *and* handled (it parks only between batches)."""
+        return self._receiver.task is not None

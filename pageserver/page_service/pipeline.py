@@ -26,11 +26,21 @@ Three sibling tasks in one nursery:
   request order with one ``send_all``.
 
 HOPS: each hand-off between tasks costs a park, a wake and a run-loop iteration, which is what
-unbatchable traffic pays over serial mode. So while Batching is parked on an empty queue (it
-holds nothing), Reading runs Batching's step (prepare + fold) itself and wakes Execution
-directly; only a request the pending batch refuses, and what follows it, goes through
-Batching. Order is unchanged (nothing is queued or in Batching's hands), and Batching still
-does all the waiting (backpressure) whenever a batch is full or must not be joined.
+unbatchable traffic would pay over serial mode. Two shortcuts keep the stages' roles while
+skipping the hand-offs that have nothing to gain:
+- FAST LANE: a lone request (nothing else buffered behind it) that finds Batching parked on
+  an empty queue and Execution parked on an empty batch has nothing to be batched with and
+  nothing to overlap with: Reading answers it itself (prepare, execute, one write), exactly
+  what serial mode does, with no hand-off and no extra run-loop iteration. Everything before
+  it is answered (Execution parks only between batches), so order holds. A request that must
+  wait for WAL, or that ends the stream, still goes to Execution, so Reading keeps reading
+  while it waits. The error semantics are the nursery's: an error raised in the lane tears
+  the pipeline down like one raised by Execution.
+- DIRECT FOLD: otherwise, while Batching is parked on an empty queue (it holds nothing),
+  Reading runs Batching's step (prepare + fold) itself and wakes Execution directly; only a
+  request the pending batch refuses, and what follows it, goes through Batching. Order is
+  unchanged (nothing is queued or in Batching's hands), and Batching still does all the
+  waiting (backpressure) whenever a batch is full or must not be joined.
 
 ERROR PROPAGATION: per-request failures become pagestream Error responses. A stream-ending
 failure travels as a ``Fatal`` item behind everything queued before it and is raised by
@@ -314,11 +324,12 @@ class DirectStreamIO:
         # The last read returned less than asked: the kernel had nothing more at that moment.
         self._drained = False
         # Set by the pipelined mode's Reading: after a drained read whose requests are all
-        # decoded, park on the socket instead of first trying a read that (at queue depth
-        # 1, where the client waits for the answer Execution has not written yet) can only
+        # decoded, and nothing written since, park on the socket instead of first trying a
+        # read that (the client waiting for answers Execution has not written yet) can only
         # fail with EAGAIN. A wrong guess costs one event-loop round, never correctness
-        # (epoll is level-triggered). Serial mode keeps trying first: after its own write
-        # the client's next request often is already there.
+        # (epoll is level-triggered). After a write (``write_nowait``) the next read is
+        # tried first, in both modes: at queue depth 1 the client's next request is often
+        # there by the time this task reads again.
         self.park_when_drained = False
 
     @property
@@ -493,6 +504,9 @@ class DirectStreamIO:
                 return view[sent:]
             except OSError as exc:
                 raise trio.BrokenResourceError(f"sending to the client: {exc}") from exc
+        # The client may answer what we just wrote before this task reads again (queue depth
+        # 1: the fast lane, serial mode): read before parking, as after a full read.
+        self._drained = False
         return None
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -920,14 +934,40 @@ def _fold_directly(burst: ReadItem, batches: FoldChannel[Item], resolver: Timeli
     return len(burst)
 
 
+class _Answerer:
+    """Executes a batch and writes its responses in one send: Execution's step, and Reading's
+    in the fast lane (never both at once: Reading takes the lane only while Execution is
+    parked on an empty batch, and Execution gets nothing meanwhile)."""
+
+    __slots__ = ("ctx", "flight", "sink", "timeout_s", "writer")
+
+    def __init__(self, sink: ByteSink, ctx: PagestreamContext, flight: InFlight) -> None:
+        self.sink = sink
+        self.ctx = ctx
+        self.flight = flight
+        self.writer = ResponseWriter(ctx.version)
+        self.timeout_s = ctx.config.send_timeout_s
+
+    async def answer(self, batch: list[Pending]) -> None:
+        taken = time.perf_counter()
+        await execute_batch(batch, self.writer, self.ctx)
+        await _send(self.sink, self.writer.take(), self.timeout_s)
+        flight = self.flight
+        flight.answered += len(batch)
+        if flight.timed:
+            flight.answered_at = trio.current_time()
+        _observe(self.ctx.metrics, batch, taken)
+
+
 async def _read_stage(
     source: RequestSource,
     out: HandoffQueue[ReadItem],
     batches: FoldChannel[Item],
     resolver: TimelineResolver,
     state: _ReadState,
-    flight: InFlight,
+    answerer: _Answerer,
 ) -> None:
+    flight = answerer.flight
     try:
         while True:
             burst: ReadItem = []
@@ -946,11 +986,30 @@ async def _read_stage(
                 failed = True
             if burst:
                 flight.read += len(burst)
-                # Batching parked on an empty queue holds nothing, so doing its step here
-                # reorders nothing and saves the event-loop round (and the park and wake)
-                # of passing each request through it: an idle pipeline at queue depth 1
-                # then costs one hand-off (to Execution) per request instead of two.
-                folded = _fold_directly(burst, batches, resolver) if out.receiver_idle else 0
+                if out.receiver_idle:
+                    # FAST LANE: one request, nothing more buffered, Batching and Execution
+                    # both parked with nothing in hand (everything before it is answered):
+                    # there is nothing to batch it with and nobody to overlap with, so this
+                    # task answers it itself, as serial mode does, instead of paying a
+                    # hand-off and an event-loop iteration to wake Execution. A request that
+                    # must wait for WAL, or a stream-ending one, still goes to Execution
+                    # (Reading must stay free to read on while a request waits). The stages
+                    # stay in one nursery: an error raised here tears the pipeline down
+                    # exactly as one raised by Execution.
+                    head = burst[0]
+                    if len(burst) == 1 and type(head) is tuple and batches.receiver_idle:
+                        item = prepare(head[0], head[1], resolver)
+                        if type(item) is Pending and not item.needs_wait:
+                            await answerer.answer([item])
+                            burst = []
+                        else:
+                            burst[0] = item
+                    # Batching parked on an empty queue holds nothing, so doing its step
+                    # here reorders nothing and saves the event-loop round (and the park and
+                    # wake) of passing each request through it.
+                    folded = _fold_directly(burst, batches, resolver) if burst else 0
+                else:
+                    folded = 0
                 if folded < len(burst):
                     rest = burst[folded:] if folded else burst
                     # No schedule point when the queue has room: this task's next park
@@ -993,27 +1052,17 @@ async def _batch_stage(
         batches.close()
 
 
-async def _execute_stage(
-    sink: ByteSink, batches: FoldChannel[Item], ctx: PagestreamContext, flight: InFlight
-) -> None:
-    writer = ResponseWriter(ctx.version)
+async def _execute_stage(batches: FoldChannel[Item], answerer: _Answerer) -> None:
     try:
         while True:
             try:
                 batch = await batches.receive()
             except trio.EndOfChannel:
                 return
-            taken = time.perf_counter()
             first = batch[0]
             if isinstance(first, Fatal):
                 raise first.error  # everything folded before it has been answered
-            pending = cast(list[Pending], batch)
-            await execute_batch(pending, writer, ctx)
-            await _send(sink, writer.take(), ctx.config.send_timeout_s)
-            flight.answered += len(pending)
-            if flight.timed:
-                flight.answered_at = trio.current_time()
-            _observe(ctx.metrics, pending, taken)
+            await answerer.answer(cast(list[Pending], batch))
     finally:
         batches.close_receiver()
 
@@ -1032,6 +1081,7 @@ async def _serve_pipelined(
         source.park_when_drained = True
     else:
         flight = InFlight()
+    answerer = _Answerer(sink, ctx, flight)
     async with _unwrapped(), trio.open_nursery() as nursery:
         nursery.start_soon(
             _read_stage,
@@ -1040,15 +1090,13 @@ async def _serve_pipelined(
             batches,
             ctx.resolver,
             state,
-            flight,
+            answerer,
             name="pagestream.read",
         )
         nursery.start_soon(
             _batch_stage, requests, batches, ctx.resolver, name="pagestream.batch"
         )
-        nursery.start_soon(
-            _execute_stage, sink, batches, ctx, flight, name="pagestream.execute"
-        )
+        nursery.start_soon(_execute_stage, batches, answerer, name="pagestream.execute")
     if state.end is None:
         raise AssertionError("pipeline finished without the reader seeing the end of the stream")
     return state.end

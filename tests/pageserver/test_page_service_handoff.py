@@ -1,7 +1,8 @@
-"""The pipeline's hand-offs: ``HandoffQueue``, ``FoldChannel``, the scattered-lsn index, and
-Reading's direct fold (Batching's step run by Reading while Batching is idle).
+"""The pipeline's hand-offs: ``HandoffQueue``, ``FoldChannel``, the scattered-lsn index,
+Reading's direct fold (Batching's step run by Reading while Batching is idle) and its fast
+lane (a lone request answered by Reading while Execution is idle).
 
-The direct fold and the LSN index are fast paths of a general path; these tests show they agree
+The direct fold, the fast lane and the LSN index are fast paths of a general path; these tests show they agree
 with it (hypothesis against a naive oracle; the serial-oracle tests in
 ``test_page_service_pipeline.py`` cover the responses) and that they are really taken (a
 mutant that never takes them fails the task-step count below).
@@ -37,7 +38,12 @@ from pageserver.page_service.reader import SingleTimeline
 from protocol.lsn import Lsn
 from protocol.pagestream import GetPageRequest, GetPageResponse, RelTag, StreamEnd
 from protocol.pgwire import messages as m
-from tests.pageserver.page_service_fakes import FakeTimeline, decode_all, frame_requests
+from tests.pageserver.page_service_fakes import (
+    FakeTimeline,
+    decode_all,
+    frame_requests,
+    page_image,
+)
 
 REL = RelTag(1663, 5, 16384, 0)
 REL2 = RelTag(1663, 5, 16385, 0)
@@ -235,22 +241,21 @@ class _StepCounter(trio.abc.Instrument):
         self.steps[task.name] = self.steps.get(task.name, 0) + 1
 
 
-async def test_unbatchable_traffic_bypasses_the_batching_task() -> None:
-    """At queue depth 1 each request goes Reading -> Execution; Batching is never woken.
-
-    (The task still exists and takes over whenever the pending batch refuses a request:
-    the folding tests in ``test_page_service_pipeline.py`` exercise that.)
-    """
-    tl = FakeTimeline()
-    tl.fill(REL, 16, [0x100])
+async def _steps_at_queue_depth_1(
+    tl: FakeTimeline, requests: list[GetPageRequest], expect: list[bytes]
+) -> dict[str, int]:
+    """Send ``requests`` one at a time (each after the previous answer) to a pipelined
+    stream; return the steps each task took meanwhile."""
     ctx = PagestreamContext(
         3,
         SingleTimeline(tl),
-        PageServiceConfig(page_service_pipelining=PipelinedPipelining(32, "scattered-lsn")),
+        PageServiceConfig(
+            page_service_pipelining=PipelinedPipelining(32, "scattered-lsn"),
+            wait_lsn_timeout_s=30.0,
+        ),
     )
     counter = _StepCounter()
     client, server = trio.testing.memory_stream_pair()
-    requests = [GetPageRequest(i, MAX, Lsn(0x100), REL, i % 16) for i in range(40)]
     outcome: list[StreamEnd] = []
 
     async def serve() -> None:
@@ -261,21 +266,56 @@ async def test_unbatchable_traffic_bypasses_the_batching_task() -> None:
         nursery.start_soon(serve)
         trio.lowlevel.add_instrument(counter)
         try:
-            for req in requests:
+            for req, page in zip(requests, expect, strict=True):
                 await client.send_all(frame_requests([req], 3))
                 raw = b""
                 while len(raw) < 5 + 8234:
                     raw += await client.receive_some()
-                assert decode_all(raw, [req], 3) == [
-                    GetPageResponse(req, tl.versions[(REL, req.blkno)][0][1])
-                ]
+                assert decode_all(raw, [req], 3) == [GetPageResponse(req, page)]
         finally:
             trio.lowlevel.remove_instrument(counter)
         await client.send_eof()
     assert outcome == [StreamEnd.TERMINATE]
-    assert counter.steps.get("pagestream.execute", 0) >= len(requests)
+    return counter.steps
+
+
+async def test_unbatchable_traffic_takes_the_fast_lane() -> None:
+    """At queue depth 1 Reading answers each request itself (nothing to batch it with, Execution
+    idle): neither Batching nor Execution is woken per request, no hand-off at all.
+
+    (Both tasks still exist and take over whenever a request arrives while Execution is busy
+    or with others: the folding tests in ``test_page_service_pipeline.py`` exercise that.)
+    """
+    tl = FakeTimeline()
+    tl.fill(REL, 16, [0x100])
+    requests = [GetPageRequest(i, MAX, Lsn(0x100), REL, i % 16) for i in range(40)]
+    steps = await _steps_at_queue_depth_1(
+        tl, requests, [tl.versions[(REL, r.blkno)][0][1] for r in requests]
+    )
+    assert steps.get("pagestream.read", 0) >= len(requests)
     # Started, parked once, woken at the end: a handful of steps, not one per request.
-    assert counter.steps.get("pagestream.batch", 0) <= 3
+    assert steps.get("pagestream.execute", 0) <= 3
+    assert steps.get("pagestream.batch", 0) <= 3
+    assert len(tl.get_pages_calls) == len(requests)
+
+
+async def test_a_request_that_waits_for_wal_leaves_the_fast_lane() -> None:
+    """A lone request that must wait for WAL goes to Execution, so that Reading stays free
+    to read (and answer) what follows while it waits."""
+    tl = FakeTimeline()
+    tl.fill(REL, 16, [0x100])
+    waiting = GetPageRequest(1, MAX, Lsn(0x2000), REL, 3)  # not_modified_since ahead
+
+    async def advance_later() -> None:
+        await trio.sleep(0.05)
+        tl.put_page(REL, 3, 0x2000)
+        tl.advance(0x2000)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(advance_later)
+        steps = await _steps_at_queue_depth_1(tl, [waiting], [page_image(REL, 3, 0x2000)])
+    # woken for it and again when its WAL arrives (the fast lane leaves Execution at one step)
+    assert steps.get("pagestream.execute", 0) >= 3
 
 
 async def test_fold_channel_receive_on_empty_batch_is_a_cancellation_point() -> None:
@@ -324,10 +364,11 @@ def _socket_pair() -> tuple[socket.socket, trio.SocketStream]:
     return ours, trio.SocketStream(trio.socket.from_stdlib_socket(theirs))
 
 
-async def _answer_one_at_a_time(
-    config: PageServiceConfig, monkeypatch: pytest.MonkeyPatch, n: int
+async def _answer_in_rounds(
+    config: PageServiceConfig, monkeypatch: pytest.MonkeyPatch, rounds: int, depth: int
 ) -> int:
-    """Queue depth 1 over a socketpair; returns how many reads of the server found EAGAIN."""
+    """``depth`` requests at a time over a socketpair, each round sent once the previous one
+    is answered; returns how many reads of the server found EAGAIN."""
     counting = _CountingOs()
     monkeypatch.setattr(pipeline, "os", counting)
     tl = FakeTimeline()
@@ -337,32 +378,46 @@ async def _answer_one_at_a_time(
     client = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(serve_pagestream_bytes, server, ctx)
-        for i in range(n):
-            req = GetPageRequest(i, MAX, Lsn(0x100), REL, i % 16)
-            await client.send_all(frame_requests([req], 3))
+        for r in range(rounds):
+            reqs = [
+                GetPageRequest(r * depth + i, MAX, Lsn(0x100), REL, (r + i) % 16)
+                for i in range(depth)
+            ]
+            await client.send_all(frame_requests(reqs, 3))
             raw = b""
-            while len(raw) < 5 + 8234:
+            while len(raw) < depth * (5 + 8234):
                 raw += await client.receive_some()
-            assert decode_all(raw, [req], 3) == [
-                GetPageResponse(req, tl.versions[(REL, req.blkno)][0][1])
+            assert decode_all(raw, reqs, 3) == [
+                GetPageResponse(req, tl.versions[(REL, req.blkno)][0][1]) for req in reqs
             ]
         await client.send_all(m.encode(m.CopyDone()))
     await client.aclose()
     return counting.eagain
 
 
+PIPELINED = PageServiceConfig(page_service_pipelining=PipelinedPipelining(32, "scattered-lsn"))
+SERIAL = PageServiceConfig(page_service_pipelining=SerialPipelining())
+
+
 async def test_pipelined_reading_parks_instead_of_reading_what_cannot_be_there(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """At queue depth 1 the client's next request cannot arrive before Execution answers the
-    current one, so after a drained read Reading parks on the socket at once instead of
-    failing a read with EAGAIN per request; serial mode still reads first (after its own
-    write the next request is often already there)."""
+    """A burst handed to Execution is answered only after Reading loops back to the socket,
+    so after a drained read (nothing written since) Reading parks at once instead of failing
+    a read with EAGAIN per burst; serial mode reads first."""
     n = 30
-    pipelined = PageServiceConfig(page_service_pipelining=PipelinedPipelining(32, "scattered-lsn"))
-    assert await _answer_one_at_a_time(pipelined, monkeypatch, n) <= 2
-    serial = PageServiceConfig(page_service_pipelining=SerialPipelining())
-    assert await _answer_one_at_a_time(serial, monkeypatch, n) >= n - 2
+    assert await _answer_in_rounds(PIPELINED, monkeypatch, n, 2) <= 2
+    assert await _answer_in_rounds(SERIAL, monkeypatch, n, 2) >= n - 2
+
+
+async def test_after_its_own_write_reading_reads_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At queue depth 1 the pipeline answers in the fast lane, and after its own write the
+    client's next request may already be there: like serial mode, Reading tries the read
+    before parking. (Here the client runs in the same thread, so the try always fails; over
+    a real connection it mostly succeeds and saves the run-loop iteration.)"""
+    n = 30
+    assert await _answer_in_rounds(PIPELINED, monkeypatch, n, 1) >= n - 2
+    assert await _answer_in_rounds(SERIAL, monkeypatch, n, 1) >= n - 2
 
 
 @settings(max_examples=25, deadline=None)

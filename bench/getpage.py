@@ -113,6 +113,18 @@ async def _write_steadily(timelines: list[Any], writes_per_s: float, pages: int)
             await mod.commit()
 
 
+class LoopCounter(trio.abc.Instrument):
+    """Counts trio run-loop iterations (each one waits for IO once, with or without a
+    timeout): the hand-offs between tasks a request costs show up here, free of the machine's
+    noise. One hook call per iteration (well under a µs), nothing per task step."""
+
+    def __init__(self) -> None:
+        self.iterations = 0
+
+    def before_io_wait(self, timeout: float) -> None:
+        self.iterations += 1
+
+
 async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per_s: float,
                  security: str = "off") -> None:
     from prometheus_client import CollectorRegistry
@@ -155,6 +167,8 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
 
     registry = CollectorRegistry()
     metrics = PageServiceMetrics.register(registry)
+    loop = LoopCounter()
+    trio.lowlevel.add_instrument(loop)
     handler = PageServiceHandler(Lookup(), _page_service_config(mode), metrics)
     authenticator, ssl_context = _server_security(workdir.parent, security)
     server = PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None,
@@ -165,10 +179,13 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
         if writes_per_s > 0:
             pages = int(json.loads((workdir.parent / "pages.json").read_text()))
             nursery.start_soon(_write_steadily, timelines, writes_per_s, pages)
-        print(json.dumps({"port": port}), flush=True)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                break
+        # receiving signals before the driver learns the port: its first SIGUSR1 may follow
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
+            print(json.dumps({"port": port}), flush=True)
+            async for signum in signals:
+                if signum != signal.SIGUSR1:
+                    break
+                print(json.dumps({"loop_iterations": loop.iterations}), flush=True)
         print(json.dumps({"batching_factor": metrics.batching_factor()}), flush=True)
         server.shutdown()
         nursery.cancel_scope.cancel()
@@ -366,12 +383,8 @@ def _process_client(
     """One client process (``--client process``): a ``BlockingPageClient`` in a closed loop.
 
     Starts at ``start_at`` (``time.monotonic``, shared by all processes on Linux) so every
-    client measures the same window; returns count, end time and the encoded histogram.
+    client measures the same window; returns ``closed_loop``'s summary.
     """
-    from collections import Counter
-
-    from hdrh.histogram import HdrHistogram
-
     from compute.page_client import BlockingPageClient
     from protocol._native import require
     from protocol.ids import TenantId, TimelineId
@@ -379,19 +392,33 @@ def _process_client(
     # The closed loop is the load-generator kernel (native, or its twin under
     # PAGESTORE_PURE_PYTHON=1): recv_into, feed, sendall; no Python per request.
     loads = require("protocol._getpage_load_c")
-    hist = HdrHistogram(1, 60_000_000, 3)
     kw = {} if base is None else _client_security(Path(base), security, tenant)
     client = BlockingPageClient.connect(
         "localhost" if "ssl_context" in kw else "127.0.0.1", port, TenantId.parse(tenant),
         TimelineId.parse(timeline), **kw,
     )
     load = loads.GetPageLoad(REL, pages, seed, first_reqid=client.next_reqid())
+    return closed_loop(client, load, queue_depth, duration, lambda: start_at)
+
+
+def closed_loop(
+    client: Any, load: Any, queue_depth: int, duration: float, window: Callable[[], float]
+) -> dict[str, Any]:
+    """A client process's measured window, shared by ``bench getpage`` and ``bench
+    getpage-pgbench``: ``client`` (a connected ``BlockingPageClient``, closed here) driven by
+    ``load`` (a ``GetPageLoad``) with ``queue_depth`` requests in flight for ``duration`` s,
+    from the ``time.monotonic`` that ``window()`` returns (the same instant in every process
+    on Linux). Returns count, CPU s, end time and the encoded latency histogram."""
+    from collections import Counter
+
+    from hdrh.histogram import HdrHistogram
+
     buf = bytearray(1 << 20)
     view = memoryview(buf)
     ns = time.perf_counter_ns
     with client:
         sock = client.sock
-        time.sleep(max(0.0, start_at - time.monotonic()))
+        time.sleep(max(0.0, window() - time.monotonic()))
         cpu0 = time.process_time()
         deadline = ns() + int(duration * 1e9)
         sock.sendall(load.requests(queue_depth, ns()))
@@ -404,6 +431,7 @@ def _process_client(
             if out:
                 sock.sendall(out)
         cpu_s = time.process_time() - cpu0
+    hist = HdrHistogram(1, 60_000_000, 3)
     for value, times in Counter(load.latencies_us()).items():
         hist.record_value(value, times)
     encoded = hist.encode()
@@ -429,7 +457,6 @@ def _drive_processes(
 ) -> tuple[int, Any, float, float]:
     """Client processes; ``on_start`` is called when the measured window opens (every client
     connected: TLS handshakes, token checks and their lazy imports are behind it)."""
-    from hdrh.histogram import HdrHistogram
 
     # Far enough ahead for every process to start and connect before the window opens.
     start_at = time.monotonic() + 2.0 + 0.2 * clients * len(targets)
@@ -450,13 +477,25 @@ def _drive_processes(
     if on_start is not None:
         time.sleep(max(0.0, start_at - time.monotonic()))
         on_start()
-    total = HdrHistogram(1, 60_000_000, 3)
-    count, end, cpu_s = 0, start_at, 0.0
+    results = []
     for proc in procs:
         out, _ = proc.communicate(timeout=duration + 60)
         if proc.returncode != 0:
             raise RuntimeError(f"a benchmark client process failed (exit {proc.returncode})")
-        got = json.loads(out.strip().splitlines()[-1])
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return merge_client_results(results, start_at)
+
+
+def merge_client_results(
+    results: list[dict[str, Any]], start_at: float
+) -> tuple[int, Any, float, float]:
+    """``closed_loop`` summaries of the client processes of one window (opened at
+    ``start_at``) as count, merged histogram, window s (to the last client's end), CPU s."""
+    from hdrh.histogram import HdrHistogram
+
+    total = HdrHistogram(1, 60_000_000, 3)
+    count, end, cpu_s = 0, start_at, 0.0
+    for got in results:
         count += got["count"]
         cpu_s += got["cpu_s"]
         end = max(end, got["ended"])
@@ -502,7 +541,7 @@ def _run_config(
         **_measured_fields(count, hist, elapsed, server_cpu_s),
         "batching_factor": round(server["batching_factor"], 2),
         **{k: v for k, v in server.items()
-           if k.startswith(("connect_ms", "client_cpu", "server_loop_cpu"))},
+           if k.startswith(("connect_ms", "client_cpu", "server_loop"))},
     }
 
 
@@ -571,15 +610,26 @@ def _measure(
         assert proc.stdout is not None
         port = _read_json(proc.stdout, "port")["port"]
         base = Path(serve_argv[1]).parent if serve_argv[0] == "--serve" else None
+
+        def loop_iterations() -> int | None:
+            # only the page service counts them (SIGUSR1 would end a null server)
+            if base is None:
+                return None
+            proc.send_signal(signal.SIGUSR1)
+            assert proc.stdout is not None
+            return int(_read_json(proc.stdout, "loop_iterations")["loop_iterations"])
+
         cpu_before = _process_cpu_s(proc.pid)
         # The server's main thread (its event loop) apart: TLS's sender threads are the rest.
         loop_before = _process_cpu_s(proc.pid, proc.pid)
+        loops_before = loop_iterations()
 
         def window_opens() -> None:
             # steady state only: connection set-up is connect_ms_p50/p95's
-            nonlocal cpu_before, loop_before
+            nonlocal cpu_before, loop_before, loops_before
             cpu_before = _process_cpu_s(proc.pid)
             loop_before = _process_cpu_s(proc.pid, proc.pid)
+            loops_before = loop_iterations()
 
         if args.client == "trio":
             cpu0 = time.process_time()
@@ -594,6 +644,7 @@ def _measure(
             )
         cpu_after = _process_cpu_s(proc.pid)
         loop_after = _process_cpu_s(proc.pid, proc.pid)
+        loops_after = loop_iterations()
         server_cpu_s = (cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1])
         loop_cpu_s = sum(loop_after) - sum(loop_before)
         cost = {} if base is None else _connect_cost(port, base, security, *targets[0])
@@ -605,6 +656,12 @@ def _measure(
             final["client_cpu_us_per_request"] = round(client_cpu_s / count * 1e6, 1)
             # of server_cpu_us_per_request, the event loop's thread (the rest: other threads)
             final["server_loop_cpu_us_per_request"] = round(loop_cpu_s / count * 1e6, 1)
+            if loops_after is not None and loops_before is not None:
+                # hand-offs per request: serial mode and the pipeline's fast lane need ~1
+                # (less when the next request is already there), a hand-off adds one
+                final["server_loop_iterations_per_request"] = round(
+                    (loops_after - loops_before) / count, 2
+                )
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
@@ -937,6 +994,7 @@ _MEDIAN_FIELDS = (
     "server_cpu_us_per_request",
     "server_sys_us_per_request",
     "client_cpu_us_per_request",
+    "server_loop_iterations_per_request",
     "vs_postgres",
     "connect_ms_p50",
     "connect_ms_p95",

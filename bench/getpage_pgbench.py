@@ -300,11 +300,8 @@ def _client_process(argv: list[Any]) -> dict[str, Any]:
     """One client process: a ``BlockingPageClient`` in a closed loop, the load generator
     kernel over the key space in ``keyspace`` (a JSON file), for ``duration`` s. Connected, it
     prints a ``ready`` line and reads the window's start (``time.monotonic``, shared by every
-    process on Linux) from stdin. Returns count, CPU s, end time and the encoded histogram."""
-    from collections import Counter
-
-    from hdrh.histogram import HdrHistogram
-
+    process on Linux) from stdin. Returns ``bench.getpage.closed_loop``'s summary."""
+    from bench.getpage import closed_loop
     from compute.page_client import BlockingPageClient
     from protocol._native import require
     from protocol.ids import TenantId, TimelineId
@@ -316,39 +313,19 @@ def _client_process(argv: list[Any]) -> dict[str, Any]:
     client = BlockingPageClient.connect("127.0.0.1", port, TenantId.parse(tenant),
                                         TimelineId.parse(timeline))
     load = loads.GetPageLoad(rels, space["sizes"], seed, first_reqid=client.next_reqid())
-    buf = bytearray(1 << 20)
-    view = memoryview(buf)
-    ns = time.perf_counter_ns
-    with client:
-        sock = client.sock
+
+    def window() -> float:
         print(json.dumps({"ready": True}), flush=True)
-        start_at = float(sys.stdin.readline())
-        time.sleep(max(0.0, start_at - time.monotonic()))
-        cpu0 = time.process_time()
-        deadline = ns() + int(duration * 1e9)
-        sock.sendall(load.requests(queue_depth, ns()))
-        while load.in_flight:
-            n = sock.recv_into(buf)
-            if not n:
-                raise RuntimeError("the pageserver closed the connection")
-            now = ns()
-            out = load.feed(view[:n], now, now < deadline)
-            if out:
-                sock.sendall(out)
-        cpu_s = time.process_time() - cpu0
-    hist = HdrHistogram(1, 60_000_000, 3)
-    for value, times in Counter(load.latencies_us()).items():
-        hist.record_value(value, times)
-    encoded = hist.encode()
-    return {"count": load.count, "cpu_s": cpu_s, "ended": time.monotonic(),
-            "hist": encoded.decode() if isinstance(encoded, bytes) else encoded}
+        return float(sys.stdin.readline())
+
+    return closed_loop(client, load, queue_depth, duration, window)
 
 
 def drive(port: int, targets: list[tuple[str, str]], clients: int, keyspace: Path, qd: int,
           duration: float, env: dict[str, str], seed0: int,
           on_start: Callable[[], None] | None = None) -> tuple[int, Any, float, float]:
     """``clients`` processes per target; returns count, merged histogram, window s, client CPU s."""
-    from hdrh.histogram import HdrHistogram
+    from bench.getpage import merge_client_results
 
     procs = []
     for i, (tenant, timeline) in enumerate(targets):
@@ -373,9 +350,7 @@ def drive(port: int, targets: list[tuple[str, str]], clients: int, keyspace: Pat
     if on_start is not None:
         time.sleep(max(0.0, start_at - time.monotonic()))
         on_start()
-    total = HdrHistogram(1, 60_000_000, 3)
-    count, end, cpu_s = 0, start_at, 0.0
-    failed = []
+    results, failed = [], []
     for proc in procs:
         assert proc.stdout is not None
         out = proc.stdout.read()  # to its end: the process's one result line
@@ -383,14 +358,10 @@ def drive(port: int, targets: list[tuple[str, str]], clients: int, keyspace: Pat
         if proc.wait(timeout=60) != 0:
             failed.append(proc.returncode)
             continue
-        got = json.loads(out.strip().splitlines()[-1])
-        count += got["count"]
-        cpu_s += got["cpu_s"]
-        end = max(end, got["ended"])
-        total.add(HdrHistogram.decode(got["hist"]))
+        results.append(json.loads(out.strip().splitlines()[-1]))
     if failed:
         raise RuntimeError(f"{len(failed)} benchmark client process(es) failed (exit {failed})")
-    return count, total, end - start_at, cpu_s
+    return merge_client_results(results, start_at)
 
 
 def run_row(base: Path, template: dict[str, Any], tenant_ids: list[str], keyspace: Path,

@@ -65,8 +65,10 @@ import struct
 from array import array
 from collections.abc import Sequence
 from functools import lru_cache
+from itertools import repeat
 from typing import TYPE_CHECKING, Final, TypeAlias
 
+from protocol._wal_py import _crc as _crc_function
 from protocol._wal_py import crc32c
 
 if TYPE_CHECKING:
@@ -158,7 +160,8 @@ def same_run(
         if m:
             crc_pieces = _run_struct(f"20s4x{tot_len - RECORD_HEADER}s", stride - tot_len, m)
             pieces = crc_pieces.unpack_from(view, first)
-            crcs = tuple(map(crc32c, pieces[0::2], map(crc32c, pieces[1::2])))
+            fast = _crc_function()  # (the package's function itself: CRC values need no range check)
+            crcs = tuple(map(fast, pieces[0::2], map(fast, pieces[1::2], repeat(0))))
             want_crcs = heads[3 : 5 * m : 5]
             if crcs != want_crcs:
                 m = _first_difference(crcs, want_crcs)
@@ -197,6 +200,8 @@ _SIZE_BLKNO: Final = 0xFFFF_FFFF
 _LSN_MAX: Final = _U64_MAX - 2 * _PAGE
 _HEADS: Final = (b"\x01\x00", b"\x01\x01")  # the PostgresRecord value head, by will_init
 _SIZE_VALUE: Final = struct.Struct("<BI")  # an Image value of a 4-byte relation size
+# like records after a taken one checked as a run (same_run) when at least this many could follow
+_RUN_MIN: Final = 2
 
 
 def _clears_vm(rmid: int, info: int, main: bytes) -> bool:
@@ -254,7 +259,10 @@ def fused_walk(
     buf: Buffer, base: int, pos: int, prev: int, latest_page: int, tli: int, seg_size: int,
     rels: Sequence[tuple[int, int, int, int, int]], nxt: int, last: int,
 ) -> tuple[int, int, int, int, list[WalkItem], tuple[int, ...], int, tuple[int, int, int, int] | None]:
-    """The fused ingest's walk over a piece of WAL (see the module docstring)."""
+    """The fused ingest's walk over a piece of WAL (see the module docstring). A loop turn
+    per record only where a run of like records starts: the records after a taken one on
+    its page that are like it are checked together by ``same_run``, as the in-page loop of
+    ``WalIngest.ingest_decoder`` does."""
     data = bytes(buf)
     size = len(data)
     check_walk_args(size, base, pos, prev, latest_page, tli, seg_size, rels, nxt, last)
@@ -372,16 +380,44 @@ def fused_walk(
             items.append((key, 0, b"", False))  # (the run's tuple, made at the end)
             runs.append(run)
         run[1].append(end)
-        out += _HEADS[will_init]
+        head = _HEADS[will_init]
+        out += head
         out += raw
-        if grown:
-            nblocks[slot] = n + 1
-            items.append((_KEY.pack(0, spc, db, rel, fork, _SIZE_BLKNO), end, _SIZE_VALUE.pack(0, n + 1), True))
-            run = None
         records += 1
         prev = at
         pos = end
         latest_page = page_at
+        if grown:
+            nblocks[slot] = n + 1
+            items.append((_KEY.pack(0, spc, db, rel, fork, _SIZE_BLKNO), end, _SIZE_VALUE.pack(0, n + 1), True))
+            run = None
+            continue
+        # The records after this one on its page that are like it -- the same header fields
+        # and layout bytes, so the same tests above pass for them -- in a few C calls
+        # (``same_run``, which checks their xl_prev chain, CRC-32C and, for a heap INSERT, the
+        # VM bit of each): a bulk load's INSERTs into one heap page, no loop turn per record.
+        # Not for a record that crosses a page (the like ones must be on its page) nor for a
+        # heap or heap2 record whose VM test reads anything but an INSERT's flags byte.
+        if tot_len > page_rem:
+            continue
+        if rmid > _RM_HEAP:
+            vm_at = 0
+        elif rmid == _RM_HEAP and info & 0x70 == 0:
+            vm_at = _SIMPLE_AT + data_len + 2
+        else:
+            continue
+        stride = end - at
+        k = (min(at - (at & _PAGE_MASK) + _PAGE - base, size) - o - tot_len) // stride
+        if k < _RUN_MIN:
+            continue
+        m, raws = same_run(data, o, at, tot_len, stride, k, vm_at)
+        if m:
+            run[1].extend(range(end + stride, end + m * stride + 1, stride))
+            out += head
+            out += head.join(raws[1:])
+            records += m
+            prev = at + m * stride
+            pos = end + m * stride
     blob = bytes(out)
     for i, (key, ends, at, vlen, will_init) in zip(placed, runs, strict=True):
         items[i] = (key, ends, blob, at, vlen, will_init)

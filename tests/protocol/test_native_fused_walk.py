@@ -77,3 +77,41 @@ def test_bad_arguments_are_the_same_value_error(impl: str) -> None:
         walk(b"\0" * 64, 0, 8, 0, 0, 1, 1000, (), 0, 0)
     with pytest.raises(ValueError, match="relation fork"):
         walk(b"\0" * 64, 0, 8, 0, 0, 1, 16 << 20, ((1, 2, 3),), 0, 0)
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("breaker", ["vm-bit", "bad-crc", "other-length", "other-block"])
+def test_a_run_broken_in_the_middle(breaker: str) -> None:
+    """The twin checks the like records after a taken one as a run (``same_run``): a record
+    in the middle of a page's run that must not be taken -- an INSERT clearing a VM bit, a
+    wrong CRC -- or that starts a new run -- another length, another block -- gives the
+    compiled kernel's result exactly, from every record before it on its page."""
+    specs = fz._bulk_load(120, every=1000)
+    at = 30
+    if breaker == "vm-bit":
+        specs[at]["main_data"] = fz.struct.pack("<HB", 1 + at, 1)
+    elif breaker == "other-length":
+        specs[at]["blocks"] = [fz.BlockSpec(fz.A, 3, data=fz._tuple(108))]
+    elif breaker == "other-block":
+        specs[at]["blocks"] = [fz.BlockSpec(fz.A, 2, data=fz._tuple(100))]
+    wal, spans = fz.encode(specs)
+    wal = bytes(wal)
+    base = fz.WAL_START
+    if breaker == "bad-crc":
+        s = spans[at][0] - base
+        wal = wal[: s + 60] + bytes((wal[s + 60] ^ 0x10,)) + wal[s + 61 :]
+    c, py = kernel("native", INGEST).fused_walk, kernel("python", INGEST).fused_walk
+    page = spans[at][0] & ~8191
+    firsts = [i for i in range(1, at + 1) if spans[i][0] & ~8191 == page and spans[i - 1][0] >= page]
+    assert len(firsts) > 5
+    for i in firsts:
+        pos, prev = spans[i][0], spans[i - 1][0]
+        args = (wal, base, pos, prev, page, 1, 16 << 20, ((*REL, 1000),), 10_000, 0)
+        got = _outcome(c, *args)
+        assert got == _outcome(py, *args)
+        assert got[0] == "ok"
+        taken_to = got[1][0]
+        if breaker in ("vm-bit", "bad-crc"):
+            assert taken_to == spans[at][0]  # stopped right before it
+        else:
+            assert taken_to > spans[at][1]  # (taken, in a run of its own)

@@ -7,11 +7,13 @@ changed (a seeded sample of each); and the walk takes nearly the whole load in o
 from __future__ import annotations
 
 import random
+import struct
 from array import array
 from typing import Any
 
 import pytest
 
+from protocol.wal.encoder import BlockSpec
 from tests.conftest import kernel
 from tests.pageserver import test_walingest_fused as fz
 
@@ -89,11 +91,11 @@ def test_a_run_broken_in_the_middle(breaker: str) -> None:
     specs = fz._bulk_load(120, every=1000)
     at = 30
     if breaker == "vm-bit":
-        specs[at]["main_data"] = fz.struct.pack("<HB", 1 + at, 1)
+        specs[at]["main_data"] = struct.pack("<HB", 1 + at, 1)
     elif breaker == "other-length":
-        specs[at]["blocks"] = [fz.BlockSpec(fz.A, 3, data=fz._tuple(108))]
+        specs[at]["blocks"] = [BlockSpec(fz.A, 3, data=fz._tuple(108))]
     elif breaker == "other-block":
-        specs[at]["blocks"] = [fz.BlockSpec(fz.A, 2, data=fz._tuple(100))]
+        specs[at]["blocks"] = [BlockSpec(fz.A, 2, data=fz._tuple(100))]
     wal, spans = fz.encode(specs)
     wal = bytes(wal)
     base = fz.WAL_START

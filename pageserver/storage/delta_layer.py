@@ -163,8 +163,17 @@ async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:
 async def read_and_resolve(ctx: ReadContext, states: Iterable[KeyState]) -> None:
     values = await execute_reads(ctx)
     for st in states:
-        if st.pending is not None:
-            st.resolve(values)
+        pending = st.pending
+        if pending is None:
+            continue
+        if len(pending) == 1:
+            # the usual key: one blob planned, an image (``KeyState.resolve``'s first step)
+            lsn, item = pending[0]
+            if type(item) is int and type(value := values[item]) is bytes:
+                st.pending = None
+                st.img = (lsn, value)
+                continue
+        st.resolve(values)
 
 
 def _index_miss(ctx: ReadContext) -> None:

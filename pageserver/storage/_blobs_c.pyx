@@ -7,8 +7,9 @@
 
 from libc.stdint cimport uint32_t, int64_t
 from libc.stdlib cimport free, malloc, calloc
+from libc.string cimport memcpy
 from libc.errno cimport errno, EAGAIN, EINTR, EOPNOTSUPP, EINVAL
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 
 cdef extern from "../../protocol/_crc32c.h":
     int ps_crc32c_choose(int force_software) nogil
@@ -23,20 +24,41 @@ cdef extern from *:
     #error "PAGESTORE_SOURCE_HASH is not defined: build with setup.py (pip install -e .)"
     #endif
     static const char *ps_blobs_source_hash = PAGESTORE_SOURCE_HASH;
-    static ssize_t ps_pread_nowait(int fd, void *buf, size_t n, off_t off)
+    /* Read bytes [at, total) of a read at file offset ``offset``. Its bytes are ``head``
+       (all of them), or, for a read split in two, ``head``'s one byte (a blob's tag) then
+       ``tail`` (the rest: the page of an image, read straight into the bytes handed out). */
+    static ssize_t ps_read_part(int fd, unsigned char *head, unsigned char *tail,
+                                int64_t total, int64_t at, int64_t offset, int nowait)
     {
+        struct iovec iov[2];
+        int n = 1;
+        if (tail == NULL) {
+            iov[0].iov_base = head + at;
+            iov[0].iov_len = (size_t)(total - at);
+        } else if (at == 0) {
+            iov[0].iov_base = head;
+            iov[0].iov_len = 1;
+            iov[1].iov_base = tail;
+            iov[1].iov_len = (size_t)(total - 1);
+            n = 2;
+        } else {
+            iov[0].iov_base = tail + (at - 1);
+            iov[0].iov_len = (size_t)(total - at);
+        }
+        if (nowait) {
     #ifdef RWF_NOWAIT
-        struct iovec iov = { buf, n };
-        return preadv2(fd, &iov, 1, off, RWF_NOWAIT);
+            return preadv2(fd, iov, n, (off_t)(offset + at), RWF_NOWAIT);
     #else
-        errno = EOPNOTSUPP;
-        return -1;
+            errno = EOPNOTSUPP;
+            return -1;
     #endif
+        }
+        return preadv(fd, iov, n, (off_t)(offset + at));
     }
     """
     const char *ps_blobs_source_hash
-    ssize_t ps_pread_nowait(int fd, void *buf, size_t n, long off) nogil
-    ssize_t pread(int fd, void *buf, size_t n, long off) nogil
+    ssize_t ps_read_part(int fd, unsigned char *head, unsigned char *tail, int64_t total,
+                         int64_t at, int64_t offset, int nowait) nogil
     int posix_fadvise(int fd, long off, long n, int advice) nogil
     int POSIX_FADV_WILLNEED
 
@@ -71,6 +93,12 @@ class BlobChecksumError(ValueError):
     """A blob's bytes do not have its index entry's CRC-32C: ``(read index, slot)``."""
 
 
+# A read of one blob at least this long that is exactly its read is split (see ps_read_part):
+# an image's page is read straight into the bytes object handed out, with no buffer to
+# allocate and no copy of the page.
+DEF SPLIT_MIN = 4096
+
+
 cdef struct Job:
     int fd
     int64_t offset
@@ -78,7 +106,9 @@ cdef struct Job:
     int64_t got
     int64_t first
     int64_t count
-    unsigned char *buf
+    unsigned char *buf   # the read's bytes; for a split read, its first byte only (``head``)
+    unsigned char *tail  # a split read's other bytes (a bytes object's buffer), else NULL
+    unsigned char head[8]
 
 
 cdef struct Blob:
@@ -97,7 +127,8 @@ cdef int _read_all(Job *jobs, Py_ssize_t n, bint probe, int *calls, bint *suppor
         jobs[i].got = 0
         if probe:
             calls[0] += 1
-            got = ps_pread_nowait(jobs[i].fd, jobs[i].buf, <size_t>jobs[i].total, jobs[i].offset)
+            got = ps_read_part(jobs[i].fd, jobs[i].buf, jobs[i].tail, jobs[i].total, 0,
+                               jobs[i].offset, 1)
             if got < 0:
                 if errno == EAGAIN:
                     got = 0
@@ -116,8 +147,8 @@ cdef int _read_all(Job *jobs, Py_ssize_t n, bint probe, int *calls, bint *suppor
                         posix_fadvise(jobs[k].fd, jobs[k].offset, jobs[k].total, POSIX_FADV_WILLNEED)
         while jobs[i].got < jobs[i].total:
             calls[0] += 1
-            got = pread(jobs[i].fd, jobs[i].buf + jobs[i].got,
-                        <size_t>(jobs[i].total - jobs[i].got), jobs[i].offset + jobs[i].got)
+            got = ps_read_part(jobs[i].fd, jobs[i].buf, jobs[i].tail, jobs[i].total,
+                               jobs[i].got, jobs[i].offset, 0)
             if got < 0:
                 if errno == EINTR:
                     continue
@@ -133,6 +164,7 @@ cdef int _check(Job *jobs, Py_ssize_t n, Blob *blobs, Py_ssize_t *bad_job,
                 Py_ssize_t *bad_slot) noexcept nogil:
     cdef Py_ssize_t i, s
     cdef int64_t start
+    cdef uint32_t crc
     for i in range(n):
         if jobs[i].got != jobs[i].total:
             bad_job[0] = i
@@ -143,7 +175,11 @@ cdef int _check(Job *jobs, Py_ssize_t n, Blob *blobs, Py_ssize_t *bad_job,
                 bad_job[0], bad_slot[0] = i, s
                 return ST_OUTSIDE
             blobs[s].start = start
-            if ps_crc32c(0, jobs[i].buf + start, <size_t>blobs[s].length) != blobs[s].crc:
+            if jobs[i].tail != NULL:  # (its one blob is the whole read: start 0)
+                crc = ps_crc32c(ps_crc32c(0, jobs[i].buf, 1), jobs[i].tail, <size_t>(blobs[s].length - 1))
+            else:
+                crc = ps_crc32c(0, jobs[i].buf + start, <size_t>blobs[s].length)
+            if crc != blobs[s].crc:
                 bad_job[0], bad_slot[0] = i, s
                 return ST_CRC
     return ST_OK
@@ -162,6 +198,8 @@ def gather_blobs(jobs, spans, blobs, probe):
     cdef Py_ssize_t bad_job = 0, bad_slot = 0
     cdef int64_t expected = 0, first, count, offset, total
     cdef const unsigned char *p
+    cdef unsigned char *q
+    cdef list tails = [None] * n
     if js == NULL or bs == NULL:
         free(js)
         free(bs)
@@ -182,6 +220,13 @@ def gather_blobs(jobs, spans, blobs, probe):
         for s in range(nb):
             bs[s].off, bs[s].length, bs[s].crc = blobs[s]
         for i in range(n):
+            if (js[i].count == 1 and js[i].total >= SPLIT_MIN and bs[js[i].first].off == js[i].offset
+                    and bs[js[i].first].length == js[i].total):
+                tail = PyBytes_FromStringAndSize(NULL, js[i].total - 1)
+                tails[i] = tail  # (held: filled, then handed out, before anyone else sees it)
+                js[i].tail = <unsigned char *>PyBytes_AS_STRING(tail)
+                js[i].buf = js[i].head
+                continue
             js[i].buf = <unsigned char *>malloc(<size_t>js[i].total if js[i].total else 1)
             if js[i].buf == NULL:
                 raise MemoryError()
@@ -200,6 +245,19 @@ def gather_blobs(jobs, spans, blobs, probe):
         values = []
         kinds = bytearray(nb)
         for i in range(n):
+            if js[i].tail != NULL:
+                s = js[i].first
+                tail = tails[i]
+                if js[i].head[0] == C_TAG_IMAGE:
+                    values.append(tail)  # the page, read in place
+                    kinds[s] = 1
+                else:
+                    whole = PyBytes_FromStringAndSize(NULL, bs[s].length)
+                    q = <unsigned char *>PyBytes_AS_STRING(whole)
+                    q[0] = js[i].head[0]
+                    memcpy(q + 1, js[i].tail, <size_t>(bs[s].length - 1))
+                    values.append(whole)
+                continue
             for s in range(js[i].first, js[i].first + js[i].count):
                 p = js[i].buf + bs[s].start
                 if bs[s].length and p[0] == C_TAG_IMAGE:
@@ -210,6 +268,7 @@ def gather_blobs(jobs, spans, blobs, probe):
         return values, bytes(kinds), calls, supported
     finally:
         for i in range(n):
-            free(js[i].buf)
+            if js[i].tail == NULL:
+                free(js[i].buf)
         free(js)
         free(bs)

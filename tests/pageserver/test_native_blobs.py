@@ -151,7 +151,8 @@ def test_native_equals_twin_on_mutated_plans(
     data = bytearray(4096)
     blobs = []
     for i in range(12):
-        body = bytes([TAG_IMAGE if i % 2 else 2]) + bytes([i]) * (100 + 37 * i)
+        # some of page size: a read of one of them alone is split by the native kernel
+        body = bytes([TAG_IMAGE if i % 2 else 2]) + bytes([i]) * (8192 if i % 3 == 0 else 100 + 37 * i)
         blobs.append((len(data), len(body), crc32c(body)))
         data += body
     path.write_bytes(bytes(data))
@@ -166,3 +167,67 @@ def test_native_equals_twin_on_mutated_plans(
         assert _outcome(kernel("native", BLOBS), *args) == _outcome(kernel("python", BLOBS), *args)
     finally:
         os.close(fd)
+
+
+@pytest.fixture
+def page_file(tmp_path: Path) -> Iterator[tuple[int, list[tuple[int, int, int]], bytes]]:
+    """Blobs of page size and more, each read alone (the native kernel reads the page of such
+    a read straight into the bytes it hands out): images, a long WAL value, short values."""
+    data = bytearray(b"\xee" * 4096)
+    bodies = [
+        bytes([TAG_IMAGE]) + bytes([7]) * 8192,
+        bytes([2]) + b"long record " * 700,
+        bytes([TAG_IMAGE]) + os.urandom(8192),
+        bytes([1]) + b"x" * 4095,  # exactly the split size
+        bytes([TAG_IMAGE]) + b"y" * 4094,  # one byte short of it
+        bytes([3]) + b"z" * 40,
+    ]
+    blobs = []
+    for body in bodies:
+        blobs.append((len(data), len(body), crc32c(body)))
+        data += body
+    path = tmp_path / "pages"
+    path.write_bytes(bytes(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield fd, blobs, bytes(data)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_page_reads_come_out_whole(impl: str, page_file: tuple[int, list[tuple[int, int, int]], bytes], probe: bool) -> None:
+    fd, blobs, data = page_file
+    jobs, spans = _plan(fd, blobs, [1] * len(blobs))
+    values, kinds, _calls, _ = kernel(impl, BLOBS).gather_blobs(jobs, spans, blobs, probe)
+    for (off, length, _), value, kind in zip(blobs, values, kinds, strict=True):
+        blob = data[off : off + length]
+        assert type(value) is bytes
+        assert (value, kind) == ((blob[1:], 1) if blob[0] == TAG_IMAGE else (blob, 0))
+    # the same blobs two to a read (no read is split) give the same values
+    jobs2, spans2 = _plan(fd, blobs, [2] * (len(blobs) // 2))
+    assert kernel(impl, BLOBS).gather_blobs(jobs2, spans2, blobs, probe)[:2] == (values, kinds)
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("case", ["bad_crc_image", "bad_crc_value", "bad_crc_tag", "short", "shifted", "longer"])
+def test_native_equals_twin_on_hostile_page_reads(page_file: tuple[int, list[tuple[int, int, int]], bytes], case: str) -> None:
+    fd, blobs, data = page_file
+    plan = list(blobs)
+    jobs, spans = _plan(fd, plan, [1] * len(plan))
+    if case == "bad_crc_image":
+        plan[2] = (plan[2][0], plan[2][1], plan[2][2] ^ 0x80000000)
+    elif case == "bad_crc_value":
+        plan[1] = (plan[1][0], plan[1][1], plan[1][2] ^ 1)
+    elif case == "bad_crc_tag":  # the CRC of the page without its tag byte
+        off, length, _ = plan[0]
+        plan[0] = (off, length, crc32c(data[off + 1 : off + length]))
+    elif case == "short":  # the last page read runs past the end of the file
+        jobs[-1] = (fd, len(data) - 100, 8193)
+        plan[-1] = (len(data) - 100, 8193, 0)
+    elif case == "shifted":  # a page's read starts a byte early: not split, same answer
+        jobs[0] = (fd, plan[0][0] - 1, plan[0][1] + 1)
+    elif case == "longer":  # the read is longer than its one blob
+        jobs[2] = (fd, plan[2][0], plan[2][1] + 10)
+    args = (jobs, spans, plan, True)
+    assert _outcome(kernel("native", BLOBS), *args) == _outcome(kernel("python", BLOBS), *args)

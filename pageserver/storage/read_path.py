@@ -306,9 +306,9 @@ async def get_vectored(
             await _walk_one(timeline, pending[0], cont_lsn, states[pending[0]], ctx)
         else:
             await _walk_timeline(timeline, pending, cont_lsn, states, ctx)
-        pending = [k for k in pending if not states[k].complete and is_inherited_key(k)]
         if timeline.ancestor_timeline is None:
             break
+        pending = [k for k in pending if not states[k].complete and is_inherited_key(k)]
         cont_lsn = min(cont_lsn, timeline.ancestor_lsn + 1)
         timeline = timeline.ancestor_timeline
     # The walk only planned the persistent layers' reads: do them all at once, then decode.

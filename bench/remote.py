@@ -218,8 +218,8 @@ def random_pages(mib: int = 32) -> list[bytes]:
     return [os.urandom(PAGE) for _ in range(mib * MiB // PAGE)]
 
 
-def _counter(name: str) -> float:
-    return REGISTRY.get_sample_value(name) or 0.0
+def _counter(name: str, labels: dict[str, str] | None = None) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 async def _ingest(tl: Timeline, mib: int, pages: list[bytes], start_block: int = 0,
@@ -251,6 +251,7 @@ async def _ingest(tl: Timeline, mib: int, pages: list[bytes], start_block: int =
 INGEST_CONFIGS = ("off", "on", "on-uncompressed", "on-signed")
 _SENT = "pageserver_remote_upload_stored_bytes_total"
 _LAYER_BYTES = "pageserver_remote_upload_bytes_total"
+_CODEC_CPU = "pageserver_remote_codec_cpu_seconds_total"
 
 
 async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: list[bytes],
@@ -270,6 +271,7 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: l
             await tl.remote.wait_uploaded()
         cpu: dict[str, Any] = {}
         sent0, layer0 = _counter(_SENT), _counter(_LAYER_BYTES)
+        codec0 = _counter(_CODEC_CPU, {"op": "compress"})
         seconds = await _ingest(tl, mib, pages, cpu=cpu, pids=pids)
         out: dict[str, Any] = {"config": config, "uploads": config != "off", "seconds": round(seconds, 3),
                                "mb_s": round(mib * MiB / 1e6 / seconds, 1),
@@ -281,6 +283,7 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: l
             out["remote_consistent_lsn_equal"] = tl.remote_consistent_lsn == tl.disk_consistent_lsn
             out["layer_bytes"] = int(_counter(_LAYER_BYTES) - layer0)
             out["sent_bytes"] = int(_counter(_SENT) - sent0)
+            out["compress_cpu_s"] = round(_counter(_CODEC_CPU, {"op": "compress"}) - codec0, 3)
         await tenant.shutdown()
         if storage is not None:
             await storage.aclose()

@@ -324,6 +324,11 @@ def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int, pages: list[b
         suffix = "" if c == "on" else "_" + c.removeprefix("on-")
         out[f"ratio_on{suffix}_vs_off_per_round"] = [round(p, 3) for p in per_round]
         out[f"ratio_on{suffix}_vs_off"] = round(statistics.median(per_round), 3)
+        # the same until the uploads caught up (work left after the round counted too)
+        uploaded = {x["round"]: x["seconds"] + x["catch_up_s"] for x in runs if x["config"] == c}
+        until = [seconds["off"][r] / uploaded[r] for r in range(rounds)]
+        out[f"ratio_on{suffix}_vs_off_until_uploaded_per_round"] = [round(p, 3) for p in until]
+        out[f"ratio_on{suffix}_vs_off_until_uploaded"] = round(statistics.median(until), 3)
     for c in configs[1:]:  # bytes sent per byte of layer files (compression), over all rounds
         done = [x for x in runs if x["config"] == c]
         out[f"{c}_sent_vs_layer_bytes"] = round(sum(x["sent_bytes"] for x in done) / max(1, sum(
@@ -331,6 +336,10 @@ def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int, pages: list[b
     for c in configs:  # where the time goes: per thread group and process, medians of the rounds
         out[f"{c}_trio_thread_cpu_s"] = statistics.median(
             x["trio_thread_cpu_s"] for x in runs if x["config"] == c)
+        # the pageserver's threads and the store together: what a round costs the machine
+        out[f"{c}_pageserver_and_store_cpu_s"] = round(statistics.median(
+            x["trio_thread_cpu_s"] + x["cpu"].get("worker_threads", {}).get("cpu_s", 0.0)
+            + x["cpu"].get("seaweedfs_cpu_s", 0.0) for x in runs if x["config"] == c), 3)
         out[f"{c}_cpu"] = _median_cpu([x for x in runs if x["config"] == c])
     emit({**out, "goal": "ratio_on_vs_off >= 0.9 (median of per-round ratios)",
           "cpus": sorted(os.sched_getaffinity(0)), "load_avg": [round(x, 2) for x in os.getloadavg()]})

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, MutableMapping, Sequence
@@ -99,6 +100,11 @@ _plan_cached = _plan_select.plan_cached
 _EntryOutsideData = _plan_select.EntryOutsideData
 
 
+# (first slot, blob count) of a planned read; the bytes of a job
+_span_of: Callable[[tuple[LayerFileReader, int, int, int, int]], tuple[int, int]] = operator.itemgetter(3, 4)
+_total_of: Callable[[tuple[int, int, int]], int] = operator.itemgetter(2)
+
+
 async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:
     """Perform every planned read; returns the decoded value of every blob slot (an image as
     its bare page bytes: its encoding is the tag and the page, so no ``Image`` is built only
@@ -116,7 +122,7 @@ async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:
     if len(jobs) != len(ctx.reads):
         closed = next(r for r, *_ in ctx.reads if r.file.closed)
         raise LayerClosedError(closed.path)
-    spans = [(first, count) for _, _, _, first, count in ctx.reads]
+    spans = list(map(_span_of, ctx.reads))  # (C loops: a batch's reads are mostly one page each)
     blobs = ctx.blobs
     try:
         raw, kinds, calls, supported = await engine.run_sync(
@@ -134,7 +140,7 @@ async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:
     if not supported:
         _nowait[0] = False
     engine.stats.preadvs += calls
-    engine.stats.bytes_read += sum(total for _, _, total in jobs)
+    engine.stats.bytes_read += sum(map(_total_of, jobs))
     values: list[Value | bytes]
     if 0 not in kinds:
         values = raw  # type: ignore[assignment]  # all images: the bare pages

@@ -226,6 +226,7 @@ async def run_config(
         "responses": responses,
         "write_groups": status["write_groups"],
         "write_messages": status["write_messages"],
+        "write_appends": status.get("write_appends"),
         "fsyncs": status["fsyncs"],
     }
 

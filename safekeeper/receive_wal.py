@@ -333,8 +333,8 @@ async def _write_stage(
     max_write_bytes: int,
     budget: _ByteBudget,
 ) -> None:
-    # With coalescing on, group N's write (in the timeline's WAL IO engine) and, fsync on,
-    # its fdatasync run while group N+1 is checked and submitted
+    # With coalescing on, group N's record checks and write (in the timeline's WAL IO
+    # engine) and, fsync on, its fdatasync run while group N+1 is received and submitted
     # (Timeline.write_appends/sync/finish), and N+1's fdatasync starts as soon as N+1 is
     # written, even before N's has returned (at most SYNCS_IN_FLIGHT groups in flight).
     # Every AppendResponse still leaves only after its own group's write and fdatasync, in
@@ -353,6 +353,10 @@ async def _write_stage(
         # Written: the receive memory of the group's messages is free.
         budget.release(pending.wal_bytes)
         await send([reply])
+        if pending.invalid is not None:
+            # The group's valid prefix is acknowledged; the groups behind it were refused
+            # (never written, never acknowledged): the proposer's error ends the stream.
+            raise pending.invalid
 
     async def finish_all() -> None:
         while pendings:
@@ -365,9 +369,14 @@ async def _write_stage(
                     try:
                         first = messages.receive_nowait()
                     except trio.WouldBlock:
-                        # Nothing to overlap with: acknowledge the oldest pending group.
-                        await finish_oldest()
-                        continue
+                        # Nothing queued: acknowledge the oldest pending group once it can
+                        # be, unless the next message arrives first (then it is submitted
+                        # while the oldest's write or fdatasync still runs).
+                        item = await _next_or_ready(messages, pendings[0])
+                        if item is None:
+                            await finish_oldest()
+                            continue
+                        first = item
                 else:
                     first = await messages.receive()
             except trio.EndOfChannel:
@@ -406,6 +415,40 @@ async def _write_stage(
             if stop is not None:
                 await finish_all()
                 raise stop
+
+
+async def _next_or_ready(
+    messages: trio.MemoryReceiveChannel[Item], oldest: PendingFlush
+) -> Item | None:
+    """The next message, or None as soon as ``oldest`` can be finished (its fdatasync, or
+    with fsync off its write, returned) before one arrives. Raises ``EndOfChannel`` at the
+    end of the stream. A receive cancelled here loses nothing (trio's channels)."""
+    got: list[Item] = []
+    ended = False
+
+    async def take(cancel: trio.CancelScope) -> None:
+        nonlocal ended
+        try:
+            got.append(await messages.receive())
+        except trio.EndOfChannel:
+            ended = True
+        cancel.cancel()
+
+    async def ready(cancel: trio.CancelScope) -> None:
+        if oldest.syncing:
+            await oldest.done.wait()
+        else:
+            await oldest.write.finished()
+        cancel.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(take, nursery.cancel_scope)
+        nursery.start_soon(ready, nursery.cancel_scope)
+    if got:
+        return got[0]
+    if ended:
+        raise trio.EndOfChannel
+    return None
 
 
 def _collect(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -60,15 +60,9 @@ from safekeeper.record_tracker import InvalidWal
 from safekeeper.wal_backup import BackupStatus
 from safekeeper.wal_io import Job, WalIo, WalIoEngine
 from safekeeper.wal_removal import first_kept_segment, removal_horizon
-from safekeeper.wal_storage import TrackedGroup, WalStorage, WalStorageError
+from safekeeper.wal_storage import FollowsInvalidWal, WalStorage, WalStorageError
 
 log = structlog.get_logger("safekeeper.timeline")
-
-# A checkpoint per this much WAL checked: a write group (up to ~2 MiB) costs one or two
-# scheduling rounds, and the reader waits at most the time the native tracker takes for
-# 1 MiB (~0.1-0.2 ms; the pure-Python twin is ~100x slower and then holds the loop longer).
-TRACK_SLICE = 1 << 20
-
 
 @attrs.define
 class ReplicaState:
@@ -91,18 +85,35 @@ class ReplicaState:
         return Lsn(max(self.flush_lsn, self.start_lsn))
 
 
+@attrs.frozen
+class Written:
+    """What a write group's call in the WAL IO engine did: its records checked (page
+    headers, CRCs) and its valid bytes written.
+
+    ``fd`` is the descriptor for the group's fdatasync (-1: none needed), ``fsyncs`` the
+    fsyncs the write did itself (segments completed), ``write_lsn`` where the storage's WAL
+    ended after it, ``record_end`` the end of the last complete valid record in it, and
+    ``epoch`` the storage's epoch after it. ``error`` is the invalid WAL that stopped it:
+    its valid prefix is written and WAL was cut back to ``record_end``
+    (``FollowsInvalidWal``: the group came after such a cut and nothing of it was written)."""
+
+    fd: int
+    fsyncs: int
+    write_lsn: Lsn
+    record_end: Lsn
+    epoch: int
+    error: InvalidWal | None = None
+
+
 @attrs.define(eq=False)
 class PendingFlush:
     """A submitted write group whose write and fdatasync have not been published yet.
 
-    ``write`` is the group's write in the timeline's WAL IO engine; it returns the descriptor
-    for the group's fdatasync (-1: none needed) and the fsyncs the write did itself (segments
-    completed). ``write_lsn`` is where the group ends."""
+    ``write`` is the group's call in the timeline's WAL IO engine (``Written``);
+    ``write_lsn`` is where the group ends if all of it is valid."""
 
-    write: Job[tuple[int, int]]
+    write: Job[Written]
     write_lsn: Lsn
-    record_end: Lsn
-    epoch: int
     # WAL bytes of the group's messages, released from the connection's byte budget once
     # the write is done (the messages' receive memory is free then).
     wal_bytes: int = 0
@@ -111,6 +122,11 @@ class PendingFlush:
     # sync() was started or scheduled for it (set by whoever does; finish() runs it itself
     # only with fsync off and only if nobody did).
     syncing: bool = False
+    # The write's outcome, once sync() has waited for it.
+    written: Written | None = None
+    # Set by finish(): the group's invalid WAL, the proposer's error to raise once the
+    # acknowledgement of its valid prefix is sent.
+    invalid: InvalidWal | None = None
 
 
 @attrs.define
@@ -309,36 +325,17 @@ class Timeline:
         else:
             await self.io.run(self.storage.truncate, effect.lsn)
 
-    async def _track(self, begin: Lsn, chunks: list[bytes | memoryview]) -> TrackedGroup:
-        """The CPU half of a write group, here on the event loop's thread: record tracking
-        and CRCs. Keeping it out of the IO worker stops the two threads from trading the GIL
-        during pure-Python work (measured: faster than tracking in the worker). It yields every
-        TRACK_SLICE bytes so that the reader keeps draining the socket."""
-        storage = self.storage
-        views: list[memoryview] = []
-        record_end = storage.flush_record_lsn
-        pos = begin
-        for piece in _slices(chunks, TRACK_SLICE):
-            part = storage.track(pos, piece)
-            views += part.views
-            record_end = part.record_end
-            if part.error is not None:
-                return TrackedGroup(views, record_end, part.error)
-            pos = Lsn(pos + sum(len(c) for c in piece))
-            await trio.lowlevel.checkpoint()
-        return TrackedGroup(views, record_end, None)
-
     async def _write_group(self, begin: Lsn, chunks: list[bytes | memoryview]) -> None:
-        """Write and flush one group (the sequential path)."""
+        """Check, write and flush one group (the sequential path), all in the WAL IO engine."""
         storage = self.storage
         fsyncs_before = storage.fsync_count
 
-        def write_and_flush(group: TrackedGroup) -> None:
-            storage.write_tracked(begin, group)
+        def write_and_flush() -> None:
+            storage.write_group(begin, chunks)
             storage.flush()
 
         try:
-            await self.io.run(write_and_flush, await self._track(begin, chunks))
+            await self.io.run(write_and_flush)
         finally:
             # On invalid WAL the storage kept only the valid prefix; follow it.
             self.acceptor.write_lsn = storage.write_lsn
@@ -348,9 +345,13 @@ class Timeline:
 
     # -- the pipelined write path ------------------------------------------------------------
     #
-    # write_appends() checks group N+1's records on this thread and submits its write to the
-    # timeline's WAL IO engine without waiting for it; with the writer-thread engine that
-    # write runs while the ingest loop goes on receiving and checking group N+2. sync(N)
+    # write_appends() submits group N+1 to the timeline's WAL IO engine without waiting
+    # for it; there its records are checked (page headers, every CRC-32C: the native
+    # tracker releases the GIL) and its bytes written, so with the writer-thread engine
+    # both run while the ingest loop goes on receiving group N+2. A group with invalid WAL
+    # writes its valid prefix and cuts WAL back to its last record; the groups submitted
+    # behind it are refused by the storage, and finish() reports the error after the
+    # acknowledgement of that prefix. sync(N)
     # waits for N's write, then runs N's fdatasync (fsync on) in a worker on its own
     # descriptor, overlapping later writes; finish(N) then publishes N's flush and builds its
     # AppendResponse. At most SYNCS_IN_FLIGHT groups are in flight per connection, and N's
@@ -395,36 +396,15 @@ class Timeline:
             if not chunks:
                 # Nothing to write (empty appends): published in order after earlier groups
                 # (finish() takes the pending flushes in order).
-                write: Job[tuple[int, int]] = Job.completed((-1, 0))
                 end = acceptor.write_lsn
-                return replies, PendingFlush(
-                    write, end, Lsn(min(storage.flush_record_lsn, end)), storage.epoch, wal_bytes
-                ), error
+                write = Job.completed(
+                    Written(-1, 0, end, Lsn(min(storage.flush_record_lsn, end)), storage.epoch)
+                )
+                return replies, PendingFlush(write, end, wal_bytes), error
             size = sum(len(c) for c in chunks)
-            group = await self._track(begin, chunks)
             self.stats.record_group(len(chunks), size)
-            if group.error is None:
-                end = Lsn(begin + size)
-                write = await self.io.submit(_write_and_open_sync, storage, begin, group)
-                return replies, PendingFlush(
-                    write, end, Lsn(min(group.record_end, end)), storage.epoch, wal_bytes
-                ), error
-            # Invalid WAL: the valid prefix is written and WAL cut back at its last record
-            # (after every write submitted before it), then synced even so: the appends
-            # accepted before the invalid WAL are acknowledged by finish(), so they must be
-            # durable first.
-            error = error or group.error
-            try:
-                await self.io.run(_write_and_open_sync, storage, begin, group)
-            except InvalidWal:
-                pass
-            finally:
-                acceptor.write_lsn = storage.write_lsn
-            write = await self.io.submit(_open_sync, storage)
-            return replies, PendingFlush(
-                write, storage.write_lsn, Lsn(min(group.record_end, storage.write_lsn)),
-                storage.epoch, wal_bytes,
-            ), error
+            write = await self.io.submit(_write_and_open_sync, storage, begin, chunks)
+            return replies, PendingFlush(write, Lsn(begin + size), wal_bytes), error
 
     async def sync(self, pending: PendingFlush) -> None:
         """Wait for a pending group's write, then run its fdatasync (run as its own task;
@@ -445,7 +425,7 @@ class Timeline:
 
         try:
             try:
-                fd, fsyncs = await pending.write.wait()
+                written = await pending.write.wait()
             except BaseException:
                 # The write failed (the storage is broken now): the acceptor must not
                 # believe in WAL beyond what was written.
@@ -453,7 +433,9 @@ class Timeline:
                     min(self.acceptor.write_lsn, self.storage.write_lsn)
                 )
                 raise
-            self.stats.fsyncs += fsyncs
+            pending.written = written
+            fd = written.fd
+            self.stats.fsyncs += written.fsyncs
             if fd >= 0:
                 await trio.to_thread.run_sync(sync_and_close)
                 self.stats.fsyncs += 1
@@ -490,11 +472,20 @@ class Timeline:
         # unsafe, a wrong one is. This also keeps acks in group order trivially: a later
         # group is never acknowledged either.
         self.storage.check_usable()
+        written = pending.written
+        assert written is not None  # sync() ran and its write succeeded
         async with self.lock:
-            if self.storage.epoch == pending.epoch:
-                self.storage.mark_flushed(pending.write_lsn, pending.record_end)
-                if pending.record_end > self.acceptor.flush_record_lsn:
-                    self.acceptor.wal_flushed(pending.record_end)
+            if written.error is not None:
+                # WAL was cut back at the group's last valid record (or the group followed
+                # such a cut): the acceptor must not believe in WAL past what is written.
+                self.acceptor.write_lsn = Lsn(
+                    min(self.acceptor.write_lsn, self.storage.write_lsn)
+                )
+                pending.invalid = written.error
+            if self.storage.epoch == written.epoch:
+                self.storage.mark_flushed(written.write_lsn, written.record_end)
+                if written.record_end > self.acceptor.flush_record_lsn:
+                    self.acceptor.wal_flushed(written.record_end)
             self.acceptor.advance_commit()
             await self._publish()
             return self._append_response()
@@ -630,6 +621,8 @@ class Timeline:
             "push_connections": self.push_connections,
             "write_groups": self.stats.groups,
             "write_messages": self.stats.messages,
+            # AppendRequests (or runs of them taken as one) in the write groups.
+            "write_appends": self.stats.appends_in_groups,
             "write_bytes": self.stats.bytes,
             "fsyncs": self.stats.fsyncs,
             # The IO error that broke the WAL storage (None while it is usable).
@@ -659,36 +652,27 @@ def has_wal_segments(directory: Path) -> bool:
 
 
 def _write_and_open_sync(
-    storage: WalStorage, begin: Lsn, group: TrackedGroup
-) -> tuple[int, int]:
-    """Write a tracked group, then open the descriptor its fdatasync will use (-1: none);
-    also returns how many fsyncs the write itself did (completed segments). The descriptor
-    is opened in the same engine call: opening (like closing) a file may block, so neither
-    runs on the event loop's thread."""
+    storage: WalStorage, begin: Lsn, chunks: Sequence[bytes | memoryview]
+) -> Written:
+    """A pipelined group's call in the WAL IO engine: check its records, write the valid
+    bytes, then open the descriptor its fdatasync will use (opening, like closing, a file
+    may block, so neither runs on the event loop's thread). Invalid WAL is a result, not an
+    exception: the valid prefix is written, and whatever was written must still be synced
+    and acknowledged before the error."""
     before = storage.fsync_count
-    storage.write_tracked(begin, group)
-    return storage.sync_handle(), storage.fsync_count - before
-
-
-def _open_sync(storage: WalStorage) -> tuple[int, int]:
-    """The fdatasync descriptor of what is written (after a write that stopped early)."""
-    return storage.sync_handle(), 0
-
-
-def _slices(
-    chunks: list[bytes | memoryview], size: int
-) -> Iterator[list[bytes | memoryview]]:
-    """Consecutive runs of chunks of about ``size`` bytes each."""
-    run: list[bytes | memoryview] = []
-    total = 0
-    for chunk in chunks:
-        run.append(chunk)
-        total += len(chunk)
-        if total >= size:
-            yield run
-            run, total = [], 0
-    if run:
-        yield run
+    error: InvalidWal | None = None
+    try:
+        record_end = storage.write_group(begin, chunks).record_end
+    except InvalidWal as exc:
+        error = exc
+        # write_group cut WAL back to the last valid record (flushed by the cut), or wrote
+        # nothing of a group that followed a cut.
+        record_end = Lsn(min(storage.flush_record_lsn, storage.write_lsn))
+    fd = -1 if isinstance(error, FollowsInvalidWal) else storage.sync_handle()
+    return Written(
+        fd, storage.fsync_count - before, storage.write_lsn, Lsn(min(record_end, storage.write_lsn)),
+        storage.epoch, error,
+    )
 
 
 def _fmt(lsn: int) -> str:

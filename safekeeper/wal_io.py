@@ -79,6 +79,11 @@ class Job(Generic[T]):
     def done(self) -> bool:
         return self._result is not None
 
+    async def finished(self) -> None:
+        """Wait (cancellably: nothing is taken) until the call has returned or raised."""
+        if self._result is None:
+            await self._done.wait()
+
     async def wait(self) -> T:
         if self._result is None:
             with trio.CancelScope(shield=True):

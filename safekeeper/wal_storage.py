@@ -86,6 +86,12 @@ def split_at_segments(
         yield segno, offset, iov, size
         pos += size
 
+class FollowsInvalidWal(InvalidWal):
+    """A write group that begins past the point where an earlier group's invalid WAL cut this
+    node's WAL back. It was submitted before that was known (the records are checked in the
+    WAL IO engine) and is not written."""
+
+
 class WalStorageError(Exception):
     """The WAL on disk is not what this node wrote (a bug or outside interference)."""
 
@@ -125,6 +131,10 @@ class WalStorage:
         # nothing more is written or acknowledged until a restart rescans what is really on
         # disk (PostgreSQL PANICs for the same reasons).
         self.broken: OSError | None = None
+        # Set when a group's invalid WAL cut WAL back to its last valid record: groups
+        # submitted behind it, which start further on, are refused (``write_group``) until
+        # WAL continues at the cut.
+        self.cut_by_invalid_wal = False
 
     # -- naming ------------------------------------------------------------------------------
 
@@ -164,6 +174,7 @@ class WalStorage:
         """Find the end of WAL from the record boundary ``scan_from`` (0: there is no WAL)."""
         self.close()
         self.epoch += 1
+        self.cut_by_invalid_wal = False
         if scan_from == INVALID_LSN:
             self.write_lsn = self.flush_lsn = self.flush_record_lsn = INVALID_LSN
             self._tracker = None
@@ -302,6 +313,27 @@ class WalStorage:
         """Append ``chunks`` at ``begin``: ``track`` then ``write_tracked``."""
         self.write_tracked(begin, self.track(begin, chunks))
 
+    def write_group(self, begin: Lsn, chunks: Sequence[Buffer]) -> TrackedGroup:
+        """One write group, checked and written in one call (the WAL IO engine's thread
+        runs it, so the record checks and CRCs leave the event loop's thread): ``track``
+        then ``write_tracked``, which raises ``InvalidWal`` after writing the valid prefix
+        and cutting WAL back to its last record.
+
+        Groups are submitted before the groups ahead of them were checked, so one that
+        begins past such a cut raises ``FollowsInvalidWal`` and writes nothing; a group
+        that begins exactly at the cut (the next proposer's, after the acceptor followed
+        the cut) goes on normally."""
+        if self.cut_by_invalid_wal:
+            if begin != self.write_lsn:
+                raise FollowsInvalidWal(
+                    f"WAL from {format_lsn(begin)} follows invalid WAL that ended this "
+                    f"node's WAL at {format_lsn(self.write_lsn)}; it was not written"
+                )
+            self.cut_by_invalid_wal = False
+        group = self.track(begin, chunks)
+        self.write_tracked(begin, group)
+        return group
+
     def track(self, begin: Lsn, chunks: Sequence[Buffer]) -> TrackedGroup:
         """The CPU half of a write: feed the chunks to the record tracker (page headers and
         CRCs checked). Pure computation, so it may run on the event loop's thread while the
@@ -341,6 +373,7 @@ class WalStorage:
         if group.error is not None:
             # The tracker's state is garbage; truncate() syncs and starts a new one.
             self.truncate(group.record_end)
+            self.cut_by_invalid_wal = True
             raise group.error
 
     def _pwrite_group(self, begin: Lsn, views: list[memoryview]) -> None:
@@ -455,6 +488,7 @@ class WalStorage:
         """Forget all WAL at and after ``lsn`` (a record boundary); WAL continues there."""
         self.check_usable()
         self.epoch += 1
+        self.cut_by_invalid_wal = False
         if self._fd >= 0 and not self.no_sync:
             self.fdatasync(self._fd)
         with self.write_io(f"truncating WAL at {format_lsn(lsn)}"):

@@ -19,9 +19,10 @@ from protocol.lsn import INVALID_LSN, Lsn
 from protocol.safekeeper import AppendRequest
 from safekeeper.acceptor import AcceptorError
 from safekeeper.receive_wal import SYNCS_IN_FLIGHT, _ByteBudget, _write_stage
+from safekeeper.record_tracker import InvalidWal, RecordTracker
 from safekeeper.testing import synthetic_wal
 from safekeeper.timeline import Timeline
-from safekeeper.wal_storage import WalStorageBroken, WalStorageError
+from safekeeper.wal_storage import TrackedGroup, WalStorage, WalStorageBroken, WalStorageError
 from tests.safekeeper.conftest import (
     START,
     SYSTEM_ID,
@@ -205,7 +206,7 @@ async def test_each_sync_in_flight_has_its_own_open_file_description(tmp_path: P
         _, pending, error = await tl.write_appends([req])
         assert error is None and pending is not None
         # The group's write (in the WAL IO engine) opened its fdatasync descriptor.
-        fd, _ = await pending.write.wait()
+        fd = (await pending.write.wait()).fd
         assert fd >= 0
         pendings.append((pending, fd))
     fds = [tl.storage._fd] + [fd for _, fd in pendings]
@@ -223,3 +224,84 @@ async def test_each_sync_in_flight_has_its_own_open_file_description(tmp_path: P
     for p, _ in pendings:
         await tl.finish(p)
     assert tl.acceptor.flush_lsn > START
+
+
+@pytest.mark.parametrize("no_sync", [True, False], ids=["fsync-off", "fsync-on"])
+async def test_invalid_wal_in_a_pipelined_group_acks_its_valid_prefix_and_writes_nothing_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_sync: bool
+) -> None:
+    """The records of a pipelined group are checked in the WAL IO engine, so the groups
+    behind an invalid one are submitted before the error is known. Group 1's write is held
+    until groups 2 (a record damaged) and 3 are submitted; then group 2's valid prefix is
+    written and acknowledged, WAL is cut at its last valid record, group 3 and 4 write
+    nothing, the stream ends with the proposer's error, and a restart scan finds exactly the
+    acknowledged WAL. WAL that continues at the cut is taken again."""
+    tl = await elected_timeline(tmp_path / "tl", no_sync=no_sync)
+    piece = 65536
+    groups = 4
+    good = synthetic_wal(START, groups * piece, system_id=SYSTEM_ID)
+    wal = bytearray(good)
+    wal[piece + 30000] ^= 0x40  # a record in the middle of group 2
+    # Invalid WAL refuses its whole AppendRequest: WAL is cut at the last record that ends
+    # in group 1.
+    tracker = RecordTracker(START)
+    cut = Lsn(tracker.feed(good[:piece]))
+    assert START + piece - 1000 < cut <= START + piece
+
+    gate = threading.Event()
+    written: list[Lsn] = []
+    real_write = tl.storage.write_tracked
+
+    def held_first_write(begin: Lsn, group: TrackedGroup) -> None:
+        if not written:
+            assert gate.wait(10)
+        try:
+            real_write(begin, group)
+        finally:
+            written.append(tl.storage.write_lsn)
+
+    monkeypatch.setattr(tl.storage, "write_tracked", held_first_write)
+    recorder = AckRecorder(lambda: list(written))
+    send, receive = queued_appends(bytes(wal), piece, groups)
+    await send.aclose()
+    with trio.fail_after(20):
+        with pytest.RaisesGroup(InvalidWal, flatten_subgroups=True) as info:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    _write_stage, recorder, receive, tl, 3, piece, _ByteBudget(1 << 30)  # type: ignore[arg-type]
+                )
+                await wait_until(lambda: tl.stats.groups >= 3)
+                gate.set()
+    # The proposer's error, once: not a refused later group's, nor a storage error.
+    errors = info.value.split(InvalidWal)[0]
+    assert errors is not None
+    leaves = list(_leaves(errors))
+    assert len(leaves) == 1 and type(leaves[0]) is InvalidWal and "CRC" in str(leaves[0])
+    # Group 1's records are acknowledged (the cut's own acknowledgement covers them when
+    # the cut came first); nothing beyond the cut ever is.
+    flushes = [flush for flush, _ in recorder.acks]
+    assert flushes == sorted(flushes) and flushes[-1] == cut
+    assert tl.storage.write_lsn == tl.storage.flush_record_lsn == cut
+    assert tl.acceptor.write_lsn == tl.acceptor.flush_lsn == cut
+    # Groups 3 and 4 were refused before writing a byte (only groups 1 and 2 reached the
+    # write; 3 was submitted before 2 was checked): past the cut the segment holds what a
+    # fresh one does.
+    assert len(written) == 2 and tl.stats.groups >= 3
+    assert tl.storage.read(START, cut - START) == good[: cut - START]
+    tail = tl.storage.read(cut, 4 * piece)
+    assert tail == bytes(len(tail))
+    reopened = WalStorage(tl.storage.directory, no_sync=True)
+    assert reopened.open(START) == cut
+    # The next proposer continues at the cut: taken again, and past it too.
+    storage = tl.storage
+    refusing = storage.cut_by_invalid_wal
+    group = storage.write_group(cut, [good[cut - START :]])
+    assert refusing and group.error is None and not storage.cut_by_invalid_wal
+    assert tl.storage.write_lsn == START + len(good)
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out

@@ -5,9 +5,9 @@ Two engines, chosen per node (``SafekeeperConfig.wal_io_engine``):
 - ``"writer-thread"`` (the default): one dedicated thread per timeline runs every call that
   changes the timeline's ``WalStorage`` (writes, truncations, the first segment's headers)
   strictly in submission order. ``submit`` hands a call over without waiting (a C-level
-  ``queue.SimpleQueue.put``), so the ingest loop can check the next write group's records
-  while the previous group is being written; ``Job.wait`` (or ``run``) waits for its result,
-  which the thread delivers with one ``TrioToken.run_sync_soon``. The thread exits after
+  ``queue.SimpleQueue.put``), so the ingest loop can receive the next write group while the
+  previous one is being checked and written; ``Job.wait`` (or ``run``) waits for its
+  result, which the thread delivers with one ``TrioToken.run_sync_soon``. The thread exits after
   ``IDLE_EXIT_S`` without work and is started again by the next call, so an idle timeline
   holds no thread and nothing needs closing.
 - ``"threadpool"``: every call is its own ``trio.to_thread.run_sync`` (trio's thread cache),
@@ -19,9 +19,9 @@ The hand-off cost per call (measured with a no-op, round trip, at load ~5 on 2 c
 56-59 µs; the larger gain is that a submitted write no longer blocks the ingest loop.
 
 Order is the contract: a job's call starts only after every earlier job's call returned, so
-``WalStorage`` (not thread-safe) is only ever used by one thread at a time for changes. The
-event loop's thread itself must only do what ``WalStorage`` allows concurrently with a write
-(``track`` under the timeline lock, reads of plain attributes).
+``WalStorage`` (not thread-safe) is only ever used by one thread at a time for changes,
+record checks included (``write_group``). The event loop's thread itself only reads plain
+attributes of it (and ``mark_flushed`` publishes a finished group's LSNs).
 """
 
 from __future__ import annotations

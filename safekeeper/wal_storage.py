@@ -12,6 +12,9 @@ Rules:
   its final name and closed right away.
 - Every written byte goes through a ``RecordTracker``: ``flush_record_lsn`` (what the
   proposer is told) is the end of the last complete, CRC-valid record that is flushed.
+  ``write_group`` checks and writes a group in one call (the WAL IO engine's thread). Invalid
+  WAL cuts WAL back to the last valid record; groups written behind it that begin past the
+  cut are refused (``FollowsInvalidWal``) until WAL continues at the cut.
 - ``truncate`` cuts everything at or after an LSN (zeroes the rest of its segment, deletes
   later segments, renames a completed segment back to ``.partial``).
 - ``open`` finds the end of WAL by a CRC-checked record scan from a known record boundary

@@ -21,7 +21,10 @@ NATIVE_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "protocol._ingest_c": ("protocol/_ingest_c.pyx", "protocol/_crc32c.h", "protocol/_bytes.h"),
     "protocol._pagestream_c": ("protocol/_pagestream_c.pyx", "protocol/_bytes.h"),
     "pageserver.storage._blobs_c": ("pageserver/storage/_blobs_c.pyx", "protocol/_crc32c.h"),
-    "pageserver.walredo._spgist_c": ("pageserver/walredo/_spgist_c.pyx", "protocol/_bytes.h"),
+    "pageserver.walredo._spgist_c": (
+        "pageserver/walredo/_spgist_c.pyx", "pageserver/walredo/_bufpage.pxd", "pageserver/walredo/_bufpage.h",
+        "protocol/_bytes.h",
+    ),
     "pageserver.walredo._heap_c": (
         "pageserver/walredo/_heap_c.pyx", "pageserver/walredo/_bufpage.pxd", "pageserver/walredo/_bufpage.h",
         "protocol/_bytes.h",

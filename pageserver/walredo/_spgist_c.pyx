@@ -3,16 +3,33 @@
 # (tests/pageserver/test_native_spgist.py). Each call parses a record's leaf tuples or offsets
 # and edits the 8 KiB page without the GIL; every length and offset read from the record or
 # the page is checked in 64-bit arithmetic before a pointer moves (native.md 6.1), so nothing
-# is read or written outside the record or the page.
+# is read or written outside the record or the page. The page primitives (PageAddItem in
+# shuffle mode, PageIndexTupleDelete, PageIndexMultiDelete with its compaction, the one-pass
+# placeholder replacement) are the shared ones of _bufpage.h; what is SP-GiST's stays here.
 """SP-GiST's bulk tuple moves on one page, compiled (see pageserver/walredo/_spgist_py.py)."""
 
 from libc.stdint cimport uint16_t, uint32_t, int64_t
-from libc.string cimport memcpy, memmove
+from libc.string cimport memcpy
 from libc.stdlib cimport calloc, malloc, free, qsort
 
-cdef extern from "../../protocol/_bytes.h":
-    uint16_t ps_le16(const unsigned char *p) nogil
-    uint32_t ps_le32(const unsigned char *p) nogil
+from pageserver.walredo._bufpage cimport (
+    PS_PAGE_BAD_LENGTHS,
+    PS_PAGE_BAD_OFFSET,
+    PS_PAGE_BAD_OFFSETS,
+    PS_PAGE_BAD_POINTERS,
+    PS_PAGE_CORRUPT_ITEM,
+    ps_le16,
+    ps_le32,
+    ps_maxalign,
+    ps_page_add_item_shuffle,
+    ps_page_check_pointers,
+    ps_page_fault,
+    ps_page_index_multi_delete,
+    ps_page_index_tuple_replace,
+    ps_page_max_offset,
+    ps_put_le16,
+    ps_put_le32,
+)
 
 cdef extern from *:
     """
@@ -41,7 +58,6 @@ cdef enum:
     LEAF_HDR = 16      # SGLTHDRSZ
     SGDTSIZE = 16
     OPAQUE_POS = 8184  # BLCKSZ - MAXALIGN(sizeof(SpGistPageOpaqueData))
-    MAX_LP = 2048      # more than (BLCKSZ - HDR) / 4 line pointers never fit
 
 cdef enum:
     OK = 0
@@ -74,22 +90,6 @@ cdef struct Err:
 cdef unsigned char _EMPTY[1]
 
 
-cdef inline void put16(unsigned char *p, uint32_t v) noexcept nogil:
-    p[0] = <unsigned char>v
-    p[1] = <unsigned char>(v >> 8)
-
-
-cdef inline void put32(unsigned char *p, uint32_t v) noexcept nogil:
-    p[0] = <unsigned char>v
-    p[1] = <unsigned char>(v >> 8)
-    p[2] = <unsigned char>(v >> 16)
-    p[3] = <unsigned char>(v >> 24)
-
-
-cdef inline int64_t maxalign(int64_t n) noexcept nogil:
-    return (n + 7) & ~(<int64_t>7)
-
-
 cdef inline int fail(Err *e, int code, int64_t a, int64_t b, int64_t c) noexcept nogil:
     e.code = code
     e.a = a
@@ -98,19 +98,20 @@ cdef inline int fail(Err *e, int code, int64_t a, int64_t b, int64_t c) noexcept
     return code
 
 
-cdef inline int64_t max_offset(const unsigned char *page) noexcept nogil:
-    cdef int64_t lower = ps_le16(page + 12)
-    return 0 if lower <= HDR else (lower - HDR) // 4
-
-
-cdef int check_pointers(const unsigned char *page, bint aligned, Err *e) noexcept nogil:
-    """bufpage._check_pointers (``aligned``) or the page_add_item / page_append_items check."""
-    cdef int64_t lower = ps_le16(page + 12)
-    cdef int64_t upper = ps_le16(page + 14)
-    cdef int64_t special = ps_le16(page + 16)
-    if lower < HDR or lower > upper or upper > special or special > BLCKSZ or (aligned and (special & 7)):
-        return fail(e, E_POINTERS, lower, upper, special)
-    return OK
+cdef int page_fail(int rc, const ps_page_fault *f, Err *e, int no_room, int64_t a, int64_t b) noexcept nogil:
+    """A _bufpage.h primitive's failure as this kernel's error; ``no_room`` (with ``a``, ``b``)
+    is what "does not fit" means to the caller."""
+    if rc == PS_PAGE_BAD_POINTERS:
+        return fail(e, E_POINTERS, f.a, f.b, f.c)
+    if rc == PS_PAGE_BAD_OFFSET:
+        return fail(e, E_INVALID_OFFNUM, f.a, 0, 0)
+    if rc == PS_PAGE_CORRUPT_ITEM:
+        return fail(e, E_CORRUPT_LP, f.a, f.b, 0)
+    if rc == PS_PAGE_BAD_OFFSETS:
+        return fail(e, E_INCORRECT, 0, 0, 0)
+    if rc == PS_PAGE_BAD_LENGTHS:
+        return fail(e, E_LENGTHS, f.a, f.b, 0)
+    return fail(e, no_room, a, b, 0)
 
 
 cdef int add_counter(unsigned char *page, int field, int64_t delta, Err *e) noexcept nogil:
@@ -120,30 +121,17 @@ cdef int add_counter(unsigned char *page, int field, int64_t delta, Err *e) noex
     cdef int64_t v = <int64_t>ps_le16(page + OPAQUE_POS + 2 * field) + delta
     if v < 0 or v > 0xFFFF:
         return fail(e, E_COUNT, field, v, 0)
-    put16(page + OPAQUE_POS + 2 * field, <uint32_t>v)
+    ps_put_le16(page + OPAQUE_POS + 2 * field, <uint16_t>v)
     return OK
 
 
 cdef int add_item(unsigned char *page, const unsigned char *tup, int64_t size, int64_t off, Err *e) noexcept nogil:
     """PageAddItem(tup, off) in shuffle mode, off in 1 .. maxoff + 1 (_spgist_py._add_at)."""
-    cdef int64_t maxoff = max_offset(page)
-    if off < 1 or off > maxoff + 1:
+    cdef ps_page_fault f
+    cdef int rc = ps_page_add_item_shuffle(page, tup, size, off, &f)
+    if rc == PS_PAGE_BAD_OFFSET:
         return fail(e, E_FAIL_ADD, size, off, 0)
-    if check_pointers(page, False, e):
-        return e.code
-    cdef int64_t lower = ps_le16(page + 12)
-    cdef int64_t upper = ps_le16(page + 14)
-    cdef int64_t new_upper = upper - maxalign(size)
-    if lower + 4 > new_upper:
-        return fail(e, E_FAIL_ADD, size, off, 0)
-    cdef int64_t pos = HDR + (off - 1) * 4
-    if off <= maxoff:
-        memmove(page + pos + 4, page + pos, <size_t>(lower - pos))
-    put32(page + pos, <uint32_t>(new_upper | (1 << 15) | (size << 17)))
-    memcpy(page + new_upper, tup, <size_t>size)
-    put16(page + 12, <uint32_t>(lower + 4))
-    put16(page + 14, <uint32_t>new_upper)
-    return OK
+    return page_fail(rc, &f, e, E_FAIL_ADD, size, off) if rc else OK
 
 
 cdef int check_placeholder(const unsigned char *page, int64_t off, Err *e) noexcept nogil:
@@ -166,40 +154,13 @@ cdef int replace_placeholder(unsigned char *page, const unsigned char *tup, int6
                              Err *e) noexcept nogil:
     """The tuple at ``off`` (1 .. maxoff) must be a placeholder: nPlaceholder -= 1, then
     PageIndexTupleDelete(off) + PageAddItem(tup, off) in one pass (bufpage.page_index_tuple_replace)."""
-    cdef int64_t nline = max_offset(page)
     if check_placeholder(page, off, e):
         return e.code
     if add_counter(page, 2, -1, e):
         return e.code
-    if check_pointers(page, True, e):
-        return e.code
-    cdef uint32_t raw = ps_le32(page + HDR + (off - 1) * 4)
-    cdef int64_t pos = raw & 0x7FFF
-    cdef int64_t length = raw >> 17
-    cdef int64_t lower = ps_le16(page + 12)
-    cdef int64_t upper = ps_le16(page + 14)
-    cdef int64_t special = ps_le16(page + 16)
-    if pos < upper or pos + length > special or (pos & 7):
-        return fail(e, E_CORRUPT_LP, pos, length, 0)
-    cdef int64_t size = maxalign(length)
-    cdef int64_t new_upper = upper + size - maxalign(newlen)
-    if lower > new_upper:
-        return fail(e, E_FAIL_ADD, newlen, off, 0)
-    if pos > upper:
-        memmove(page + upper + size, page + upper, <size_t>(pos - upper))
-    cdef int64_t i
-    cdef unsigned char *lp
-    cdef uint32_t v
-    if nline > 1:
-        for i in range(nline):
-            lp = page + HDR + 4 * i
-            v = ps_le32(lp)
-            if <int64_t>(v & 0x7FFF) <= pos:
-                put32(lp, v + <uint32_t>size)
-    put32(page + HDR + (off - 1) * 4, <uint32_t>(new_upper | (1 << 15) | (newlen << 17)))
-    memcpy(page + new_upper, tup, <size_t>newlen)
-    put16(page + 14, <uint32_t>new_upper)
-    return OK
+    cdef ps_page_fault f
+    cdef int rc = ps_page_index_tuple_replace(page, tup, newlen, off, &f)
+    return page_fail(rc, &f, e, E_FAIL_ADD, newlen, off) if rc else OK
 
 
 cdef int parse_leaves(const unsigned char *data, int64_t total, int64_t at, int64_t n, int64_t *end,
@@ -239,36 +200,34 @@ cdef int place(unsigned char *page, const unsigned char *data, int64_t total, in
             leaves[m].size = size
             m += 1
         pos += size
-    cdef int64_t maxoff, nxt, lower, upper, special, need, nline, offset, length, asize, new_upper, q
-    cdef uint32_t raw, v
-    cdef unsigned char *lp
+    cdef int64_t maxoff, nxt, lower, upper, special, need
+    cdef int rc
+    cdef ps_page_fault f
     cdef bint dup
     cdef unsigned char *seen
     i = 0
     while i < m:
-        maxoff = max_offset(page)
+        maxoff = ps_page_max_offset(page)
         nxt = maxoff + 1
         j = i
         while j < m and leaves[j].off == nxt + (j - i):
             j += 1
         if j > i:
             # appends at maxoff + 1 (bufpage.page_append_items): all fit or none is written
-            if check_pointers(page, False, e):
-                return e.code
-            lower = ps_le16(page + 12)
-            upper = ps_le16(page + 14)
+            if ps_page_check_pointers(page, False, &lower, &upper, &special, &f):
+                return page_fail(PS_PAGE_BAD_POINTERS, &f, e, E_FAIL_RUN, 0, 0)
             need = 4 * (j - i)
             for k in range(i, j):
-                need += maxalign(leaves[k].size)
+                need += ps_maxalign(leaves[k].size)
             if need > upper - lower:
                 return fail(e, E_FAIL_RUN, j - i, nxt, 0)
             for k in range(i, j):
-                upper -= maxalign(leaves[k].size)
+                upper -= ps_maxalign(leaves[k].size)
                 memcpy(page + upper, data + leaves[k].pos, <size_t>leaves[k].size)
-                put32(page + lower, <uint32_t>(upper | (1 << 15) | (leaves[k].size << 17)))
+                ps_put_le32(page + lower, <uint32_t>(upper | (1 << 15) | (leaves[k].size << 17)))
                 lower += 4
-            put16(page + 12, <uint32_t>lower)
-            put16(page + 14, <uint32_t>upper)
+            ps_put_le16(page + 12, <uint16_t>lower)
+            ps_put_le16(page + 14, <uint16_t>upper)
             i = j
             continue
         while j < m and 1 <= leaves[j].off <= maxoff:
@@ -297,125 +256,13 @@ cdef int place(unsigned char *page, const unsigned char *data, int64_t total, in
                 return e.code
         if add_counter(page, 2, -(j - i), e):
             return e.code
-        if check_pointers(page, True, e):
-            return e.code
-        lower = ps_le16(page + 12)
-        upper = ps_le16(page + 14)
-        special = ps_le16(page + 16)
-        nline = max_offset(page)
+        # each replacement leaves the pointers consistent, so checking them again per tuple
+        # (the primitive does) answers as the one check before the run did
         for k in range(i, j):
-            off = leaves[k].off
-            raw = ps_le32(page + HDR + (off - 1) * 4)
-            length = raw >> 17
-            offset = raw & 0x7FFF
-            if offset < upper or offset + length > special or (offset & 7):
-                return fail(e, E_CORRUPT_LP, offset, length, 0)
-            asize = maxalign(length)
-            new_upper = upper + asize - maxalign(leaves[k].size)
-            if lower > new_upper:
-                return fail(e, E_FAIL_REPLACE, 0, 0, 0)
-            if offset > upper:
-                memmove(page + upper + asize, page + upper, <size_t>(offset - upper))
-            if nline > 1:
-                for q in range(nline):
-                    lp = page + HDR + 4 * q
-                    v = ps_le32(lp)
-                    if <int64_t>(v & 0x7FFF) <= offset:
-                        put32(lp, v + <uint32_t>asize)
-            put32(page + HDR + (off - 1) * 4, <uint32_t>(new_upper | (1 << 15) | (leaves[k].size << 17)))
-            memcpy(page + new_upper, data + leaves[k].pos, <size_t>leaves[k].size)
-            upper = new_upper
-            put16(page + 14, <uint32_t>upper)
+            rc = ps_page_index_tuple_replace(page, data + leaves[k].pos, leaves[k].size, leaves[k].off, &f)
+            if rc:
+                return page_fail(rc, &f, e, E_FAIL_REPLACE, 0, 0)
         i = j
-    return OK
-
-
-cdef int retail_delete(unsigned char *page, int64_t offnum, Err *e) noexcept nogil:
-    """PageIndexTupleDelete (bufpage.page_index_tuple_delete)."""
-    if check_pointers(page, True, e):
-        return e.code
-    cdef int64_t lower = ps_le16(page + 12)
-    cdef int64_t upper = ps_le16(page + 14)
-    cdef int64_t nline = max_offset(page)
-    if offnum <= 0 or offnum > nline:
-        return fail(e, E_INVALID_OFFNUM, offnum, 0, 0)
-    cdef uint32_t raw = ps_le32(page + HDR + (offnum - 1) * 4)
-    cdef int64_t size = raw >> 17
-    cdef int64_t offset = raw & 0x7FFF
-    if offset < upper or offset + size > ps_le16(page + 16) or (offset & 7):
-        return fail(e, E_CORRUPT_LP, offset, size, 0)
-    size = maxalign(size)
-    cdef int64_t pos = HDR + (offnum - 1) * 4
-    memmove(page + pos, page + pos + 4, <size_t>(lower - pos - 4))
-    if offset > upper:
-        memmove(page + upper + size, page + upper, <size_t>(offset - upper))
-    upper += size
-    lower -= 4
-    put16(page + 12, <uint32_t>lower)
-    put16(page + 14, <uint32_t>upper)
-    cdef int64_t i
-    cdef unsigned char *lp
-    cdef uint32_t v
-    if lower > HDR:
-        for i in range(nline - 1):
-            lp = page + HDR + 4 * i
-            v = ps_le32(lp)
-            if <int64_t>(v & 0x7FFF) <= offset:
-                put32(lp, v + <uint32_t>size)
-    return OK
-
-
-cdef int index_multi_delete(unsigned char *page, const uint16_t *sorted_offs, int64_t nitems,
-                            Err *e) noexcept nogil:
-    """PageIndexMultiDelete (bufpage.page_index_multi_delete): ``sorted_offs`` ascending."""
-    cdef int64_t i
-    if nitems <= 2:
-        i = nitems - 1
-        while i >= 0:
-            if retail_delete(page, sorted_offs[i], e):
-                return e.code
-            i -= 1
-        return OK
-    if check_pointers(page, True, e):
-        return e.code
-    cdef int64_t lower = ps_le16(page + 12)
-    cdef int64_t upper = ps_le16(page + 14)
-    cdef int64_t special = ps_le16(page + 16)
-    cdef int64_t nline = max_offset(page)
-    cdef uint32_t keep[MAX_LP]
-    cdef int64_t nkeep = 0, nextitm = 0, totallen = 0, size, offset, offnum
-    cdef uint32_t itemid
-    for offnum in range(1, nline + 1):
-        itemid = ps_le32(page + HDR + (offnum - 1) * 4)
-        size = itemid >> 17
-        offset = itemid & 0x7FFF
-        if offset < upper or offset + size > special or (offset & 7):
-            return fail(e, E_CORRUPT_LP, offset, size, 0)
-        if nextitm < nitems and offnum == sorted_offs[nextitm]:
-            nextitm += 1
-        else:
-            keep[nkeep] = itemid
-            nkeep += 1
-            totallen += maxalign(size)
-    if nextitm != nitems:
-        return fail(e, E_INCORRECT, 0, 0, 0)
-    if totallen > special - lower:
-        return fail(e, E_LENGTHS, totallen, special - lower, 0)
-    cdef unsigned char scratch[BLCKSZ]
-    memcpy(scratch, page, BLCKSZ)
-    # compactify_tuples: the survivors packed down from pd_special in line-pointer order,
-    # each with its MAXALIGNed length (bufpage._compactify)
-    upper = special
-    cdef int64_t alen
-    for i in range(nkeep):
-        itemid = keep[i]
-        offset = itemid & 0x7FFF
-        alen = maxalign(itemid >> 17)
-        upper -= alen
-        memcpy(page + upper, scratch + offset, <size_t>alen)
-        put32(page + HDR + 4 * i, (itemid & ~(<uint32_t>0x7FFF)) | <uint32_t>upper)
-    put16(page + 12, <uint32_t>(HDR + 4 * nkeep))
-    put16(page + 14, <uint32_t>upper)
     return OK
 
 
@@ -426,24 +273,26 @@ cdef int spg_multi_delete(unsigned char *page, const unsigned char *offs, int64_
     for i in range(n):
         sorted_offs[i] = ps_le16(offs + 2 * i)
     qsort(sorted_offs, <size_t>n, sizeof(uint16_t), ps_cmp_u16)
-    if index_multi_delete(page, sorted_offs, n, e):
-        return e.code
+    cdef ps_page_fault f
+    cdef int rc = ps_page_index_multi_delete(page, sorted_offs, n, &f)
+    if rc:
+        return page_fail(rc, &f, e, E_INCORRECT, 0, 0)
     cdef uint16_t first = ps_le16(offs)
     cdef unsigned char dead[2][SGDTSIZE]
     cdef int k, state
     for k in range(2):
         state = first_state if k == 0 else rest_state
-        put32(dead[k], <uint32_t>(state | (SGDTSIZE << 2)))
-        put16(dead[k] + 4, 0)
+        ps_put_le32(dead[k], <uint32_t>(state | (SGDTSIZE << 2)))
+        ps_put_le16(dead[k] + 4, 0)
         if state == 1:
-            put16(dead[k] + 6, blkno >> 16)
-            put16(dead[k] + 8, blkno & 0xFFFF)
-            put16(dead[k] + 10, offnum)
-            put32(dead[k] + 12, xid)
+            ps_put_le16(dead[k] + 6, blkno >> 16)
+            ps_put_le16(dead[k] + 8, blkno & 0xFFFF)
+            ps_put_le16(dead[k] + 10, offnum)
+            ps_put_le32(dead[k] + 12, xid)
         else:
-            put32(dead[k] + 6, 0xFFFFFFFF)
-            put16(dead[k] + 10, 0)
-            put32(dead[k] + 12, 0)
+            ps_put_le32(dead[k] + 6, 0xFFFFFFFF)
+            ps_put_le16(dead[k] + 10, 0)
+            ps_put_le32(dead[k] + 12, 0)
     for i in range(n):
         k = 0 if sorted_offs[i] == first else 1
         state = first_state if k == 0 else rest_state

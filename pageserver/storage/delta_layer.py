@@ -339,6 +339,17 @@ class PersistentLayer:
         left = self.try_plan(keys, floor, cont, states, ctx)
         if left is not None:
             return left
+        return await self._plan_cold(keys, floor, cont, states, ctx)
+
+    async def _plan_cold(
+        self,
+        keys: Sequence[Key],
+        floor: int,
+        cont: int,
+        states: dict[Key, KeyState],
+        ctx: ReadContext,
+    ) -> Sequence[Key]:
+        """``plan_reads`` once the cache is known to lack a block the search needs."""
         _index_miss(ctx)
         blocks = await self.reader.load_blocks(scan_bounds(keys))
         left = self._plan_in(blocks, False, keys, floor, cont, states, ctx)
@@ -398,7 +409,7 @@ class PersistentLayer:
     ) -> None:
         """``plan_reads`` for one key (``try_plan_key`` without a coroutine)."""
         if not self.try_plan_key(key, floor, cont, st, ctx):
-            await self.plan_reads((key,), floor, cont, {key: st}, ctx)
+            await self._plan_cold((key,), floor, cont, {key: st}, ctx)
 
     def try_plan_key(
         self, key: Key, floor: int, cont: int, st: KeyState, ctx: ReadContext

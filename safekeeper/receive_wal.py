@@ -423,6 +423,8 @@ async def _next_or_ready(
     """The next message, or None as soon as ``oldest`` can be finished (its fdatasync, or
     with fsync off its write, returned) before one arrives. Raises ``EndOfChannel`` at the
     end of the stream. A receive cancelled here loses nothing (trio's channels)."""
+    if oldest.done.is_set() if oldest.syncing else oldest.write.done:
+        return None  # finishable already: no race to run
     got: list[Item] = []
     ended = False
 

@@ -1,7 +1,7 @@
 """WAL ingest: every decoded PostgreSQL 15 record becomes values at its end LSN.
 
 ``WalIngest(timeline).ingest_record(rec)`` is the whole interface (plus ``ingest_wal_dir``
-for WAL in segment files, and ``TimelineWalIngest`` which connects engineer W's
+for WAL in segment files, and ``TimelineWalIngest`` which connects the
 ``WalReceiver`` to a timeline). ``ingest_records`` (a batch) and ``ingest_decoder`` (the fused
 path: the commonest records straight from the decoder's bytes, no record objects) give the
 same values for less CPU; docs/ingest.md describes both. What each record writes (docs/ingest.md has the table):

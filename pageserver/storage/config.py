@@ -61,7 +61,7 @@ class StorageConfig:
     page_cache_size: int = attrs.field(default=64 * MiB, validator=_non_negative)
     # how many decoded layer-index blocks stay cached (Neon keeps B-tree nodes in its PageCache)
     index_cache_blocks: int = attrs.field(default=8192, validator=_non_negative)
-    # IO (engineer F's IoEngine and BufferedWriter)
+    # IO (pageserver.storage.io_engine and the BufferedWriter)
     io_engine: Literal["blocking", "threadpool"] = attrs.field(
         default="blocking", validator=attrs.validators.in_(("blocking", "threadpool"))
     )

@@ -1,6 +1,6 @@
 """The in-memory layer: recent writes of a timeline, backed by an ephemeral file.
 
-Values are appended (encoded) to an ``EphemeralFile`` (engineer F's, buffered and optionally
+Values are appended (encoded) to an ``EphemeralFile`` (buffered and optionally
 double-buffered); the index keeps, per key, one ``array('Q')`` of flat triples
 ``(lsn, offset << 1 | will_init, length)``. So the Python-object cost is per *key* (a dict slot
 and one array), never per value: 256 MiB of small values over few keys costs 24 bytes per value

@@ -523,7 +523,7 @@ class WriteOptions:
 class LayerFileWriter:
     """Builds a layer file under a temp name; ``finish`` makes it durable under its final name.
 
-    Blobs, then index and fences, go through engineer F's ``BufferedWriter``
+    Blobs, then index and fences, go through the ``BufferedWriter``
     (``write_buffer_size``, ``double_buffering``; the background flush runs in ``nursery``).
     Entries must arrive in strictly increasing (key, lsn) order (invariant 1, storage.md §6).
 

@@ -3,7 +3,7 @@
 The read paths collect, per key, an optional base image and the records above it newest-first
 (``KeyState``); ``reconstruct_value`` turns that into the value's bytes. Applying records is the
 ``RedoManager``'s job: ``TestRedoManager`` here applies Neon-style ``Test`` records (so the
-engine is testable on its own); the PostgreSQL redo (engineer G) plugs in through the same
+engine is testable on its own); the PostgreSQL redo (``pageserver.walredo``) plugs in through the same
 Protocol and may delegate ``Test`` records to ``apply_test_records``.
 """
 

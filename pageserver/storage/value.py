@@ -50,7 +50,7 @@ class Image:
 
 @attrs.frozen
 class PostgresRecord:
-    """A raw PostgreSQL WAL record, replayed by the redo manager (engineer G)."""
+    """A raw PostgreSQL WAL record, replayed by the redo manager (``pageserver.walredo``)."""
 
     will_init: bool
     rec: bytes

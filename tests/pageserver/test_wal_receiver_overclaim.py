@@ -1,4 +1,4 @@
-"""Review round 4 (R2): WAL receiver choice against a safekeeper that claims more than it sends.
+"""WAL receiver choice against a safekeeper that claims more than it sends.
 
 The receiver streams from the safekeeper that answers the highest IDENTIFY_SYSTEM position. A
 safekeeper whose answer is ahead of the WAL it actually sends (garbage, a stuck safekeeper whose

@@ -1,4 +1,4 @@
-"""Review round 4 (R2): the page header checks both decoder paths share.
+"""The page header checks both decoder paths share.
 
 PostgreSQL's ``XLogReaderValidatePageHeader`` refuses a long page header whose
 ``xlp_sysid`` differs from the system identifier it already knows ("WAL file is from

@@ -42,6 +42,13 @@ Harnesses (``NAME``):
   pos 8 | len 4 | crc 4; sorted or not); the keys asked are the entries' keys and their
   successors. Both must return the same result, blobs, reads, key states and LRU order (or the
   same error class).
+- ``fused-walk``: ``protocol._ingest_c.fused_walk``, the pageserver's fused ingest walk over a
+  received piece of WAL. Input: start (u16 LE, 8-byte words from the buffer's first byte),
+  distance back to the record before (u16 LE, 8-byte words), relation-fork set, nextXid and
+  ``last`` choices (u8 each), mode (u8: bits 0-1 the segment size, bit 2 the timeline, bits 3-4
+  the latest page), then the WAL bytes, at LSN ``WALK_BASE`` (three pages before a segment
+  boundary). Both must return the same result (end, record before, page, count, items, sizes,
+  stop and its relation) or raise the same error class with the same message.
 
 - ``spgist-leaves``: ``pageserver.walredo._spgist_c`` (SP-GiST's tuple kernel of the redo):
   ``place_leaves`` or ``multi_delete`` on an SP-GiST leaf page. Input: mode (u8: bit 0
@@ -52,7 +59,8 @@ Harnesses (``NAME``):
   value and leave the same page, or fail with the same error class.
 
 The seed corpus is synthetic WAL (``safekeeper.testing.synthetic_wal``; for ``same-run``, runs of
-like records from ``like_records``; for ``take-append-run``, push streams of it) in these formats;
+like records from ``like_records``; for ``fused-walk``, a bulk load's heap INSERTs, with pages
+and a segment boundary crossed, from ``bulk_load_wal``; for ``take-append-run``, push streams of it) in these formats;
 ``--corpus DIR`` keeps it and what the run finds. Not part of the test run: it needs the
 ``fuzz`` extra (``pip install -e '.[fuzz]'``: atheris) and runs for as long as it is told.
 """
@@ -75,14 +83,14 @@ if TYPE_CHECKING:
 
 HARNESSES = ("scan-records", "record-tracker", "crc32c", "same-run", "pagestream-getpages",
              "getpage-load", "take-append-run", "spgist-leaves",
-             "heap-multi-insert", "plan-cached")
+             "heap-multi-insert", "plan-cached", "fused-walk")
 # the compiled module each harness fuzzes (its twin is the reference)
 MODULES = {"scan-records": "protocol._wal_c", "record-tracker": "protocol._wal_c", "crc32c": "protocol._wal_c",
            "same-run": "protocol._ingest_c", "pagestream-getpages": "protocol._pagestream_c",
            "getpage-load": "protocol._getpage_load_c", "take-append-run": "protocol._pq_c",
            "spgist-leaves": "pageserver.walredo._spgist_c",
            "heap-multi-insert": "pageserver.walredo._heap_c",
-           "plan-cached": "pageserver.storage._plan_c"}
+           "plan-cached": "pageserver.storage._plan_c", "fused-walk": "protocol._ingest_c"}
 MAX_LENGTHS = (0, 4, 50, 1100, 1 << 20, (1 << 32) - 1)
 RUN_LSN = 0x2000000 + 8192 + 24  # LSN of the first record of a same-run input
 BASE = 0x2000000
@@ -162,6 +170,9 @@ def write_seeds(name: str, corpus: Path) -> None:
         return
     if name == "plan-cached":
         _plan_seeds(corpus)
+        return
+    if name == "fused-walk":
+        _walk_seeds(corpus)
         return
     if name == "same-run":
         for k, (tot_len, count) in enumerate(((59, 120), (203, 36), (250, 30))):
@@ -377,6 +388,76 @@ def plan_outcome(mod: ModuleType, data: bytes) -> tuple[object, ...] | None:
     return (outcome, blobs, reads, [(k, s.complete, s.pending) for k, s in states.items()], list(cache))
 
 
+WALK_BASE = 2 * (16 << 20) - 3 * PAGE - 1000  # the walk crosses short page headers, then a long one
+WALK_REL = (1663, 5, 16384)
+_WALK_RELS: tuple[tuple[tuple[int, int, int, int, int], ...], ...] = (
+    (), ((*WALK_REL, 0, 3),), ((*WALK_REL, 0, 1000),), ((*WALK_REL, 0, 0), (1663, 5, 16385, 0, 5)),
+    ((1663, 5, 16385, 0, 5), (*WALK_REL, 0, 4)),
+)
+_WALK_NXT = (-1, 0, 900, 901, 10_000, 0xFFFF_FFFF)
+_WALK_SEGS = (16 << 20, 1 << 20, 2 * PAGE, PAGE)
+
+
+def bulk_load_wal(n: int, every: int = 50, other_at: int = -1) -> tuple[bytes, list[tuple[int, int]]]:
+    """The WAL of a bulk load (``n`` heap INSERTs of 100-byte tuples into relation 16384 from
+    block 3 on, a new-page INSERT every ``every``, xid 900) at ``WALK_BASE``, and each record's
+    (start, end) LSN. Record ``other_at`` is a 300-byte XLOG NOOP (the general path's)."""
+    import struct
+
+    from protocol.wal.encoder import BlockSpec, WalEncoder
+    from protocol.wal.record import RelFileNode
+    from protocol.wal.rmgr import XLOG_NOOP, RmgrId
+
+    rel = RelFileNode(*WALK_REL)
+    tup = struct.pack("<HHB", 1, 0x0800, 24) + bytes(range(100))
+    enc = WalEncoder(WALK_BASE)
+    spans: list[tuple[int, int]] = []
+    for i in range(n):
+        if i == other_at:
+            s, e = enc.append(RmgrId.XLOG, XLOG_NOOP, main_data=bytes(300))
+        else:
+            init = i % every == 0
+            s, e = enc.append(RmgrId.HEAP, 0x80 if init else 0x00, xid=900,
+                              blocks=[BlockSpec(rel, 3 + i // every, data=tup, will_init=init)],
+                              main_data=struct.pack("<HB", 1 + i % every, 0))
+        spans.append((int(s), int(e)))
+    return enc.take(), spans
+
+
+def _walk_seeds(corpus: Path) -> None:
+    for k, (n, every, other_at, first, rels) in enumerate(
+        ((220, 50, -1, 1, 2), (220, 7, -1, 40, 2), (220, 50, 90, 60, 2), (120, 50, -1, 5, 1), (220, 50, -1, 100, 0))
+    ):
+        wal, spans = bulk_load_wal(n, every, other_at)
+        pos, prev = spans[first][0], spans[first - 1][0]
+        params = ((pos - WALK_BASE) // 8).to_bytes(2, "little") + ((pos - prev) // 8).to_bytes(2, "little")
+        params += bytes([rels, 4, 0, 0])  # nextXid 10,000: the load's xid 900 is below it
+        (corpus / f"seed-walk-{k}").write_bytes(params + wal)
+
+
+def walk_outcome(mod: ModuleType, data: bytes) -> tuple[object, ...] | None:
+    """One ``fused-walk`` input run through ``mod`` (see the module docstring)."""
+    from array import array
+
+    if len(data) < 8:
+        return None
+    wal = data[8:]
+    pos = WALK_BASE + 8 * (int.from_bytes(data[:2], "little") % (len(wal) // 8 + 1))
+    prev = max(0, pos - 8 * int.from_bytes(data[2:4], "little"))
+    mode = data[7]
+    page = pos & ~(PAGE - 1)
+    latest = (page, max(0, page - PAGE), 0, (1 << 64) - 1)[(mode >> 3) & 3]
+    last = (0, 0, pos, pos + 500, (1 << 64) - 1)[data[6] % 5]
+    args = (wal, WALK_BASE, pos, prev, latest, 2 if mode & 4 else 1, _WALK_SEGS[mode & 3],
+            _WALK_RELS[data[4] % len(_WALK_RELS)], _WALK_NXT[data[5] % len(_WALK_NXT)], last)
+    try:
+        got = mod.fused_walk(*args)
+    except Exception as exc:
+        return ("err", type(exc).__name__, str(exc))
+    items = [tuple(x.tolist() if isinstance(x, array) else x for x in item) for item in got[4]]
+    return ("ok", *got[:4], items, *got[5:])
+
+
 def _outcome(fn: Callable[..., object], *args: object) -> tuple[object, ...]:
     try:
         return ("ok", fn(*args))
@@ -556,11 +637,16 @@ def _harness(name: str, native: ModuleType, twin: ModuleType) -> Callable[[bytes
         if a != b:
             raise AssertionError(f"plan_cached differs: native {a and a[0]} twin {b and b[0]}")
 
+    def fused_walk(data: bytes) -> None:
+        a, b = walk_outcome(native, data), walk_outcome(twin, data)
+        if a != b:
+            raise AssertionError(f"fused_walk differs: native {a and a[:5]} twin {b and b[:5]}")
+
     return {"scan-records": scan_records, "record-tracker": record_tracker, "crc32c": crc32c,
             "same-run": same_run, "pagestream-getpages": pagestream_getpages,
             "getpage-load": getpage_load, "take-append-run": take_append_run,
             "spgist-leaves": spgist_leaves, "heap-multi-insert": heap_multi_insert,
-            "plan-cached": plan_cached}[name]
+            "plan-cached": plan_cached, "fused-walk": fused_walk}[name]
 
 
 def _fuzz_main(argv: list[str]) -> None:

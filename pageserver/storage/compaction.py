@@ -8,7 +8,7 @@ are made durable, then index_part lists them instead of the L0s, then the L0 fil
 graveyard). The merge works on lists: each input is read as ``iter_entry_batches`` (~1 MiB of
 blobs, crc32c-checked), runs below the next input's head move as slices, and the output goes
 to ``LayerFileWriter.put_many`` per ``MERGE_BATCH`` entries (byte for byte the files of a
-``put`` per entry; about half the CPU per entry, docs/bench-storage.md).
+``put`` per entry; about half the CPU per entry, docs/benchmarks.md "compaction").
 
 ``create_image_layers``: the timeline's keyspace at ``disk_consistent_lsn`` is split into
 partitions of about ``compaction_target_size`` / 8 KiB keys (extended to tile the whole key

@@ -66,8 +66,8 @@ class StorageConfig:
         default="blocking", validator=attrs.validators.in_(("blocking", "threadpool"))
     )
     # 1 MiB: the WAL ingest's in-memory layer hands a full buffer over per MiB, not per 64 KiB
-    # (-15 % ingest CPU per record, round 5; 1 MiB was also among the best rows of the
-    # write-path tables, docs/bench-write-path.md)
+    # (-15 % ingest CPU per record measured against 64 KiB; 1 MiB is also among the best rows
+    # of the write-path matrix, docs/benchmarks.md "bench ingest")
     write_buffer_size: int = attrs.field(default=1024 * 1024, validator=_positive)
     double_buffering: bool = True
     # "none": page cache; "dsync": O_DSYNC writes; "direct": O_DIRECT (refused with a clear

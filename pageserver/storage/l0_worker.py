@@ -74,7 +74,10 @@ _ANSWER = struct.Struct("<4sI")
 _SEND_CHUNK = 1 << 20
 # The worker's niceness: background work, below the WAL ingest when they compete for a core
 # (on a busy machine the ingest keeps its core; the worker catches up when the writer waits
-# for it at the next roll). A/B in docs/bench-ingest.md, round 4.
+# for it at the next roll). Measured at load ~3 on 2 cores, against writing the L0 inline: at
+# nice 0 the worker competes with the ingest and cuts its wall time by ~6 %, at nice 10 by about
+# a third, the L0 write then mostly after the ingest's end (docs/benchmarks.md, "bench
+# bulk-ingest").
 WORKER_NICE = 10
 # A worker asked to stop (its pipe closed) gets this long before it is killed.
 _EXIT_GRACE_S = 2.0

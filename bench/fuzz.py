@@ -46,8 +46,9 @@ Harnesses (``NAME``):
   received piece of WAL. Input: start (u16 LE, 8-byte words from the buffer's first byte),
   distance back to the record before (u16 LE, 8-byte words), relation-fork set, nextXid and
   ``last`` choices (u8 each), mode (u8: bits 0-1 the segment size, bit 2 the timeline, bits 3-4
-  the latest page), then the WAL bytes, at LSN ``WALK_BASE`` (three pages before a segment
-  boundary). Both must return the same result (end, record before, page, count, items, sizes,
+  the latest page, bit 5 the CRCs of the records from the start made right again by
+  ``fix_crcs``, so that mutated headers and lengths get past the CRC), then the WAL bytes, at
+  LSN ``WALK_BASE`` (three pages before a segment boundary). Both must return the same result (end, record before, page, count, items, sizes,
   stop and its relation) or raise the same error class with the same message.
 
 - ``spgist-leaves``: ``pageserver.walredo._spgist_c`` (SP-GiST's tuple kernel of the redo):
@@ -431,8 +432,51 @@ def _walk_seeds(corpus: Path) -> None:
         wal, spans = bulk_load_wal(n, every, other_at)
         pos, prev = spans[first][0], spans[first - 1][0]
         params = ((pos - WALK_BASE) // 8).to_bytes(2, "little") + ((pos - prev) // 8).to_bytes(2, "little")
-        params += bytes([rels, 4, 0, 0])  # nextXid 10,000: the load's xid 900 is below it
+        # nextXid 10,000: the load's xid 900 is below it; every other seed has its CRCs fixed
+        params += bytes([rels, 4, 0, 0x20 if k % 2 else 0])
         (corpus / f"seed-walk-{k}").write_bytes(params + wal)
+
+
+def fix_crcs(wal: bytearray, at: int, limit: int = 64) -> None:
+    """Make up to ``limit`` records from offset ``at`` of ``wal`` (at ``WALK_BASE``) CRC-valid
+    again after a mutation, following each ``xl_tot_len`` across page headers (long or short as
+    their ``xlp_info`` says), so that hostile headers and lengths reach the checks behind the
+    CRC. Stops at a length below 24 or past the buffer."""
+    from protocol._wal_py import crc32c
+
+    o = at
+    for _ in range(limit):
+        if (WALK_BASE + o) % PAGE == 0:
+            if o + 4 > len(wal):
+                return
+            o += 40 if wal[o + 2] & 0x02 else 24
+        if o + 4 > len(wal):
+            return
+        tot_len = int.from_bytes(wal[o : o + 4], "little")
+        if tot_len < 24:
+            return
+        spans, rest, p = [], tot_len, o  # the record's pieces in the buffer
+        while rest > 0:
+            room = PAGE - (WALK_BASE + p) % PAGE
+            take = min(room, rest)
+            if p + take > len(wal):
+                return
+            spans.append((p, take))
+            rest -= take
+            p += take
+            if rest > 0:
+                if p + 4 > len(wal):
+                    return
+                p += 40 if wal[p + 2] & 0x02 else 24
+        raw = bytearray(b"".join(wal[s : s + n] for s, n in spans))
+        crc = crc32c(raw[:20], crc32c(raw[24:])).to_bytes(4, "little")
+        for i in range(4):  # the CRC field may be split by a page boundary too
+            k, q = 20 + i, 0
+            while k >= spans[q][1]:
+                k -= spans[q][1]
+                q += 1
+            wal[spans[q][0] + k] = crc[i]
+        o = p + (-(WALK_BASE + p) % 8)
 
 
 def walk_outcome(mod: ModuleType, data: bytes) -> tuple[object, ...] | None:
@@ -441,10 +485,13 @@ def walk_outcome(mod: ModuleType, data: bytes) -> tuple[object, ...] | None:
 
     if len(data) < 8:
         return None
-    wal = data[8:]
+    wal: bytes | bytearray = data[8:]
     pos = WALK_BASE + 8 * (int.from_bytes(data[:2], "little") % (len(wal) // 8 + 1))
     prev = max(0, pos - 8 * int.from_bytes(data[2:4], "little"))
     mode = data[7]
+    if mode & 0x20:
+        wal = bytearray(wal)
+        fix_crcs(wal, pos - WALK_BASE)
     page = pos & ~(PAGE - 1)
     latest = (page, max(0, page - PAGE), 0, (1 << 64) - 1)[(mode >> 3) & 3]
     last = (0, 0, pos, pos + 500, (1 << 64) - 1)[data[6] % 5]

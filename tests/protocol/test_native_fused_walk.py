@@ -17,7 +17,15 @@ from typing import Any
 
 import pytest
 
-from bench.fuzz import _WALK_RELS, _harness, walk_outcome, write_seeds
+from bench.fuzz import (
+    _WALK_RELS,
+    WALK_BASE,
+    _harness,
+    bulk_load_wal,
+    fix_crcs,
+    walk_outcome,
+    write_seeds,
+)
 from protocol.wal.encoder import BlockSpec
 from tests.conftest import kernel
 from tests.pageserver import test_walingest_fused as fz
@@ -171,3 +179,20 @@ def test_native_equals_twin_on_mutated_harness_inputs(tmp_path: Path) -> None:
                 at = rng.randrange(8) if rng.random() < 0.4 else rng.randrange(len(buf))
                 buf[at] = rng.randrange(256)
             check(bytes(buf))
+
+
+def test_fuzz_inputs_can_keep_their_crcs_right() -> None:
+    """``fix_crcs`` (mode bit 0x20 of a harness input) recomputes the CRCs of the records it
+    follows, across page headers and the segment's long one: broken CRCs come back right, and
+    right ones stay as they are."""
+    wal, spans = bulk_load_wal(220, 7)
+    at = spans[1][0] - WALK_BASE
+    kept = bytearray(wal)
+    fix_crcs(kept, at, limit=1000)
+    assert kept == wal
+    broken = bytearray(wal)
+    for s, _e in spans[1:]:
+        broken[s - WALK_BASE + 20] ^= 0xFF if s % 8192 + 24 <= 8192 else 0
+    assert broken != wal
+    fix_crcs(broken, at, limit=1000)
+    assert broken == wal

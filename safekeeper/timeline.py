@@ -478,9 +478,13 @@ class Timeline:
             if written.error is not None:
                 # WAL was cut back at the group's last valid record (or the group followed
                 # such a cut): the acceptor must not believe in WAL past what is written.
-                self.acceptor.write_lsn = Lsn(
-                    min(self.acceptor.write_lsn, self.storage.write_lsn)
-                )
+                # Only in the epoch of the cut: an election since then truncated and set the
+                # acceptor's LSNs itself, and a new proposer may already have WAL in flight
+                # that this deposed group must not take back from it.
+                if self.storage.epoch == written.epoch:
+                    self.acceptor.write_lsn = Lsn(
+                        min(self.acceptor.write_lsn, self.storage.write_lsn)
+                    )
                 pending.invalid = written.error
             if self.storage.epoch == written.epoch:
                 self.storage.mark_flushed(written.write_lsn, written.record_end)

@@ -27,8 +27,9 @@ releases the GIL in ``SSL_write``) and writes them to the socket, so the page se
 with its next batch on the other core. Smaller writes (queue depth 1: one page per write) stay
 inline, where a hand-off (~5 µs on the trio thread, and a thread wake in the response's
 latency) would cost more than it saves. ``SSLObject`` is not thread-safe: every call on it
-and its BIOs holds ``_ssl_lock``; the trio side only ever *tries* it (a read that finds the
-thread encrypting waits for it in ``wait_readable``, never blocking the event loop). Bytes go
+and its BIOs holds ``_ssl_lock``. While the thread has a job the trio side only *tries* it (a
+read that finds the thread encrypting waits for it in ``wait_readable``); it takes it outright
+only when no job is queued, when at most the thread's last release is still under way. Bytes go
 to the socket in order: while the thread has work, everything sent joins its queue.
 """
 
@@ -381,16 +382,22 @@ class TlsStream(trio.abc.Stream):
         with self._state:
             if self._closing:
                 raise trio.ClosedResourceError("the TLS stream is closed")
-            first, self._unsent = self._unsent, memoryview(b"")  # ours go before the new bytes
             if self._sender is None:
                 self._token = trio.lowlevel.current_trio_token()
                 # A duplicate of the socket's descriptor: the thread's writes can never reach
                 # a reused descriptor if the socket is closed under it (it exits then).
                 fd = os.dup(self._fd)
-                self._sender = threading.Thread(
+                sender = threading.Thread(
                     target=self._run_sender, args=(fd,), name="tls-sender", daemon=True
                 )
-                self._sender.start()
+                try:
+                    sender.start()
+                except BaseException:
+                    os.close(fd)
+                    raise  # nothing was taken: the stream is as it was
+                self._sender = sender
+            # Only once the thread runs: ciphertext not yet sent goes before the new bytes.
+            first, self._unsent = self._unsent, memoryview(b"")
             self._queued += 1
             self._backlog += len(first) + len(data)
             self._jobs.put((first, data))
@@ -405,7 +412,7 @@ class TlsStream(trio.abc.Stream):
                 self._check_sender()
                 if self._backlog <= backlog and (backlog or not self._queued):
                     return
-                wake = self._wake = trio.Event()
+                wake = self._waiter_event()
             await wake.wait()
 
     async def _wait_ssl_lock(self) -> None:
@@ -414,8 +421,16 @@ class TlsStream(trio.abc.Stream):
             with self._state:
                 if not self._ssl_lock.locked() or self._sender_error is not None:
                     return
-                wake = self._wake = trio.Event()
+                wake = self._waiter_event()
             await wake.wait()
+
+    def _waiter_event(self) -> trio.Event:
+        """Holding ``_state``: the event the thread sets on its next progress. One for all
+        waiters (Execution in ``flush`` and Reading in ``wait_readable`` can wait at once):
+        each re-checks its own condition when woken, so none may replace another's."""
+        if self._wake is None:
+            self._wake = trio.Event()
+        return self._wake
 
     def _stop_sender(self) -> None:
         with self._state:
@@ -468,6 +483,17 @@ class TlsStream(trio.abc.Stream):
                             return
                     continue
                 self._run_job(fd, job, poller)
+        except BaseException as exc:
+            # Not an IO error (_run_job handles those): still, no waiter may wait forever
+            # for a thread that is gone.
+            with self._state:
+                if self._sender_error is None:
+                    self._sender_error = exc
+                self._queued = 0
+                self._backlog = 0
+                self._sender = None
+                self._notify_locked()
+            raise
         finally:
             os.close(fd)
 
@@ -500,12 +526,18 @@ class TlsStream(trio.abc.Stream):
             # goes before the job counts as done: after that, the trio side writes it.
             while True:
                 with self._ssl_lock:
-                    if not self._out.pending:
+                    done = not self._out.pending
+                    if done:
                         with self._state:
                             self._queued -= 1
-                            self._notify_locked()
-                        return
-                    out = self._out.read()
+                    else:
+                        out = self._out.read()
+                if done:
+                    # After the release: a reader woken while the lock was still held would
+                    # see it taken, wait again, and nothing would wake it.
+                    with self._state:
+                        self._notify_locked()
+                    return
                 self._write_fd(fd, out, poller)
         except (OSError, ssl.SSLError) as exc:
             with self._state:

@@ -297,3 +297,95 @@ async def test_sender_thread_reports_a_broken_connection(tls: TlsKit) -> None:
                 await trio.sleep(0.001)
         await server.aclose()
         await _no_sender_left()
+
+
+async def _fill_backlog(server: TlsStream) -> int:
+    """Send to a client that does not read until the sender thread holds its backlog."""
+    chunk = bytes(range(256)) * 1024  # 256 KiB: offloaded
+    sent = 0
+    while server.send_nowait(chunk):
+        sent += len(chunk)
+    return sent + len(chunk)
+
+
+async def _drain(client: TlsStream, count: int, received: bytearray) -> None:
+    while len(received) < count:
+        received.extend(await client.receive_some(1 << 20))
+
+
+async def test_two_tasks_waiting_for_the_backlog_both_wake(tls: TlsKit) -> None:
+    """The pipeline's Reading (``if tls.unsent: await tls.flush()``) and Execution (``flush``
+    after a send) can wait for the sender thread at once: both must be woken."""
+    server, client = await _pair(tls, tls.ca_cert)
+    await _handshake(server, client)
+    sent = await _fill_backlog(server)
+    done: list[str] = []
+
+    async def waiter(name: str) -> None:
+        await server.flush()
+        done.append(name)
+
+    received = bytearray()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter, "execution")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(waiter, "reading")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(_drain, client, sent, received)
+    assert sorted(done) == ["execution", "reading"]
+    assert len(received) == sent
+    await client.aclose()
+    await server.aclose()
+    await _no_sender_left()
+
+
+async def test_a_flush_and_a_read_waiting_together_both_wake(tls: TlsKit) -> None:
+    """Execution waits in ``flush`` for the backlog while Reading waits in ``wait_readable``
+    for the SSL lock (held here as the thread holds it for one piece): when the lock goes and
+    the client reads, both go on."""
+    server, client = await _pair(tls, tls.ca_cert)
+    await _handshake(server, client)
+    sent = await _fill_backlog(server)
+    flushed = trio.Event()
+    read_ready = trio.Event()
+
+    async def execution() -> None:
+        await server.flush()
+        flushed.set()
+
+    async def reading() -> None:
+        await server.wait_readable()
+        read_ready.set()
+
+    held, release = threading.Event(), threading.Event()
+
+    def one_piece_of_encryption() -> None:  # the sender thread's order: release, then wake
+        with server._ssl_lock:
+            held.set()
+            release.wait(5)
+        with server._state:
+            server._notify_locked()
+
+    received = bytearray()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(execution)
+            await trio.testing.wait_all_tasks_blocked()
+            holder = threading.Thread(target=one_piece_of_encryption)
+            holder.start()
+            assert held.wait(5)
+            assert server.receive_nowait(1 << 20) is None  # the lock is taken
+            nursery.start_soon(reading)
+            await trio.testing.wait_all_tasks_blocked()
+            await client.send_all(b"request;")
+            release.set()
+            await trio.to_thread.run_sync(holder.join)
+            await read_ready.wait()
+            nursery.start_soon(_drain, client, sent, received)
+            await flushed.wait()
+    assert len(received) == sent
+    assert await server.receive_some(1 << 20) == b"request;"
+    await client.aclose()
+    await server.aclose()
+    await _no_sender_left()

@@ -85,6 +85,10 @@ def _frame_length(f: BinaryIO, what: str, object_size: int) -> int:
         last, kind, size = header & 1, (header >> 1) & 3, header >> 3
         if kind == 3:
             raise LayerCorruptionError(what, f"the remote object has a reserved zstd block type at {pos}")
+        if size == 0 and not last:
+            # No encoder writes an empty block before the last one; a hostile object made of
+            # them would keep this walk busy 3 bytes at a time.
+            raise LayerCorruptionError(what, f"the remote object has an empty zstd block at {pos}")
         pos += _BLOCK_HEADER + (1 if kind == 1 else size)  # an RLE block stores one byte
         if pos > object_size:
             raise LayerCorruptionError(what, f"the remote object ends inside its zstd frame (at {object_size})")

@@ -12,7 +12,10 @@ The remote index (the same document, uploaded as ``index_part.json-<generation>`
 per layer how its object is stored: the generation that uploaded it and, for a compressed
 object, ``"compression": "zstd"`` and ``compressed_size`` (``pageserver.remote_compression``).
 A layer without them is stored as it is: indexes written before compression (version 1) read
-the same. ``version`` 2 is written since objects may be compressed; 1 and 2 are read.
+the same. ``version`` 2 is written only when the index names a compressed object, 1 otherwise
+(every local index, and every remote one with ``compression = "none"``), so a node can still be
+rolled back to a build that reads only version 1 once its compressed layers are gone; 1 and 2
+are read.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from protocol.lsn import INVALID_LSN, Lsn, format_lsn, parse_lsn
 from remote_storage.config import COMPRESSIONS, Compression
 
 INDEX_PART = "index_part.json"
-INDEX_PART_VERSION = 2
+INDEX_PART_VERSION = 2  # when a layer's object is compressed; 1 without
 READ_VERSIONS: Final = frozenset((1, 2))
 
 
@@ -57,7 +60,7 @@ class IndexPart:
 
     def to_json(self) -> bytes:
         doc: dict[str, Any] = {
-            "version": INDEX_PART_VERSION,
+            "version": INDEX_PART_VERSION if self.stored else 1,
             "disk_consistent_lsn": format_lsn(self.disk_consistent_lsn),
             "latest_gc_cutoff_lsn": format_lsn(self.latest_gc_cutoff_lsn),
             "ancestor_timeline_id": self.ancestor_timeline_id,

@@ -85,6 +85,10 @@ def test_compressed_layers_are_written_with_both_sizes() -> None:
                         generations={"a": 1, "b": 2}, stored={"a": ip.StoredLayer("zstd", 7)})
     doc = json.loads(part.to_json())
     assert doc["version"] == 2
+    # Without a compressed object the document stays version 1 (what older builds read).
+    plain = attrs.evolve(part, stored={})
+    assert json.loads(plain.to_json())["version"] == 1
+    assert ip.IndexPart.from_json(Path("x"), plain.to_json()) == plain
     assert doc["layers"] == {"a": {"file_size": 100, "generation": 1, "compression": "zstd", "compressed_size": 7},
                              "b": {"file_size": 50, "generation": 2}}
 

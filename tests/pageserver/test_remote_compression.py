@@ -133,6 +133,15 @@ def test_frames_without_checksum_or_size_or_with_a_huge_window_are_refused(tmp_p
     refused(tmp_path, big, len(data), "window")
 
 
+def test_empty_blocks_before_the_last_are_refused(tmp_path: Path) -> None:
+    """No encoder writes them; a hostile object made of them would keep the frame walk busy."""
+    data = layer_like()
+    obj = compressed(tmp_path, data).read_bytes()
+    at = zstandard.frame_header_size(obj)
+    empty_raw_block = b"\0\0\0"  # not last, raw, 0 bytes
+    refused(tmp_path, obj[:at] + empty_raw_block * 1000 + obj[at:], len(data), "empty zstd block")
+
+
 def test_an_object_that_is_not_zstd_is_refused(tmp_path: Path) -> None:
     data = layer_like()
     refused(tmp_path, data, len(data), "not a zstd frame")  # an uncompressed layer named zstd

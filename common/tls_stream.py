@@ -358,7 +358,7 @@ class TlsStream(trio.abc.Stream):
                 try:
                     await self._wait_sender(0)
                 except trio.BrokenResourceError:
-                    pass
+                    pass  # the thread's write failed: nothing more to wait for, close anyway
             self._stop_sender()
             if not self._queued and self._sender_error is None:
                 with self._ssl_lock:  # free: nothing is queued

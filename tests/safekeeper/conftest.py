@@ -101,9 +101,10 @@ SYSTEM_ID = 7
 
 
 async def elected_timeline(
-    directory: Path, *, no_sync: bool = False, wal_io_engine: WalIoEngine = "writer-thread"
+    directory: Path, *, no_sync: bool = False, wal_io_engine: WalIoEngine = "writer-thread",
+    start: Lsn = START,
 ) -> Timeline:
-    """A new timeline in ``directory``, greeted and elected in term 1 at ``START``."""
+    """A new timeline in ``directory``, greeted and elected in term 1 at ``start``."""
     tl = Timeline.create(
         directory, 1, TENANT, TIMELINE, no_sync=no_sync, wal_io_engine=wal_io_engine
     )
@@ -111,7 +112,7 @@ async def elected_timeline(
         tenant_id=TENANT, timeline_id=TIMELINE, pg_version=150000, system_id=SYSTEM_ID,
         wal_seg_size=WAL_SEGMENT_SIZE,
     )
-    elected = ProposerElected(1, START, (TermSwitchEntry(1, START),))
+    elected = ProposerElected(1, start, (TermSwitchEntry(1, start),))
     _, error = await tl.process_batch([greeting, VoteRequest(1), elected])
     assert error is None
     return tl

@@ -22,14 +22,12 @@ from hypothesis import strategies as st
 
 from common.pgclient import connect
 from protocol.errors import RemoteProtocolError
-from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, Lsn
 from protocol.pgwire.errors import PgError
 from protocol.safekeeper import (
     AppendRequest,
     AppendResponse,
     ProposerElected,
-    ProposerGreeting,
     ProposerMessage,
     TermSwitchEntry,
     VoteRequest,
@@ -42,24 +40,9 @@ from safekeeper.record_tracker import InvalidWal, RecordTracker
 from safekeeper.testing import TestProposer, running_node, synthetic_wal
 from safekeeper.timeline import Timeline
 from safekeeper.wal_storage import WalStorage, WalStorageBroken
+from tests.safekeeper.conftest import START, TENANT, TIMELINE, elected_timeline
 
-TENANT = TenantId(bytes(range(16)))
-TIMELINE = TimelineId(bytes(range(16, 32)))
-START = Lsn(WAL_SEGMENT_SIZE + 40)
 PIECE = 65536
-
-
-async def elected(directory: Path, start: Lsn = START) -> Timeline:
-    tl = Timeline.create(directory, 1, TENANT, TIMELINE, no_sync=False)
-    greeting = ProposerGreeting(
-        tenant_id=TENANT, timeline_id=TIMELINE, pg_version=150000, system_id=7,
-        wal_seg_size=WAL_SEGMENT_SIZE,
-    )
-    _, error = await tl.process_batch(
-        [greeting, VoteRequest(1), ProposerElected(1, start, (TermSwitchEntry(1, start),))]
-    )
-    assert error is None
-    return tl
 
 
 def append(wal: bytes, start: Lsn, k: int, piece: int = PIECE) -> AppendRequest:
@@ -132,7 +115,7 @@ async def test_failed_pwritev_breaks_the_storage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, pipelined: bool
 ) -> None:
     directory = tmp_path / "tl"
-    tl = await elected(directory)
+    tl = await elected_timeline(directory)
     wal = synthetic_wal(START, 3 * PIECE, system_id=7)
     acked = await ack(tl, append(wal, START, 0), pipelined=pipelined)
     assert acked > START
@@ -152,7 +135,7 @@ async def test_a_write_that_stops_making_progress_breaks_the_storage(
     """pwritev returning 0 for a non-empty write: no errno, no progress. Retrying forever
     would hang the connection; treating it as success would ack unwritten WAL."""
     directory = tmp_path / "tl"
-    tl = await elected(directory)
+    tl = await elected_timeline(directory)
     wal = synthetic_wal(START, 3 * PIECE, system_id=7)
     acked = await ack(tl, append(wal, START, 0), pipelined=True)
     real = os.pwritev
@@ -180,7 +163,7 @@ async def test_short_writes_that_progress_still_complete(
 ) -> None:
     """The other side of the rule: a short write that makes progress is continued, not an
     error (the kernel may return less than asked, e.g. on a signal)."""
-    tl = await elected(tmp_path / "tl")
+    tl = await elected_timeline(tmp_path / "tl")
     wal = synthetic_wal(START, 2 * PIECE, system_id=7)
     real = os.pwritev
 
@@ -201,7 +184,7 @@ async def test_failed_segment_switch_breaks_the_storage(
     creating the next (open, preallocate, fsync, rename, directory fsync) fails."""
     start = Lsn(2 * WAL_SEGMENT_SIZE - 3 * PIECE)
     directory = tmp_path / "tl"
-    tl = await elected(directory, start)
+    tl = await elected_timeline(directory, start=start)
     wal = synthetic_wal(start, 6 * PIECE, system_id=7)
     acked = await ack(tl, append(wal, start, 0, 2 * PIECE), pipelined=True)
     monkeypatch.setattr(os, call, failing(OSError(errno.ENOSPC, "No space left on device")))
@@ -225,7 +208,7 @@ async def test_a_group_synced_before_the_break_is_not_acknowledged_after_it(
     N's bytes are durable, but nothing is acknowledged once the storage is broken (see
     ``Timeline.finish``): a restart reports them instead."""
     directory = tmp_path / "tl"
-    tl = await elected(directory)
+    tl = await elected_timeline(directory)
     wal = synthetic_wal(START, 3 * PIECE, system_id=7)
     _, pending, error = await tl.write_appends([append(wal, START, 0)])
     assert error is None and pending is not None
@@ -260,7 +243,7 @@ async def test_write_error_with_two_syncs_in_flight(
     broken), no other fdatasync starts, the connection ends with WalStorageBroken (58030),
     and a restart (which fsyncs what its scan accepts) finds N."""
     directory = tmp_path / "tl"
-    tl = await elected(directory)
+    tl = await elected_timeline(directory)
     wal = synthetic_wal(START, 4 * PIECE, system_id=7)
     gate = threading.Event()
     started: list[int] = []

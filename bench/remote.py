@@ -76,6 +76,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="page images to ingest: a real pgbench database's pages, or unique random ones")
     parser.add_argument("--ingest-pgbench-scale", type=int, default=10,
                         help="pgbench scale of that database (10: about 160 MB of pages, cycled)")
+    parser.add_argument("--ingest-l0-mib", default=str(StorageConfig().checkpoint_distance // MiB),
+                        help="comma-separated L0 sizes (checkpoint_distance, MiB) to run the ingest part at, "
+                             "one JSON line each (default: the node's default)")
     parser.add_argument("--ingest-configs", default="off,on",
                         help=f"comma-separated, 'off' first, of {','.join(INGEST_CONFIGS)}")
     parser.add_argument("--cpus", default=None,
@@ -246,17 +249,22 @@ async def _ingest(tl: Timeline, mib: int, pages: list[bytes], start_block: int =
 
 
 # off: no remote storage; on: uploads behind the flushes (the node's S3 settings: layers
-# zstd-compressed); on-uncompressed: layers stored as they are (``compression = "none"``);
-# on-signed: the node's settings with SigV4 over the body (``payload_signing``)
-INGEST_CONFIGS = ("off", "on", "on-uncompressed", "on-signed")
+# zstd-compressed, index PUTs coalesced, incompressible layers stored as they are);
+# on-uncompressed: layers stored as they are (``compression = "none"``); on-signed: the node's
+# settings with SigV4 over the body (``payload_signing``); on-no-coalesce: one index PUT per
+# flush (only back-to-back queued indexes coalesced: ``coalesce_indexes = False``);
+# on-no-probe: every layer compressed whole, whatever its sample says
+INGEST_CONFIGS = ("off", "on", "on-uncompressed", "on-signed", "on-no-coalesce", "on-no-probe")
 _SENT = "pageserver_remote_upload_stored_bytes_total"
 _LAYER_BYTES = "pageserver_remote_upload_bytes_total"
 _CODEC_CPU = "pageserver_remote_codec_cpu_seconds_total"
+_LAYER_PUTS = "pageserver_remote_uploaded_layers_total"
+_INDEX_PUTS = "pageserver_remote_uploaded_indexes_total"
 
 
 async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: list[bytes],
-                      pids: dict[str, int] | None = None) -> dict[str, Any]:
-    cfg = _storage_config(16)
+                      pids: dict[str, int] | None = None, l0_mib: int = 256) -> dict[str, Any]:
+    cfg = _storage_config(l0_mib)
     async with trio.open_nursery() as nursery:
         remote = None
         storage = None
@@ -264,7 +272,9 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: l
             storage = make_remote_storage(attrs.evolve(_s3(endpoint, "bench-ingest"),
                                                        payload_signing=config == "on-signed"))
             await storage.list("nothing/")
-            remote = TenantRemote(storage, 1, compression="none" if config == "on-uncompressed" else "zstd")
+            remote = TenantRemote(storage, 1, compression="none" if config == "on-uncompressed" else "zstd",
+                                  coalesce_indexes=config != "on-no-coalesce",
+                                  compression_probe=config != "on-no-probe")
         tenant = Tenant(work, TenantId.generate(), cfg, nursery=nursery, remote=remote)
         tl = await tenant.create_timeline(TimelineId.generate())
         if tl.remote is not None:
@@ -272,6 +282,7 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: l
         cpu: dict[str, Any] = {}
         sent0, layer0 = _counter(_SENT), _counter(_LAYER_BYTES)
         codec0 = _counter(_CODEC_CPU, {"op": "compress"})
+        puts0 = _counter(_LAYER_PUTS), _counter(_INDEX_PUTS)
         seconds = await _ingest(tl, mib, pages, cpu=cpu, pids=pids)
         out: dict[str, Any] = {"config": config, "uploads": config != "off", "seconds": round(seconds, 3),
                                "mb_s": round(mib * MiB / 1e6 / seconds, 1),
@@ -284,6 +295,8 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: l
             out["layer_bytes"] = int(_counter(_LAYER_BYTES) - layer0)
             out["sent_bytes"] = int(_counter(_SENT) - sent0)
             out["compress_cpu_s"] = round(_counter(_CODEC_CPU, {"op": "compress"}) - codec0, 3)
+            out["layer_puts"] = int(_counter(_LAYER_PUTS) - puts0[0])
+            out["index_puts"] = int(_counter(_INDEX_PUTS) - puts0[1])
         await tenant.shutdown()
         if storage is not None:
             await storage.aclose()
@@ -303,7 +316,8 @@ def _median_cpu(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int, pages: list[bytes], page_source: str,
-                 pids: dict[str, int] | None = None, configs: tuple[str, ...] = ("off", "on")) -> None:
+                 pids: dict[str, int] | None = None, configs: tuple[str, ...] = ("off", "on"),
+                 l0_mib: int = 256) -> None:
     if configs[:1] != ("off",) or any(c not in INGEST_CONFIGS for c in configs):
         raise SystemExit(f"--ingest-configs: 'off' and any of {INGEST_CONFIGS[1:]}, got {configs}")
     runs: list[dict[str, Any]] = []
@@ -312,16 +326,16 @@ def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int, pages: list[b
         order = configs[r % n:] + configs[:r % n]
         for config in order:
             runs.append({"round": r, **trio.run(_ingest_run, work / f"ingest-{len(runs)}", mib, endpoint, config,
-                                                pages, pids)})
+                                                pages, pids, l0_mib)})
     seconds = {c: {x["round"]: x["seconds"] for x in runs if x["config"] == c} for c in configs}
     med = {c: statistics.median(seconds[c].values()) for c in configs}
-    out: dict[str, Any] = {"part": "ingest", "mib": mib, "pages": page_source, "distinct_pages": len(pages),
-                           "runs": runs}
+    out: dict[str, Any] = {"part": "ingest", "mib": mib, "l0_mib": l0_mib, "pages": page_source,
+                           "distinct_pages": len(pages), "runs": runs}
     for c in configs:
         out[f"{c}_mb_s"] = round(mib * MiB / 1e6 / med[c], 1)
     for c in configs[1:]:
         per_round = [seconds["off"][r] / seconds[c][r] for r in range(rounds)]
-        suffix = "" if c == "on" else "_" + c.removeprefix("on-")
+        suffix = "" if c == "on" else "_" + c.removeprefix("on-").replace("-", "_")
         out[f"ratio_on{suffix}_vs_off_per_round"] = [round(p, 3) for p in per_round]
         out[f"ratio_on{suffix}_vs_off"] = round(statistics.median(per_round), 3)
         # the same until the uploads caught up (work left after the round counted too)
@@ -333,6 +347,7 @@ def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int, pages: list[b
         done = [x for x in runs if x["config"] == c]
         out[f"{c}_sent_vs_layer_bytes"] = round(sum(x["sent_bytes"] for x in done) / max(1, sum(
             x["layer_bytes"] for x in done)), 4)
+        out[f"{c}_puts_per_round"] = {k: statistics.median(x[k] for x in done) for k in ("layer_puts", "index_puts")}
     for c in configs:  # where the time goes: per thread group and process, medians of the rounds
         out[f"{c}_trio_thread_cpu_s"] = statistics.median(
             x["trio_thread_cpu_s"] for x in runs if x["config"] == c)
@@ -428,8 +443,9 @@ def run(args: argparse.Namespace) -> int:
             pages = pgbench_pages(args.ingest_pgbench_scale) if args.ingest_pages == "pgbench" else random_pages()
         if "ingest" in parts:
             pids = {} if server is None or server.proc is None else {"seaweedfs": server.proc.pid}
-            bench_ingest(endpoint, work, args.ingest_mib, args.rounds, pages, args.ingest_pages, pids,
-                         tuple(args.ingest_configs.split(",")))
+            for l0_mib in (int(x) for x in args.ingest_l0_mib.split(",")):
+                bench_ingest(endpoint, work, args.ingest_mib, args.rounds, pages, args.ingest_pages, pids,
+                             tuple(args.ingest_configs.split(",")), l0_mib)
         if "attach" in parts:
             emit({**trio.run(_attach, endpoint, work, args.attach_mib, pages), "pages": args.ingest_pages})
     finally:

@@ -70,6 +70,12 @@ class TenantRemote:
     # it per layer, so either setting reads every object)
     compression: Compression = "zstd"
     compression_level: int = 1
+    # Index PUTs: coalesced over the layers queued behind one, at most one per interval
+    # (``RemoteTimelineClient``)
+    coalesce_indexes: bool = True
+    index_upload_interval_s: float = 0.5
+    # A layer whose sample does not compress is stored as it is (``remote_compression``)
+    compression_probe: bool = True
 
 
 async def list_remote_tenants(storage: RemoteStorage) -> list[TenantId]:
@@ -246,4 +252,6 @@ def make_client(
         remote_index=remote_index, validate=remote.validate, pins=pins, on_unpinned=on_unpinned,
         parallel_uploads=remote.parallel_uploads, deletions=remote.deletions,
         compression=remote.compression, compression_level=remote.compression_level,
+        coalesce_indexes=remote.coalesce_indexes, index_upload_interval_s=remote.index_upload_interval_s,
+        compression_probe=remote.compression_probe,
     )

@@ -11,10 +11,18 @@ index to ``schedule_index_upload``, which compares it with the last scheduled on
 3. ``Delete`` of the objects of layers the new index no longer names.
 
 One worker task (``run``) executes the queue in order, with these liberties only: consecutive
-layer uploads run in parallel (``parallel_uploads``), and consecutive index uploads are
-coalesced (only the newest is sent: each index is complete). So at most one index PUT is in
-flight, every index goes up after the layers it names, and a Delete runs only after an index
-without those layers is uploaded; it then asks ``validate`` (is my generation still current?)
+layer uploads run in parallel (``parallel_uploads``), and index uploads are coalesced (each
+index is complete, so only the newest of a run needs to go up). With ``coalesce_indexes`` (the
+default), when an index reaches the head of the queue, the layers of the later indexes queued
+behind it (up to a Delete or a Barrier) are uploaded first and only the newest of those indexes
+is sent; and an index waits until ``index_upload_interval_s`` has passed since the last index
+PUT, coalescing what is queued meanwhile, unless a Delete or a Barrier (``wait_uploaded``)
+stands behind it. A node flushing L0s faster than that sends one index per interval instead of
+one per flush; ``remote_consistent_lsn`` lags by at most the interval plus the uploads. The
+layers moved ahead of an index are ones it does not name (they are new in later indexes), so
+the invariant is the same: at most one index PUT is in flight, every index goes up after the
+layers it names (never an index naming an object whose PUT has not completed), and a Delete
+runs only after an index without those layers is uploaded; it then asks ``validate`` (is my generation still current?)
 and drops the deletion if not: a newer attachment may be using them (the objects leak, which is
 safe). Deletions are executed by this worker, in queue order, so a deletion never overtakes a
 later upload of the same key. The upload queue itself is not persisted: after a crash the
@@ -84,6 +92,12 @@ DROPPED_DELETIONS = Counter(
     "pageserver_remote_dropped_deletions",
     "layer objects not deleted because the generation was no longer current (leaked, safe)",
 )
+SKIPPED_COMPRESSIONS = Counter(
+    "pageserver_remote_skipped_compressions", "layer files stored as they are: a sample did not compress"
+)
+COALESCED_INDEXES = Counter(
+    "pageserver_remote_coalesced_indexes", "index uploads not sent: a newer index (naming their layers too) was"
+)
 UPLOAD_INDEX_SECONDS = Histogram("pageserver_remote_index_upload_seconds", "index_part.json uploads, retries included")
 QUEUED_OPS = Gauge("pageserver_remote_queued_operations", "operations waiting in upload queues")
 
@@ -132,11 +146,24 @@ def _unlink_all(paths: tuple[Path, ...]) -> None:
         path.unlink(missing_ok=True)
 
 
+def _publish(tmp: Path, path: Path) -> None:
+    """A complete download into place: fsync the file, rename it, fsync the directory. Without
+    the first fsync a crash could leave the new name with the right size but bytes never
+    written (it would fail its CRC when opened, instead of being downloaded again)."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    fsync_dir(path.parent)
+
+
 async def download_layer(
     storage: RemoteStorage, key: str, path: Path, size: int, *, stored: StoredLayer | None = None,
     attempts: int = DOWNLOAD_ATTEMPTS,
 ) -> None:
-    """``key`` into ``path`` (temp file, size check against the index, rename, dir fsync).
+    """``key`` into ``path`` (temp file, size check against the index, fsync, rename, dir fsync).
     ``stored``: how the object is stored, as its index says (None: as it is, ``size`` bytes);
     a compressed object is downloaded to a temp file, size-checked, then decompressed with the
     checks of ``pageserver.remote_compression`` (a corrupt one: ``LayerCorruptionError``, not
@@ -171,11 +198,7 @@ async def download_layer(
     DOWNLOADED_STORED_BYTES.inc(want)
     DOWNLOADED_BYTES.inc(size)
 
-    def publish() -> None:
-        os.rename(tmp, path)
-        fsync_dir(path.parent)
-
-    await trio.to_thread.run_sync(publish)
+    await trio.to_thread.run_sync(_publish, tmp, path)
 
 
 class Pins:
@@ -214,6 +237,9 @@ class RemoteTimelineClient:
         deletions: DeletionQueue | None = None,
         compression: Compression = "zstd",
         compression_level: int = 1,
+        coalesce_indexes: bool = True,
+        index_upload_interval_s: float = 0.5,
+        compression_probe: bool = True,
     ) -> None:
         self.storage = storage
         self.tenant_id = tenant_id
@@ -227,6 +253,11 @@ class RemoteTimelineClient:
         self.deletions = deletions
         self.compression = compression
         self.compression_level = compression_level
+        self.coalesce_indexes = coalesce_indexes
+        self.compression_probe = compression_probe  # skip layers whose sample does not compress
+        self.index_upload_interval_s = index_upload_interval_s
+        self._last_index_put = -float("inf")  # trio.current_time() of the last index PUT
+        self._pushes = 0  # ops ever queued (the coalescer's "has more come?")
         # Compression is CPU work in worker threads: at most two at once (a core each on a
         # small machine), whatever parallel_uploads allows for the PUTs.
         self._codec_limiter = trio.CapacityLimiter(2)
@@ -271,7 +302,7 @@ class RemoteTimelineClient:
 
     async def download_layer(self, name: str, path: Path, size: int) -> None:
         """The remote object of layer ``name`` (as the last scheduled index names it) into
-        ``path``: temp file, size check, rename, directory fsync; bounded retries."""
+        ``path``: temp file, size check, fsync, rename, directory fsync; bounded retries."""
         known = self._layers.get(name)
         key = None if known is None else self.layer_key(name, known[1])
         stored = None if key is None else self._stored.get(key)
@@ -325,6 +356,7 @@ class RemoteTimelineClient:
             self._push(Delete(tuple(keys)))
 
     def _push(self, op: Op) -> None:
+        self._pushes += 1
         self._ops.append(op)
         QUEUED_OPS.inc()
         self._wakeup.set()
@@ -391,16 +423,24 @@ class RemoteTimelineClient:
                 if self._on_unpinned is not None:
                     await self._on_unpinned()
             elif isinstance(op, UploadIndex):
-                # Coalesce: a newer index right behind replaces this one (each is complete).
-                while len(self._ops) > 1 and isinstance(self._ops[1], UploadIndex):
-                    self._pop()
+                if self.coalesce_indexes:
+                    if not await self._coalesce():
+                        continue  # more was queued, or the node stops: look again
                     op = self._ops[0]
                     assert isinstance(op, UploadIndex)
+                else:
+                    # Only a newer index right behind replaces this one (each is complete).
+                    while len(self._ops) > 1 and isinstance(self._ops[1], UploadIndex):
+                        self._pop()
+                        COALESCED_INDEXES.inc()
+                        op = self._ops[0]
+                        assert isinstance(op, UploadIndex)
                 if len(self._ops) > 1 and isinstance(self._ops[1], Delete):
                     # The deletions this index enables go to disk first: a crash after the
                     # upload must not leak them (recovery: pageserver.deletion_queue).
                     await self._persist(self._ops[1])
                 await self._upload_index(op.part)
+                self._last_index_put = trio.current_time()
                 self._pop()
             elif isinstance(op, Delete):
                 await self._persist(op)
@@ -415,6 +455,60 @@ class RemoteTimelineClient:
     def _pop(self) -> None:
         self._ops.popleft()
         QUEUED_OPS.dec()
+
+    async def _coalesce(self) -> bool:
+        """The queue's head is an index. Upload the layers of the indexes queued right behind
+        it (up to a Delete, a Barrier or a layer whose key is already uploaded) and drop the
+        indexes the newest of them supersedes, so that the head is that newest one. True:
+        upload the head now (something behind it cannot be coalesced, or the interval since
+        the last index PUT is over); False: look again (more was queued meanwhile, or the
+        queue stopped). Every layer an index names is uploaded before it, as without this."""
+        ops = self._ops
+        pushes = self._pushes
+        group: list[UploadLayer] = []
+        pending: list[UploadLayer] = []
+        last = 0
+        blocked = False
+        for i in range(1, len(ops)):
+            q = ops[i]
+            if isinstance(q, UploadIndex):
+                last = i
+                group += pending
+                pending = []
+            elif (isinstance(q, UploadLayer) and len(group) + len(pending) < self.parallel_uploads * 4
+                  and self.layer_key(q.name, self.generation) not in self._stored):
+                pending.append(q)
+            else:
+                blocked = True
+                break
+        if group:
+            await self._upload_layers(group)
+            if self.stopped:
+                return False  # ``stop`` dropped the queue (and unpinned its layers)
+            for x in group:
+                self.pins.unpin(x.path)
+            if self._on_unpinned is not None:
+                await self._on_unpinned()
+        if last:
+            newest = ops[last]  # only appends happened meanwhile: positions 0..last are the same
+            superseded = sum(1 for j in range(last) if isinstance(ops[j], UploadIndex))
+            for _ in range(last + 1):
+                self._pop()
+            ops.appendleft(newest)
+            QUEUED_OPS.inc()
+            COALESCED_INDEXES.inc(superseded)
+        if blocked or pending:
+            return True
+        if self._pushes != pushes:
+            return False  # queued during the uploads: coalesce that too
+        wait = self._last_index_put + self.index_upload_interval_s - trio.current_time()
+        if wait <= 0:
+            return True
+        self._wakeup = trio.Event()
+        with trio.move_on_after(wait):
+            await self._wakeup.wait()
+            return False
+        return True
 
     async def _persist(self, op: Delete) -> None:
         if self.deletions is None or op.persisted is not None:
@@ -445,6 +539,9 @@ class RemoteTimelineClient:
         """``x``'s file into ``dst`` as zstd (worker thread); "none" if that saves nothing."""
         started = time.thread_time()
         try:
+            if self.compression_probe and not remote_compression.worth_compressing(x.path, self.compression_level):
+                SKIPPED_COMPRESSIONS.inc()
+                return StoredLayer("none", x.size)
             read, written = remote_compression.compress_file(x.path, dst, self.compression_level)
         finally:
             CODEC_SECONDS.labels("compress").inc(time.thread_time() - started)

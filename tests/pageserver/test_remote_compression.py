@@ -2,7 +2,8 @@
 any content, and hostile objects (truncated anywhere, bytes after the frame, a flipped bit, a
 header that lies about the size, no checksum, a huge window, not zstd at all) are each a
 ``LayerCorruptionError`` that never leaves more than the index's ``file_size`` bytes behind;
-no mutation of an object ever decompresses to other content."""
+no mutation of an object ever decompresses to other content. The probe that stores an
+incompressible layer as it is without a full pass of the codec."""
 
 from __future__ import annotations
 
@@ -11,12 +12,19 @@ import struct
 from pathlib import Path
 
 import pytest
+import trio
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 
 from pageserver import remote_compression as rc
+from pageserver.remote_timeline import RemoteTimelineClient
+from pageserver.storage.index_part import IndexPart
 from pageserver.storage.layer_file import LayerCorruptionError
+from protocol.ids import TenantId, TimelineId
+from protocol.lsn import Lsn
+from remote_storage import LocalStorageConfig, make_remote_storage
 
 # compressible (repeated runs), incompressible (random) and mixed content, up to a few blocks
 contents = st.one_of(
@@ -165,3 +173,57 @@ def test_no_mutation_decompresses_to_other_content(tmp_path: Path, data: st.Data
         assert not out.exists() or out.stat().st_size <= len(original)
     else:
         assert out.read_bytes() == original
+
+
+def test_the_probe_tells_incompressible_files_from_compressible_ones(tmp_path: Path) -> None:
+    path = tmp_path / "layer"
+    path.write_bytes(random.Random(1).randbytes(3 << 20))  # random pages: ~0 % saved
+    assert not rc.worth_compressing(path, 1)
+    text = layer_like(3 << 20)[: (3 << 20) // 2]  # the text-like half only
+    path.write_bytes(text * 2)
+    assert rc.worth_compressing(path, 1)
+    # compressible only past the start: the sample has pieces from the middle and the end too
+    path.write_bytes(random.Random(2).randbytes(256 << 10) + b"\0" * (4 << 20))
+    assert rc.worth_compressing(path, 1)
+    path.write_bytes(b"")
+    assert not rc.worth_compressing(path, 1)
+    path.write_bytes(b"x" * 1000)  # smaller than the sample: all of it
+    assert rc.worth_compressing(path, 1)
+
+
+async def test_an_incompressible_layer_goes_up_as_it_is_without_a_full_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upload queue stores a layer whose sample does not compress as it is, without
+    compressing the whole file; a compressible one as zstd; with the probe off, both are
+    compressed (and the random one then stored as it is, the frame being no smaller)."""
+    (tmp_path / "random").write_bytes(random.Random(3).randbytes(2 << 20))
+    (tmp_path / "text").write_bytes(layer_like(2 << 20)[: 1 << 20] * 2)
+    full_passes: list[str] = []
+    real = rc.compress_file
+
+    def counting(src: Path, dst: Path, level: int) -> tuple[int, int]:
+        full_passes.append(src.name)
+        return real(src, dst, level)
+
+    monkeypatch.setattr(rc, "compress_file", counting)
+    storage = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote"))
+    for probe in (True, False):
+        full_passes.clear()
+        skipped0 = REGISTRY.get_sample_value("pageserver_remote_skipped_compressions_total") or 0.0
+        client = RemoteTimelineClient(storage, TenantId.generate(), TimelineId.generate(), 1, tmp_path,
+                                      compression_probe=probe)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.run)
+            client.activate()
+            client.schedule_index_upload(IndexPart(layers={"random": 2 << 20, "text": 2 << 20},
+                                                   disk_consistent_lsn=Lsn(0x100)))
+            await client.wait_uploaded()
+            nursery.cancel_scope.cancel()
+        assert client.uploaded_index is not None
+        assert client.uploaded_index.stored_layer("random").compression == "none"
+        assert client.uploaded_index.stored_layer("text").compression == "zstd"
+        skipped = (REGISTRY.get_sample_value("pageserver_remote_skipped_compressions_total") or 0.0) - skipped0
+        assert sorted(full_passes) == (["text"] if probe else ["random", "text"])
+        assert skipped == (1 if probe else 0)
+    await storage.aclose()

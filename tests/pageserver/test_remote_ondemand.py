@@ -1,10 +1,12 @@
 """On-demand download and eviction: an attached tenant has its layers in remote storage only
 until a read needs them; under a tiny ``max_local_layer_bytes`` local files are evicted and
 fetched back when read (``validate_get`` on: both read paths agree throughout); a layer that
-cannot be downloaded fails that read with a clear error, and the next read works again."""
+cannot be downloaded fails that read with a clear error, and the next read works again; a
+downloaded layer's bytes are fsynced before its rename."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import attrs
@@ -13,6 +15,7 @@ import trio
 import trio.lowlevel
 
 from pageserver.remote_tenant import TenantRemote
+from pageserver.remote_timeline import download_layer
 from pageserver.storage.index_part import INDEX_PART
 from pageserver.tenant import Tenant
 from pageserver.timeline import LayerDownloadError, Timeline
@@ -186,3 +189,32 @@ async def test_eviction_under_constant_reads(tmp_path: Path, kind: str, request:
         await tenant.shutdown()
         await store.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_downloaded_layer_is_fsynced_before_its_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes durable, then the name, then the directory entry: a crash can leave a temp file
+    (removed at start) or the complete layer, never the layer's name over unwritten bytes."""
+    storage = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote"))
+    await storage.upload("tenants/t/layer-00000001", b"L" * 100_000)
+    local = tmp_path / "local"
+    local.mkdir()
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        events.append(("rename", os.fspath(dst)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    path = local / "layer"
+    await download_layer(storage, "tenants/t/layer-00000001", path, 100_000)
+    monkeypatch.undo()
+    mine = [e for e in events if str(local) in e[1]]
+    assert mine == [("fsync", str(path) + ".___temp_download"), ("rename", str(path)), ("fsync", str(local))], mine
+    assert path.read_bytes() == b"L" * 100_000
+    await storage.aclose()

@@ -486,10 +486,13 @@ class Timeline:
                         min(self.acceptor.write_lsn, self.storage.write_lsn)
                     )
                 pending.invalid = written.error
-            if self.storage.epoch == written.epoch:
-                self.storage.mark_flushed(written.write_lsn, written.record_end)
-                if written.record_end > self.acceptor.flush_record_lsn:
-                    self.acceptor.wal_flushed(written.record_end)
+            # Published only in the group's epoch, checked under the storage's LSN lock: a
+            # later group's invalid WAL may be cutting WAL back in the engine's thread now.
+            published = self.storage.mark_flushed(
+                written.epoch, written.write_lsn, written.record_end
+            )
+            if published and written.record_end > self.acceptor.flush_record_lsn:
+                self.acceptor.wal_flushed(written.record_end)
             self.acceptor.advance_commit()
             await self._publish()
             return self._append_response()

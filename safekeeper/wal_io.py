@@ -21,7 +21,8 @@ The hand-off cost per call (measured with a no-op, round trip, at load ~5 on 2 c
 Order is the contract: a job's call starts only after every earlier job's call returned, so
 ``WalStorage`` (not thread-safe) is only ever used by one thread at a time for changes,
 record checks included (``write_group``). The event loop's thread itself only reads plain
-attributes of it (and ``mark_flushed`` publishes a finished group's LSNs).
+attributes of it (and ``mark_flushed`` publishes a finished group's LSNs, under the
+storage's ``lsn_lock``).
 """
 
 from __future__ import annotations

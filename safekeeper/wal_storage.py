@@ -20,6 +20,11 @@ Rules:
 - ``open`` finds the end of WAL by a CRC-checked record scan from a known record boundary
   (the persisted commit_lsn): the first invalid or missing byte ends WAL.
 - ``no_sync`` skips every fsync/fdatasync (tests, benchmarks of the CPU path).
+- One thread at a time changes the storage (the WAL IO engine), but the event loop's thread
+  publishes a finished group's flush (``mark_flushed``) while the engine may be cutting WAL
+  back for a later group's invalid WAL. The LSN fields and ``epoch`` change only under
+  ``lsn_lock``, and ``mark_flushed`` checks the group's epoch under it: a flush from before a
+  cut or truncation is never published over the LSNs the cut set.
 - Any ``OSError`` on the write path leaves the storage ``broken``: a failed ``pwritev``
   (EIO, ENOSPC, a short write that makes no progress), fdatasync, or segment
   create/preallocate/rename/directory fsync, and any IO error during first-segment
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -109,7 +115,7 @@ class WalStorageBroken(WalStorageError):
 
 
 class WalStorage:
-    """See the module docstring. Not thread-safe: one caller at a time."""
+    """See the module docstring. One caller at a time, except ``mark_flushed``."""
 
     def __init__(
         self, directory: Path, *, seg_size: int = WAL_SEGMENT_SIZE, no_sync: bool = False
@@ -117,6 +123,9 @@ class WalStorage:
         self.directory = directory
         self.seg_size = seg_size
         self.no_sync = no_sync
+        # Guards write_lsn/flush_lsn/flush_record_lsn/epoch between the WAL IO engine's thread
+        # and mark_flushed on the event loop's thread (see the module docstring).
+        self.lsn_lock = threading.Lock()
         self.write_lsn = INVALID_LSN
         self.flush_lsn = INVALID_LSN
         self.flush_record_lsn = INVALID_LSN
@@ -176,16 +185,19 @@ class WalStorage:
     def open(self, scan_from: Lsn) -> Lsn:
         """Find the end of WAL from the record boundary ``scan_from`` (0: there is no WAL)."""
         self.close()
-        self.epoch += 1
+        with self.lsn_lock:
+            self.epoch += 1
         self.cut_by_invalid_wal = False
         if scan_from == INVALID_LSN:
-            self.write_lsn = self.flush_lsn = self.flush_record_lsn = INVALID_LSN
+            with self.lsn_lock:
+                self.write_lsn = self.flush_lsn = self.flush_record_lsn = INVALID_LSN
             self._tracker = None
             return INVALID_LSN
         end = self.scan_end_of_wal(scan_from)
         if not self.no_sync:
             self._fsync_scanned(scan_from, end)
-        self.write_lsn = self.flush_lsn = self.flush_record_lsn = end
+        with self.lsn_lock:
+            self.write_lsn = self.flush_lsn = self.flush_record_lsn = end
         self._tracker = RecordTracker(end, self.seg_size)
         return end
 
@@ -390,7 +402,8 @@ class WalStorage:
                 # Durable now; flush_record_lsn follows in flush(), because the tracker has
                 # already seen the whole group and cannot say which record ended here.
                 self._complete_segment()
-                self.flush_lsn = pos
+                with self.lsn_lock:
+                    self.flush_lsn = Lsn(max(self.flush_lsn, pos))
 
     @staticmethod
     def _pwritev_all(fd: int, iov: list[memoryview], offset: int, size: int) -> None:
@@ -432,10 +445,18 @@ class WalStorage:
         except OSError as exc:
             raise self._broke(exc, "opening a WAL segment for fdatasync") from exc
 
-    def mark_flushed(self, write_lsn: Lsn, record_end: Lsn) -> None:
-        """An ``fdatasync`` that started after ``write_lsn`` was written has completed."""
-        self.flush_lsn = Lsn(max(self.flush_lsn, write_lsn))
-        self.flush_record_lsn = Lsn(max(self.flush_record_lsn, record_end))
+    def mark_flushed(self, epoch: int, write_lsn: Lsn, record_end: Lsn) -> bool:
+        """An ``fdatasync`` that started after ``write_lsn`` was written (in ``epoch``) has
+        completed: publish it, unless a cut or truncation has bumped the epoch since (then
+        the LSNs it set stand, and this returns False). Called on the event loop's thread
+        while the engine's thread may be cutting WAL back: the check and the update are one
+        step under ``lsn_lock``, as are the cut's epoch bump and its LSNs."""
+        with self.lsn_lock:
+            if epoch != self.epoch:
+                return False
+            self.flush_lsn = Lsn(max(self.flush_lsn, write_lsn))
+            self.flush_record_lsn = Lsn(max(self.flush_record_lsn, record_end))
+            return True
 
     def flush(self) -> Lsn:
         """Make everything written durable; returns the new ``flush_record_lsn``."""
@@ -443,10 +464,11 @@ class WalStorage:
         if self._fd >= 0 and self.flush_lsn < self.write_lsn and not self.no_sync:
             self.fdatasync(self._fd)
             self.fsync_count += 1
-        self.flush_lsn = self.write_lsn
-        if self._tracker is not None:
-            self.flush_record_lsn = self._tracker.record_end
-        return self.flush_record_lsn
+        with self.lsn_lock:
+            self.flush_lsn = self.write_lsn
+            if self._tracker is not None:
+                self.flush_record_lsn = self._tracker.record_end
+            return self.flush_record_lsn
 
     # -- election-time operations ------------------------------------------------------------
 
@@ -490,13 +512,16 @@ class WalStorage:
     def truncate(self, lsn: Lsn) -> None:
         """Forget all WAL at and after ``lsn`` (a record boundary); WAL continues there."""
         self.check_usable()
-        self.epoch += 1
+        with self.lsn_lock:
+            # From here no flush of an earlier group is published (mark_flushed).
+            self.epoch += 1
         self.cut_by_invalid_wal = False
         if self._fd >= 0 and not self.no_sync:
             self.fdatasync(self._fd)
         with self.write_io(f"truncating WAL at {format_lsn(lsn)}"):
             self._truncate_files(lsn)
-        self.write_lsn = self.flush_lsn = self.flush_record_lsn = lsn
+        with self.lsn_lock:
+            self.write_lsn = self.flush_lsn = self.flush_record_lsn = lsn
         self._tracker = RecordTracker(lsn, self.seg_size)
 
     def _truncate_files(self, lsn: Lsn) -> None:

@@ -912,6 +912,9 @@ async def _in_process(mode: str, queue_depth: int, requests: int, reps: int) -> 
         async def get_pages(self, reads: Sequence[PageRead]) -> list[bytes | PageRequestError]:
             return [page] * len(reads)
 
+        async def get_page(self, read: PageRead) -> bytes | PageRequestError:
+            return page
+
         async def wait_shutdown(self) -> None:
             await trio.sleep_forever()
 

@@ -1088,6 +1088,51 @@ class Timeline:
             self._release(admitted)
         return [answers[(key, lsn)] for key, lsn in requests]
 
+    async def get_page(self, key: Key, lsn: Lsn, ctx: ReadContext | None = None) -> Result:
+        """``get_pages([(key, lsn)])[0]``, the same answer and errors, without a batch's
+        machinery (the page service's lone requests at queue depth 1): no request dict, LSN
+        set, key list or result list; one page-cache lookup, ``read_path.get_one``.
+
+        Only the common read takes this lane: the vectored path, ``validate_get`` off, at or
+        above the GC cutoff, no layer of the tenant evicted and no per-layer pinning. Anything
+        else is ``get_pages``'s general path, unchanged."""
+        config = self.config
+        graveyard = self.graveyard
+        if (config.get_impl != "vectored" or config.validate_get or graveyard.per_layer
+                or graveyard.evicted or lsn < self.latest_gc_cutoff_lsn):
+            return (await self.get_pages(((key, lsn),), ctx))[0]
+        if self._shut_down:
+            raise TimelineShutdownError(f"timeline {self.timeline_id.hex} is shut down")
+        flight = self._reads_in_flight
+        flight[lsn] = flight.get(lsn, 0) + 1  # _admit((lsn,))
+        try:
+            page_cache = self.page_cache
+            hit = page_cache.lookup(self._key, key, lsn)
+            st = KeyState() if hit is None else KeyState(hit[0], hit[1])
+            ctx = ctx or ReadContext(max_vectored_read_bytes=config.max_vectored_read_bytes)
+            graveyard.readers += 1
+            try:
+                await read_path.get_one(self, key, lsn, st, ctx)
+            except (LayerNotResidentError, LayerClosedError):
+                self._raise_if_shut_down()
+                raise
+            finally:
+                graveyard.readers -= 1
+            self._raise_if_shut_down()
+            await graveyard.collect()
+            img = st.img
+            if img is not None and st.complete and not st.records and not st.missing:
+                return img[1]  # an image and nothing above it: reconstruct_value's answer
+            try:
+                page, applied = reconstruct_value(key, lsn, st, self.redo)
+            except PageReconstructError as exc:
+                return exc
+            if applied is not None:
+                page_cache.memorize(self._key, key, applied, page)
+            return page
+        finally:
+            self._release([lsn])
+
     async def _validate_mixed(self, batch: dict[Key, Lsn], results: dict[Key, Result]) -> None:
         """``validate_get`` for a mixed-LSN read: the legacy path per LSN as the oracle."""
         by_lsn: dict[Lsn, list[Key]] = {}

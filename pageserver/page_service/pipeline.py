@@ -779,7 +779,10 @@ async def _execute_getpages(
     timeline = batch[0].timeline
     assert timeline is not None
     timeout_s = ctx.config.wait_lsn_timeout_s
-    top = batch[0].lsn if len(batch) == 1 else max(map(_lsn_of, batch))
+    if len(batch) == 1:
+        await _execute_getpage(batch[0], timeline, writer, ctx)
+        return
+    top = max(map(_lsn_of, batch))
     results: Sequence[bytes | PageRequestError | None]
     try:
         await _wait_for(timeline, top, timeout_s)
@@ -808,6 +811,33 @@ async def _execute_getpages(
             ctx.metrics.count("get_page", False, failed)
         if failed < len(batch):
             ctx.metrics.count("get_page", True, len(batch) - failed)
+
+
+async def _execute_getpage(
+    p: Pending, timeline: PageReader, writer: ResponseWriter, ctx: PagestreamContext
+) -> None:
+    """``_execute_getpages`` of a batch of one (every request at queue depth 1): the same
+    wait, answer and counts, through ``PageReader.get_page`` and without the batch's lists."""
+    request = cast(GetPageRequest, p.request)
+    outcome: bytes | PageRequestError | None = None
+    try:
+        await _wait_for(timeline, p.lsn, ctx.config.wait_lsn_timeout_s)
+    except PageRequestError as exc:
+        # as _read_after_failed_wait: only a request whose LSN was not reached fails
+        if p.lsn > timeline.last_record_lsn:
+            outcome = exc
+    if outcome is None:
+        try:
+            outcome = await timeline.get_page(PageRead(request.rel, request.blkno, p.lsn))
+        except PageRequestError as exc:
+            outcome = exc  # the walk itself failed
+    ok = not isinstance(outcome, PageRequestError)
+    if ok:
+        writer.get_page(request, outcome)  # type: ignore[arg-type]
+    else:
+        writer.error(request, str(outcome))
+    if ctx.metrics is not None:
+        ctx.metrics.count("get_page", ok)
 
 
 async def _read_pages(

@@ -126,6 +126,11 @@ class PageReader(Protocol):
         """
         ...
 
+    async def get_page(self, read: PageRead) -> bytes | PageRequestError:
+        """``get_pages([read])[0]``, the same answer and errors: a lone request's read (a
+        batch of one), which an implementation may serve without a batch's set-up."""
+        ...
+
     async def wait_shutdown(self) -> None:
         """Return when the timeline starts shutting down (streams must end with 57P01)."""
         ...

@@ -196,6 +196,25 @@ class TimelinePageReader:
                 out[i] = result if isinstance(result, bytes) else ReadError(str(result))
         return out
 
+    async def get_page(self, read: PageRead) -> bytes | PageRequestError:
+        """``get_pages([read])[0]`` for a lone request: with its fork's size cached (a hot
+        timeline), one ``Timeline.get_page``; no lists, no run tracking. Otherwise (the first
+        read of a fork at an LSN) the batch path, which reads and caches the size."""
+        size = self._sizes_at.get((read.rel, read.lsn))
+        if size is None:
+            return (await self.get_pages((read,)))[0]
+        if read.blkno >= size:
+            return ZERO_PAGE
+        rel = read.rel
+        try:
+            result = await self.timeline.get_page(
+                rel_block_key(rel.spcnode, rel.dbnode, rel.relnode, rel.forknum, read.blkno),
+                read.lsn,
+            )
+        except TimelineShutdownError as exc:
+            raise Shutdown(str(exc)) from None
+        return result if isinstance(result, bytes) else ReadError(str(result))
+
     async def wait_shutdown(self) -> None:
         await self._shutdown.wait()
 

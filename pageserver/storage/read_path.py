@@ -20,7 +20,8 @@ their blob reads run together after the walk (``execute_reads``: one engine call
 then values are decoded in walk order. A key leaves the walk at an image, a will_init record,
 or when the walk's floor reaches its cached page (``KeyState.floor_reached``, the #7477 fix).
 Keys no layer of this timeline holds go on to the ancestor, at ``min(lsn, ancestor_lsn) + 1``.
-One key walks without fringe or key lists (``_walk_one``, ``PersistentLayer.plan_key``). A walk
+One key walks without fringe or key lists (``_walk_one``, ``PersistentLayer.plan_key``;
+``get_one`` is the whole vectored read of one key). A walk
 that finds the index cold prefetches the index blocks of the layers it may still visit
 (``_prefetch_index``).
 
@@ -277,6 +278,24 @@ async def _walk_one(tl: ReadableTimeline, key: Key, cont_lsn: int, st: KeyState,
         if floor >= cont_lsn:
             raise LayerStuckError(f"read of {key_hex(key)} stuck at {cont_lsn:X}")
         cont_lsn = floor
+
+
+async def get_one(tl: ReadableTimeline, key: Key, lsn: Lsn, st: KeyState, ctx: ReadContext) -> None:
+    """``get_vectored`` for one key (``Timeline.get_page``, the page service's lone requests):
+    no key list, set or sort; ``_walk_one`` down this timeline and its ancestors, then the
+    planned reads. Fills ``st`` exactly as ``get_vectored(tl, [key], lsn, {key: st}, ctx)``."""
+    st.pending = []
+    ctx.any_cached = st.cached_lsn >= 0
+    timeline = tl
+    cont_lsn = lsn + 1
+    while not st.complete:
+        await _walk_one(timeline, key, cont_lsn, st, ctx)
+        ancestor = timeline.ancestor_timeline
+        if ancestor is None or not is_inherited_key(key):
+            break
+        cont_lsn = min(cont_lsn, timeline.ancestor_lsn + 1)
+        timeline = ancestor
+    await read_and_resolve(ctx, (st,))
 
 
 async def get_vectored(

@@ -161,6 +161,10 @@ class FakeTimeline:
                 out.append(ZERO_PAGE)
         return out
 
+    async def get_page(self, read: PageRead) -> bytes | PageRequestError:
+        # recorded as a batch of one, as the pipeline's lone requests always were
+        return (await self.get_pages([read]))[0]
+
     async def wait_shutdown(self) -> None:
         await self._shutdown.wait()
 

@@ -663,12 +663,15 @@ def _measure(
     Server and client processes run the kernels ``args.kernels`` names (``python``: with
     PAGESTORE_PURE_PYTHON=1)."""
     env = _kernel_env(args.kernels)
+    tree = getattr(args, "tree_path", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.getpage", *serve_argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        cwd=Path(__file__).resolve().parent.parent,
+        # a --server-rev tree: ``-m`` puts the working directory first on sys.path, ahead of
+        # the editable install's finder, so the server imports that tree's modules
+        cwd=tree if tree is not None else _REPO,
         env=env,
     )
     try:
@@ -734,6 +737,42 @@ def _measure(
 
 
 KERNELS = ("native", "python")
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def _export_rev(rev: str, dest: Path) -> tuple[str, Path]:
+    """``--server-rev``: ``rev`` exported into ``dest`` (git archive), this checkout's compiled
+    modules copied in, checked to load there (their sources must hash the same). Returns
+    (label, tree)."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(_REPO), "rev-parse", "--verify", f"{rev}^{{commit}}"],
+            check=True, capture_output=True, text=True,
+        ).stdout.strip()
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"--server-rev: {rev!r} is not a commit: {exc.stderr.strip()}") from None
+    tree = dest / sha[:12]
+    tree.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(_REPO), "archive", sha], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    for so in _REPO.glob("**/*.so"):
+        rel = so.relative_to(_REPO)
+        if rel.parts[0] in (".venv", ".cache", "build"):
+            continue
+        if (tree / rel).parent.is_dir():
+            shutil.copy2(so, tree / rel)
+    check = subprocess.run(
+        [sys.executable, "-c", "from protocol import _native; _native.describe()"],
+        cwd=tree, env=_kernel_env("native"), capture_output=True, text=True,
+    )
+    if check.returncode != 0:
+        last = (check.stderr.strip().splitlines() or ["?"])[-1]
+        raise SystemExit(
+            f"--server-rev {rev}: this checkout's compiled modules do not fit {sha[:12]} ({last}); "
+            "only revisions whose native sources equal this checkout's can be compared this way"
+        )
+    return f"{rev}={sha[:12]}", tree
 
 
 def _kernel_env(kernels: str) -> dict[str, str]:
@@ -1044,6 +1083,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "every configuration is run once per implementation, side by side",
     )
     parser.add_argument(
+        "--server-rev",
+        default="",
+        help="comma list of git revisions: every configuration also runs with its server from "
+        "that revision (exported with git archive, this checkout's compiled modules copied in: "
+        "only revisions with the same native sources), beside this checkout's; rows carry "
+        "'tree'. Clients always run this checkout's load generator. Before/after in one run",
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="alternate the order of the configurations round by round (forward, then "
+        "reversed: A B, B A, ...) so drifting load hits each alike, and print 'paired' lines: "
+        "per round, every configuration's latency, server CPU and pages/s over the first "
+        "configuration's (median, min, max, the rounds, the load); use with --rounds >= 4",
+    )
+    parser.add_argument(
         "--writes-per-s",
         type=float,
         default=0.0,
@@ -1072,13 +1127,62 @@ _MEDIAN_FIELDS = (
 def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     import statistics
 
-    out = {k: v for k, v in rows[0].items() if k not in _MEDIAN_FIELDS and k != "round"}
+    out = {k: v for k, v in rows[0].items()
+           if k not in _MEDIAN_FIELDS and k not in ("round", "load_1m")}
     out["summary"] = f"median of {len(rows)} rounds"
+    out["load_1m_rounds"] = [r.get("load_1m") for r in rows]
     for field in _MEDIAN_FIELDS:
         values = [r[field] for r in rows if r.get(field) is not None]
         if values:
             out[field] = round(statistics.median(values), 2)
     out["pages_per_s_rounds"] = [r["pages_per_s"] for r in rows]
+    return out
+
+
+_PAIRED_FIELDS = ("latency_mean_us", "latency_p50_us", "server_cpu_us_per_request", "pages_per_s")
+_KEY_NAMES = ("clients", "get_impl", "cache", "mode", "queue_depth", "security", "impl", "tree")
+
+
+def _paired(rows: _Rows, order: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """``--interleave``'s summary: for every (clients, queue depth), each configuration against
+    the first one run there, round by round (both measured in the same round, next to each
+    other): the ratio of each of ``_PAIRED_FIELDS``, its median, min and max over the rounds."""
+    import statistics
+
+    out: list[dict[str, Any]] = []
+    baselines: dict[tuple[Any, Any], tuple[Any, ...]] = {}
+    for key in order:
+        group = (key[0], key[4])
+        base_key = baselines.setdefault(group, key)
+        if base_key == key:
+            continue
+        base_by_round = {r["round"]: r for r in rows[base_key]}
+        pairs = [(r, base_by_round[r["round"]]) for r in rows[key] if r["round"] in base_by_round]
+        if not pairs:
+            continue
+        differs = {n: ("worktree" if a is None else a, "worktree" if b is None else b)
+                   for n, a, b in zip(_KEY_NAMES, key, base_key, strict=True) if a != b}
+        line: dict[str, Any] = {
+            "bench": "getpage",
+            "paired": " vs ".join(
+                "/".join(str(v[i]) for v in differs.values()) for i in (0, 1)
+            ),
+            "clients": key[0],
+            "queue_depth": key[4],
+            "rounds": len(pairs),
+            "load_1m": [r.get("load_1m") for r, _ in pairs],
+        }
+        for field in _PAIRED_FIELDS:
+            ratios = [round(r[field] / b[field], 3) for r, b in pairs
+                      if r.get(field) and b.get(field)]
+            if ratios:
+                line[f"{field}_ratio"] = {
+                    "median": round(statistics.median(ratios), 3),
+                    "min": min(ratios),
+                    "max": max(ratios),
+                    "rounds": ratios,
+                }
+        out.append(line)
     return out
 
 
@@ -1148,6 +1252,7 @@ def _emit(
     """Print ``row`` with its round and its ratio to the round's PostgreSQL row; keep it."""
     rows, round_no, pg_pages_per_s = ctx
     row["round"] = round_no
+    row["load_1m"] = round(os.getloadavg()[0], 2)
     if pg_pages_per_s:
         row["vs_postgres"] = round(row["pages_per_s"] / pg_pages_per_s, 2)
     print(json.dumps(row), flush=True)
@@ -1196,6 +1301,13 @@ def run(args: argparse.Namespace) -> int:
         impls = [k for k in args.impl.split(",") if k]
         for kernels in impls:
             _kernel_env(kernels)  # an unknown name fails before anything runs
+        trees: list[tuple[str | None, Path | None]] = [(None, None)]
+        for rev in [r for r in args.server_rev.split(",") if r]:
+            exported = _export_rev(rev, base / "trees")
+            trees.append(exported)
+            print(json.dumps({"bench": "getpage", "setup": "server tree", "tree": exported[0]}),
+                  flush=True)
+        order: list[tuple[Any, ...]] = []  # configuration keys in first-run order
         for round_no in range(args.rounds):
             for clients in client_counts:
                 config_args = argparse.Namespace(**{**vars(args), "clients": clients})
@@ -1208,22 +1320,33 @@ def run(args: argparse.Namespace) -> int:
                     print(json.dumps(row), flush=True)
                     rows.setdefault(("postgres", clients), []).append(row)
                 ctx = (rows, round_no, pg_pages_per_s)
-                for get_impl in args.get_impl.split(","):
-                    for cache in args.cache.split(","):
-                        for mode in modes:
-                            for qd in queue_depths:
-                                # Rotated per round: no security mode always runs first.
-                                shift = round_no % len(securities)
-                                for security in securities[shift:] + securities[:shift]:
-                                    for kernels in impls:
-                                        row = _run_config(
-                                            workdir, targets,
-                                            argparse.Namespace(**{**vars(config_args),
-                                                                  "kernels": kernels}),
-                                            mode, get_impl, cache, qd, security,
-                                        )
-                                        _emit(ctx, row, (clients, get_impl, cache, mode, qd,
-                                                         security, kernels))
+                # Rotated per round: no security mode always runs first.
+                shift = round_no % len(securities)
+                configs = [
+                    (get_impl, cache, mode, qd, security, kernels, tree)
+                    for get_impl in args.get_impl.split(",")
+                    for cache in args.cache.split(",")
+                    for mode in modes
+                    for qd in queue_depths
+                    for security in securities[shift:] + securities[:shift]
+                    for kernels in impls
+                    for tree in trees
+                ]
+                if args.interleave and round_no % 2:
+                    configs.reverse()  # A B, B A, A B, ...: drift hits every configuration alike
+                for get_impl, cache, mode, qd, security, kernels, (label, path) in configs:
+                    row = _run_config(
+                        workdir, targets,
+                        argparse.Namespace(**{**vars(config_args), "kernels": kernels,
+                                              "tree_path": path}),
+                        mode, get_impl, cache, qd, security,
+                    )
+                    if label is not None:
+                        row["tree"] = label
+                    key = (clients, get_impl, cache, mode, qd, security, kernels, label)
+                    if key not in order:
+                        order.append(key)
+                    _emit(ctx, row, key)
                 # The null servers use no kernels; their clients run the first --impl's.
                 floor_args = argparse.Namespace(**{**vars(config_args), "kernels": impls[0]})
                 for kind in floors:
@@ -1233,6 +1356,9 @@ def run(args: argparse.Namespace) -> int:
         if args.rounds > 1:
             for row in summary:
                 print(json.dumps(row), flush=True)
+        if args.interleave:
+            for line in _paired(rows, order):
+                print(json.dumps(line), flush=True)
         if args.plot:
             _plot(summary, args.plot)
     finally:

@@ -189,6 +189,7 @@ def test_emit_adds_the_ratio_to_postgres(capsys: pytest.CaptureFixture[str]) -> 
     _emit((rows, 1, 4000.0), {"pages_per_s": 9000}, ("k",))
     _emit((rows, 1, None), {"pages_per_s": 9000}, ("k",))
     first, second = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert isinstance(first.pop("load_1m"), float)  # the machine's load beside every row
     assert first == {"pages_per_s": 9000, "round": 1, "vs_postgres": 2.25}
     assert "vs_postgres" not in second
     assert len(rows[("k",)]) == 2

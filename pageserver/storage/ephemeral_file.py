@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -132,6 +133,12 @@ class EphemeralFile:
         """The whole content, e.g. to flush a frozen layer from memory in one pass."""
         return await self._writer.read_at(0, self._writer.length)
 
+    def mapped(self) -> mmap.mmap | None:
+        """The whole content mapped read-only (the caller closes it), for the flush of a big
+        frozen layer; ``None`` before ``freeze`` wrote the tail (the bytes are not all in the
+        file yet: ``read_all`` has them) or when there is nothing to map."""
+        return map_readonly(self.file.fd, self._writer.length) if self._writer.closed else None
+
     async def freeze(self) -> None:
         """No more appends: write the tail, drop the buffers; reads continue from the file."""
         await self._writer.close()
@@ -147,6 +154,14 @@ class EphemeralFile:
         await self.file.aclose()
         # Unlinking a large file can block for milliseconds: the engine's way, like its writes.
         await self.file.engine.unlink(self.file.path)
+
+
+def map_readonly(fd: int, length: int) -> mmap.mmap | None:
+    """``length`` bytes of the file ``fd`` mapped read-only (shared: the page cache's own pages,
+    no copy); ``None`` for an empty file (which cannot be mapped)."""
+    if length <= 0:
+        return None
+    return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
 
 
 def remove_stale_ephemeral_files(directory: str | os.PathLike[str]) -> list[Path]:

@@ -8,25 +8,24 @@ in array memory (issue 3's memory goal). Writes arrive in LSN order, so each key
 sorted by LSN; a second put of the same key at the same LSN replaces the first.
 
 Freezing sets ``end_lsn`` and stops appends; ``write_l0`` streams the frozen layer into an L0
-delta layer file in (key, lsn) order, in batches for ``LayerFileWriter.put_many`` built by C
-loops over the index arrays (``_l0_batches``), reading the ephemeral file whole when it is at
-most 64 MiB, else per batch, so a flush never holds more than that in memory. ``_entries`` is the
-same data one value at a time (the oracle the batch path is tested against).
+delta layer file in (key, lsn) order: the packing kernel (``_l0_c.pack_values``, twin
+``_l0_py``) cuts the values out of the ephemeral file's bytes (read whole up to 64 MiB, mapped
+beyond) and makes their index entries, a piece of at most 8 MiB of values per call, which
+``LayerFileWriter.put_packed`` takes whole. ``_entries`` is the same data one value at a time
+(the oracle the packed path is tested against).
 """
 
 from __future__ import annotations
 
-import struct
+import mmap
 import time
 from array import array
 from collections.abc import AsyncIterator, Iterable, Sequence
-from functools import lru_cache
 from itertools import islice, repeat
-from operator import add, and_, rshift
-from operator import sub as sub_
 from pathlib import Path
 from typing import Protocol, cast
 
+from pageserver.storage import _l0_select
 from pageserver.storage.delta_layer import ReadContext
 from pageserver.storage.ephemeral_file import EphemeralFile
 from pageserver.storage.io_engine import IoEngine
@@ -37,16 +36,15 @@ from pageserver.storage.value import decode_value
 from protocol.lsn import MAX_LSN, Lsn
 from protocol.wal.ingest_kernel import append_triples
 
+# A frozen layer of at most this many bytes is read whole for its flush; a bigger one is mapped.
 _READ_WHOLE_MAX = 64 * 1024 * 1024
-# Values read per engine call when a big layer is flushed value by value (bounded memory).
+# Values read per engine call by ``_entries`` (the per-value view) of a big layer.
 _READ_BATCH = 2048
-# Slack (bytes) up to which a big layer's flush reads a key's values as one range with the
-# other keys' values between them, rather than value by value.
-_SPAN_SLACK = 64 * 1024
-# ... and at most about this many bytes read per batch.
-_READ_BATCH_BYTES = 8 * 1024 * 1024
-# Values of one size cut by one struct call (``_values``; bounds the cached structs' size).
-_SAME_SIZE_RUN = 64
+# Bytes of values per packing call of ``write_l0`` (one writer call each; bounds the flush's
+# memory besides the index).
+_PACK_BYTES = 8 * 1024 * 1024
+# the L0 packing kernel (a module attribute, so tests can put the twin in its place)
+_pack_values = _l0_select.pack_values
 
 # ``try_put_mixed``'s items: a value (key, lsn, blob, will_init), a run of values of one key
 # (key, lsns, head, raws, will_init), or a packed run of values of one key and one length
@@ -72,30 +70,6 @@ def _run_entries(index: dict[Key, array[int]], key: Key, lsn: int) -> array[int]
     return found
 
 
-@lru_cache(maxsize=256)
-def _same_size_values(size: int, count: int) -> struct.Struct:
-    return struct.Struct(f"{size}s" * count)
-
-
-def _values(buf: bytes, offs: list[int], lens: array[int]) -> Iterable[bytes]:
-    """The values at ``offs`` of ``lens`` bytes in ``buf``, as ``bytes`` (``_l0_batches``).
-
-    When they are all of one size and back to back (a heap block's inserts of a bulk load),
-    one ``struct`` call cuts up to ``_SAME_SIZE_RUN`` of them (~0.04 µs per value, against
-    ~0.14 for a slice object and a slice each)."""
-    n = len(offs)
-    size = lens[0] if n else 0
-    if n < 4 or size == 0 or lens.count(size) != n or offs != list(range(offs[0], offs[0] + n * size, size)):
-        return map(buf.__getitem__, map(slice, offs, map(add, offs, lens)))
-    out: list[bytes] = []
-    at = offs[0]
-    for first in range(0, n, _SAME_SIZE_RUN):
-        count = min(_SAME_SIZE_RUN, n - first)
-        out += _same_size_values(size, count).unpack_from(buf, at)
-        at += count * size
-    return out
-
-
 class FrozenData(Protocol):
     """What ``write_l0`` reads of a frozen layer's data: an ``EphemeralFile``, or, in the L0
     worker process (``l0_worker``), the same file opened read-only."""
@@ -106,6 +80,10 @@ class FrozenData(Protocol):
     async def read_all(self) -> bytes: ...
 
     async def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]: ...
+
+    def mapped(self) -> mmap.mmap | None:
+        """The data mapped read-only (the caller closes it), or ``None`` while part of it is
+        still in a write buffer (then ``read_all`` has it all)."""
 
 
 class InMemoryLayer:
@@ -123,8 +101,8 @@ class InMemoryLayer:
     ) -> InMemoryLayer:
         """A frozen layer over ``data`` and ``index`` that is only good for ``write_l0`` (the
         L0 worker process rebuilds the pageserver's frozen layer this way, so that it writes
-        with the very same code: ``size``, ``_l0_batches`` and ``_cut`` only read ``length``,
-        ``read_all`` and ``read_many``)."""
+        with the very same code: ``size`` and ``write_l0`` only read ``length``, ``read_all``
+        and ``mapped``; ``_entries`` reads ``read_all`` and ``read_many``)."""
         layer = cls(cast(EphemeralFile, data), start_lsn)
         layer.index = index
         layer.end_lsn = end_lsn
@@ -419,106 +397,46 @@ class InMemoryLayer:
                 ranges = []
                 run_start = run_end = -1
 
-    async def _l0_batches(
-        self,
-    ) -> AsyncIterator[tuple[list[tuple[Key, int]], array[int], list[bytes], list[int]]]:
-        """The frozen layer in (key, lsn) order as ``LayerFileWriter.put_many`` batches
-        ``(runs, lsns, blobs, will_inits)`` of about ``_READ_BATCH`` values: the per-value work
-        is C loops over the index arrays (column slices, ``map``) instead of a tuple and an
-        async-generator step per value (``_entries``, the per-value view, is the same data).
-
-        The keys are sorted once; a key's triples are already in LSN order (appends arrive in
-        LSN order). A layer of at most ``_READ_WHOLE_MAX`` bytes is read whole and its values
-        are cut out of that one buffer (as ``bytes``: for values of a few hundred bytes a
-        memoryview slice costs more than the copy, ~0.7 against ~0.5 µs here). A bigger one is
-        read per batch (one ``read_many`` of at most about ``_READ_BATCH_BYTES``; a flush
-        never holds a whole ``checkpoint_distance`` in memory): a
-        key's values usually sit back to back in the file (or nearly: a key's span is read as
-        one range while it is at most twice its values plus ``_SPAN_SLACK``), the others are
-        read value by value, all in one engine call.
-        """
-        index = self.index
-        batch = _READ_BATCH
-        if self.size <= _READ_WHOLE_MAX:
-            whole = await self.file.read_all()
-            runs: list[tuple[Key, int]] = []
-            lsns = array("Q")
-            blobs: list[bytes] = []
-            wills: list[int] = []
-            for key in sorted(index):
-                entries = index[key]
-                count = len(entries) // 3
-                runs.append((key, count))
-                lsns.extend(entries[0::3])
-                pos = entries[1::3]
-                offs = list(map(rshift, pos, repeat(1)))
-                wills += map(and_, pos, repeat(1))
-                blobs += _values(whole, offs, entries[2::3])
-                if len(lsns) >= batch:
-                    yield runs, lsns, blobs, wills
-                    runs, lsns, blobs, wills = [], array("Q"), [], []
-            if runs:
-                yield runs, lsns, blobs, wills
-            return
-        # A big layer. Per batch: the ranges to read, and per run of values how to cut them
-        # out of what was read: (range index, offsets or None when each value is its own
-        # range, lengths).
-        ranges: list[tuple[int, int]] = []
-        cuts: list[tuple[int, list[int] | None, array[int]]] = []
-        runs, lsns, wills = [], array("Q"), []
-        read_bytes = 0
-        for key in sorted(index):
-            entries = index[key]
-            total_count = len(entries) // 3
-            for first in range(0, total_count, batch):  # a huge key is split across batches
-                sub = entries if total_count <= batch else entries[3 * first : 3 * (first + batch)]
-                count = len(sub) // 3
-                runs.append((key, count))
-                lsns.extend(sub[0::3])
-                pos = sub[1::3]
-                lens = sub[2::3]
-                wills += map(and_, pos, repeat(1))
-                offs = list(map(rshift, pos, repeat(1)))
-                lo = offs[0]
-                span = offs[-1] + lens[-1] - lo
-                size = sum(lens)
-                if span <= 2 * size + _SPAN_SLACK:
-                    cuts.append((len(ranges), list(map(sub_, offs, repeat(lo))), lens))
-                    ranges.append((lo, span))
-                    read_bytes += span
-                else:
-                    cuts.append((len(ranges), None, lens))
-                    ranges += zip(offs, lens, strict=True)
-                    read_bytes += size
-                # (bytes too: many keys read with their neighbours' values must not add up)
-                if len(lsns) >= batch or read_bytes >= _READ_BATCH_BYTES:
-                    yield runs, lsns, await self._cut(ranges, cuts), wills
-                    runs, lsns, wills = [], array("Q"), []
-                    ranges, cuts = [], []
-                    read_bytes = 0
-        if runs:
-            yield runs, lsns, await self._cut(ranges, cuts), wills
-
-    async def _cut(
-        self, ranges: list[tuple[int, int]], cuts: list[tuple[int, list[int] | None, array[int]]]
-    ) -> list[bytes]:
-        """Read ``ranges`` in one engine call, then cut the values out (``_l0_batches``)."""
-        data = await self.file.read_many(ranges)
-        blobs: list[bytes] = []
-        for at, offs, lens in cuts:
-            if offs is None:
-                blobs += data[at : at + len(lens)]
-            else:
-                blobs += _values(data[at], offs, lens)
-        return blobs
-
     async def write_l0(self, engine: IoEngine, directory: Path, opts: WriteOptions) -> Path | None:
-        """Write the frozen layer to an L0 delta layer file; None if it holds no value."""
+        """Write the frozen layer to an L0 delta layer file; None if it holds no value.
+
+        The keys are sorted once and the index arrays joined in that order (per key, C
+        copies); the packing kernel (``_l0_select.pack_values``, run by the IO engine: the
+        compiled one without the GIL) then cuts the values out of the layer's bytes and makes
+        their index entries, ``_PACK_BYTES`` of values per call, and the writer takes each
+        piece whole (``LayerFileWriter.put_packed``). The layer's bytes: read whole when at most
+        ``_READ_WHOLE_MAX``, else the file mapped read-only (its pages dropped from this
+        process's mapping after each piece: a flush never holds a ``checkpoint_distance`` of
+        it in memory; the page cache has it either way)."""
         if self.end_lsn is None:
             raise AssertionError("only a frozen in-memory layer is written to disk")
+        index = self.index
+        lsn_start, lsn_end = self.start_lsn, self.end_lsn
+
         async def fill(writer: LayerFileWriter) -> None:
-            async for runs, lsns, blobs, wills in self._l0_batches():
-                await writer.put_many(runs, lsns, blobs, wills)
+            if not index:
+                return
+            keys = sorted(index)
+            joined = b"".join(keys)
+            counts = array("Q", [len(index[key]) // 3 for key in keys])
+            triples: array[int] = array("Q")
+            for key in keys:
+                triples += index[key]
+            mapped = self.file.mapped() if self.size > _READ_WHOLE_MAX else None
+            src = mapped if mapped is not None else await self.file.read_all()
+            try:
+                key_at = sub = 0
+                while key_at < len(keys):
+                    data, entries, key_at, sub = await engine.run_sync(
+                        _pack_values, joined, counts, triples, src, key_at, sub,
+                        writer.next_offset, _PACK_BYTES, lsn_start, lsn_end,
+                    )
+                    await writer.put_packed(data, entries)
+                    if mapped is not None:
+                        mapped.madvise(mmap.MADV_DONTNEED)
+            finally:
+                if mapped is not None:
+                    mapped.close()
 
         return await write_layer_file(engine, directory, self.l0_desc(), opts, fill)
 

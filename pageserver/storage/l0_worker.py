@@ -1,10 +1,10 @@
 """The background L0 writer: a worker process that writes a frozen in-memory layer's L0 file.
 
 Writing the L0 of a rolled in-memory layer (``InMemoryLayer.write_l0``: cut the values out of
-the ephemeral file, CRC them, build the index, fsync, rename) costs ~0.85 µs of CPU per value,
-and pure Python holds the GIL, so a thread cannot take it off the WAL ingest's core. A worker
-*process* can (Neon's flush is a background task too; here it is a process because of the
-GIL). ``Timeline`` decides when (``l0_writer = "process"``, layers of at least
+the ephemeral file, CRC them, build the index, fsync, rename) is CPU time the WAL ingest's core
+should not pay: the packing kernel (``_l0_c``) releases the GIL, but the sort, the writes' own
+kernel time and, with the pure-Python twin, all of it hold a core. A worker *process* takes it
+off (Neon's flush is a background task too; here it is a process because of the GIL). ``Timeline`` decides when (``l0_writer = "process"``, layers of at least
 ``l0_writer_min_bytes``); this module only does the hand-off:
 
 - ``L0Worker`` (pageserver side): one long-lived ``python -m pageserver.storage.l0_worker``
@@ -33,7 +33,7 @@ request ``"L0Rq" u32 meta_len u64 body_len``, JSON meta, body (``iter_index_body
 
 Test seams (worker command-line flags, ``L0Worker(worker_args=...)``): ``--stall-s S`` sleeps
 before every job's write; ``--eio-jobs N`` makes the first N jobs' second write fail with EIO;
-``--big-layer-path`` writes small layers through the big-layer path (read per batch).
+``--big-layer-path`` writes small layers through the big-layer path (mapped, in small pieces).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import mmap
 import os
 import struct
 import sys
@@ -54,6 +55,7 @@ import trio
 
 from common.child_io import open_pipes, read_exact, start_watchdog
 from common.children import reap, spawn, stop
+from pageserver.storage.ephemeral_file import map_readonly
 from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.io_engine import BlockingIoEngine, IoFile
 from pageserver.storage.key import KEY_SIZE, Key
@@ -344,6 +346,9 @@ class _FrozenFile:
     async def read_all(self) -> bytes:
         return await self._file.read_exact_at(0, self.length)
 
+    def mapped(self) -> mmap.mmap | None:
+        return map_readonly(self._file.fd, self.length)
+
     async def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         for offset, size in ranges:
             if offset < 0 or size < 0 or offset + size > self.length:
@@ -431,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stall-s", type=float, default=0.0, help="test seam: sleep before each write")
     parser.add_argument("--eio-jobs", type=int, default=0, help="test seam: the first N jobs fail with EIO")
     parser.add_argument("--big-layer-path", action="store_true",
-                        help="test seam: write every layer through the big-layer path, in small batches")
+                        help="test seam: write every layer through the big-layer path, in small pieces")
     args = parser.parse_args(argv)
     if args.nice:
         os.nice(args.nice)
@@ -439,9 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pageserver.storage import inmemory_layer
 
         inmemory_layer._READ_WHOLE_MAX = 0
-        inmemory_layer._READ_BATCH = 37
-        inmemory_layer._SPAN_SLACK = 300
-        inmemory_layer._READ_BATCH_BYTES = 20_000
+        inmemory_layer._PACK_BYTES = 20_000
     try:
         return _serve(args)
     except (BrokenPipeError, EOFError, KeyboardInterrupt):

@@ -707,6 +707,62 @@ class LayerFileWriter:
             self._n_in_block += k
             i += k
 
+    @property
+    def next_offset(self) -> int:
+        """The file offset the next blob goes to."""
+        return self._offset
+
+    async def put_packed(self, data: bytes | memoryview, entries: bytes | memoryview) -> None:
+        """``put`` of entries already packed (the L0 writer's way: ``_l0_select.pack_values``
+        cut ``data`` out of the in-memory layer and made ``entries``, 42-byte ``ENTRY`` records
+        whose positions start at ``next_offset``, in strictly increasing (key, lsn) order, LSNs
+        inside the layer). The file is byte for byte what a ``put`` loop over the same values
+        writes (tests/pageserver/test_layer_writer_fast.py): ``data`` goes to the writer as one
+        write, the entries into the index blocks with one copy per (part of a) block.
+
+        Checked here, before anything is written: whole entries, the first above the last entry
+        written, the first and last keys inside the layer's key range, the first entry at
+        ``next_offset`` and the last ending where ``data`` does (the packer checked the rest)."""
+        size = ENTRY.size
+        n, rest = divmod(len(entries), size)
+        if rest:
+            raise ValueError(f"{self.final_path.name}: packed entries of {len(entries)} bytes")
+        if n == 0:
+            if len(data):
+                raise ValueError(f"{self.final_path.name}: {len(data)} packed bytes without an entry")
+            return
+        view = memoryview(entries)
+        first = bytes(view[:_PREFIX])
+        last_at = (n - 1) * size
+        last = bytes(view[last_at : last_at + _PREFIX])
+        if first <= self._last_prefix:
+            raise ValueError(f"{self.final_path.name}: entries out of order at {key_hex(first[:KEY_SIZE])}")
+        key_range = self.desc.key_range
+        if not (key_range.start <= first[:KEY_SIZE] and last[:KEY_SIZE] < key_range.end):
+            raise ValueError(f"{self.final_path.name}: packed keys outside the layer's {key_range}")
+        _, pos0, _, _ = ENTRY.unpack_from(view, 0)
+        _, pos_n, len_n, _ = ENTRY.unpack_from(view, last_at)
+        end = self._offset + len(data)
+        if pos0 >> 1 != self._offset or (pos_n >> 1) + len_n != end:
+            raise ValueError(f"{self.final_path.name}: packed entries do not place the data at {self._offset}")
+        if self.writer.try_write(data) < 0:
+            await self.writer.write(data)
+        self._offset = end
+        self._n_entries += n
+        self._last_prefix = last
+        i = 0
+        block = self._block
+        while i < n:
+            if self._n_in_block == ENTRIES_PER_BLOCK:
+                await self._spill_block()
+            if self._n_in_block == 0:
+                self._fences.append(bytes(view[i * size : i * size + _PREFIX]))
+            k = min(ENTRIES_PER_BLOCK - self._n_in_block, n - i)
+            at = _BLOCK_HDR.size + self._n_in_block * size
+            block[at : at + k * size] = view[i * size : (i + k) * size]
+            self._n_in_block += k
+            i += k
+
     async def _spill_block(self) -> None:
         """Seal the current index block (header, crc, zero tail) and append it to the scratch
         index file; the block buffer is reused for the next one."""

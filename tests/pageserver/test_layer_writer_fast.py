@@ -1,10 +1,11 @@
 """The layer writer's batch path agrees byte for byte with its per-entry path.
 
-``LayerFileWriter.put_many`` (and ``InMemoryLayer.write_l0``, which feeds it from
-``_l0_batches``) must write exactly the file a ``put`` loop over the same entries writes: ``put``
-is the oracle. Hypothesis draws values (empty, small, bigger than an index block), keys with
-many LSNs, runs split anywhere (inside a key, across index blocks); mutants of the batch code
-(a fence, a crc, a block boundary, a value cut of the big-layer flush) must be caught.
+``LayerFileWriter.put_many`` (and ``InMemoryLayer.write_l0``, which packs the values with
+``_l0_select.pack_values``, compiled or twin, and hands the pieces to ``put_packed``) must write
+exactly the file a ``put`` loop over the same entries writes: ``put`` is the oracle. Hypothesis
+draws values (empty, small, bigger than an index block), keys with many LSNs, runs split
+anywhere (inside a key, across index blocks, across packed pieces); mutants of the batch code
+(a fence, a crc, a block boundary, a value cut, a cursor of the packing) must be caught.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as hst
 from hypothesis.errors import HypothesisWarning
 
-from pageserver.storage import inmemory_layer
+from pageserver.storage import _l0_py, inmemory_layer
 from pageserver.storage.delta_layer import write_delta_layer
 from pageserver.storage.ephemeral_file import EphemeralFile
 from pageserver.storage.inmemory_layer import InMemoryLayer
@@ -39,6 +40,9 @@ from pageserver.storage.layer_file import (
     WriteOptions,
 )
 from protocol.lsn import Lsn
+from tests.conftest import kernel
+
+L0 = "pageserver.storage._l0_c"
 
 Entry = tuple[Key, int, bytes, bool]
 
@@ -200,13 +204,13 @@ async def test_put_many_refuses_will_init_flags_other_than_0_1(tmp_path: Path) -
 def layer_puts(draw: hst.DrawFn) -> list[tuple[Key, int, bytes, bool]]:
     """Puts in LSN order over a few keys, interleaved (so a key's values are scattered in the
     ephemeral file) or in streaks (back to back), some at an LSN already put (replaced); in
-    half the cases nearly all of one size (a bulk load's inserts: cut by ``_values``' struct
-    path, in streaks longer than ``_SAME_SIZE_RUN`` too)."""
+    half the cases nearly all of one size (a bulk load's inserts, in streaks longer than an
+    index block's entries too)."""
     n_keys = draw(hst.integers(1, 12))
     n = draw(hst.integers(1, 700))
     streaky = draw(hst.booleans())
     one_size = draw(hst.sampled_from([None, 0, 1, 140, 9000]))
-    streak = draw(hst.sampled_from([3, 60, 64, 65, 129, 129]))
+    streak = draw(hst.sampled_from([3, 60, 64, 65, 129, 200]))
     keys_return = draw(hst.booleans())
     rng = random.Random(draw(hst.integers(0, 2**32)))  # (see entries_and_cuts)
     puts: list[tuple[Key, int, bytes, bool]] = []
@@ -262,17 +266,15 @@ def _assert_same_file(got: bytes, want: bytes) -> None:
         )
 
 
-def _same_l0_both_ways(puts: list[tuple[Key, int, bytes, bool]], big: bool) -> None:
+def _same_l0_both_ways(puts: list[tuple[Key, int, bytes, bool]], big: bool, impl: str = "python") -> None:
     root = Path(tempfile.mkdtemp(prefix="pagestore-l0-"))
     try:
         with pytest.MonkeyPatch.context() as m:
+            m.setattr(inmemory_layer, "_pack_values", kernel(impl, L0).pack_values)
             if big:
-                # the big-layer path, small batches (keys split across them), and both ways of
-                # reading a key: its span as one range, or value by value
+                # the big-layer path (the file mapped), in small pieces (keys split across them)
                 m.setattr(inmemory_layer, "_READ_WHOLE_MAX", 0)
-                m.setattr(inmemory_layer, "_READ_BATCH", 37)
-                m.setattr(inmemory_layer, "_SPAN_SLACK", 300)
-                m.setattr(inmemory_layer, "_READ_BATCH_BYTES", 20_000)
+                m.setattr(inmemory_layer, "_PACK_BYTES", 300)
             want, got = trio.run(_l0_both_ways, root, puts)
         _assert_same_file(got, want)
     finally:
@@ -280,9 +282,8 @@ def _same_l0_both_ways(puts: list[tuple[Key, int, bytes, bool]], big: bool) -> N
 
 
 def _bulk_load_puts() -> list[tuple[Key, int, bytes, bool]]:
-    """A bulk load's shape: 130 inserts of one size per heap block, back to back (cut by
-    ``_values``' struct path in several calls), and a relation-size key put once per block
-    (scattered: cut value by value)."""
+    """A bulk load's shape: 130 inserts of one size per heap block, back to back, and a
+    relation-size key put once per block (scattered)."""
     rng = random.Random(7)
     puts: list[tuple[Key, int, bytes, bool]] = []
     lsn = 100
@@ -294,15 +295,15 @@ def _bulk_load_puts() -> list[tuple[Key, int, bytes, bool]]:
     return puts
 
 
-def test_write_l0_of_a_bulk_load_writes_the_same_file_as_put() -> None:
+def test_write_l0_of_a_bulk_load_writes_the_same_file_as_put(impl: str) -> None:
     for big in (False, True):
-        _same_l0_both_ways(_bulk_load_puts(), big)
+        _same_l0_both_ways(_bulk_load_puts(), big, impl)
 
 
 @settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(puts=layer_puts(), big=hst.booleans())
-def test_write_l0_writes_the_same_file_as_put(puts: list[tuple[Key, int, bytes, bool]], big: bool) -> None:
-    _same_l0_both_ways(puts, big)
+def test_write_l0_writes_the_same_file_as_put(impl: str, puts: list[tuple[Key, int, bytes, bool]], big: bool) -> None:
+    _same_l0_both_ways(puts, big, impl)
 
 
 async def test_write_l0_of_an_empty_layer_writes_nothing(tmp_path: Path) -> None:
@@ -370,25 +371,25 @@ def test_a_writer_mutant_is_caught(old: str, new: str, monkeypatch: pytest.Monke
             _quick(_same_file_both_ways_case, case=entries_and_cuts())
 
 
-_L0_MUTANTS: list[tuple[str, str, str]] = [
-    # a key read value by value gets its neighbour's value
-    ("_cut", "blobs += data[at : at + len(lens)]", "blobs += data[at + 1 : at + 1 + len(lens)] or data[at : at + len(lens)]"),
-    # a key read as one span (or a whole layer's key) is cut one byte late
-    ("_values", "map(slice, offs, map(add, offs, lens))", "map(slice, map(add, offs, repeat(1)), map(add, offs, lens))"),
-    # values of one size cut by struct without checking they are back to back
-    ("_values", " or offs != list(range(offs[0], offs[0] + n * size, size))", ""),
-    # every struct call of a long run cuts from the run's start
-    ("_values", ".unpack_from(buf, at)", ".unpack_from(buf, offs[0])"),
-    # the whole-layer path loses the will_init bit
-    ("_l0_batches", "wills += map(and_, pos, repeat(1))", "wills += repeat(0, count)"),
+_L0_MUTANTS: list[tuple[str, str]] = [
+    # a value cut one byte late
+    ("blob = bytes(sv[off : off + length])", "blob = bytes(sv[off + 1 : off + 1 + length])"),
+    # the will_init bit lost
+    ("| (pos & 1)", "| 0"),
+    # a piece's next cursor skips the value it stopped at
+    ("                stopped = True\n", "                stopped = True\n                sub += 1\n"),
+    # a piece's positions start at the data offset of the layer, not of the piece
+    ("((data_offset + out) << 1)", "((data_offset) << 1)"),
+    # the crc of a value misses its last byte
+    ("crc32c(blob)", "crc32c(blob[:-1])"),
 ]
 
 
-@pytest.mark.parametrize(("name", "old", "new"), _L0_MUTANTS)
-def test_a_write_l0_mutant_is_caught(name: str, old: str, new: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("old", "new"), _L0_MUTANTS)
+def test_a_write_l0_mutant_is_caught(old: str, new: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as m:
-        _mutate(m, inmemory_layer if name == "_values" else InMemoryLayer, name, old, new)
-        with pytest.raises((AssertionError, ValueError)):  # a wrong file, or a refused batch
+        _mutate(m, _l0_py, "_pack", old, new)
+        with pytest.raises((AssertionError, ValueError)):  # a wrong file, or a refused piece
             _same_l0_both_ways(_bulk_load_puts(), big=False)
             _same_l0_both_ways(_bulk_load_puts(), big=True)
             _quick(_same_l0_both_ways, puts=layer_puts(), big=hst.booleans())

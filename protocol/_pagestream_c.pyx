@@ -7,6 +7,8 @@
 
 from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memcpy
+from libc.stdlib cimport free, malloc
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_GET_SIZE
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
 
@@ -91,56 +93,94 @@ def decode_getpages(buf, pos, end, v3, limit, make_request, make_rel, rels):
     return out, p
 
 
+cdef struct RespHead:
+    uint64_t reqid
+    uint64_t lsn
+    uint64_t nms
+    uint32_t spc
+    uint32_t db
+    uint32_t relnode
+    uint32_t blk
+    unsigned char fork
+    const char *page
+
+
+cdef const char *_page_ptr(object page, list held) except NULL:
+    """The 8192 bytes of ``page`` (bytes directly; any other buffer through a memoryview
+    kept in ``held`` until the copies are done)."""
+    cdef Py_buffer view
+    cdef Py_ssize_t size
+    if PyBytes_CheckExact(page):
+        size = PyBytes_GET_SIZE(page)
+        if size != C_BLCKSZ:
+            raise ValueError(f"a page is {BLCKSZ} bytes, got {size}")
+        return PyBytes_AS_STRING(page)
+    PyObject_GetBuffer(page, &view, PyBUF_SIMPLE)
+    try:
+        size = view.len
+    finally:
+        PyBuffer_Release(&view)
+    if size != C_BLCKSZ:
+        raise ValueError(f"a page is {BLCKSZ} bytes, got {size}")
+    mv = memoryview(page)
+    held.append(mv)
+    cdef const unsigned char[::1] m = mv.cast("B")
+    return <const char *>&m[0]
+
+
 def encode_getpage_responses(out, v3, requests, pages):
     """Append one framed GetPage response per (request, page) to ``out``; see the twin."""
     cdef Py_ssize_t n = len(requests), i
     if len(pages) != n:
         raise ValueError(f"{n} requests but {len(pages)} pages")
-    cdef Py_buffer view
-    for i in range(n):
-        PyObject_GetBuffer(pages[i], &view, PyBUF_SIMPLE)
-        try:
-            if view.len != C_BLCKSZ:
-                raise ValueError(f"a page is {BLCKSZ} bytes, got {view.len}")
-        finally:
-            PyBuffer_Release(&view)
-    if not isinstance(out, bytearray):
-        raise TypeError("out must be a bytearray")
     cdef bint is_v3 = bool(v3)
     cdef Py_ssize_t head = RESP_V3_HEAD if is_v3 else RESP_V2_HEAD
-    cdef Py_ssize_t at = PyByteArray_GET_SIZE(out)
-    cdef Py_ssize_t grow = n * (head + C_BLCKSZ)
-    # the values first (what can fail), then one resize and the copies
-    cdef list vals = []
-    if is_v3:
-        for req in requests:
-            r = req.rel
-            vals.append((req.reqid, req.request_lsn, req.not_modified_since, r.spcnode,
-                         r.dbnode, r.relnode, r.forknum, req.blkno))
-    PyByteArray_Resize(out, at + grow)
-    cdef unsigned char *d = <unsigned char *>PyByteArray_AS_STRING(out) + at
-    cdef uint64_t reqid, lsn, nms
-    cdef uint32_t spc, db, relnode, blk
-    cdef unsigned char fork
+    cdef Py_ssize_t at, grow = n * (head + C_BLCKSZ)
+    # Every value first (what can fail: a page of the wrong size, a field that is not an
+    # integer in range), into C structs rather than a tuple per request; then one resize and
+    # the copies, so an error appends nothing.
+    cdef RespHead *hs = <RespHead *>malloc(<size_t>(n if n else 1) * sizeof(RespHead))
+    if hs == NULL:
+        raise MemoryError()
+    cdef list held = []
+    cdef unsigned char *d
+    cdef RespHead *h
     try:
+        for i in range(n):
+            hs[i].page = _page_ptr(pages[i], held)
+        if not isinstance(out, bytearray):
+            raise TypeError("out must be a bytearray")
+        at = PyByteArray_GET_SIZE(out)
+        if is_v3:
+            for i in range(n):
+                req = requests[i]
+                r = req.rel
+                h = &hs[i]
+                h.reqid = req.reqid
+                h.lsn = req.request_lsn
+                h.nms = req.not_modified_since
+                h.spc = r.spcnode
+                h.db = r.dbnode
+                h.relnode = r.relnode
+                h.fork = r.forknum
+                h.blk = req.blkno
+        PyByteArray_Resize(out, at + grow)
+        d = <unsigned char *>PyByteArray_AS_STRING(out) + at
         for i in range(n):
             d[0] = 0x64
             ps_put_be32(d + 1, <uint32_t>(head - 1 + C_BLCKSZ))
             d[5] = TAG_GET_PAGE_RESPONSE
             if is_v3:
-                reqid, lsn, nms, spc, db, relnode, fork, blk = vals[i]
-                ps_put_be64(d + 6, reqid)
-                ps_put_be64(d + 14, lsn)
-                ps_put_be64(d + 22, nms)
-                ps_put_be32(d + 30, spc)
-                ps_put_be32(d + 34, db)
-                ps_put_be32(d + 38, relnode)
-                d[42] = fork
-                ps_put_be32(d + 43, blk)
-            PyObject_GetBuffer(pages[i], &view, PyBUF_SIMPLE)
-            memcpy(d + head, view.buf, C_BLCKSZ)
-            PyBuffer_Release(&view)
+                h = &hs[i]
+                ps_put_be64(d + 6, h.reqid)
+                ps_put_be64(d + 14, h.lsn)
+                ps_put_be64(d + 22, h.nms)
+                ps_put_be32(d + 30, h.spc)
+                ps_put_be32(d + 34, h.db)
+                ps_put_be32(d + 38, h.relnode)
+                d[42] = h.fork
+                ps_put_be32(d + 43, h.blk)
+            memcpy(d + head, hs[i].page, C_BLCKSZ)
             d += head + C_BLCKSZ
-    except BaseException:
-        PyByteArray_Resize(out, at)  # nothing appended, as on every other error
-        raise
+    finally:
+        free(hs)

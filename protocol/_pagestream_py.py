@@ -12,7 +12,8 @@
   emptied when it holds ``MAX_CACHED_RELS``): a compute reads few relations at a time.
 - ``encode_getpage_responses(out, v3, requests, pages)``: append one framed GetPage response
   per (request, page) to the bytearray ``out`` (v3 echoes the request; v2 is the tag and the
-  page); each page must be ``BLCKSZ`` bytes (``ValueError`` otherwise, nothing appended).
+  page); each page must be ``BLCKSZ`` bytes (``ValueError`` otherwise, nothing appended),
+  ``out`` a ``bytearray`` (``TypeError``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def encode_getpage_responses(
     for page in pages:
         if len(memoryview(page).cast("B")) != BLCKSZ:
             raise ValueError(f"a page is {BLCKSZ} bytes, got {len(memoryview(page).cast('B'))}")
+    if not isinstance(out, bytearray):
+        raise TypeError("out must be a bytearray")
     for req, page in zip(requests, pages, strict=True):
         if v3:
             r = req.rel

@@ -127,6 +127,22 @@ def test_encode_refuses_whole_batches_with_a_bad_page_or_count(impl: str, pages:
     assert out == b"keep"
 
 
+@pytest.mark.parametrize("bad", [bytearray(b"x" * 8191), memoryview(b"x" * 8193), b""])
+def test_encode_checks_every_page_before_writing_any(impl: str, bad: bytes) -> None:
+    # a bad page after good ones of every buffer kind: nothing of the batch is written
+    mod = kernel(impl, PS)
+    out = bytearray(b"keep")
+    pages = [b"a" * 8192, bytearray(b"b" * 8192), memoryview(b"c" * 8192), bad]
+    with pytest.raises(ValueError):
+        mod.encode_getpage_responses(out, True, [_gp(i, 3) for i in range(4)], pages)
+    assert out == b"keep"
+
+
+def test_encode_wants_a_bytearray(impl: str) -> None:
+    with pytest.raises(TypeError):
+        kernel(impl, PS).encode_getpage_responses(b"", True, [_gp(0, 3)], [b"x" * 8192])  # type: ignore[arg-type]
+
+
 def test_writer_get_pages_is_get_page_per_page() -> None:
     reqs = [_gp(i, 3) for i in range(4)]
     pages = [bytes([i]) * 8192 for i in range(4)]

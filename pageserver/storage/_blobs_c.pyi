@@ -1,8 +1,8 @@
 """Types of the compiled blob gather (pageserver/storage/_blobs_c.pyx); the reference is
 pageserver/storage/_blobs_py.py."""
 
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 __all__ = ["IMPL", "BlobChecksumError", "BlobOutsideRead", "ShortRead", "gather_blobs"]
 
@@ -15,8 +15,8 @@ class BlobOutsideRead(ValueError): ...
 class BlobChecksumError(ValueError): ...
 
 def gather_blobs(
-    jobs: Sequence[tuple[int, int, int]],
-    spans: Sequence[tuple[int, int]],
+    reads: Sequence[tuple[Any, int, int, int, int]],
     blobs: Sequence[tuple[int, int, int]],
+    fd_of: Callable[[Any], int],
     probe: bool,
-) -> tuple[list[bytes], bytes, int, bool]: ...
+) -> tuple[list[bytes], bytes, int, bool, int]: ...

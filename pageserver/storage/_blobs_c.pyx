@@ -185,34 +185,38 @@ cdef int _check(Job *jobs, Py_ssize_t n, Blob *blobs, Py_ssize_t *bad_job,
     return ST_OK
 
 
-def gather_blobs(jobs, spans, blobs, probe):
+def gather_blobs(reads, blobs, fd_of, probe):
     """Perform the planned reads and hand out their checked blobs: see the twin."""
-    cdef Py_ssize_t n = len(jobs), nb = len(blobs), i, s
-    if len(spans) != n:
-        raise ValueError(f"{n} reads but {len(spans)} spans")
+    cdef Py_ssize_t n = len(reads), nb = len(blobs), i, s
     cdef Job *js = <Job *>calloc(n if n else 1, sizeof(Job))
     cdef Blob *bs = <Blob *>calloc(nb if nb else 1, sizeof(Blob))
     cdef int calls = 0, err = 0, status = ST_OK
     cdef bint supported = True
     cdef bint try_nowait = bool(probe)
     cdef Py_ssize_t bad_job = 0, bad_slot = 0
-    cdef int64_t expected = 0, first, count, offset, total
+    cdef int64_t expected = 0, first, count, offset, total, nbytes = 0
+    cdef int fd = -1
     cdef const unsigned char *p
     cdef unsigned char *q
     cdef list tails = [None] * n
+    cdef object last = None, reader
+    cdef bint have_fd = False
     if js == NULL or bs == NULL:
         free(js)
         free(bs)
         raise MemoryError()
     try:
         for i in range(n):
-            first, count = spans[i]
+            reader, offset, total, first, count = reads[i]
             if first != expected or count < 0:
                 raise ValueError(f"span ({first}, {count}) does not follow slot {expected}")
             expected += count
-            fd, offset, total = jobs[i]
             if total < 0 or offset < 0:
                 raise ValueError(f"read {i}: offset {offset}, length {total}")
+            if not have_fd or reader is not last:
+                # one lookup per run of reads of one reader (a batch reads few layers)
+                fd = fd_of(reader)
+                last, have_fd = reader, True
             js[i].fd, js[i].offset, js[i].total = fd, offset, total
             js[i].first, js[i].count = first, count
         if expected != nb:
@@ -242,6 +246,8 @@ def gather_blobs(jobs, spans, blobs, probe):
             raise BlobOutsideRead(bad_job, bad_slot)
         if status == ST_CRC:
             raise BlobChecksumError(bad_job, bad_slot)
+        for i in range(n):
+            nbytes += js[i].total  # (each was read whole: no overflow)
         values = []
         kinds = bytearray(nb)
         for i in range(n):
@@ -265,7 +271,7 @@ def gather_blobs(jobs, spans, blobs, probe):
                     kinds[s] = 1
                 else:
                     values.append(PyBytes_FromStringAndSize(<const char *>p, bs[s].length))
-        return values, bytes(kinds), calls, supported
+        return values, bytes(kinds), calls, supported, nbytes
     finally:
         for i in range(n):
             if js[i].tail == NULL:

@@ -14,11 +14,13 @@ them concurrently), and the reads wait for their data in turn. ``probe`` says wh
 ``RWF_NOWAIT`` at all; the result says whether it is still worth trying (False once a file
 system refused the flag).
 
-Arguments: ``jobs`` is one ``(fd, file offset, total bytes)`` per read; ``spans`` is, per
-read, ``(first slot, blob count)`` with the reads' slots consecutive from 0 in order;
-``blobs`` is ``(file offset, length, crc32c)`` per slot. Returns ``(values, kinds, calls,
-probe)``: one value per slot, ``kinds[slot]`` 1 where the value is an image's page and 0
-where it is an encoded value, the number of ``preadv`` calls, and the new ``probe``.
+Arguments: ``reads`` is one ``(reader, file offset, total bytes, first slot, blob count)``
+per read (the planner's ``ReadContext.reads``), the reads' slots consecutive from 0 in order;
+``fd_of(reader)`` gives a reader's descriptor (called once per run of reads of the same
+reader object, before any read: it may raise, e.g. for a closed file); ``blobs`` is ``(file
+offset, length, crc32c)`` per slot. Returns ``(values, kinds, calls, probe, bytes)``: one
+value per slot, ``kinds[slot]`` 1 where the value is an image's page and 0 where it is an
+encoded value, the number of ``preadv`` calls, the new ``probe``, and the bytes read.
 
 Errors: ``ShortRead`` (the file ended inside a read), ``BlobOutsideRead`` (an index entry
 that does not lie inside its read), ``BlobChecksumError`` (a CRC mismatch), each naming the
@@ -31,8 +33,8 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 from crc32c import crc32c
 
@@ -91,21 +93,27 @@ def _read_all(
 
 
 def gather_blobs(
-    jobs: Sequence[tuple[int, int, int]],
-    spans: Sequence[tuple[int, int]],
+    reads: Sequence[tuple[Any, int, int, int, int]],
     blobs: Sequence[tuple[int, int, int]],
+    fd_of: Callable[[Any], int],
     probe: bool,
-) -> tuple[list[bytes], bytes, int, bool]:
+) -> tuple[list[bytes], bytes, int, bool, int]:
     """Perform the planned reads and hand out their checked blobs: see the module docstring."""
-    if len(spans) != len(jobs):
-        raise ValueError(f"{len(jobs)} reads but {len(spans)} spans")
     expected = 0
-    for n, ((first, count), (_fd, offset, total)) in enumerate(zip(spans, jobs, strict=True)):
+    jobs: list[tuple[int, int, int]] = []
+    spans: list[tuple[int, int]] = []
+    last: Any = None
+    fd = -1
+    for n, (reader, offset, total, first, count) in enumerate(reads):
         if first != expected or count < 0:
             raise ValueError(f"span ({first}, {count}) does not follow slot {expected}")
+        expected += count
         if total < 0 or offset < 0:
             raise ValueError(f"read {n}: offset {offset}, length {total}")
-        expected += count
+        if not jobs or reader is not last:
+            fd, last = fd_of(reader), reader
+        jobs.append((fd, offset, total))
+        spans.append((first, count))
     if expected != len(blobs):
         raise ValueError(f"spans cover {expected} slots of {len(blobs)}")
     results, calls, supported = _read_all(jobs, probe)
@@ -130,4 +138,4 @@ def gather_blobs(
                 kinds[slot] = 1
             else:
                 values.append(bytes(data))
-    return values, bytes(kinds), calls, supported
+    return values, bytes(kinds), calls, supported, sum(total for _, _, total in jobs)

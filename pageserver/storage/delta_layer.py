@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import operator
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, MutableMapping, Sequence
@@ -100,9 +99,12 @@ _plan_cached = _plan_select.plan_cached
 _EntryOutsideData = _plan_select.EntryOutsideData
 
 
-# (first slot, blob count) of a planned read; the bytes of a job
-_span_of: Callable[[tuple[LayerFileReader, int, int, int, int]], tuple[int, int]] = operator.itemgetter(3, 4)
-_total_of: Callable[[tuple[int, int, int]], int] = operator.itemgetter(2)
+def _fd_of(reader: LayerFileReader) -> int:
+    # A file closed since the walk planned its reads (a timeline shut down under the read)
+    # must not be read: its descriptor number may already belong to another file.
+    if reader.file.closed:
+        raise LayerClosedError(reader.path)
+    return reader.file.fd
 
 
 async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:
@@ -116,17 +118,11 @@ async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:
     if not ctx.reads:
         return []
     engine = ctx.reads[0][0].engine
-    # A file closed since the walk planned its reads (a timeline shut down under the read)
-    # must not be read: its descriptor number may already belong to another file.
-    jobs = [(r.file.fd, offset, total) for r, offset, total, _, _ in ctx.reads if not r.file.closed]
-    if len(jobs) != len(ctx.reads):
-        closed = next(r for r, *_ in ctx.reads if r.file.closed)
-        raise LayerClosedError(closed.path)
-    spans = list(map(_span_of, ctx.reads))  # (C loops: a batch's reads are mostly one page each)
     blobs = ctx.blobs
     try:
-        raw, kinds, calls, supported = await engine.run_sync(
-            _gather_blobs, jobs, spans, blobs, _nowait[0]
+        # the planned reads as they are: the kernel asks ``_fd_of`` once per layer of them
+        raw, kinds, calls, supported, nbytes = await engine.run_sync(
+            _gather_blobs, ctx.reads, blobs, _fd_of, _nowait[0]
         )
     except _ShortRead as exc:
         n, got, total = exc.args
@@ -140,7 +136,7 @@ async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:
     if not supported:
         _nowait[0] = False
     engine.stats.preadvs += calls
-    engine.stats.bytes_read += sum(map(_total_of, jobs))
+    engine.stats.bytes_read += nbytes
     values: list[Value | bytes]
     if 0 not in kinds:
         values = raw  # type: ignore[assignment]  # all images: the bare pages
@@ -159,7 +155,7 @@ async def execute_reads(ctx: ReadContext) -> list[Value | bytes]:
                 append(decoders[tag](memoryview(data)[1:]))
             else:
                 append(decode_value(data))
-    ctx.vectored_reads += len(jobs)
+    ctx.vectored_reads += len(ctx.reads)
     ctx.blobs_read += len(values)
     ctx.reads.clear()
     ctx.blobs.clear()

@@ -26,12 +26,30 @@ from tests.conftest import kernel
 BLOBS = "pageserver.storage._blobs_c"
 
 
+def _fd(reader: object) -> int:
+    """The tests' readers are their descriptors; the string "closed" a closed layer."""
+    if reader == "closed":
+        raise LookupError("the layer's file is closed")
+    assert isinstance(reader, int)
+    return reader
+
+
+def _gather(
+    mod: ModuleType, jobs: list[tuple[object, int, int]], spans: list[tuple[int, int]],
+    blobs: list[tuple[int, int, int]], probe: bool,
+) -> tuple[list[bytes], bytes, int, bool, int]:
+    """``gather_blobs`` of the planner's reads made from (fd, offset, total) jobs and their
+    (first slot, count) spans (a read without a span has none: what the planner never makes)."""
+    reads = [(j[0], j[1], j[2], *span) for j, span in zip(jobs, spans, strict=False)]
+    return mod.gather_blobs(reads, blobs, _fd, probe)  # type: ignore[no-any-return]
+
+
 def _outcome(mod: ModuleType, *args: object) -> tuple[object, ...]:
     try:
-        values, kinds, _calls, supported = mod.gather_blobs(*args)
+        values, kinds, _calls, supported, nbytes = _gather(mod, *args)  # type: ignore[arg-type]
     except Exception as exc:
         return ("err", type(exc).__name__, exc.args)
-    return ("ok", values, kinds, supported)
+    return ("ok", values, kinds, supported, nbytes)
 
 
 @pytest.fixture
@@ -72,8 +90,9 @@ def test_twin_tag_is_the_value_format_s() -> None:
 def test_images_come_out_bare_and_values_whole(impl: str, blob_file: tuple[int, list[tuple[int, int, int]], bytes], probe: bool) -> None:
     fd, blobs, data = blob_file
     jobs, spans = _plan(fd, blobs, [3, 1, 5, 3])
-    values, kinds, calls, supported = kernel(impl, BLOBS).gather_blobs(jobs, spans, blobs, probe)
+    values, kinds, calls, supported, nbytes = _gather(kernel(impl, BLOBS), jobs, spans, blobs, probe)
     assert calls >= len(jobs) and supported
+    assert nbytes == sum(total for _, _, total in jobs)
     for (off, length, _), value, kind in zip(blobs, values, kinds, strict=True):
         blob = data[off : off + length]
         assert (value, kind) == ((blob[1:], 1) if blob[0] == TAG_IMAGE else (blob, 0))
@@ -99,6 +118,7 @@ def _hostile(fd: int, blobs: list[tuple[int, int, int]], size: int) -> dict[str,
         "negative_length": ([(fd, 4096, -1)], [(0, 0)], [], True),
         "negative_blob": (jobs[:1], spans[:1], [(blobs[0][0], -5, 0), *blobs[1:4]], True),
         "closed_fd": ([(987654, 4096, 10)], [(0, 0)], [], False),
+        "closed_layer": ([*jobs[:2], ("closed", 4096, 10)], [*spans[:2], (8, 0)], blobs[:8], True),
     }
 
 
@@ -115,6 +135,7 @@ def _hostile(fd: int, blobs: list[tuple[int, int, int]], size: int) -> dict[str,
         ("negative_length", "ValueError"),
         ("negative_blob", "BlobOutsideRead"),
         ("closed_fd", "OSError"),
+        ("closed_layer", "LookupError"),
     ],
 )
 def test_hostile_plans(impl: str, blob_file: tuple[int, list[tuple[int, int, int]], bytes], case: str, error: str) -> None:
@@ -122,14 +143,15 @@ def test_hostile_plans(impl: str, blob_file: tuple[int, list[tuple[int, int, int
     mod = kernel(impl, BLOBS)
     args = _hostile(fd, blobs, len(data))[case]
     with pytest.raises(Exception) as info:
-        mod.gather_blobs(*args)
+        _gather(mod, *args)  # type: ignore[arg-type]
     assert type(info.value).__name__ == error
     if case == "bad_crc":
         assert info.value.args == (1, 5)
 
 
 @pytest.mark.native
-@pytest.mark.parametrize("case", ["bad_crc", "outside", "before", "past_end", "gap", "negative_blob", "closed_fd"])
+@pytest.mark.parametrize("case", ["bad_crc", "outside", "before", "past_end", "gap", "short_spans", "extra_blobs",
+                                  "negative_length", "negative_blob", "closed_fd", "closed_layer"])
 def test_native_equals_twin_on_hostile_plans(blob_file: tuple[int, list[tuple[int, int, int]], bytes], case: str) -> None:
     fd, blobs, data = blob_file
     args = _hostile(fd, blobs, len(data))[case]
@@ -199,14 +221,14 @@ def page_file(tmp_path: Path) -> Iterator[tuple[int, list[tuple[int, int, int]],
 def test_page_reads_come_out_whole(impl: str, page_file: tuple[int, list[tuple[int, int, int]], bytes], probe: bool) -> None:
     fd, blobs, data = page_file
     jobs, spans = _plan(fd, blobs, [1] * len(blobs))
-    values, kinds, _calls, _ = kernel(impl, BLOBS).gather_blobs(jobs, spans, blobs, probe)
+    values, kinds, _calls, _, _ = _gather(kernel(impl, BLOBS), jobs, spans, blobs, probe)
     for (off, length, _), value, kind in zip(blobs, values, kinds, strict=True):
         blob = data[off : off + length]
         assert type(value) is bytes
         assert (value, kind) == ((blob[1:], 1) if blob[0] == TAG_IMAGE else (blob, 0))
     # the same blobs two to a read (no read is split) give the same values
     jobs2, spans2 = _plan(fd, blobs, [2] * (len(blobs) // 2))
-    assert kernel(impl, BLOBS).gather_blobs(jobs2, spans2, blobs, probe)[:2] == (values, kinds)
+    assert _gather(kernel(impl, BLOBS), jobs2, spans2, blobs, probe)[:2] == (values, kinds)
 
 
 @pytest.mark.native
@@ -231,3 +253,44 @@ def test_native_equals_twin_on_hostile_page_reads(page_file: tuple[int, list[tup
         jobs[2] = (fd, plan[2][0], plan[2][1] + 10)
     args = (jobs, spans, plan, True)
     assert _outcome(kernel("native", BLOBS), *args) == _outcome(kernel("python", BLOBS), *args)
+
+
+def test_the_descriptor_is_asked_once_per_run_of_one_reader(
+    impl: str, blob_file: tuple[int, list[tuple[int, int, int]], bytes]
+) -> None:
+    fd, blobs, _data = blob_file
+    jobs, spans = _plan(fd, blobs, [2, 2, 2, 2])
+    a, b = object(), object()  # two layers: a, a, b, a
+    owners = [a, a, b, a]
+    asked: list[object] = []
+
+    def fd_of(reader: object) -> int:
+        asked.append(reader)
+        return fd
+
+    reads = [(o, j[1], j[2], *span) for o, j, span in zip(owners, jobs, spans, strict=True)]
+    values, _kinds, _calls, _supported, nbytes = kernel(impl, BLOBS).gather_blobs(reads, blobs[:8], fd_of, False)
+    assert asked == [a, b, a]
+    assert len(values) == 8 and nbytes == sum(j[2] for j in jobs)
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("bad", ["short_tuple", "long_tuple", "not_a_tuple", "fd_not_int"])
+def test_native_equals_twin_on_malformed_reads(
+    blob_file: tuple[int, list[tuple[int, int, int]], bytes], bad: str
+) -> None:
+    fd, blobs, _data = blob_file
+    read: object = {
+        "short_tuple": (fd, blobs[0][0], blobs[0][1], 0),
+        "long_tuple": (fd, blobs[0][0], blobs[0][1], 0, 1, 9),
+        "not_a_tuple": 17,
+        "fd_not_int": ("x", blobs[0][0], blobs[0][1], 0, 1),
+    }[bad]
+
+    def outcome(mod: ModuleType) -> tuple[object, ...]:
+        try:
+            return ("ok", mod.gather_blobs([read], blobs[:1], lambda r: r, False)[:2])
+        except Exception as exc:
+            return ("err", type(exc).__name__)
+
+    assert outcome(kernel("native", BLOBS)) == outcome(kernel("python", BLOBS))

@@ -10,7 +10,7 @@ closed descriptor) both fail with the same error class naming the same read and 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -35,8 +35,8 @@ def _fd(reader: object) -> int:
 
 
 def _gather(
-    mod: ModuleType, jobs: list[tuple[object, int, int]], spans: list[tuple[int, int]],
-    blobs: list[tuple[int, int, int]], probe: bool,
+    mod: ModuleType, jobs: Sequence[tuple[object, int, int]], spans: Sequence[tuple[int, int]],
+    blobs: Sequence[tuple[int, int, int]], probe: bool,
 ) -> tuple[list[bytes], bytes, int, bool, int]:
     """``gather_blobs`` of the planner's reads made from (fd, offset, total) jobs and their
     (first slot, count) spans (a read without a span has none: what the planner never makes)."""

@@ -140,7 +140,7 @@ def test_encode_checks_every_page_before_writing_any(impl: str, bad: bytes) -> N
 
 def test_encode_wants_a_bytearray(impl: str) -> None:
     with pytest.raises(TypeError):
-        kernel(impl, PS).encode_getpage_responses(b"", True, [_gp(0, 3)], [b"x" * 8192])  # type: ignore[arg-type]
+        kernel(impl, PS).encode_getpage_responses(b"", True, [_gp(0, 3)], [b"x" * 8192])
 
 
 def test_writer_get_pages_is_get_page_per_page() -> None:

@@ -737,7 +737,11 @@ async def execute_batch(
     """Answer ``batch`` into ``writer``, in request order."""
     first = batch[0]
     if first.error is None and isinstance(first.request, GetPageRequest):
-        await _execute_getpages(batch, writer, ctx)
+        if len(batch) == 1:  # every request at queue depth 1: no batch to set up
+            assert first.timeline is not None
+            await _execute_getpage(first, first.timeline, writer, ctx)
+        else:
+            await _execute_getpages(batch, writer, ctx)
         return
     if len(batch) != 1:
         raise AssertionError(f"only GetPage batches hold more than one request: {batch!r}")
@@ -779,10 +783,7 @@ async def _execute_getpages(
     timeline = batch[0].timeline
     assert timeline is not None
     timeout_s = ctx.config.wait_lsn_timeout_s
-    if len(batch) == 1:
-        await _execute_getpage(batch[0], timeline, writer, ctx)
-        return
-    top = max(map(_lsn_of, batch))
+    top = batch[0].lsn if len(batch) == 1 else max(map(_lsn_of, batch))
     results: Sequence[bytes | PageRequestError | None]
     try:
         await _wait_for(timeline, top, timeout_s)

@@ -1,5 +1,9 @@
 """The lone request's read path gives the batch path's answers and errors.
 
+``execute_batch`` of one GetPage (``_execute_getpage``, ``PageReader.get_page``) writes the
+bytes and counts ``_execute_getpages`` writes for the same request: a page, a zero page, a
+per-page read error, a failed walk, a timed-out and a successful WAL wait.
+
 ``Timeline.get_page(key, lsn)`` (one page-cache lookup, ``read_path.get_one``) against
 ``Timeline.get_pages([(key, lsn)])[0]``, the legacy per-key oracle and a dict model, on random
 timelines (puts, freezes, flushes, compactions, image layers, sometimes a branch), with the page
@@ -16,6 +20,7 @@ FSM fork (zeros), cold and warm size cache, a shut-down timeline (``Shutdown``).
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -23,8 +28,23 @@ import pytest
 import trio
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
-from pageserver.page_service.reader import PageRead, PageRequestError, Shutdown
+from pageserver.page_service.config import PageServiceConfig
+from pageserver.page_service.metrics import PageServiceMetrics
+from pageserver.page_service.pipeline import (
+    PagestreamContext,
+    Pending,
+    _execute_getpages,
+    execute_batch,
+)
+from pageserver.page_service.reader import (
+    PageRead,
+    PageRequestError,
+    ReadError,
+    Shutdown,
+    SingleTimeline,
+)
 from pageserver.page_service.timeline_adapter import TimelinePageReader
 from pageserver.storage import read_path
 from pageserver.storage.config import StorageConfig
@@ -35,7 +55,8 @@ from pageserver.tenant import Tenant
 from pageserver.timeline import Timeline, TimelineShutdownError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn
-from protocol.pagestream import RelTag
+from protocol.pagestream import GetPageRequest, RelTag, ResponseWriter
+from tests.pageserver.page_service_fakes import FakeTimeline
 from tests.pageserver.test_page_service_timeline import NBLOCKS, REL, build_timeline, page
 from tests.pageserver.test_timeline_mixed_lsn import (
     KEYS,
@@ -201,3 +222,55 @@ async def test_page_reader_get_page_equals_get_pages(tmp_path: Path) -> None:
         with pytest.raises(Shutdown):
             await reader.get_page(PageRead(REL, 0, Lsn(0x200)))
     await tenant.shutdown()
+
+
+# -- the page service's batch of one: _execute_getpage against _execute_getpages ------------------
+
+
+class _FailingRead(FakeTimeline):
+    """``get_page``/``get_pages`` raise a ``PageRequestError`` (the walk itself failed)."""
+
+    async def get_pages(self, reads: Sequence[PageRead]) -> list[bytes | PageRequestError]:
+        raise ReadError("the walk failed")
+
+
+@pytest.mark.parametrize(
+    "case", ["page", "zero", "read error", "walk fails", "wait times out", "wait succeeds"]
+)
+async def test_execute_of_one_writes_what_the_batch_path_writes(case: str) -> None:
+    """The same response bytes and the same request counts from the lone request's execution
+    and from the batch execution of a batch of one, for every outcome of a GetPage."""
+    rel = RelTag(1663, 5, 16384, 0)
+    outputs: list[tuple[bytes, dict[tuple[str, ...], int]]] = []
+    for path in ("lane", "batch"):
+        tl = _FailingRead() if case == "walk fails" else FakeTimeline(last_record_lsn=0x1000)
+        tl.fill(rel, 4, [0x800])
+        tl.fill(RelTag(1663, 5, 666, 0), 0, [])
+        lsn = Lsn(0x1000)
+        blkno = 9 if case == "zero" else 2
+        req_rel = RelTag(1663, 5, 666, 0) if case == "read error" else rel
+        if case.startswith("wait"):
+            lsn = Lsn(0x2000)  # beyond last_record_lsn: the request waits
+        request = GetPageRequest(7, lsn, Lsn(0x800), req_rel, blkno)
+        config = PageServiceConfig(wait_lsn_timeout_s=0.05)
+        metrics = PageServiceMetrics.register(CollectorRegistry())
+        ctx = PagestreamContext(3, SingleTimeline(tl), config, metrics)
+        pending = Pending(request, tl, lsn, lsn > tl.last_record_lsn, None, 0.0)
+        writer = ResponseWriter(3)
+        async with trio.open_nursery() as nursery:
+            if case == "wait succeeds":
+                async def later(tl: FakeTimeline) -> None:
+                    await trio.sleep(0.01)
+                    tl.advance(0x2000)
+
+                nursery.start_soon(later, tl)
+            if path == "lane":
+                await execute_batch([pending], writer, ctx)
+            else:
+                await _execute_getpages([pending], writer, ctx)
+        outputs.append((bytes(writer.take()), dict(metrics.requests.values)))
+    (lane, lane_counts), (batch, batch_counts) = outputs
+    assert lane == batch
+    assert lane_counts == batch_counts and sum(lane_counts.values()) == 1
+    ok = case in ("page", "zero", "wait succeeds")
+    assert lane_counts == {("get_page", "ok" if ok else "error"): 1}

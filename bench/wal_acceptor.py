@@ -46,12 +46,14 @@ its row and the floor's; the floor's own distance to the raw fsynced rate is wha
 receiver structured like this can close on this machine.
 
 ``--wal-io-engine writer-thread,threadpool`` runs the safekeeper rows once per WAL IO engine
-(``safekeeper.wal_io``), side by side.
+(``safekeeper.wal_io``), side by side; ``--gil-switch-interval 0.005,0.0005`` once per
+``gil_switch_interval_s`` of the node (0.005 s is Python's own default).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
@@ -69,6 +71,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -153,12 +156,15 @@ def framed_stream(
 async def run_config(
     workdir: Path, stream: bytes, start: Lsn, end: Lsn, msg_size: int, *, fsync: bool,
     coalescing: bool, seconds: float, impl: str = "native",
-    wal_io_engine: str = "writer-thread",
+    wal_io_engine: str = "writer-thread", gil_switch_interval_s: float | None = None,
 ) -> dict[str, object]:
-    sk = SafekeeperProcess(
-        workdir, no_sync=not fsync, max_write_bytes=(1 << 20) if coalescing else 0,
-        pure_python=impl == "python", wal_io_engine=wal_io_engine,
-    )
+    settings: dict[str, Any] = {
+        "no_sync": not fsync, "max_write_bytes": (1 << 20) if coalescing else 0,
+        "wal_io_engine": wal_io_engine,
+    }
+    if gil_switch_interval_s is not None:
+        settings["gil_switch_interval_s"] = gil_switch_interval_s
+    sk = SafekeeperProcess(workdir, pure_python=impl == "python", **settings)
     sk.start()
     try:
         assert sk.proc is not None
@@ -215,6 +221,8 @@ async def run_config(
         "fsync": fsync,
         "coalescing": coalescing,
         "wal_io_engine": wal_io_engine,
+        # None: the node's default (SafekeeperConfig.gil_switch_interval_s).
+        "gil_switch_interval_s": gil_switch_interval_s,
         "acked_mib": round(acked / (1 << 20), 2),
         "seconds": round(elapsed, 3),
         "mib_s": round(acked / (1 << 20) / elapsed, 2) if elapsed > 0 else 0.0,
@@ -591,6 +599,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the safekeeper's wal_io_engine: writer-thread, threadpool or both, side by side",
     )
     parser.add_argument(
+        "--gil-switch-interval", default="node",
+        help="the safekeeper's gil_switch_interval_s (seconds; 'node': its default), several "
+        "side by side: e.g. 0.005,0.0005 (0.005 is Python's own default)",
+    )
+    parser.add_argument(
         "--floors", default="on", choices=("on", "off", "only"),
         help="floor receivers beside the safekeeper for sizes >= 128KiB (only: floors alone)",
     )
@@ -648,15 +661,33 @@ def _repeat(
 
 def _one_real(
     workdir: Path, stream: bytes, start: Lsn, end: Lsn, msg_size: int, fsync: bool,
-    coalescing: bool, seconds: float, impl: str, engine: str, i: int,
+    coalescing: bool, seconds: float, impl: str, engine: str, switch: float | None, i: int,
 ) -> dict[str, object]:
     return trio.run(
         partial(
             run_config, workdir.with_name(f"{workdir.name}-{i}"), stream, start, end, msg_size,
             fsync=fsync, coalescing=coalescing, seconds=seconds, impl=impl,
-            wal_io_engine=engine,
+            wal_io_engine=engine, gil_switch_interval_s=switch,
         )
     )
+
+
+def _switch_intervals(text: str) -> list[float | None]:
+    out: list[float | None] = []
+    for part in (p.strip() for p in text.split(",")):
+        if part == "node":
+            out.append(None)
+            continue
+        try:
+            value = float(part)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise SystemExit(f"--gil-switch-interval: positive seconds or 'node' (got {part!r})")
+        out.append(value)
+    if not out:
+        raise SystemExit("--gil-switch-interval: at least one value")
+    return out
 
 
 def _engines(text: str) -> list[str]:
@@ -707,12 +738,15 @@ def run(args: argparse.Namespace) -> int:
                 for fsync in _flags(args.fsync) if args.floors != "only" else []:
                     for coalescing in _flags(args.coalescing):
                         for impl in _impls(args.impl):
-                            for engine in _engines(args.wal_io_engine):
+                            for engine, switch in itertools.product(
+                                _engines(args.wal_io_engine),
+                                _switch_intervals(args.gil_switch_interval),
+                            ):
                                 n += 1
 
                                 real = partial(
                                     _one_real, base / f"sk{n}", stream, start, end, msg_size,
-                                    fsync, coalescing, args.seconds, impl, engine,
+                                    fsync, coalescing, args.seconds, impl, engine, switch,
                                 )
                                 result = _repeat(args, base, fsync, real)
                                 result["commit_advancing"] = commit
@@ -762,10 +796,16 @@ def plot_impls(rows: list[dict[str, object]], path: Path) -> None:
         return f"{name} fsync {'on' if r['fsync'] else 'off'}" + ("" if r["coalescing"] else " uncoal.")
 
     several_engines = len({r.get("wal_io_engine") for r in rows}) > 1
+    several_switches = len({r.get("gil_switch_interval_s") for r in rows}) > 1
 
     def series(r: dict[str, object]) -> str:
-        # One bar per implementation, and per WAL IO engine when the run compared them.
-        return f"{r['impl']} {r['wal_io_engine']}" if several_engines else str(r["impl"])
+        # One bar per implementation, and per WAL IO engine / GIL switch interval when the
+        # run compared them.
+        name = f"{r['impl']} {r['wal_io_engine']}" if several_engines else str(r["impl"])
+        if several_switches:
+            switch = r.get("gil_switch_interval_s")
+            name += " switch " + ("node" if switch is None else f"{float(switch) * 1e3:g} ms")  # type: ignore[arg-type]
+        return name
 
     configs = list(dict.fromkeys(label(r) for r in rows))
     impls = list(dict.fromkeys(series(r) for r in rows))

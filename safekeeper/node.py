@@ -450,6 +450,8 @@ def run(args: argparse.Namespace) -> int:
     except (AuthKeyError, OSError, ValueError, ssl.SSLError) as exc:
         print(f"safekeeper: cannot start: {exc}", file=sys.stderr)
         return 2
+    # Process-wide: the WAL writer threads get the GIL back sooner (see the config key).
+    sys.setswitchinterval(cfg.gil_switch_interval_s)
     try:
         trio.run(node.run)
     except ControlFileError as exc:

@@ -5,6 +5,8 @@ while a write is still running, yet acknowledges a group only after its write re
 
 from __future__ import annotations
 
+import argparse
+import sys
 import threading
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 
+import safekeeper.node
 import safekeeper.wal_io
 from protocol.lsn import Lsn
 from safekeeper.config import ConfigError, parse_config
@@ -168,3 +171,22 @@ async def test_no_fsync_ingest_submits_the_next_group_while_a_write_runs_but_ack
         assert done and flush <= done[-1], f"ack at {flush:X} before its group was written"
     assert acks[-1][0] == tl.acceptor.flush_lsn > START
     assert tl.storage.read(START, groups * piece) == wal[: groups * piece]
+
+
+def test_the_gil_switch_interval_is_a_config_the_node_applies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert parse_config({"data_dir": "/x"}).gil_switch_interval_s == 0.0005
+    assert parse_config({"data_dir": "/x", "gil_switch_interval_s": 0.005}).gil_switch_interval_s == 0.005
+    for bad in (0, -0.001):
+        with pytest.raises(ConfigError, match="gil_switch_interval_s"):
+            parse_config({"data_dir": "/x", "gil_switch_interval_s": bad})
+
+    # The node's process sets it before its event loop starts.
+    config = tmp_path / "sk.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\ngil_switch_interval_s = 0.002\n')
+    applied: list[float] = []
+    monkeypatch.setattr(sys, "setswitchinterval", applied.append)
+    monkeypatch.setattr(trio, "run", lambda *_a, **_k: applied.append(-1.0))
+    assert safekeeper.node.run(argparse.Namespace(config=config)) == 0
+    assert applied == [0.002, -1.0]

@@ -438,7 +438,9 @@ class InMemoryLayer:
                 if mapped is not None:
                     mapped.close()
 
-        return await write_layer_file(engine, directory, self.l0_desc(), opts, fill)
+        # (the values' lengths add up to the data section: the index goes straight behind it)
+        data_size = sum(sum(entries[2::3]) for entries in index.values())
+        return await write_layer_file(engine, directory, self.l0_desc(), opts, fill, data_size=data_size)
 
     def l0_desc(self) -> LayerDesc:
         """What the frozen layer's L0 covers (its file name: the L0 worker's answer must name

@@ -527,8 +527,9 @@ class LayerFileWriter:
     (``write_buffer_size``, ``double_buffering``; the background flush runs in ``nursery``).
     Entries must arrive in strictly increasing (key, lsn) order (invariant 1, storage.md §6).
 
-    The index goes behind the data, whose end is only known at ``finish``, so finished index
-    blocks are spilled to a scratch file ``<name>.___temp.index`` in the same directory (own
+    The index goes behind the data. When the data's size is announced (``create(data_size=)``,
+    the L0 flush) the finished index blocks are written there right away; otherwise the data's
+    end is only known at ``finish``, so finished index blocks are spilled to a scratch file ``<name>.___temp.index`` in the same directory (own
     ``BufferedWriter``) and copied behind the data in ``finish``: the writer holds one 8 KiB
     block and the fences (26 bytes per 194 entries), not 42 bytes per entry. The scratch file is
     deleted on success and on abort; after a crash it is an unlisted file, which
@@ -537,7 +538,7 @@ class LayerFileWriter:
 
     def __init__(self, engine: IoEngine, file: IoFile, writer: BufferedWriter, tmp_path: Path,
                  final_path: Path, desc: LayerDesc, index_file: IoFile, index_writer: BufferedWriter,
-                 index_path: Path) -> None:
+                 index_path: Path | None) -> None:
         self.engine = engine
         self.file = file
         self.writer = writer
@@ -554,11 +555,21 @@ class LayerFileWriter:
         self._n_entries = 0
         self._n_in_block = 0
         self._last_prefix = b""
+        # the announced data size (``create(data_size=)``): the index is written in place
+        self._data_size: int | None = None
 
     @classmethod
     async def create(cls, engine: IoEngine, directory: Path, desc: LayerDesc,
-                     opts: WriteOptions | None = None) -> LayerFileWriter:
+                     opts: WriteOptions | None = None, *, data_size: int | None = None) -> LayerFileWriter:
+        """A writer for ``desc`` in ``directory``. With ``data_size`` (the L0 flush knows the
+        sum of its values' lengths before the first), the index blocks are written straight to
+        their place behind the data (offset ``DATA_START + data_size``, a second writer on the
+        same file) instead of through the scratch file: ``finish`` then refuses a data section
+        of any other size. Not with O_DIRECT, whose padded last data write would overwrite the
+        first index block."""
         opts = opts or WriteOptions()
+        if data_size is not None and data_size < 0:
+            raise ValueError(f"data_size {data_size} is negative")
         final = directory / desc.file_name()
         tmp = directory / (desc.file_name() + ".___temp")
         index_tmp = directory / (desc.file_name() + ".___temp.index")
@@ -570,6 +581,12 @@ class LayerFileWriter:
             writer = BufferedWriter(file, buffer_size=opts.buffer_size,
                                     double_buffering=opts.double_buffering,
                                     nursery=opts.nursery, start_offset=DATA_START)
+            if data_size is not None and not file.direct:
+                index_writer = BufferedWriter(file, buffer_size=opts.buffer_size, double_buffering=False,
+                                              start_offset=DATA_START + data_size)
+                writer_ = cls(engine, file, writer, tmp, final, desc, file, index_writer, None)
+                writer_._data_size = data_size
+                return writer_
             # Scratch, never made durable (the final file is fsynced after the copy), so
             # O_DSYNC would only cost; O_DIRECT is kept so the page cache is spared as configured.
             index_file = await engine.open_file(
@@ -797,6 +814,9 @@ class LayerFileWriter:
             self.desc = attrs.evolve(self.desc, key_range=key_range)
             self.final_path = self.final_path.with_name(self.desc.file_name())
         try:
+            if self._data_size is not None and self._offset != DATA_START + self._data_size:
+                raise ValueError(f"{self.tmp_path}: {self._offset - DATA_START} bytes of data written, "
+                                 f"{self._data_size} announced")
             if self._n_in_block:
                 await self._spill_block()
             index_start = self._offset
@@ -816,10 +836,15 @@ class LayerFileWriter:
                 file_size=fence_start + len(fences),
                 fences_crc=crc32c.crc32c(fences),
             )
-            await self._copy_index()
-            await self.writer.write(fences)
-            if await self.writer.close() != summary.file_size:
-                raise AssertionError(f"{self.tmp_path}: written length disagrees with the summary")
+            if self._data_size is None:
+                await self._copy_index()
+                await self.writer.write(fences)
+                if await self.writer.close() != summary.file_size:
+                    raise AssertionError(f"{self.tmp_path}: written length disagrees with the summary")
+            else:
+                await self.index_writer.write(fences)
+                if await self.writer.close() != index_start or await self.index_writer.close() != summary.file_size:
+                    raise AssertionError(f"{self.tmp_path}: written length disagrees with the summary")
             header = summary.encode()
             await self.file.write_at(0, header + bytes(DATA_START - len(header)))
             await self.file.aclose()
@@ -842,6 +867,8 @@ class LayerFileWriter:
         await self._drop_index_file()
 
     async def _drop_index_file(self) -> None:
+        if self.index_path is None:
+            return  # (no scratch file: the index went into the layer file itself)
         # unlink first, shielded: a cancelled close must not leave the scratch file behind;
         # the engine's way, because unlinking a large scratch file can block.
         with trio.CancelScope(shield=True):
@@ -864,10 +891,14 @@ async def write_layer_file(
     desc: LayerDesc,
     opts: WriteOptions | None,
     fill: Callable[[LayerFileWriter], Awaitable[None]],
+    *,
+    data_size: int | None = None,
 ) -> Path | None:
     """Create a layer file for ``desc``, let ``fill`` put its entries, finish it; ``None``
-    (and nothing left on disk) when ``fill`` put nothing, the temp files removed when it fails."""
-    writer = await LayerFileWriter.create(engine, directory, desc, opts)
+    (and nothing left on disk) when ``fill`` put nothing, the temp files removed when it fails.
+    ``data_size``: the sum of the blobs' lengths ``fill`` will put, if known
+    (``LayerFileWriter.create``)."""
+    writer = await LayerFileWriter.create(engine, directory, desc, opts, data_size=data_size)
     try:
         await fill(writer)
     except BaseException:

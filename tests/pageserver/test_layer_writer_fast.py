@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import trio
+from crc32c import crc32c
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as hst
 from hypothesis.errors import HypothesisWarning
@@ -35,6 +36,7 @@ from pageserver.storage.io_engine import BlockingIoEngine
 from pageserver.storage.key import Key, KeyRange
 from pageserver.storage.layer_file import (
     ENTRIES_PER_BLOCK,
+    ENTRY,
     LayerDesc,
     LayerFileWriter,
     WriteOptions,
@@ -195,6 +197,63 @@ async def test_put_many_refuses_mismatched_columns(tmp_path: Path) -> None:
 
 async def test_put_many_refuses_will_init_flags_other_than_0_1(tmp_path: Path) -> None:
     await _expect_refused(tmp_path, [(k(6), 2)], [200, 201], [b"x", b"y"], [1, 2], "0/1")
+
+
+# -- put_packed's checks, and the announced data size ---------------------------------------
+
+
+def _packed(key: Key, lsn: int, offset: int, blob: bytes) -> bytes:
+    return ENTRY.pack(key + lsn.to_bytes(8, "big"), offset << 1, len(blob), crc32c(blob))
+
+
+@pytest.mark.parametrize(
+    ("entries", "data", "what"),
+    [
+        (lambda at: _packed(k(5), 200, at, b"x"), b"x", "out of order"),  # same (key, lsn) as the last
+        (lambda at: _packed(k(4), 300, at, b"x"), b"x", "out of order"),
+        (lambda at: _packed(k(20_000), 300, at, b"x"), b"x", "outside the layer"),
+        (lambda at: _packed(k(6), 300, at + 1, b"x"), b"x", "do not place the data"),
+        (lambda at: _packed(k(6), 300, at, b"xy"), b"x", "do not place the data"),
+        (lambda at: _packed(k(6), 300, at, b"x")[:-1], b"x", "packed entries of 41 bytes"),
+        (lambda at: b"", b"x", "without an entry"),
+    ],
+)
+async def test_put_packed_refuses_what_put_refuses(
+    tmp_path: Path, entries: Callable[[int], bytes], data: bytes, what: str
+) -> None:
+    writer = await LayerFileWriter.create(BlockingIoEngine(), tmp_path, _desc(), WriteOptions())
+    try:
+        await writer.put(k(5), 200, b"first", False)
+        with pytest.raises(ValueError, match=what):
+            await writer.put_packed(data, entries(writer.next_offset))
+        assert writer.n_entries == 1 and writer.data_size == 5  # nothing of it written
+    finally:
+        await writer.abort()
+
+
+@pytest.mark.parametrize("put", [4, 6])
+async def test_a_data_section_other_than_announced_is_refused(tmp_path: Path, put: int) -> None:
+    """With ``data_size`` the index is written in place behind the data: a writer that puts
+    more or less than it announced must not finish (nothing is left on disk), and no scratch
+    index file is made."""
+    writer = await LayerFileWriter.create(BlockingIoEngine(), tmp_path, _desc(), WriteOptions(), data_size=5)
+    assert [p.name for p in tmp_path.iterdir()] == [writer.tmp_path.name]
+    await writer.put(k(6), 200, b"v" * put, False)
+    with pytest.raises(ValueError, match=f"{put} bytes of data written, 5 announced"):
+        await writer.finish()
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_an_announced_data_size_writes_the_same_file(tmp_path: Path) -> None:
+    files = []
+    for size in (None, 9):
+        (tmp_path / str(size)).mkdir()
+        writer = await LayerFileWriter.create(BlockingIoEngine(), tmp_path / str(size), _desc(), WriteOptions(),
+                                              data_size=size)
+        await writer.put(k(6), 200, b"four", False)
+        await writer.put(k(6), 201, b"five!", True)
+        files.append((await writer.finish()).read_bytes())
+    assert files[0] == files[1]
 
 
 # -- InMemoryLayer.write_l0 (put_many) == the per-value view through put ------------------

@@ -166,6 +166,52 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated kernel implementations to compare (native, python): "
                              "each run in a fresh process with PAGESTORE_PURE_PYTHON set to match "
                              "(default: this process's, in-process)")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="draw the runs' ingest and durable seconds per implementation against "
+                             "PostgreSQL's recovery as this PNG (after the run, or of --from's run)")
+    parser.add_argument("--from", dest="from_file", type=Path, default=None,
+                        help="with --plot: the JSON lines of an earlier run (no run)")
+
+
+def plot(lines: list[dict[str, Any]], out: Path) -> None:
+    """Per implementation (and L0 writer): each round's ingest_s and durable_s as bars, beside
+    PostgreSQL's crash recovery of the same WAL (its start-to-ready, which ends with the
+    end-of-recovery checkpoint, and its replay alone) as lines: the goal is durable_s at or
+    below the first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [x for x in lines if x.get("bench") == "bulk_ingest"]
+    if not results:
+        raise SystemExit("pagestore bench bulk-ingest --plot: no bulk_ingest result lines")
+    configs = list(dict.fromkeys((r["impl"], r["l0_writer"]) for r in results))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.38
+    for j, (impl, writer) in enumerate(configs):
+        mine = [r for r in results if (r["impl"], r["l0_writer"]) == (impl, writer)]
+        for i, (field, label) in enumerate((("ingest_s", "ingest (in memory)"), ("durable_s", "until durable"))):
+            xs = [j + (i - 0.5) * width + (k - (len(mine) - 1) / 2) * width / max(len(mine), 1)
+                  for k in range(len(mine))]
+            bars = ax.bar(xs, [r[field] for r in mine], width / max(len(mine), 1),
+                          color=("tab:blue", "tab:orange")[i], label=label if j == 0 else None)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    first = results[0]
+    server = first.get("pg_server_s") or first["pg_recovery_s"]
+    ax.axhline(server, color="black", linestyle="--", linewidth=1,
+               label=f"PostgreSQL crash recovery, start to ready: {server:.2f} s (the goal)")
+    if first.get("pg_redo_s"):
+        ax.axhline(first["pg_redo_s"], color="grey", linestyle=":", linewidth=1,
+                   label=f"PostgreSQL replay alone: {first['pg_redo_s']:.2f} s")
+    ax.set_xticks(range(len(configs)), [f"{impl}\n(L0 writer {writer})" for impl, writer in configs])
+    ax.set_ylabel("seconds (each bar one round)")
+    loads = sorted({x for r in results for x in r.get("loadavg", [])})
+    ax.set_title(f"bench bulk-ingest: {first['wal_mb']} MB of WAL, load {loads[0]}-{loads[-1]}"
+                 if loads else f"bench bulk-ingest: {first['wal_mb']} MB of WAL")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -538,6 +584,19 @@ def _floors(root: Path, start: Lsn, end: Lsn, recovery_s: float, runs: int) -> N
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_file is not None:
+        if args.plot is None:
+            raise SystemExit("pagestore bench bulk-ingest: --from needs --plot")
+        plot([json.loads(x) for x in args.from_file.read_text().splitlines() if x.startswith("{")], args.plot)
+        return 0
+    emitted: list[dict[str, Any]] = []
+    code = _run(args, emitted)
+    if args.plot is not None:
+        plot(emitted, args.plot)
+    return code
+
+
+def _run(args: argparse.Namespace, emitted: list[dict[str, Any]]) -> int:
     base = args.dir or Path("/tmp")
     root = Path(tempfile.mkdtemp(prefix="bench-bulk-ingest-", dir=base))
     os.chmod(root, 0o755)
@@ -574,6 +633,7 @@ def run(args: argparse.Namespace) -> int:
                     "round": round_no,
                 }
                 runs[writer, impl].append(result)
+                emitted.append(result)
                 _emit(result)
         if args.floor_runs > 0 and args.workload == "regress":
             _emit({"note": "floors skipped: they read the whole WAL into memory (--workload insert only)"})

@@ -51,6 +51,12 @@ Harnesses (``NAME``):
   LSN ``WALK_BASE`` (three pages before a segment boundary). Both must return the same result (end, record before, page, count, items, sizes,
   stop and its relation) or raise the same error class with the same message.
 
+- ``pack-values``: ``pageserver.storage._l0_c.pack_values``, the L0 writer's packing of a frozen
+  in-memory layer's index and bytes. Input: key count (u8, mod 32), max_bytes, LSN bounds and
+  source length choices (u8 each), then the keys (18 bytes each), one u8 count per key, and the
+  triples as u64 LE words. The layer is packed piece after piece from the cursor each call
+  returns; every piece (bytes, entries, cursor) or the error (class and message) must be equal.
+
 - ``spgist-leaves``: ``pageserver.walredo._spgist_c`` (SP-GiST's tuple kernel of the redo):
   ``place_leaves`` or ``multi_delete`` on an SP-GiST leaf page. Input: mode (u8: bit 0
   multi_delete, bit 1 a page selector array, bit 2 the selector wanted), tuple or offset count
@@ -84,14 +90,15 @@ if TYPE_CHECKING:
 
 HARNESSES = ("scan-records", "record-tracker", "crc32c", "same-run", "pagestream-getpages",
              "getpage-load", "take-append-run", "spgist-leaves",
-             "heap-multi-insert", "plan-cached", "fused-walk")
+             "heap-multi-insert", "plan-cached", "fused-walk", "pack-values")
 # the compiled module each harness fuzzes (its twin is the reference)
 MODULES = {"scan-records": "protocol._wal_c", "record-tracker": "protocol._wal_c", "crc32c": "protocol._wal_c",
            "same-run": "protocol._ingest_c", "pagestream-getpages": "protocol._pagestream_c",
            "getpage-load": "protocol._getpage_load_c", "take-append-run": "protocol._pq_c",
            "spgist-leaves": "pageserver.walredo._spgist_c",
            "heap-multi-insert": "pageserver.walredo._heap_c",
-           "plan-cached": "pageserver.storage._plan_c", "fused-walk": "protocol._ingest_c"}
+           "plan-cached": "pageserver.storage._plan_c", "fused-walk": "protocol._ingest_c",
+           "pack-values": "pageserver.storage._l0_c"}
 MAX_LENGTHS = (0, 4, 50, 1100, 1 << 20, (1 << 32) - 1)
 RUN_LSN = 0x2000000 + 8192 + 24  # LSN of the first record of a same-run input
 BASE = 0x2000000
@@ -174,6 +181,9 @@ def write_seeds(name: str, corpus: Path) -> None:
         return
     if name == "fused-walk":
         _walk_seeds(corpus)
+        return
+    if name == "pack-values":
+        _pack_seeds(corpus)
         return
     if name == "same-run":
         for k, (tot_len, count) in enumerate(((59, 120), (203, 36), (250, 30))):
@@ -387,6 +397,67 @@ def plan_outcome(mod: ModuleType, data: bytes) -> tuple[object, ...] | None:
     outcome = _outcome(mod.plan_cached, fences, len(blocks), cache, 1, keys, _PLAN_BOUNDS[p[0] % 8],
                        _PLAN_BOUNDS[p[1] % 8], states, blobs, reads, "r", max_bytes, 4096, data_end)
     return (outcome, blobs, reads, [(k, s.complete, s.pending) for k, s in states.items()], list(cache))
+
+
+_PACK_MAX_BYTES = (0, 1, 100, 5000, 1 << 40)
+_PACK_LSNS = ((0, 1 << 64), (100, 200), (1 << 63, (1 << 64) + 5), (-1, 0))
+_PACK_SRC = bytes(range(256)) * 8
+
+
+def _pack_seeds(corpus: Path) -> None:
+    import random
+    import struct
+
+    for k, (n_keys, per) in enumerate(((1, 1), (3, 4), (20, 9))):
+        rng = random.Random(k)
+        keys = sorted({rng.randbytes(18) for _ in range(n_keys)})
+        counts = bytes([per] * len(keys))
+        words = bytearray()
+        for _ in keys:
+            lsn = 100 + rng.randrange(5)
+            for _ in range(per):
+                length = rng.choice((0, 3, 40))
+                off = rng.randrange(0, 2000 - length)
+                words += struct.pack("<QQQ", lsn, off << 1 | rng.randrange(2), length)
+                lsn += 1 + rng.randrange(3)
+        header = bytes([len(keys), k + 1, 1, 2])
+        (corpus / f"seed-{k}").write_bytes(header + b"".join(keys) + counts + bytes(words))
+
+
+def pack_outcome(mod: ModuleType, data: bytes) -> list[tuple[object, ...]] | None:
+    """One ``pack-values`` input run through ``mod``: every call's outcome, piece after piece
+    (see the module docstring)."""
+    from array import array
+
+    if len(data) < 4:
+        return None
+    n_keys = data[0] % 32
+    max_bytes = _PACK_MAX_BYTES[data[1] % len(_PACK_MAX_BYTES)]
+    lo, hi = _PACK_LSNS[data[2] % len(_PACK_LSNS)]
+    src = _PACK_SRC[: (0, 7, 2000)[data[3] % 3]]
+    body = data[4:]
+    keys = body[: 18 * n_keys]
+    rest = body[18 * n_keys :]
+    counts = array("Q", list(rest[:n_keys]))
+    words = rest[n_keys:]
+    triples: array[int] = array("Q")
+    triples.frombytes(words[: len(words) // 8 * 8])
+    if triples.itemsize == 8 and sys.byteorder == "big":  # (the input's words are little-endian)
+        triples.byteswap()
+    steps: list[tuple[object, ...]] = []
+    key_at = sub = 0
+    offset = 4096
+    for _ in range(1000):
+        try:
+            d, e, key_at, sub = mod.pack_values(keys, counts, triples, src, key_at, sub, offset, max_bytes, lo, hi)
+        except Exception as exc:
+            steps.append(("err", type(exc).__name__, str(exc)))
+            break
+        steps.append(("ok", d, e, key_at, sub))
+        offset += len(d)
+        if key_at == len(counts):
+            break
+    return steps
 
 
 WALK_BASE = 2 * (16 << 20) - 3 * PAGE - 1000  # the walk crosses short page headers, then a long one
@@ -689,11 +760,16 @@ def _harness(name: str, native: ModuleType, twin: ModuleType) -> Callable[[bytes
         if a != b:
             raise AssertionError(f"fused_walk differs: native {a and a[:5]} twin {b and b[:5]}")
 
+    def pack_values(data: bytes) -> None:
+        a, b = pack_outcome(native, data), pack_outcome(twin, data)
+        if a != b:
+            raise AssertionError(f"pack_values differs: native {a and a[-1][:1]} twin {b and b[-1][:1]}")
+
     return {"scan-records": scan_records, "record-tracker": record_tracker, "crc32c": crc32c,
             "same-run": same_run, "pagestream-getpages": pagestream_getpages,
             "getpage-load": getpage_load, "take-append-run": take_append_run,
             "spgist-leaves": spgist_leaves, "heap-multi-insert": heap_multi_insert,
-            "plan-cached": plan_cached, "fused-walk": fused_walk}[name]
+            "plan-cached": plan_cached, "fused-walk": fused_walk, "pack-values": pack_values}[name]
 
 
 def _fuzz_main(argv: list[str]) -> None:

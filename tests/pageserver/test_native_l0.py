@@ -235,3 +235,32 @@ def test_a_mapped_source_is_released_even_on_error(impl: str, tmp_path: object) 
         with pytest.raises(ValueError, match="outside the layer's 20 bytes"):
             mod.pack_values(*args)
         m.close()  # no BufferError: nothing holds it
+
+
+def test_fuzz_harness_accepts_its_seeds_and_catches_a_planted_difference(tmp_path: object) -> None:
+    import pathlib
+    from types import SimpleNamespace
+
+    from bench import fuzz
+    from pageserver.storage import _l0_py
+
+    seeds = pathlib.Path(str(tmp_path)) / "corpus"
+    seeds.mkdir()
+    fuzz.write_seeds("pack-values", seeds)
+    same = fuzz._harness("pack-values", kernel("native", L0), _l0_py)
+
+    def lying(*args: object) -> tuple[bytes, bytes, int, int]:
+        data, entries, key_at, sub = _l0_py.pack_values(*args)  # type: ignore[arg-type]
+        return data, entries[:-1] + b"\x00" if entries else entries, key_at, sub
+
+    broken = fuzz._harness("pack-values", SimpleNamespace(pack_values=lying), _l0_py)  # type: ignore[arg-type]
+    packed = 0
+    for seed in sorted(seeds.iterdir()):
+        data = seed.read_bytes()
+        same(data)
+        steps = fuzz.pack_outcome(_l0_py, data)
+        assert steps is not None and steps[-1][0] == "ok", steps and steps[-1][:3]
+        packed += len(steps)
+        with pytest.raises(AssertionError, match="pack_values differs"):
+            broken(data)
+    assert packed >= 3

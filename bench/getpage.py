@@ -170,9 +170,13 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
     loop = LoopCounter()
     trio.lowlevel.add_instrument(loop)
     handler = PageServiceHandler(Lookup(), _page_service_config(mode), metrics)
+    if security == "auth+tls-whole":
+        from common import tls_stream
+
+        tls_stream.STREAM_PIECE = 1 << 62  # one encryption and one write per batch
     authenticator, ssl_context = _server_security(workdir.parent, security)
     server = PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None,
-                                              tls_sender_thread=security != "auth+tls-inline"),
+                                              tls_sender_thread=security == "auth+tls-thread"),
                       authenticator=authenticator, ssl_context=ssl_context)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.serve)
@@ -195,9 +199,12 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
 # Auth and TLS (--security off,auth,auth+tls): keys, a CA and a token written once per run into
 # the run's directory; the token goes to the client processes as a file (never on argv).
 
-# auth+tls-inline: TLS with every write encrypted on the event loop's thread (no sender
-# thread, PgServerConfig.tls_sender_thread=False), to compare with auth+tls.
-SECURITY_MODES = ("off", "auth", "auth+tls", "auth+tls-inline")
+# auth+tls is the server's default TLS (every write encrypted on the event loop's thread, a
+# batch's responses written in pieces as they are encrypted); to compare with it,
+# auth+tls-thread hands large writes to the connection's sender thread
+# (PgServerConfig.tls_sender_thread=True) and auth+tls-whole encrypts and writes each batch's
+# responses whole (tls_stream.STREAM_PIECE raised in the server process).
+SECURITY_MODES = ("off", "auth", "auth+tls", "auth+tls-thread", "auth+tls-whole")
 
 
 def _write_security(base: Path, targets: list[tuple[str, str]]) -> None:
@@ -1070,8 +1077,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--security",
         default="off",
         help="comma list: off, auth (a tenant JWT checked at connection start), auth+tls (and "
-        "TLS, verified; large writes encrypted in a sender thread), auth+tls-inline (TLS with "
-        "every write encrypted on the event loop's thread); each configuration is run once per "
+        "TLS, verified, as the server does it by default: encrypted on the event loop's thread, "
+        "a batch's responses written piece by piece), auth+tls-thread (large writes encrypted "
+        "in the connection's sender thread), auth+tls-whole (each batch's responses encrypted "
+        "and written whole); each configuration is run once per "
         "security mode, side by side, and "
         "its row carries connect_ms_p50/p95 (connection set-up, 100 in a row)",
     )

@@ -109,9 +109,10 @@ class PgServerConfig:
     # After shutdown() handlers get this long to finish before they are cancelled.
     shutdown_timeout_s: float = 5.0
     max_message_len: int = DEFAULT_MAX_MESSAGE_LEN
-    # TLS: a connection encrypts its large writes in a sender thread of its own
-    # (common.tls_stream); False keeps every write on the event loop's thread.
-    tls_sender_thread: bool = True
+    # TLS: True hands a connection's large writes to a sender thread of its own to encrypt
+    # (common.tls_stream). Off by default: with a core free it costs more CPU per page than the
+    # cipher it moves and lost every idle round (docs/benchmarks.md, "Auth and TLS").
+    tls_sender_thread: bool = False
 
 
 class QueryHandler(Protocol):

@@ -20,13 +20,20 @@ buffered and reads the socket once without blocking; ``send_nowait`` encrypts an
 the socket takes now, and ``flush`` waits for the rest. Neither costs an event-loop iteration
 when the socket is ready.
 
-The sender thread (``send_nowait`` of ``OFFLOAD_MIN_BYTES`` or more): the cipher costs ~3 µs
-per 8 KiB page, on the trio thread that also plans and gathers the next batch. A write that
-large is handed to a thread of this connection instead, which encrypts it in pieces (OpenSSL
-releases the GIL in ``SSL_write``) and writes them to the socket, so the page service goes on
-with its next batch on the other core. Smaller writes (queue depth 1: one page per write) stay
-inline, where a hand-off (~5 µs on the trio thread, and a thread wake in the response's
-latency) would cost more than it saves. ``SSLObject`` is not thread-safe: every call on it
+Large writes leave in pieces: a write of more than ``STREAM_PIECE`` bytes (a pipelined batch's
+responses) is encrypted and written ``STREAM_PIECE`` at a time, each piece on the socket before
+the next is encrypted, so the peer decrypts the first pages (and a closed-loop client answers
+them) while the rest is still being encrypted, instead of after the whole batch.
+
+The sender thread (``offload=True``, off by default; ``send_nowait`` of ``OFFLOAD_MIN_BYTES``
+or more): the cipher costs ~3 µs per 8 KiB page, on the trio thread that also plans and
+gathers the next batch. A write that large is handed to a thread of this connection instead,
+which encrypts it in pieces (OpenSSL releases the GIL in ``SSL_write``) and writes them to the
+socket, so the page service goes on with its next batch on the other core. Smaller writes
+(queue depth 1: one page per write) stay inline, where a hand-off (~5 µs on the trio thread,
+and a thread wake in the response's latency) would cost more than it saves. With a core free
+the thread costs more CPU per page than the cipher it moves (the GIL and the wake-ups), so the
+page service uses it only when configured to (``PgServerConfig.tls_sender_thread``). ``SSLObject`` is not thread-safe: every call on it
 and its BIOs holds ``_ssl_lock``. While the thread has a job the trio side only *tries* it (a
 read that finds the thread encrypting waits for it in ``wait_readable``); it takes it outright
 only when no job is queued, when at most the thread's last release is still under way. Bytes go
@@ -45,6 +52,8 @@ from typing import cast
 import trio
 
 RECEIVE_SIZE = 256 * 1024
+# send_nowait encrypts and writes a large write inline in pieces of this many plaintext bytes.
+STREAM_PIECE = 64 * 1024
 # A write of this many plaintext bytes or more is encrypted by the sender thread (4 pages).
 OFFLOAD_MIN_BYTES = 32 * 1024
 # The sender encrypts at most this much per hold of the SSL lock, then writes it: a whole
@@ -70,7 +79,7 @@ class TlsStream(trio.abc.Stream):
         *,
         server_side: bool,
         server_hostname: str | None = None,
-        offload: bool = True,
+        offload: bool = False,
     ) -> None:
         self.transport_stream = transport
         self._in = ssl.MemoryBIO()
@@ -93,13 +102,15 @@ class TlsStream(trio.abc.Stream):
         self._fd = transport.socket.fileno()
         # encrypted bytes taken from the outgoing BIO and not yet written (send_nowait)
         self._unsent = memoryview(b"")
-        # Set by receive_nowait: its socket read found the kernel drained (a caller that
-        # knows no request can be on its way, as at queue depth 1, waits before reading).
+        # Set by receive_nowait: its socket read found the kernel drained and every complete
+        # record decrypted (the page service's Reading then parks before reading again, as it
+        # does on plaintext, instead of a read that can only find EAGAIN).
         self.drained = False
         # Whether the last _read_plain left bytes in the incoming BIO or the SSL object.
         self._rest = False
         # -- the sender thread (module docstring) --
         self._offload_min = OFFLOAD_MIN_BYTES if offload else 1 << 62
+        self._piece = STREAM_PIECE
         # Every call on _obj, _in and _out holds it (free whenever no job is queued).
         self._ssl_lock = threading.Lock()
         # Socket bytes read while the thread held the SSL lock, for the incoming BIO later.
@@ -220,9 +231,13 @@ class TlsStream(trio.abc.Stream):
             # After what the thread has, in order; a copy, since a cancelled wait below would
             # hand the caller its buffer back while the thread may still read it.
             self._offload(bytes(data))
-        else:
-            self._write_inline(data)
-        await self._flush()
+            await self._flush()
+            return
+        # In pieces, each on its way before the next is encrypted (as send_nowait does).
+        view = memoryview(data)
+        for at in range(0, max(len(view), 1), self._piece):
+            self._write_inline(view[at : at + self._piece])
+            await self._flush()
 
     def _write_inline(self, data: bytes | bytearray | memoryview) -> None:
         try:
@@ -260,8 +275,20 @@ class TlsStream(trio.abc.Stream):
         self._check_sender()
         if self._queued or (len(data) >= self._offload_min and not self._sending):
             return self._offload(data)
-        self._write_inline(data)
-        return self._write_nowait()
+        piece = self._piece
+        if len(data) <= piece or self._sending:
+            self._write_inline(data)
+            return self._write_nowait()
+        # A batch's responses leave in pieces, each written as soon as it is encrypted: the
+        # peer decrypts (and, in a closed loop, answers) the first while we encrypt the next.
+        view = memoryview(data)
+        for at in range(0, len(view), piece):
+            self._write_inline(view[at : at + piece])
+            if not self._write_nowait():
+                if at + piece < len(view):  # the socket is full: flush() writes the rest
+                    self._write_inline(view[at + piece :])
+                return False
+        return True
 
     async def flush(self) -> None:
         """Wait until the sender thread's backlog is at most ``OFFLOAD_BACKLOG`` and every

@@ -352,18 +352,15 @@ class DirectStreamIO:
             tls = self._tls
             data: bytes | bytearray
             if tls is not None:
+                # As on plaintext below: after a drained read, park before trying again.
+                if self._drained and self.park_when_drained:
+                    self._drained = False
+                    await self._wait_tls(tls, timed)
                 got = tls.receive_nowait(MAX_RECV)
                 if got is None:
-                    if tls.unsent:
-                        await tls.flush()
-                    if timed:
-                        self._waiting_since = trio.current_time()
-                    try:
-                        await tls.wait_readable()
-                    finally:
-                        self._waiting_since = None
-                    self._unyielded = 0
+                    await self._wait_tls(tls, timed)
                     continue
+                self._drained = tls.drained
                 data = got
             elif self._sock is None:
                 if timed:
@@ -389,6 +386,17 @@ class DirectStreamIO:
                 self._buf += data
             else:
                 self._eof = True
+
+    async def _wait_tls(self, tls: TlsStream, timed: bool) -> None:
+        if tls.unsent:
+            await tls.flush()
+        if timed:
+            self._waiting_since = trio.current_time()
+        try:
+            await tls.wait_readable()
+        finally:
+            self._waiting_since = None
+        self._unyielded = 0
 
     async def _wait_readable(self, timed: bool) -> None:
         assert self._sock is not None
@@ -494,6 +502,7 @@ class DirectStreamIO:
         view = memoryview(data)
         if self._tls is not None:
             # encrypted now; what the socket did not take waits in the stream (send_all flushes)
+            self._drained = False  # try the next read before parking, as below
             return None if self._tls.send_nowait(view) else memoryview(b"")
         if self._sock is None:
             return view

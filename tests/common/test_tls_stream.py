@@ -1,12 +1,14 @@
 """common.tls_stream: a receive returns every TLS record already received; handshake, EOF;
-the sender thread that encrypts large writes (order, a read meanwhile, backlog, a broken
-connection, the thread's end)."""
+large inline writes leaving in pieces; the sender thread that encrypts large writes (order, a
+read meanwhile, backlog, a broken connection, the thread's end)."""
 
 from __future__ import annotations
 
+import fcntl
 import random
 import socket
 import struct
+import termios
 import threading
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import trio
 import trio.testing
 
 from common.tls import client_context, server_context
-from common.tls_stream import OFFLOAD_BACKLOG, OFFLOAD_MIN_BYTES, TlsStream
+from common.tls_stream import OFFLOAD_BACKLOG, OFFLOAD_MIN_BYTES, STREAM_PIECE, TlsStream
 from tests.auth_helpers import TlsKit
 
 
@@ -24,13 +26,14 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsKit:
     return TlsKit.create(tmp_path_factory.mktemp("tls"))
 
 
-async def _pair(tls: TlsKit, ca: Path) -> tuple[TlsStream, TlsStream]:
+async def _pair(tls: TlsKit, ca: Path, *, offload: bool = True) -> tuple[TlsStream, TlsStream]:
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     client_sock = await trio.testing.open_stream_to_socket_listener(listeners[0])
     server_sock = await listeners[0].accept()
     await listeners[0].aclose()
     assert isinstance(client_sock, trio.SocketStream) and isinstance(server_sock, trio.SocketStream)
-    server = TlsStream(server_sock, server_context(tls.cert, tls.key), server_side=True)
+    server = TlsStream(server_sock, server_context(tls.cert, tls.key), server_side=True,
+                       offload=offload)
     client = TlsStream(client_sock, client_context(ca), server_side=False, server_hostname="127.0.0.1")
     return server, client
 
@@ -78,12 +81,14 @@ async def test_handshake_with_unknown_ca_fails(tls: TlsKit, tmp_path: Path) -> N
         await server.aclose()
 
 
-async def test_nowait_paths_keep_the_bytes_in_order(tls: TlsKit) -> None:
+@pytest.mark.parametrize("offload", [True, False], ids=["thread", "inline"])
+async def test_nowait_paths_keep_the_bytes_in_order(tls: TlsKit, offload: bool) -> None:
     """``receive_nowait`` / ``send_nowait`` / ``flush`` (the page service's fast paths): None
     when nothing is there, every buffered record when something is; a send larger than the
-    socket takes is finished by ``flush``, in order with an ordinary ``send_all`` after it."""
+    socket takes (inline: the socket fills between two pieces) is finished by ``flush``, in
+    order with an ordinary ``send_all`` after it."""
     with trio.fail_after(20):
-        server, client = await _pair(tls, tls.ca_cert)
+        server, client = await _pair(tls, tls.ca_cert, offload=offload)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.do_handshake)
             await client.do_handshake()
@@ -112,6 +117,53 @@ async def test_nowait_paths_keep_the_bytes_in_order(tls: TlsKit) -> None:
             await server.wait_readable()
             got = server.receive_nowait(100)
         assert got == b""  # close_notify, then EOF
+        await server.aclose()
+
+
+def _readable_bytes(sock: trio.socket.SocketType) -> int:
+    got = fcntl.ioctl(sock.fileno(), termios.FIONREAD, struct.pack("i", 0))
+    return int(struct.unpack("i", got)[0])
+
+
+async def test_a_large_inline_write_leaves_in_pieces(tls: TlsKit, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the sender thread, a write larger than ``STREAM_PIECE`` (a batch's responses) is
+    encrypted and written piece by piece: the first piece's records are on the client's socket
+    before the second piece is encrypted (the client decrypts while the server encrypts), and
+    the client gets every byte in order; a small write is encrypted whole."""
+    payload = random.Random(7).randbytes(4 * STREAM_PIECE + 1234)
+    with trio.fail_after(20):
+        server, client = await _pair(tls, tls.ca_cert, offload=False)
+        await _handshake(server, client)
+        await server.send_all(b"hello")  # the client also takes the session tickets here
+        assert await client.receive_some(100) == b"hello"
+        assert _readable_bytes(client.transport_stream.socket) == 0
+        pieces: list[int] = []
+        on_the_wire: list[int] = []  # ciphertext bytes the client could read, per encryption
+        encrypt = server._write_inline
+
+        def spy(data: bytes | bytearray | memoryview) -> None:
+            on_the_wire.append(_readable_bytes(client.transport_stream.socket))
+            pieces.append(len(data))
+            encrypt(data)
+
+        monkeypatch.setattr(server, "_write_inline", spy)
+        assert server.send_nowait(b"small")
+        assert pieces == [5]
+        received = bytearray()
+        while len(received) < 5:
+            received.extend(await client.receive_some(1 << 20))
+        pieces.clear()
+        on_the_wire.clear()
+        if not server.send_nowait(payload):  # the socket filled: flush writes the rest
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_drain, client, 5 + len(payload), received)
+                await server.flush()
+        else:
+            await _drain(client, 5 + len(payload), received)
+        assert bytes(received) == b"small" + payload
+        assert pieces[0] == STREAM_PIECE and len(pieces) >= 2, pieces
+        assert on_the_wire[0] == 0 and on_the_wire[1] > STREAM_PIECE, on_the_wire
+        await client.aclose()
         await server.aclose()
 
 
@@ -281,11 +333,12 @@ async def test_sender_backlog_holds_the_writer_back(tls: TlsKit) -> None:
         await _no_sender_left()
 
 
-async def test_sender_thread_reports_a_broken_connection(tls: TlsKit) -> None:
-    """The client vanishes (RST) while the thread writes: the next send or flush raises
-    BrokenResourceError, ``aclose`` returns, and the thread ends."""
+@pytest.mark.parametrize("offload", [True, False], ids=["thread", "inline"])
+async def test_sender_thread_reports_a_broken_connection(tls: TlsKit, offload: bool) -> None:
+    """The client vanishes (RST) while the thread (or the inline pieces) write: the next send
+    or flush raises BrokenResourceError, ``aclose`` returns, and no thread is left."""
     with trio.fail_after(30):
-        server, client = await _pair(tls, tls.ca_cert)
+        server, client = await _pair(tls, tls.ca_cert, offload=offload)
         await _handshake(server, client)
         sock = client.transport_stream.socket
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -6,17 +6,21 @@
   boto3 ``put_object`` loop over the same files to the same server (sequential, and with as many
   threads as the queue uses), in ``--rounds`` interleaved rounds: MB/s (medians) and the median
   of the per-round ratios (goal: queue >= 80 % of the plain loop).
-- ``ingest``: ``--ingest-mib`` of 8 KiB page images put into a timeline and flushed into L0s,
-  with uploads off (no remote storage) and on (the queue uploading behind the flushes; layers
-  zstd-compressed, the node's default), and optionally ``on-uncompressed`` (layers stored as
-  they are) and ``on-signed`` (SigV4 over the body), interleaved over ``--rounds`` rounds: MB/s
-  of ingest and the median of the per-round ratios (goal >= 90 %); the CPU seconds of the trio
-  thread (the ingest's own work), of the process (the upload threads too) and of SeaweedFS
-  (``bench.proc_cpu``); with uploads on, the seconds until ``remote_consistent_lsn`` caught up
-  and the bytes sent against the bytes of the layer files. The pages (``--ingest-pages``) are
-  those of a real pgbench database (``pgbench -i -s --ingest-pgbench-scale`` in a PostgreSQL
-  started here, every page of its relation files, cycled: how compressible a real database's
-  layers are) or unique random pages (incompressible: the worst case for compression).
+- ``ingest``: ``--ingest-mib`` of 8 KiB page images put into a timeline and flushed into L0s
+  of ``--ingest-l0-mib`` (default: the node's default ``checkpoint_distance``, 256 MiB; a list
+  runs the part once per size, one line each), with uploads off (no remote storage) and on (the
+  queue uploading behind the flushes with the node's defaults: layers zstd-compressed unless
+  their sample does not compress, index PUTs coalesced), and optionally ``on-uncompressed``
+  (layers stored as they are), ``on-signed`` (SigV4 over the body), ``on-no-coalesce`` (an
+  index PUT per flush) and ``on-no-probe`` (every layer compressed whole), interleaved over
+  ``--rounds`` rounds: MB/s of ingest and the median of the per-round ratios (goal >= 90 %);
+  the CPU seconds of the trio thread (the ingest's own work), of the process (the upload
+  threads too) and of SeaweedFS (``bench.proc_cpu``); with uploads on, the seconds until
+  ``remote_consistent_lsn`` caught up, the bytes sent against the bytes of the layer files, and
+  the layer and index PUTs. The pages (``--ingest-pages``) are those of a real pgbench
+  database (``pgbench -i -s --ingest-pgbench-scale`` in a PostgreSQL started here, every page
+  of its relation files, cycled: how compressible a real database's layers are) or unique
+  random pages (incompressible: the worst case for compression).
 - ``attach``: a tenant with ``--attach-mib`` of layers (default 1024) in remote storage is
   attached by a fresh node with an empty disk: seconds to attach (list, index, reconcile: no
   layer downloaded), then the latency of the first read of one page (on-demand: fetches only the

@@ -12,8 +12,7 @@
   queue uploading behind the flushes with the node's defaults: layers zstd-compressed unless
   their sample does not compress, index PUTs coalesced), and optionally ``on-uncompressed``
   (layers stored as they are), ``on-signed`` (SigV4 over the body), ``on-no-coalesce`` (an
-  index PUT per flush), ``on-no-probe`` (every layer compressed whole) and ``on-codec-nice0``
-  (compression at the node's priority, not 10 nice steps below it), interleaved over
+  index PUT per flush) and ``on-no-probe`` (every layer compressed whole), interleaved over
   ``--rounds`` rounds: MB/s of ingest and the median of the per-round ratios (goal >= 90 %);
   the CPU seconds of the trio thread (the ingest's own work), of the process (the upload
   threads too) and of SeaweedFS (``bench.proc_cpu``); with uploads on, the seconds until
@@ -258,9 +257,8 @@ async def _ingest(tl: Timeline, mib: int, pages: list[bytes], start_block: int =
 # on-uncompressed: layers stored as they are (``compression = "none"``); on-signed: the node's
 # settings with SigV4 over the body (``payload_signing``); on-no-coalesce: one index PUT per
 # flush (only back-to-back queued indexes coalesced: ``coalesce_indexes = False``);
-# on-no-probe: every layer compressed whole, whatever its sample says; on-codec-nice0:
-# compression at the node's own priority (``codec_nice = 0``)
-INGEST_CONFIGS = ("off", "on", "on-uncompressed", "on-signed", "on-no-coalesce", "on-no-probe", "on-codec-nice0")
+# on-no-probe: every layer compressed whole, whatever its sample says
+INGEST_CONFIGS = ("off", "on", "on-uncompressed", "on-signed", "on-no-coalesce", "on-no-probe")
 _SENT = "pageserver_remote_upload_stored_bytes_total"
 _LAYER_BYTES = "pageserver_remote_upload_bytes_total"
 _CODEC_CPU = "pageserver_remote_codec_cpu_seconds_total"
@@ -280,8 +278,7 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: l
             await storage.list("nothing/")
             remote = TenantRemote(storage, 1, compression="none" if config == "on-uncompressed" else "zstd",
                                   coalesce_indexes=config != "on-no-coalesce",
-                                  compression_probe=config != "on-no-probe",
-                                  codec_nice=0 if config == "on-codec-nice0" else 10)
+                                  compression_probe=config != "on-no-probe")
         tenant = Tenant(work, TenantId.generate(), cfg, nursery=nursery, remote=remote)
         tl = await tenant.create_timeline(TimelineId.generate())
         if tl.remote is not None:

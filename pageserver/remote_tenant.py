@@ -76,8 +76,6 @@ class TenantRemote:
     index_upload_interval_s: float = 0.5
     # A layer whose sample does not compress is stored as it is (``remote_compression``)
     compression_probe: bool = True
-    # Compression runs this many nice steps below the node (``remote_timeline.codec_thread``)
-    codec_nice: int = 10
 
 
 async def list_remote_tenants(storage: RemoteStorage) -> list[TenantId]:
@@ -255,5 +253,5 @@ def make_client(
         parallel_uploads=remote.parallel_uploads, deletions=remote.deletions,
         compression=remote.compression, compression_level=remote.compression_level,
         coalesce_indexes=remote.coalesce_indexes, index_upload_interval_s=remote.index_upload_interval_s,
-        compression_probe=remote.compression_probe, codec_nice=remote.codec_nice,
+        compression_probe=remote.compression_probe,
     )

@@ -39,9 +39,7 @@ and ``remote_consistent_lsn`` stays where it was.
 
 Layer files are stored compressed (``compression = "zstd"``, the default of the
 ``remote_storage`` table) or as they are: each upload compresses its file into a temp file
-beside it (``pageserver.remote_compression``) in a thread of its own that runs ``codec_nice``
-(10) steps below the node's priority (background work: on a saturated machine it yields the
-CPU to ingest and reads; on an idle one it makes no difference), PUTs that, and the index
+beside it in a worker thread (``pageserver.remote_compression``), PUTs that, and the index
 records how each object is stored. Downloads read that from the index they come from, so
 objects of any age (and of either setting) read back alike.
 
@@ -53,14 +51,11 @@ timeline.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import functools
 import os
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
 
 import attrs
 import structlog
@@ -107,7 +102,6 @@ UPLOAD_INDEX_SECONDS = Histogram("pageserver_remote_index_upload_seconds", "inde
 QUEUED_OPS = Gauge("pageserver_remote_queued_operations", "operations waiting in upload queues")
 
 Validator = Callable[[], Awaitable[bool]]
-T = TypeVar("T")
 
 DOWNLOAD_ATTEMPTS = 5  # a reader waits for these (about 0.7 s of backoff in all)
 _TEMP_DOWNLOAD = ".___temp_download"
@@ -150,46 +144,6 @@ Op = UploadLayer | UploadIndex | Delete | Barrier
 def _unlink_all(paths: tuple[Path, ...]) -> None:
     for path in paths:
         path.unlink(missing_ok=True)
-
-
-_codec_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
-
-
-def _lower_priority(nice: int) -> None:
-    """Run this thread ``nice`` steps below the process (Linux: a thread's own nice value)."""
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:  # not permitted or not supported: the thread runs at the process's priority
-        pass
-
-
-async def codec_thread(nice: int, fn: Callable[..., T], *args: object) -> T:
-    """``fn(*args)`` in a thread of its own pool whose threads run ``nice`` steps below the
-    process (0: trio's worker threads). Compressing an upload is background work: on a busy
-    machine it should not take CPU from the ingest it runs behind. Waits for ``fn`` even when
-    cancelled (like ``trio.to_thread.run_sync``: the caller cleans up after it)."""
-    if nice <= 0:
-        return await trio.to_thread.run_sync(fn, *args)
-    pool = _codec_pools.get(nice)
-    if pool is None:
-        pool = _codec_pools[nice] = concurrent.futures.ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix=f"layer-codec-nice{nice}", initializer=_lower_priority,
-            initargs=(nice,))
-    token = trio.lowlevel.current_trio_token()
-    done = trio.Event()
-
-    def wake(_: object) -> None:
-        try:
-            token.run_sync_soon(done.set)
-        except trio.RunFinishedError:
-            pass
-
-    future = pool.submit(fn, *args)
-    future.add_done_callback(wake)
-    with trio.CancelScope(shield=True):
-        await done.wait()
-    return future.result()
 
 
 def _publish(tmp: Path, path: Path) -> None:
@@ -286,7 +240,6 @@ class RemoteTimelineClient:
         coalesce_indexes: bool = True,
         index_upload_interval_s: float = 0.5,
         compression_probe: bool = True,
-        codec_nice: int = 10,
     ) -> None:
         self.storage = storage
         self.tenant_id = tenant_id
@@ -302,7 +255,6 @@ class RemoteTimelineClient:
         self.compression_level = compression_level
         self.coalesce_indexes = coalesce_indexes
         self.compression_probe = compression_probe  # skip layers whose sample does not compress
-        self.codec_nice = codec_nice  # compression runs this many nice steps below the node
         self.index_upload_interval_s = index_upload_interval_s
         self._last_index_put = -float("inf")  # trio.current_time() of the last index PUT
         self._pushes = 0  # ops ever queued (the coalescer's "has more come?")
@@ -613,7 +565,7 @@ class RemoteTimelineClient:
                 nonlocal stored
                 if self.compression != "none":
                     async with self._codec_limiter:
-                        stored = await codec_thread(self.codec_nice, self._compress, x, stored_tmp)
+                        stored = await trio.to_thread.run_sync(self._compress, x, stored_tmp)
                 src = stored_tmp if stored.compression != "none" else x.path
                 size = await self.storage.upload_file(key, src)
                 if size != stored.size:

@@ -70,6 +70,21 @@ def _run_entries(index: dict[Key, array[int]], key: Key, lsn: int) -> array[int]
     return found
 
 
+# An in-memory layer's index as ``write_l0`` packs it: the keys sorted and joined, the number of
+# values per key, every value's (lsn, offset << 1 | will_init, length) in that key order.
+FlatIndex = tuple[bytes, "array[int]", "array[int]"]
+
+
+def flat_index(index: dict[Key, array[int]]) -> FlatIndex:
+    """``index`` flattened in key order (C copies per key)."""
+    keys = sorted(index)
+    counts = array("Q", [len(index[key]) // 3 for key in keys])
+    triples: array[int] = array("Q")
+    for key in keys:
+        triples += index[key]
+    return b"".join(keys), counts, triples
+
+
 class FrozenData(Protocol):
     """What ``write_l0`` reads of a frozen layer's data: an ``EphemeralFile``, or, in the L0
     worker process (``l0_worker``), the same file opened read-only."""
@@ -94,17 +109,17 @@ class InMemoryLayer:
         self.max_lsn: Lsn | None = None
         self.index: dict[Key, array[int]] = {}
         self.opened_at = time.monotonic()
+        # the index already flat (``frozen_view``), for ``write_l0``
+        self._flat: FlatIndex | None = None
 
     @classmethod
-    def frozen_view(
-        cls, data: FrozenData, index: dict[Key, array[int]], start_lsn: Lsn, end_lsn: Lsn
-    ) -> InMemoryLayer:
-        """A frozen layer over ``data`` and ``index`` that is only good for ``write_l0`` (the
-        L0 worker process rebuilds the pageserver's frozen layer this way, so that it writes
-        with the very same code: ``size`` and ``write_l0`` only read ``length``, ``read_all``
-        and ``mapped``; ``_entries`` reads ``read_all`` and ``read_many``)."""
+    def frozen_view(cls, data: FrozenData, index: FlatIndex, start_lsn: Lsn, end_lsn: Lsn) -> InMemoryLayer:
+        """A frozen layer over ``data`` and the flat ``index`` that is only good for
+        ``write_l0`` (the L0 worker process rebuilds the pageserver's frozen layer this way,
+        so that it writes with the very same code: ``size`` and ``write_l0`` only read
+        ``length``, ``read_all`` and ``mapped``)."""
         layer = cls(cast(EphemeralFile, data), start_lsn)
-        layer.index = index
+        layer._flat = index
         layer.end_lsn = end_lsn
         return layer
 
@@ -410,23 +425,18 @@ class InMemoryLayer:
         it in memory; the page cache has it either way)."""
         if self.end_lsn is None:
             raise AssertionError("only a frozen in-memory layer is written to disk")
-        index = self.index
+        joined, counts, triples = self._flat if self._flat is not None else flat_index(self.index)
         lsn_start, lsn_end = self.start_lsn, self.end_lsn
+        n_keys = len(counts)
 
         async def fill(writer: LayerFileWriter) -> None:
-            if not index:
+            if not n_keys:
                 return
-            keys = sorted(index)
-            joined = b"".join(keys)
-            counts = array("Q", [len(index[key]) // 3 for key in keys])
-            triples: array[int] = array("Q")
-            for key in keys:
-                triples += index[key]
             mapped = self.file.mapped() if self.size > _READ_WHOLE_MAX else None
             src = mapped if mapped is not None else await self.file.read_all()
             try:
                 key_at = sub = 0
-                while key_at < len(keys):
+                while key_at < n_keys:
                     data, entries, key_at, sub = await engine.run_sync(
                         _pack_values, joined, counts, triples, src, key_at, sub,
                         writer.next_offset, _PACK_BYTES, lsn_start, lsn_end,
@@ -439,7 +449,7 @@ class InMemoryLayer:
                     mapped.close()
 
         # (the values' lengths add up to the data section: the index goes straight behind it)
-        data_size = sum(sum(entries[2::3]) for entries in index.values())
+        data_size = sum(triples[2::3])
         return await write_layer_file(engine, directory, self.l0_desc(), opts, fill, data_size=data_size)
 
     def l0_desc(self) -> LayerDesc:

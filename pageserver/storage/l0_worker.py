@@ -56,7 +56,7 @@ import trio
 from common.child_io import open_pipes, read_exact, start_watchdog
 from common.children import reap, spawn, stop
 from pageserver.storage.ephemeral_file import map_readonly
-from pageserver.storage.inmemory_layer import InMemoryLayer
+from pageserver.storage.inmemory_layer import FlatIndex, InMemoryLayer
 from pageserver.storage.io_engine import BlockingIoEngine, IoFile
 from pageserver.storage.key import KEY_SIZE, Key
 from pageserver.storage.layer_file import WriteOptions
@@ -110,11 +110,14 @@ def index_body_size(index: dict[Key, array[int]]) -> int:
 
 
 def iter_index_body(index: dict[Key, array[int]]) -> Iterator[bytes]:
-    """The body: keys joined, the per-key counts, then the arrays' bytes, in pieces of about
-    ``_SEND_CHUNK`` bytes made one at a time (C loops, no per-value object; the sender never
-    holds more than a piece besides the index itself). ``index`` must not change meanwhile."""
-    yield b"".join(index)
-    arrays = list(index.values())
+    """The body: the keys sorted and joined, the per-key counts, then the arrays' bytes in the
+    same order, in pieces of about ``_SEND_CHUNK`` bytes made one at a time (C loops, no
+    per-value object; the sender never holds more than a piece besides the index itself): the
+    worker takes it as the flat index ``write_l0`` packs, without a dict or a sort of its own.
+    ``index`` must not change meanwhile."""
+    keys = sorted(index)
+    yield b"".join(keys)
+    arrays = [index[key] for key in keys]
     yield array("Q", map(len, arrays)).tobytes()
     group: list[array[int]] = []
     size = 0
@@ -129,9 +132,10 @@ def iter_index_body(index: dict[Key, array[int]]) -> Iterator[bytes]:
         yield b"".join(group)
 
 
-def decode_index(n_keys: int, body: bytes | bytearray | memoryview) -> dict[Key, array[int]]:
-    """The inverse of ``iter_index_body`` (for ``n_keys`` keys); ``L0WorkerProtocolError`` for a body that does not
-    add up (wrong length, a count not a positive multiple of three, a repeated key)."""
+def decode_index(n_keys: int, body: bytes | bytearray | memoryview) -> FlatIndex:
+    """The inverse of ``iter_index_body`` (for ``n_keys`` keys), as the flat index ``write_l0``
+    packs (``flat_index``); ``L0WorkerProtocolError`` for a body that does not add up (wrong
+    length, a count not a positive multiple of three, keys not strictly rising)."""
     view = memoryview(body)
     keys_end = n_keys * KEY_SIZE
     at = keys_end + 8 * n_keys
@@ -143,17 +147,16 @@ def decode_index(n_keys: int, body: bytes | bytearray | memoryview) -> dict[Key,
         raise L0WorkerProtocolError(
             f"index body of {len(view)} bytes does not hold the {sum(counts)} entries its counts say"
         )
-    index: dict[Key, array[int]] = {}
     for i, count in enumerate(counts):
         if count == 0 or count % 3:
             raise L0WorkerProtocolError(f"index key {i} has {count} entries, not triples")
-        entries: array[int] = array("Q")
-        entries.frombytes(view[at : at + 8 * count])
-        at += 8 * count
-        index[Key(bytes(view[i * KEY_SIZE : (i + 1) * KEY_SIZE]))] = entries
-    if len(index) != n_keys:
-        raise L0WorkerProtocolError(f"index of {n_keys} keys repeats a key")
-    return index
+    keys = bytes(view[:keys_end])
+    for i in range(1, n_keys):
+        if keys[(i - 1) * KEY_SIZE : i * KEY_SIZE] >= keys[i * KEY_SIZE : (i + 1) * KEY_SIZE]:
+            raise L0WorkerProtocolError(f"index repeats a key or is out of order at key {i}")
+    triples: array[int] = array("Q")
+    triples.frombytes(view[at:])
+    return keys, array("Q", [count // 3 for count in counts]), triples
 
 
 def _check_answer(answer: dict[str, Any], layer: InMemoryLayer, directory: Path) -> Path | L0WorkerError:
@@ -377,7 +380,7 @@ class _EioEngine(BlockingIoEngine):
         await super().pwritev(fd, buffers, offset)
 
 
-async def _write_job(meta: dict[str, Any], index: dict[Key, array[int]], eio: bool) -> str | None:
+async def _write_job(meta: dict[str, Any], index: FlatIndex, eio: bool) -> str | None:
     sync_mode: SyncMode = meta["write_sync_mode"]
     engine = _EioEngine(sync_mode) if eio else BlockingIoEngine(write_sync_mode=sync_mode)
     file = await engine.open_file(Path(meta["ephemeral"]), "r")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -14,6 +15,9 @@ from hypothesis import HealthCheck, settings
 from protocol import _native
 from protocol._native_sources import NATIVE_MODULES, TWINS
 from tests.tmpdirs import pg_tmpdir
+
+if TYPE_CHECKING:
+    from remote_storage import RemoteStorage
 
 # validate_get defaults to this variable: the whole suite runs both read paths and fails loudly on
 # any difference (issue 3). Child processes (nodes started by tests) inherit it.
@@ -67,6 +71,24 @@ def s3_config(seaweedfs: str) -> object:
         bucket="pagestore-tests", endpoint=seaweedfs, prefix=f"test-{os.getpid()}-{next(_BUCKETS)}",
         access_key_id="test", secret_access_key="test", create_bucket=True, timeout_s=30.0,
     )
+
+
+@pytest.fixture(params=["local", "s3"])
+async def remote_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RemoteStorage]:
+    """A ``RemoteStorage`` of each kind tests run over: the local one in ``tmp_path`` and the
+    session's SeaweedFS (a fresh prefix, ``s3_config``); closed after the test."""
+    from remote_storage import LocalStorageConfig, S3StorageConfig, make_remote_storage
+
+    if request.param == "local":
+        store = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote"))
+    else:
+        cfg = request.getfixturevalue("s3_config")
+        assert isinstance(cfg, S3StorageConfig)
+        store = make_remote_storage(cfg)
+    try:
+        yield store
+    finally:
+        await store.aclose()
 
 
 def pytest_report_header() -> str:

@@ -8,7 +8,6 @@ page), a truncated one is retried and then fails the same way."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -23,23 +22,14 @@ from pageserver.tenant import Tenant
 from pageserver.timeline import LayerDownloadError
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn
-from remote_storage import LocalStorageConfig, RemoteStorage, S3StorageConfig, make_remote_storage
+from remote_storage import RemoteStorage
 from tests.pageserver.remote_helpers import FaultyStorage, check_remote_invariant
 from tests.pageserver.test_compaction_concurrency import CFG, KEYS, Model, check, write_l0
 
 
-@pytest.fixture(params=["local", "s3"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[FaultyStorage]:
-    if request.param == "local":
-        inner = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote"))
-    else:
-        cfg = request.getfixturevalue("s3_config")
-        assert isinstance(cfg, S3StorageConfig)
-        inner = make_remote_storage(cfg)
-    try:
-        yield FaultyStorage(inner)
-    finally:
-        await inner.aclose()
+@pytest.fixture
+async def store(remote_store: RemoteStorage) -> FaultyStorage:
+    return FaultyStorage(remote_store)
 
 
 def metric(name: str) -> float:

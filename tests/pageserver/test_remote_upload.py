@@ -9,7 +9,6 @@ Over the local kind and a real SeaweedFS. The workload (``workload``) flushes L0
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -21,23 +20,14 @@ from pageserver.tenant import Tenant
 from pageserver.timeline import Timeline
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import INVALID_LSN, Lsn
-from remote_storage import LocalStorageConfig, RemoteStorage, S3StorageConfig, make_remote_storage
+from remote_storage import LocalStorageConfig, RemoteStorage, make_remote_storage
 from tests.pageserver.remote_helpers import FaultyStorage, check_remote_invariant
 from tests.pageserver.test_compaction_concurrency import CFG, Model, check, write_l0
 
 
-@pytest.fixture(params=["local", "s3"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RemoteStorage]:
-    if request.param == "local":
-        inner = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote"))
-    else:
-        cfg = request.getfixturevalue("s3_config")
-        assert isinstance(cfg, S3StorageConfig)
-        inner = make_remote_storage(cfg)
-    try:
-        yield inner
-    finally:
-        await inner.aclose()
+@pytest.fixture
+async def store(remote_store: RemoteStorage) -> RemoteStorage:
+    return remote_store
 
 
 def upto(model: Model, lsn: int) -> Model:

@@ -3,7 +3,7 @@ objects, ranged reads, listing with and without a delimiter, idempotent deletes,
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -24,18 +24,9 @@ from remote_storage.prefix_delete import delete_prefix
 from remote_storage.retry import backoff_delay, retry
 
 
-@pytest.fixture(params=["local", "s3"])
-async def storage(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RemoteStorage]:
-    if request.param == "local":
-        store = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote"))
-    else:
-        cfg = request.getfixturevalue("s3_config")
-        assert isinstance(cfg, S3StorageConfig)
-        store = make_remote_storage(cfg)
-    try:
-        yield store
-    finally:
-        await store.aclose()
+@pytest.fixture
+async def storage(remote_store: RemoteStorage) -> RemoteStorage:
+    return remote_store
 
 
 async def test_upload_download_ranges(storage: RemoteStorage) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+import ssl
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import attrs
@@ -75,3 +78,21 @@ class TlsKit:
         ca_cert, _ = make_local_ca(dir / "ca")
         cert, key = make_node_cert(dir / "ca", dir / "node", "test-node")
         return cls(ca_cert, cert, key)
+
+
+def http_call(url: str, method: str = "GET", body: object | None = None, *, token: str | None = None,
+              header: str | None = None, ctx: ssl.SSLContext | None = None) -> tuple[int, object]:
+    """One HTTP request (``body`` sent as JSON) with a bearer ``token`` or a raw
+    ``Authorization`` ``header``: (status, the answer), a JSON answer parsed, any other as bytes."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"content-type": "application/json"}, method=method)
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    if header is not None:
+        req.add_header("Authorization", header)
+    try:
+        with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
+            answer = resp.read()
+            return resp.status, json.loads(answer) if resp.headers["content-type"] == "application/json" else answer
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

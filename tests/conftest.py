@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, settings
 
 from protocol import _native
 from protocol._native_sources import NATIVE_MODULES, TWINS
+from tests.auth_helpers import AuthKit
 from tests.tmpdirs import pg_tmpdir
 
 if TYPE_CHECKING:
@@ -89,6 +90,12 @@ async def remote_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncI
         yield store
     finally:
         await store.aclose()
+
+
+@pytest.fixture
+def kit(tmp_path: Path) -> AuthKit:
+    """A keypair for tokens and a second one for forged tokens (``tests.auth_helpers``)."""
+    return AuthKit.create(tmp_path)
 
 
 def pytest_report_header() -> str:

@@ -30,11 +30,6 @@ T1 = TenantId.parse("11" * 16)
 T2 = TenantId.parse("22" * 16)
 
 
-@pytest.fixture
-def kit(tmp_path: Path) -> AuthKit:
-    return AuthKit.create(tmp_path)
-
-
 def test_private_key_is_owner_only(kit: AuthKit) -> None:
     assert stat.S_IMODE(os.stat(kit.private_path).st_mode) == 0o600
     assert b"PRIVATE" not in kit.public_path.read_bytes()

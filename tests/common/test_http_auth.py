@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import ssl
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,7 +15,7 @@ from common.http import HttpAuth, HttpServer, Request, Router
 from common.metrics import add_metrics_route, new_registry
 from common.tls import client_context, server_context
 from protocol.ids import TenantId
-from tests.auth_helpers import AuthKit, TlsKit
+from tests.auth_helpers import AuthKit, TlsKit, http_call
 
 T1 = TenantId.parse("11" * 16)
 T2 = TenantId.parse("22" * 16)
@@ -42,26 +40,6 @@ def router() -> Router:
     return r
 
 
-def call(url: str, method: str = "GET", token: str | None = None, header: str | None = None,
-         ctx: ssl.SSLContext | None = None) -> tuple[int, object]:
-    req = urllib.request.Request(url, method=method)
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
-    if header is not None:
-        req.add_header("Authorization", header)
-    try:
-        with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
-            body = resp.read()
-            return resp.status, json.loads(body) if resp.headers["content-type"] == "application/json" else body
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-@pytest.fixture
-def kit(tmp_path: Path) -> AuthKit:
-    return AuthKit.create(tmp_path)
-
-
 async def run(server: HttpServer, fn: object) -> None:
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.serve)
@@ -78,23 +56,23 @@ async def test_http_refusals_and_admissions(kit: AuthKit) -> None:
         base = f"http://127.0.0.1:{port}"
         tenant_url = f"{base}/v1/tenant/{T1.hex}"
         # Open endpoints.
-        assert call(f"{base}/v1/status")[0] == 200
-        assert call(f"{base}/metrics")[0] == 200
+        assert http_call(f"{base}/v1/status")[0] == 200
+        assert http_call(f"{base}/metrics")[0] == 200
         # 401: no header, not Bearer, empty.
-        assert call(tenant_url, "DELETE") == (401, {"msg": "Unauthorized: missing authorization header"})
-        assert call(tenant_url, "DELETE", header=f"Basic {kit.tenant(T1)}")[0] == 401
-        assert call(tenant_url, "DELETE", header="Bearer")[0] == 401
+        assert http_call(tenant_url, "DELETE") == (401, {"msg": "Unauthorized: missing authorization header"})
+        assert http_call(tenant_url, "DELETE", header=f"Basic {kit.tenant(T1)}")[0] == 401
+        assert http_call(tenant_url, "DELETE", header="Bearer")[0] == 401
         # 403: malformed, forged, expired, alg none, wrong scope, wrong tenant.
         for case in ("malformed", "forged", "expired", "alg-none", "wrong-scope", "wrong-tenant"):
-            status, body = call(tenant_url, "DELETE", bad[case])
+            status, body = http_call(tenant_url, "DELETE", token=bad[case])
             assert status == 403, case
             assert isinstance(body, dict) and body["msg"].startswith("Forbidden"), case
         # A tenant token: its own tenant only, never node-wide.
-        assert call(tenant_url, "DELETE", kit.tenant(T1)) == (200, {"deleted": T1.hex})
-        assert call(f"{base}/v1/tenant", token=kit.tenant(T1))[0] == 403
+        assert http_call(tenant_url, "DELETE", token=kit.tenant(T1)) == (200, {"deleted": T1.hex})
+        assert http_call(f"{base}/v1/tenant", token=kit.tenant(T1))[0] == 403
         # pageserverapi: everything.
-        assert call(f"{base}/v1/tenant", token=kit.token(Scope.PAGESERVERAPI))[0] == 200
-        assert call(tenant_url, "DELETE", kit.token(Scope.PAGESERVERAPI))[0] == 200
+        assert http_call(f"{base}/v1/tenant", token=kit.token(Scope.PAGESERVERAPI))[0] == 200
+        assert http_call(tenant_url, "DELETE", token=kit.token(Scope.PAGESERVERAPI))[0] == 200
 
     with structlog.testing.capture_logs() as logs:
         await run(server, check)
@@ -112,10 +90,10 @@ async def test_https_verified(kit: AuthKit, tmp_path: Path) -> None:
 
     def check(port: int) -> None:
         ctx = client_context(tls.ca_cert)
-        assert call(f"https://localhost:{port}/v1/status", ctx=ctx)[0] == 200
-        assert call(f"https://127.0.0.1:{port}/v1/tenant", token=kit.token(Scope.SAFEKEEPERDATA),
+        assert http_call(f"https://localhost:{port}/v1/status", ctx=ctx)[0] == 200
+        assert http_call(f"https://127.0.0.1:{port}/v1/tenant", token=kit.token(Scope.SAFEKEEPERDATA),
                     ctx=ctx)[0] == 200
         with pytest.raises(urllib.error.URLError):  # an unknown CA
-            call(f"https://127.0.0.1:{port}/v1/status")
+            http_call(f"https://127.0.0.1:{port}/v1/status")
 
     await run(server, check)

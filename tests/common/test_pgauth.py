@@ -33,11 +33,6 @@ class TenantHandler:
         await conn.send_rows(["ok"], [("yes",)])
 
 
-@pytest.fixture
-def kit(tmp_path: Path) -> AuthKit:
-    return AuthKit.create(tmp_path)
-
-
 def jwt_server(kit: AuthKit, **kw: object) -> PgServer:
     auth = JwtAuthenticator(JwtVerifier.from_key_path(kit.public_path), Service.PAGESERVER)
     return PgServer(TenantHandler(), authenticator=auth, **kw)  # type: ignore[arg-type]

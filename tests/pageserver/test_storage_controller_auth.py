@@ -4,8 +4,6 @@ token, and ``admin`` passes everywhere; only ``/v1/status`` is open."""
 
 from __future__ import annotations
 
-import json
-import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -20,30 +18,10 @@ from common.tls import client_context
 from control_plane.storage_controller import StorageControllerConfig, serve
 from pageserver.control_plane_client import ControlPlaneClient, ControlPlaneRefusedError
 from protocol.ids import TenantId
-from tests.auth_helpers import AuthKit, TlsKit
+from tests.auth_helpers import AuthKit, TlsKit, http_call
 
 T1 = TenantId.parse("11" * 16)
 T2 = TenantId.parse("22" * 16)
-
-
-def call(url: str, method: str = "GET", body: object | None = None, *, token: str | None = None,
-         header: str | None = None, ctx: ssl.SSLContext | None = None) -> tuple[int, object]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"content-type": "application/json"}, method=method)
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
-    if header is not None:
-        req.add_header("Authorization", header)
-    try:
-        with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-@pytest.fixture
-def kit(tmp_path: Path) -> AuthKit:
-    return AuthKit.create(tmp_path)
 
 
 def auth_config(tmp_path: Path, kit: AuthKit, **more: object) -> StorageControllerConfig:
@@ -68,36 +46,36 @@ async def test_controller_refusals_and_admissions(tmp_path: Path, kit: AuthKit) 
         attach = f"{base}/control/v1/tenant/{T1.hex}/attach"
         register = f"{base}/upcall/v1/attach"
         reg_body = {"tenant_id": T1.hex, "node_id": 1}
-        assert call(f"{base}/v1/status") == (200, {"tenants": 0})  # open
+        assert http_call(f"{base}/v1/status") == (200, {"tenants": 0})  # open
         # 401: no header, not Bearer, empty; on the control API and on an upcall alike.
         for url, body in ((attach, {"node_id": 2}), (register, reg_body)):
-            assert call(url, "POST", body) == (401, {"msg": "Unauthorized: missing authorization header"})
-            assert call(url, "POST", body, header=f"Basic {admin}")[0] == 401
-            assert call(url, "POST", body, header="Bearer")[0] == 401
+            assert http_call(url, "POST", body) == (401, {"msg": "Unauthorized: missing authorization header"})
+            assert http_call(url, "POST", body, header=f"Basic {admin}")[0] == 401
+            assert http_call(url, "POST", body, header="Bearer")[0] == 401
         # 403: malformed, forged, expired, alg none, and every scope that is not the route's.
         for case in ("malformed", "forged", "expired", "alg-none", "wrong-scope", "wrong-tenant"):
-            status, answer = call(attach, "POST", {"node_id": 2}, token=bad[case])
+            status, answer = http_call(attach, "POST", {"node_id": 2}, token=bad[case])
             assert status == 403, case
             assert isinstance(answer, dict) and answer["msg"].startswith("Forbidden"), case
         for scope in (Scope.PAGESERVERAPI, Scope.SAFEKEEPERDATA):
-            assert call(register, "POST", reg_body, token=kit.token(scope))[0] == 403, scope
-        assert call(register, "POST", reg_body, token=kit.tenant(T1))[0] == 403
+            assert http_call(register, "POST", reg_body, token=kit.token(scope))[0] == 403, scope
+        assert http_call(register, "POST", reg_body, token=kit.tenant(T1))[0] == 403
         # A pageserver's token cannot move, list or tombstone tenants, nor reload the keys.
-        assert call(attach, "POST", {"node_id": 2}, token=upcalls)[0] == 403
-        assert call(f"{base}/control/v1/tenant", token=upcalls)[0] == 403
-        assert call(f"{base}/control/v1/tenant/{T1.hex}", "DELETE", token=upcalls)[0] == 403
-        assert call(f"{base}/v1/reload_auth_validation_keys", "POST", {}, token=upcalls)[0] == 403
+        assert http_call(attach, "POST", {"node_id": 2}, token=upcalls)[0] == 403
+        assert http_call(f"{base}/control/v1/tenant", token=upcalls)[0] == 403
+        assert http_call(f"{base}/control/v1/tenant/{T1.hex}", "DELETE", token=upcalls)[0] == 403
+        assert http_call(f"{base}/v1/reload_auth_validation_keys", "POST", {}, token=upcalls)[0] == 403
         # Nothing refused changed anything.
-        assert call(f"{base}/control/v1/tenant", token=admin) == (200, {"tenants": []})
+        assert http_call(f"{base}/control/v1/tenant", token=admin) == (200, {"tenants": []})
         # generations_api on the upcalls; admin everywhere.
-        assert call(register, "POST", reg_body, token=upcalls) == (200, {"gen": 1})
-        assert call(f"{base}/upcall/v1/re-attach", "POST", {"node_id": 1}, token=admin) == (
+        assert http_call(register, "POST", reg_body, token=upcalls) == (200, {"gen": 1})
+        assert http_call(f"{base}/upcall/v1/re-attach", "POST", {"node_id": 1}, token=admin) == (
             200, {"tenants": [{"id": T1.hex, "gen": 2}]})
-        assert call(f"{base}/upcall/v1/validate", "POST", {"tenants": [{"id": T1.hex, "gen": 2}]},
+        assert http_call(f"{base}/upcall/v1/validate", "POST", {"tenants": [{"id": T1.hex, "gen": 2}]},
                     token=upcalls) == (200, {"tenants": [{"id": T1.hex, "valid": True}]})
-        assert call(attach, "POST", {"node_id": 2}, token=admin) == (200, {"gen": 3})
-        assert call(f"{base}/control/v1/tenant/{T1.hex}", "DELETE", token=admin) == (200, {})
-        assert call(f"{base}/v1/reload_auth_validation_keys", "POST", {}, token=admin) == (200, {"keys": 1})
+        assert http_call(attach, "POST", {"node_id": 2}, token=admin) == (200, {"gen": 3})
+        assert http_call(f"{base}/control/v1/tenant/{T1.hex}", "DELETE", token=admin) == (200, {})
+        assert http_call(f"{base}/v1/reload_auth_validation_keys", "POST", {}, token=admin) == (200, {"keys": 1})
 
     async def run(port: int) -> None:
         await trio.to_thread.run_sync(check, port)
@@ -140,10 +118,10 @@ async def test_controller_over_https(tmp_path: Path, kit: AuthKit) -> None:
                                 token=kit.token(Scope.GENERATIONS_API), ssl_context=ctx)
         assert await cp.attach(T1) == 1
         status = await trio.to_thread.run_sync(
-            lambda: call(f"https://127.0.0.1:{port}/control/v1/tenant", token=kit.token(Scope.ADMIN), ctx=ctx))
+            lambda: http_call(f"https://127.0.0.1:{port}/control/v1/tenant", token=kit.token(Scope.ADMIN), ctx=ctx))
         assert status == (200, {"tenants": [{"id": T1.hex, "gen": 1, "node_id": 1}]})
         with pytest.raises(urllib.error.URLError):  # an unknown CA
-            await trio.to_thread.run_sync(lambda: call(f"https://127.0.0.1:{port}/v1/status"))
+            await trio.to_thread.run_sync(lambda: http_call(f"https://127.0.0.1:{port}/v1/status"))
 
     await with_controller(auth_config(tmp_path, kit, ssl_cert_file=tls.cert, ssl_key_file=tls.key), run)
 

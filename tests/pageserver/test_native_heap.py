@@ -25,6 +25,7 @@ from pageserver.walredo import bufpage as bp
 from pageserver.walredo.errors import PageError
 from protocol import _native
 from tests.conftest import kernel
+from tests.fuzz_helpers import harness_takes_its_seeds_and_catches
 
 HEAP = "pageserver.walredo._heap_c"
 
@@ -280,21 +281,10 @@ def test_put_tuple_twin_and_native_agree(
 def test_fuzz_harness_accepts_its_seeds_and_catches_a_planted_difference(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from bench.fuzz import _harness, write_seeds
-
-    write_seeds("heap-multi-insert", tmp_path)
-    same = _harness("heap-multi-insert", _heap_py, _heap_py)
-
     def skip_the_last(page: bytearray, main: bytes, data: bytes, xid: int, blkno: int, init: bool) -> int:
         flags = _heap_py.multi_insert(page, main, data, xid, blkno, init)
         struct.pack_into("<H", page, 12, struct.unpack_from("<H", page, 12)[0] - 4)
         return flags
 
-    lying = _harness("heap-multi-insert", SimpleNamespace(multi_insert=skip_the_last), _heap_py)  # type: ignore[arg-type]
-    seeds = sorted(tmp_path.iterdir())
-    assert len(seeds) == 4
-    for seed in seeds:
-        data = seed.read_bytes()
-        same(data)
-        with pytest.raises(AssertionError, match="differs"):
-            lying(data)
+    harness_takes_its_seeds_and_catches("heap-multi-insert", tmp_path, _heap_py,
+                                        SimpleNamespace(multi_insert=skip_the_last), seeds=4)

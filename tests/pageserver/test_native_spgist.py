@@ -26,10 +26,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.fuzz import _harness, spgist_leaf_page, write_seeds
+from bench.fuzz import spgist_leaf_page
 from pageserver.walredo import _spgist_py, spgist
 from pageserver.walredo import bufpage as bp
 from tests.conftest import kernel
+from tests.fuzz_helpers import harness_takes_its_seeds_and_catches
 
 SPG = "pageserver.walredo._spgist_c"
 LIVE, REDIRECT, DEAD, PLACEHOLDER = 0, 1, 2, 3
@@ -377,16 +378,8 @@ def test_native_never_writes_outside_the_page(case: tuple[Any, ...], data: st.Da
 
 def test_fuzz_harness_accepts_its_seeds_and_catches_a_planted_difference(tmp_path: Path) -> None:
     twin = kernel("python", SPG)
-    write_seeds("spgist-leaves", tmp_path)
-    same = _harness("spgist-leaves", twin, twin)
-    lying = _harness("spgist-leaves", SimpleNamespace(place_leaves=lambda *a: 0, multi_delete=lambda *a: None), twin)  # type: ignore[arg-type]
-    seeds = sorted(tmp_path.iterdir())
-    assert len(seeds) == 8
-    for seed in seeds:
-        data = seed.read_bytes()
-        same(data)
-        with pytest.raises(AssertionError, match="differs"):
-            lying(data)
+    liar = SimpleNamespace(place_leaves=lambda *a: 0, multi_delete=lambda *a: None)
+    for data in harness_takes_its_seeds_and_catches("spgist-leaves", tmp_path, twin, liar, seeds=8):
         # the seeds are well-formed: the twin takes them
         page, _ = spgist_leaf_page(data[2])
         n = data[1]

@@ -28,6 +28,7 @@ from bench.fuzz import (
 )
 from protocol.wal.encoder import BlockSpec
 from tests.conftest import kernel
+from tests.fuzz_helpers import harness_takes_its_seeds_and_catches
 from tests.pageserver import test_walingest_fused as fz
 
 INGEST = "protocol._ingest_c"
@@ -137,21 +138,13 @@ def test_a_run_broken_in_the_middle(breaker: str) -> None:
 
 def test_fuzz_harness_accepts_its_seeds_and_catches_a_planted_difference(tmp_path: Path) -> None:
     twin = kernel("python", INGEST)
-    write_seeds("fused-walk", tmp_path)
-    same = _harness("fused-walk", twin, twin)
 
     def lying(*args: Any) -> tuple[Any, ...]:
         got = twin.fused_walk(*args)
         return (*got[:3], got[3] - 1, *got[4:])
 
-    caught = _harness("fused-walk", SimpleNamespace(fused_walk=lying), twin)  # type: ignore[arg-type]
-    seeds = sorted(tmp_path.iterdir())
-    assert len(seeds) == 5
-    for seed in seeds:
-        data = seed.read_bytes()
-        same(data)
-        with pytest.raises(AssertionError, match="differs"):
-            caught(data)
+    liar = SimpleNamespace(fused_walk=lying)
+    for data in harness_takes_its_seeds_and_catches("fused-walk", tmp_path, twin, liar, seeds=5):
         # the seeds are not vacuous: from their record the walk takes dozens of records,
         # across pages, or (the seed whose relation set is empty) stops at the unknown fork
         got = walk_outcome(twin, data)

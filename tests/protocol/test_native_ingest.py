@@ -24,9 +24,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from bench.fuzz import RUN_LSN, _harness, like_records, write_seeds
+from bench.fuzz import RUN_LSN, like_records
 from protocol import _native
 from tests.conftest import kernel
+from tests.fuzz_helpers import harness_takes_its_seeds_and_catches
 
 INGEST = "protocol._ingest_c"
 POS = RUN_LSN
@@ -205,16 +206,8 @@ def test_same_run_native_equals_twin_on_random_bytes(
 
 def test_fuzz_harness_accepts_its_seeds_and_catches_a_planted_difference(tmp_path: Path) -> None:
     twin = kernel("python", INGEST)
-    write_seeds("same-run", tmp_path)
-    same = _harness("same-run", twin, twin)
-    lying = _harness("same-run", SimpleNamespace(same_run=lambda *a: (0, ())), twin)  # type: ignore[arg-type]
-    seeds = sorted(tmp_path.iterdir())
-    assert len(seeds) == 3
-    for seed in seeds:
-        data = seed.read_bytes()
-        same(data)
-        with pytest.raises(AssertionError, match="differs"):
-            lying(data)
+    liar = SimpleNamespace(same_run=lambda *a: (0, ()))
+    for data in harness_takes_its_seeds_and_catches("same-run", tmp_path, twin, liar, seeds=3):
         # the seed is a whole run: the twin takes all of it
         tot_len = struct.unpack_from("<I", data, 4)[0]
         assert twin.same_run(data[4:], 0, RUN_LSN, tot_len, (tot_len + 7) & ~7, data[2], data[3])[0] == data[2]

@@ -54,6 +54,19 @@ def emit(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> No
         print(human(data))
 
 
+def add_one_name(parser: argparse.ArgumentParser, dest: str, help: str) -> None:
+    """The arguments of a command about one named thing: ``--workdir``, the name, ``--json``."""
+    add_workdir(parser)
+    parser.add_argument(dest, help=help)
+    add_json(parser)
+
+
+def report(args: argparse.Namespace, action: Callable[[LocalEnv], Any], human: Callable[[Any], str]) -> int:
+    """``action`` on the cluster of ``--workdir``, its answer printed (as JSON with ``--json``)."""
+    emit(args, action(load_env(args)), human)
+    return 0
+
+
 def guarded(body: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         try:

@@ -7,17 +7,14 @@ from __future__ import annotations
 import argparse
 
 from control_plane import endpoint
-from control_plane.cmd_common import add_json, add_workdir, emit, guarded, load_env
+from control_plane.cmd_common import add_one_name, guarded, report
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    add_workdir(parser)
-    parser.add_argument("name", help="endpoint name")
-    add_json(parser)
+    add_one_name(parser, "name", "endpoint name")
 
 
 @guarded
 def run(args: argparse.Namespace) -> int:
-    data = endpoint.remove_endpoint(load_env(args), args.name)
-    emit(args, data, lambda d: f"endpoint {d['name']} removed ({d['removed']})")
-    return 0
+    return report(args, lambda env: endpoint.remove_endpoint(env, args.name),
+                  lambda d: f"endpoint {d['name']} removed ({d['removed']})")

@@ -11,9 +11,8 @@ from control_plane.cmd_common import (
     add_json,
     add_tenant,
     add_workdir,
-    emit,
     guarded,
-    load_env,
+    report,
     stale_endpoints_hint,
 )
 
@@ -29,9 +28,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 @guarded
 def run(args: argparse.Namespace) -> int:
-    data = cluster.delete_timeline(load_env(args), args.tenant_id, branch=args.branch_name,
-                                   timeline_id=args.timeline_id)
-    emit(args, data, lambda d: f"timeline {d['timeline_id']} deleted"
-         + (f" (branches {', '.join(d['branches'])})" if d["branches"] else "")
-         + stale_endpoints_hint(d["stopped_endpoints_left"]))
-    return 0
+    return report(args, lambda env: cluster.delete_timeline(env, args.tenant_id, branch=args.branch_name,
+                                                            timeline_id=args.timeline_id),
+                  lambda d: f"timeline {d['timeline_id']} deleted"
+                  + (f" (branches {', '.join(d['branches'])})" if d["branches"] else "")
+                  + stale_endpoints_hint(d["stopped_endpoints_left"]))

@@ -129,6 +129,14 @@ def kernel(impl: str, native_name: str) -> ModuleType:
 LONGEST_FIRST = ("tests/integration/test_pg_regress.py",)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist hands out files in collection order only without its "loadscope reorder" (on by
+    # default: files with the most tests first), which put the one-test regression file last,
+    # to run alone after everything else: the default run was the sum of the two, not the max.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     first = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.nodeid.split("::", 1)[0], len(first)))  # stable

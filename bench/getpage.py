@@ -176,7 +176,7 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
         tls_stream.STREAM_PIECE = 1 << 62  # one encryption and one write per batch
     authenticator, ssl_context = _server_security(workdir.parent, security)
     server = PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None,
-                                              tls_sender_thread=security == "auth+tls-thread"),
+                                              tls_sender_thread=_SENDER_THREAD.get(security, "auto")),
                       authenticator=authenticator, ssl_context=ssl_context)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.serve)
@@ -199,12 +199,15 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
 # Auth and TLS (--security off,auth,auth+tls): keys, a CA and a token written once per run into
 # the run's directory; the token goes to the client processes as a file (never on argv).
 
-# auth+tls is the server's default TLS (every write encrypted on the event loop's thread, a
-# batch's responses written in pieces as they are encrypted); to compare with it,
-# auth+tls-thread hands large writes to the connection's sender thread
-# (PgServerConfig.tls_sender_thread=True) and auth+tls-whole encrypts and writes each batch's
-# responses whole (tls_stream.STREAM_PIECE raised in the server process).
-SECURITY_MODES = ("off", "auth", "auth+tls", "auth+tls-thread", "auth+tls-whole")
+# auth+tls is the server's default TLS (PgServerConfig.tls_sender_thread="auto": encrypted on
+# the event loop's thread, a batch's responses written in pieces as they are encrypted, and
+# handed to the connection's sender thread only while the loop's thread waits for a CPU); to
+# compare with it, auth+tls-inline never hands off, auth+tls-thread always does (writes of
+# >= 32 KiB), and auth+tls-whole is inline with each batch's responses encrypted and written
+# whole (tls_stream.STREAM_PIECE raised in the server process).
+SECURITY_MODES = ("off", "auth", "auth+tls", "auth+tls-inline", "auth+tls-thread", "auth+tls-whole")
+_SENDER_THREAD: dict[str, bool] = {"auth+tls-inline": False, "auth+tls-thread": True,
+                                   "auth+tls-whole": False}
 
 
 def _write_security(base: Path, targets: list[tuple[str, str]]) -> None:
@@ -1078,9 +1081,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="off",
         help="comma list: off, auth (a tenant JWT checked at connection start), auth+tls (and "
         "TLS, verified, as the server does it by default: encrypted on the event loop's thread, "
-        "a batch's responses written piece by piece), auth+tls-thread (large writes encrypted "
-        "in the connection's sender thread), auth+tls-whole (each batch's responses encrypted "
-        "and written whole); each configuration is run once per "
+        "a batch's responses written piece by piece, handed to a sender thread only while the "
+        "loop's thread waits for a CPU), auth+tls-inline (never handed off), auth+tls-thread "
+        "(large writes always encrypted in the connection's sender thread), auth+tls-whole "
+        "(inline, each batch's responses encrypted and written whole); each configuration is "
+        "run once per "
         "security mode, side by side, and "
         "its row carries connect_ms_p50/p95 (connection set-up, 100 in a row)",
     )

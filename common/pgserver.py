@@ -72,7 +72,7 @@ import secrets
 import ssl
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import attrs
 import structlog
@@ -110,9 +110,11 @@ class PgServerConfig:
     shutdown_timeout_s: float = 5.0
     max_message_len: int = DEFAULT_MAX_MESSAGE_LEN
     # TLS: True hands a connection's large writes to a sender thread of its own to encrypt
-    # (common.tls_stream). Off by default: with a core free it costs more CPU per page than the
-    # cipher it moves and lost every idle round (docs/benchmarks.md, "Auth and TLS").
-    tls_sender_thread: bool = False
+    # (common.tls_stream), False never; "auto" only while the event loop's thread waits for a
+    # CPU (other processes on the cores): with a core free the thread costs more CPU per page
+    # than the cipher it moves and lost every idle round, on a loaded host it wins
+    # (docs/benchmarks.md, "Auth and TLS").
+    tls_sender_thread: bool | Literal["auto"] = "auto"
 
 
 class QueryHandler(Protocol):

@@ -25,15 +25,17 @@ responses) is encrypted and written ``STREAM_PIECE`` at a time, each piece on th
 the next is encrypted, so the peer decrypts the first pages (and a closed-loop client answers
 them) while the rest is still being encrypted, instead of after the whole batch.
 
-The sender thread (``offload=True``, off by default; ``send_nowait`` of ``OFFLOAD_MIN_BYTES``
-or more): the cipher costs ~3 µs per 8 KiB page, on the trio thread that also plans and
+The sender thread (``offload=True``, or ``"auto"``: only while the event loop's thread waits
+for a CPU, see ``CpuContention``; ``send_nowait`` of ``OFFLOAD_MIN_BYTES`` or more): the cipher costs ~3 µs per 8 KiB page, on the trio thread that also plans and
 gathers the next batch. A write that large is handed to a thread of this connection instead,
 which encrypts it in pieces (OpenSSL releases the GIL in ``SSL_write``) and writes them to the
 socket, so the page service goes on with its next batch on the other core. Smaller writes
 (queue depth 1: one page per write) stay inline, where a hand-off (~5 µs on the trio thread,
 and a thread wake in the response's latency) would cost more than it saves. With a core free
-the thread costs more CPU per page than the cipher it moves (the GIL and the wake-ups), so the
-page service uses it only when configured to (``PgServerConfig.tls_sender_thread``). ``SSLObject`` is not thread-safe: every call on it
+the thread costs more CPU per page than the cipher it moves (the GIL and the wake-ups) and
+loses; when other processes keep the event loop's thread waiting for a CPU, the thread's
+second share of the CPU wins. So the page service's default is ``"auto"``
+(``PgServerConfig.tls_sender_thread``). ``SSLObject`` is not thread-safe: every call on it
 and its BIOs holds ``_ssl_lock``. While the thread has a job the trio side only *tries* it (a
 read that finds the thread encrypting waits for it in ``wait_readable``); it takes it outright
 only when no job is queued, when at most the thread's last release is still under way. Bytes go
@@ -47,7 +49,9 @@ import queue
 import select
 import ssl
 import threading
-from typing import cast
+import time
+from collections.abc import Callable
+from typing import Literal, cast
 
 import trio
 
@@ -68,7 +72,48 @@ OFFLOAD_BACKLOG = 1 << 20
 SENDER_IDLE_EXIT_S = 2.0
 SENDER_TICK_S = 0.25
 
+# offload="auto": hand large writes to the sender thread only while the calling thread (the
+# event loop's) spends more than this share of the wall clock waiting for a CPU (the kernel's
+# run-queue delay), judged over windows of at least SENDER_SAMPLE_S.
+SENDER_CONTENDED = 0.10
+SENDER_SAMPLE_S = 0.1
+
 _Job = tuple[memoryview, bytes | bytearray | memoryview]  # (ciphertext first, plaintext)
+Offload = bool | Literal["auto"]
+
+
+class CpuContention:
+    """Whether the thread that calls it waited for a CPU for more than ``SENDER_CONTENDED`` of
+    the last window: the second field of ``/proc/thread-self/schedstat`` (nanoseconds spent
+    runnable on a run queue), read at most once per ``SENDER_SAMPLE_S`` (a procfs read, no
+    disk). No such file (not Linux): never contended."""
+
+    def __init__(
+        self,
+        path: str = "/proc/thread-self/schedstat",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._path = path
+        self._clock = clock
+        self._at = -1.0
+        self._delay = -1
+        self.contended = False
+
+    def __call__(self) -> bool:
+        now = self._clock()
+        if self._at >= 0 and now - self._at < SENDER_SAMPLE_S:
+            return self.contended
+        try:
+            with open(self._path, "rb") as f:
+                delay = int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            self.contended = False
+            self._at = now
+            return False
+        if self._delay >= 0:
+            self.contended = (delay - self._delay) / 1e9 > SENDER_CONTENDED * (now - self._at)
+        self._at, self._delay = now, delay
+        return self.contended
 
 
 class TlsStream(trio.abc.Stream):
@@ -79,7 +124,7 @@ class TlsStream(trio.abc.Stream):
         *,
         server_side: bool,
         server_hostname: str | None = None,
-        offload: bool = False,
+        offload: Offload = False,
     ) -> None:
         self.transport_stream = transport
         self._in = ssl.MemoryBIO()
@@ -110,6 +155,8 @@ class TlsStream(trio.abc.Stream):
         self._rest = False
         # -- the sender thread (module docstring) --
         self._offload_min = OFFLOAD_MIN_BYTES if offload else 1 << 62
+        # "auto": only while the event loop's thread is starved of CPU (CpuContention)
+        self._contended: Callable[[], bool] | None = CpuContention() if offload == "auto" else None
         self._piece = STREAM_PIECE
         # Every call on _obj, _in and _out holds it (free whenever no job is queued).
         self._ssl_lock = threading.Lock()
@@ -273,7 +320,11 @@ class TlsStream(trio.abc.Stream):
         (which sends the rest in order, before anything sent later). ``data`` must not
         change afterwards: the thread may still be reading it."""
         self._check_sender()
-        if self._queued or (len(data) >= self._offload_min and not self._sending):
+        if self._queued or (
+            len(data) >= self._offload_min
+            and not self._sending
+            and (self._contended is None or self._contended())
+        ):
             return self._offload(data)
         piece = self._piece
         if len(data) <= piece or self._sending:

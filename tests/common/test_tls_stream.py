@@ -11,13 +11,21 @@ import struct
 import termios
 import threading
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import trio
 import trio.testing
 
 from common.tls import client_context, server_context
-from common.tls_stream import OFFLOAD_BACKLOG, OFFLOAD_MIN_BYTES, STREAM_PIECE, TlsStream
+from common.tls_stream import (
+    OFFLOAD_BACKLOG,
+    OFFLOAD_MIN_BYTES,
+    SENDER_SAMPLE_S,
+    STREAM_PIECE,
+    CpuContention,
+    TlsStream,
+)
 from tests.auth_helpers import TlsKit
 
 
@@ -26,7 +34,9 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsKit:
     return TlsKit.create(tmp_path_factory.mktemp("tls"))
 
 
-async def _pair(tls: TlsKit, ca: Path, *, offload: bool = True) -> tuple[TlsStream, TlsStream]:
+async def _pair(
+    tls: TlsKit, ca: Path, *, offload: bool | Literal["auto"] = True
+) -> tuple[TlsStream, TlsStream]:
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     client_sock = await trio.testing.open_stream_to_socket_listener(listeners[0])
     server_sock = await listeners[0].accept()
@@ -442,3 +452,50 @@ async def test_a_flush_and_a_read_waiting_together_both_wake(tls: TlsKit) -> Non
     await client.aclose()
     await server.aclose()
     await _no_sender_left()
+
+
+# -- "auto": the sender thread only while the event loop's thread waits for a CPU -----------
+
+
+def test_cpu_contention_reads_the_run_queue_delay(tmp_path: Path) -> None:
+    """Contended when the thread waited for a CPU more than 10 % of a window (the second field
+    of schedstat, ns); sampled at most once per window; no file: never contended."""
+    stat = tmp_path / "schedstat"
+    now = [100.0]
+    seen = CpuContention(str(stat), clock=lambda: now[0])
+
+    def sample(delay_ns: int, after_s: float) -> bool:
+        now[0] += after_s
+        stat.write_text(f"123456 {delay_ns} 7\n")
+        return seen()
+
+    assert not sample(1_000_000, 0)  # the first sample has nothing to compare with
+    assert sample(1_000_000 + 50_000_000, 0.2)  # 50 ms of 200 waiting: 25 %
+    assert sample(1_000_000 + 50_000_000, SENDER_SAMPLE_S / 2)  # within the window: kept
+    assert not sample(1_000_000 + 55_000_000, 0.2)  # 5 ms of 200: 2.5 %
+    assert CpuContention(str(tmp_path / "absent"))() is False
+    assert isinstance(CpuContention()(), bool)  # this machine's own file reads
+
+
+@pytest.mark.parametrize("contended", [False, True])
+async def test_auto_hands_off_only_while_contended(tls: TlsKit, contended: bool) -> None:
+    """offload="auto": a large write goes to the sender thread while the event loop's thread is
+    starved of CPU, else inline in pieces; the client gets every byte in order either way."""
+    payload = random.Random(3).randbytes(3 * STREAM_PIECE)
+    with trio.fail_after(20):
+        server, client = await _pair(tls, tls.ca_cert, offload="auto")
+        server._contended = lambda: contended
+        await _handshake(server, client)
+        received = bytearray()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_drain, client, 2 * len(payload), received)
+            for _ in range(2):
+                if not server.send_nowait(payload):
+                    await server.flush()
+            offloaded = server.offloaded
+            await server.send_all(b"")
+        assert bytes(received) == payload * 2
+        assert offloaded == (2 if contended else 0)
+        await client.aclose()
+        await server.aclose()
+        await _no_sender_left()

@@ -5,6 +5,7 @@ back whole and in order, as the server does it by default and with the sender th
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import trio
@@ -28,9 +29,9 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsKit:
     return TlsKit.create(tmp_path_factory.mktemp("tls"))
 
 
-@pytest.mark.parametrize("sender_thread", [False, True], ids=["inline", "thread"])
+@pytest.mark.parametrize("sender_thread", [False, True, "auto"], ids=["inline", "thread", "auto"])
 async def test_pipelined_pages_over_tls_arrive_whole_and_in_order(
-    tls: TlsKit, sender_thread: bool, tmp_path: Path
+    tls: TlsKit, sender_thread: bool | Literal["auto"], tmp_path: Path
 ) -> None:
     tl = FakeTimeline(last_record_lsn=0x1000, read_delay_s=0.002)  # slow reads: batches form
     tl.fill(REL, 64, [0x100])

@@ -1131,7 +1131,11 @@ class Timeline:
                 page_cache.memorize(self._key, key, applied, page)
             return page
         finally:
-            self._release([lsn])
+            left = flight[lsn] - 1  # _release([lsn])
+            if left:
+                flight[lsn] = left
+            else:
+                del flight[lsn]
 
     async def _validate_mixed(self, batch: dict[Key, Lsn], results: dict[Key, Result]) -> None:
         """``validate_get`` for a mixed-LSN read: the legacy path per LSN as the oracle."""

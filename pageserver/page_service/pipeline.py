@@ -933,6 +933,13 @@ def _observe(metrics: PageServiceMetrics | None, batch: list[Pending], taken: fl
     if metrics is None:
         return
     done = time.perf_counter()
+    if len(batch) == 1:  # every request at queue depth 1: the loop below for one
+        p = batch[0]
+        metrics.batch_size.observe(1)
+        metrics.time_in_batcher_seconds.observe(taken - p.received_at)
+        if type(p.request) is GetPageRequest:
+            metrics.getpage_execution_seconds.observe(done - taken)
+        return
     metrics.batch_size.observe(len(batch))
     getpages = 0
     # Requests read in one burst share ``received_at``: one observation per run of equal

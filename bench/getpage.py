@@ -1217,7 +1217,7 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
     for col, clients in enumerate(client_counts):
         mine = [r for r in ours if r["clients_per_tenant"] * r["tenants"] == clients]
         qd1 = [r for r in mine if r["queue_depth"] == 1]
-        labels = [f"{r['mode']}\n{r['get_impl']}/{r['cache']}" for r in qd1]
+        labels = [f"{r['mode']} {r.get('impl', '')}\n{r['get_impl']}/{r['cache']}" for r in qd1]
         x = range(len(qd1))
         ax = axes[0][col]
         width = 0.27
@@ -1233,7 +1233,11 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_title(f"{clients} client(s): GetPage latency at queue depth 1")
         ax.legend(fontsize=8)
         ax = axes[1][col]
-        labels = [f"{r['mode']} QD{r['queue_depth']} {r['get_impl']}/{r['cache']}" for r in mine]
+        labels = [
+            f"{r['mode']} QD{r['queue_depth']} {r.get('impl', '')} {r['get_impl']}/{r['cache']}"
+            f" ({r['server_cpu_us_per_request']} µs CPU/page)"
+            for r in mine
+        ]
         ax.barh(range(len(mine)), [r["pages_per_s"] for r in mine], color="tab:blue")
         if clients in pg and pg[clients].get("pages_per_s"):
             ax.axvline(pg[clients]["pages_per_s"], color="k", ls="--", label="PostgreSQL")

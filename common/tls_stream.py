@@ -77,6 +77,8 @@ SENDER_TICK_S = 0.25
 # run-queue delay), judged over windows of at least SENDER_SAMPLE_S.
 SENDER_CONTENDED = 0.10
 SENDER_SAMPLE_S = 0.1
+# a sample this long after the one before starts a window rather than ending one
+SENDER_STALE_S = 10 * SENDER_SAMPLE_S
 
 _Job = tuple[memoryview, bytes | bytearray | memoryview]  # (ciphertext first, plaintext)
 Offload = bool | Literal["auto"]
@@ -86,7 +88,8 @@ class CpuContention:
     """Whether the thread that calls it waited for a CPU for more than ``SENDER_CONTENDED`` of
     the last window: the second field of ``/proc/thread-self/schedstat`` (nanoseconds spent
     runnable on a run queue), read at most once per ``SENDER_SAMPLE_S`` (a procfs read, no
-    disk). No such file (not Linux): never contended."""
+    disk); a sample more than ``SENDER_STALE_S`` after the one before only starts the next
+    window. No such file (not Linux): never contended."""
 
     def __init__(
         self,
@@ -110,7 +113,10 @@ class CpuContention:
             self.contended = False
             self._at = now
             return False
-        if self._delay >= 0:
+        # After an idle gap the delay since the last sample says nothing about the last
+        # window (a burst on a loaded host would read as "not contended", diluted over the
+        # gap): such a sample is only the next window's start, and the verdict stays.
+        if self._delay >= 0 and now - self._at <= SENDER_STALE_S:
             self.contended = (delay - self._delay) / 1e9 > SENDER_CONTENDED * (now - self._at)
         self._at, self._delay = now, delay
         return self.contended

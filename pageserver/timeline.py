@@ -326,11 +326,19 @@ class Timeline:
             return
         event = trio.Event()
         self._waiter_seq += 1
-        heapq.heappush(self._waiters, (lsn, self._waiter_seq, event))
+        entry = (lsn, self._waiter_seq, event)
+        heapq.heappush(self._waiters, entry)
         timeout = self.config.wait_lsn_timeout_s if timeout_s is None else timeout_s
-        with trio.move_on_after(timeout):
-            await event.wait()
-            return
+        try:
+            with trio.move_on_after(timeout):
+                await event.wait()
+                return
+        finally:
+            if not event.is_set():
+                # timed out or cancelled: a waiter for an LSN that never comes would
+                # otherwise stay in the heap for the timeline's life
+                self._waiters.remove(entry)
+                heapq.heapify(self._waiters)
         raise LsnTimeoutError(
             f"timed out after {timeout}s waiting for WAL up to {format_lsn(lsn)}; "
             f"last_record_lsn is {format_lsn(self._last_record_lsn)}"

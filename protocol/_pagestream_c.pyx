@@ -106,14 +106,17 @@ cdef struct RespHead:
 
 
 cdef const char *_page_ptr(object page, list held) except NULL:
-    """The 8192 bytes of ``page`` (bytes directly; any other buffer through a memoryview
-    kept in ``held`` until the copies are done)."""
+    """The 8192 bytes of ``page`` (bytes directly, any other buffer through a memoryview;
+    either kept in ``held`` until the copies are done)."""
     cdef Py_buffer view
     cdef Py_ssize_t size
     if PyBytes_CheckExact(page):
         size = PyBytes_GET_SIZE(page)
         if size != C_BLCKSZ:
             raise ValueError(f"a page is {BLCKSZ} bytes, got {size}")
+        # held too: ``pages`` may be a sequence whose items are made on access, and the
+        # pointer must outlive this call until the copies are done
+        held.append(page)
         return PyBytes_AS_STRING(page)
     PyObject_GetBuffer(page, &view, PyBUF_SIMPLE)
     try:

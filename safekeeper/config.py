@@ -66,6 +66,13 @@ def _positive_float(_inst: object, attr: attrs.Attribute[float], value: float) -
         raise ValueError(f"{attr.name} must be > 0, got {value}")
 
 
+def _switch_interval(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+    # CPython reads back anything below 1 us, or absurdly large, as 0 and then switches every
+    # microsecond: a value meant as "rarely" would become the most eager setting
+    if not 1e-6 <= value <= 1.0:
+        raise ValueError(f"{attr.name} must be between 1e-6 and 1.0 seconds, got {value}")
+
+
 def _positive(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attr.name} must be >= 1, got {value}")
@@ -90,7 +97,7 @@ class SafekeeperConfig:
     # after each pwritev/CRC call (both release it) to hand its result to the event loop;
     # with Python's 5 ms default it waits up to 5 ms behind the event loop's thread, longer
     # than a 1 MiB write group takes (docs/safekeeper.md, "the GIL").
-    gil_switch_interval_s: float = attrs.field(default=0.0005, validator=_positive_float)
+    gil_switch_interval_s: float = attrs.field(default=0.0005, validator=_switch_interval)
     wal_removal_period_s: float = attrs.field(default=10.0, validator=_non_negative_float)
     log_level: str = attrs.field(default="info", validator=attrs.validators.in_(LEVELS))
     log_file: str | None = None

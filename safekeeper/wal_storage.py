@@ -22,9 +22,11 @@ Rules:
 - ``no_sync`` skips every fsync/fdatasync (tests, benchmarks of the CPU path).
 - One thread at a time changes the storage (the WAL IO engine), but the event loop's thread
   publishes a finished group's flush (``mark_flushed``) while the engine may be cutting WAL
-  back for a later group's invalid WAL. The LSN fields and ``epoch`` change only under
-  ``lsn_lock``, and ``mark_flushed`` checks the group's epoch under it: a flush from before a
-  cut or truncation is never published over the LSNs the cut set.
+  back for a later group's invalid WAL. ``flush_lsn``, ``flush_record_lsn`` and ``epoch``
+  change only under ``lsn_lock`` (``write_lsn`` too, except as a write advances it in the
+  engine's thread; the event loop reads it only once that write has ended or failed, never
+  in ``mark_flushed``), and ``mark_flushed`` checks the group's epoch under it: a flush from
+  before a cut or truncation is never published over the LSNs the cut set.
 - Any ``OSError`` on the write path leaves the storage ``broken``: a failed ``pwritev``
   (EIO, ENOSPC, a short write that makes no progress), fdatasync, or segment
   create/preallocate/rename/directory fsync, and any IO error during first-segment

@@ -459,7 +459,8 @@ async def test_a_flush_and_a_read_waiting_together_both_wake(tls: TlsKit) -> Non
 
 def test_cpu_contention_reads_the_run_queue_delay(tmp_path: Path) -> None:
     """Contended when the thread waited for a CPU more than 10 % of a window (the second field
-    of schedstat, ns); sampled at most once per window; no file: never contended."""
+    of schedstat, ns); sampled at most once per window; a sample after a long gap starts a
+    window; no file: never contended."""
     stat = tmp_path / "schedstat"
     now = [100.0]
     seen = CpuContention(str(stat), clock=lambda: now[0])
@@ -473,6 +474,12 @@ def test_cpu_contention_reads_the_run_queue_delay(tmp_path: Path) -> None:
     assert sample(1_000_000 + 50_000_000, 0.2)  # 50 ms of 200 waiting: 25 %
     assert sample(1_000_000 + 50_000_000, SENDER_SAMPLE_S / 2)  # within the window: kept
     assert not sample(1_000_000 + 55_000_000, 0.2)  # 5 ms of 200: 2.5 %
+    assert sample(1_000_000 + 105_000_000, 0.2)  # 50 ms of 200 again
+    # after an idle gap: 60 ms of waiting over 5 s is no verdict on the last window (it would
+    # read 1.2 %); the sample starts a window, the next one judges it
+    assert sample(1_000_000 + 165_000_000, 5.0)
+    assert sample(1_000_000 + 190_000_000, 0.2)  # 25 ms of 200: 12.5 %
+    assert not sample(1_000_000 + 191_000_000, 0.2)
     assert CpuContention(str(tmp_path / "absent"))() is False
     assert isinstance(CpuContention()(), bool)  # this machine's own file reads
 

@@ -178,7 +178,7 @@ def test_the_gil_switch_interval_is_a_config_the_node_applies(
 ) -> None:
     assert parse_config({"data_dir": "/x"}).gil_switch_interval_s == 0.0005
     assert parse_config({"data_dir": "/x", "gil_switch_interval_s": 0.005}).gil_switch_interval_s == 0.005
-    for bad in (0, -0.001):
+    for bad in (0, -0.001, 1e-7, 2.0, 1e300):
         with pytest.raises(ConfigError, match="gil_switch_interval_s"):
             parse_config({"data_dir": "/x", "gil_switch_interval_s": bad})
 

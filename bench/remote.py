@@ -61,6 +61,7 @@ from pageserver.timeline import Timeline
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn
 from remote_storage import S3StorageConfig, make_remote_storage
+from remote_storage.config import Compression
 from remote_storage.s3 import make_client
 from remote_storage.seaweedfs import SeaweedServer
 
@@ -257,8 +258,10 @@ async def _ingest(tl: Timeline, mib: int, pages: list[bytes], start_block: int =
 # on-uncompressed: layers stored as they are (``compression = "none"``); on-signed: the node's
 # settings with SigV4 over the body (``payload_signing``); on-no-coalesce: one index PUT per
 # flush (only back-to-back queued indexes coalesced: ``coalesce_indexes = False``);
-# on-no-probe: every layer compressed whole, whatever its sample says
-INGEST_CONFIGS = ("off", "on", "on-uncompressed", "on-signed", "on-no-coalesce", "on-no-probe")
+# on-no-probe: every layer compressed whole, whatever its sample says; on-zstd / on-lz4: the
+# node's settings with that codec (``compression = "zstd"`` / ``"lz4"``)
+INGEST_CONFIGS = ("off", "on", "on-uncompressed", "on-signed", "on-no-coalesce", "on-no-probe", "on-zstd", "on-lz4")
+_CODECS: dict[str, Compression] = {"on-uncompressed": "none", "on-zstd": "zstd", "on-lz4": "lz4"}
 _SENT = "pageserver_remote_upload_stored_bytes_total"
 _LAYER_BYTES = "pageserver_remote_upload_bytes_total"
 _CODEC_CPU = "pageserver_remote_codec_cpu_seconds_total"
@@ -276,9 +279,11 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: l
             storage = make_remote_storage(attrs.evolve(_s3(endpoint, "bench-ingest"),
                                                        payload_signing=config == "on-signed"))
             await storage.list("nothing/")
-            remote = TenantRemote(storage, 1, compression="none" if config == "on-uncompressed" else "zstd",
-                                  coalesce_indexes=config != "on-no-coalesce",
+            remote = TenantRemote(storage, 1, coalesce_indexes=config != "on-no-coalesce",
                                   compression_probe=config != "on-no-probe")
+            codec = _CODECS.get(config)
+            if codec is not None:  # else the node's default codec
+                remote = attrs.evolve(remote, compression=codec)
         tenant = Tenant(work, TenantId.generate(), cfg, nursery=nursery, remote=remote)
         tl = await tenant.create_timeline(TimelineId.generate())
         if tl.remote is not None:

@@ -39,11 +39,14 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import BinaryIO, Final
+from typing import BinaryIO, Final, Literal
 
+import lz4.frame
 import zstandard
 
 from pageserver.storage.layer_file import LayerCorruptionError
+
+Codec = Literal["zstd", "lz4"]
 
 CHUNK: Final = 1 << 20  # read and write size of the codec (its memory, with the window)
 MAX_WINDOW: Final = 1 << 23  # levels 1-9 use at most 8 MiB windows on layer-sized inputs
@@ -57,10 +60,11 @@ PROBE_PIECES: Final = 4
 MIN_SAVING: Final = 0.03  # a sample saving less than this: stored as it is
 
 
-def worth_compressing(src: Path, level: int) -> bool:
+def worth_compressing(src: Path, level: int, codec: Codec = "zstd") -> bool:
     """Whether a sample of ``src`` (a piece at the start of each quarter of it) compresses by
-    at least ``MIN_SAVING`` at ``level``. Not the file's last bytes: a layer ends in its key
-    index, which compresses well however incompressible the values before it are."""
+    at least ``MIN_SAVING`` with ``codec`` at ``level``. Not the file's last bytes: a layer
+    ends in its key index, which compresses well however incompressible the values before it
+    are."""
     with open(src, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size <= PROBE_PIECE * PROBE_PIECES:
@@ -70,13 +74,18 @@ def worth_compressing(src: Path, level: int) -> bool:
             sample = b"".join(os.pread(f.fileno(), PROBE_PIECE, i * step) for i in range(PROBE_PIECES))
     if not sample:
         return False
-    packed = zstandard.ZstdCompressor(level=level).compress(sample)
+    if codec == "lz4":
+        packed = lz4.frame.compress(sample, compression_level=_lz4_level(level), store_size=False)
+    else:
+        packed = zstandard.ZstdCompressor(level=level).compress(sample)
     return len(packed) <= len(sample) * (1 - MIN_SAVING)
 
 
-def compress_file(src: Path, dst: Path, level: int) -> tuple[int, int]:
-    """``src`` as one zstd frame into ``dst`` (created or truncated, fsynced by nobody: it is
-    a temp file to upload). Returns (bytes read, bytes written)."""
+def compress_file(src: Path, dst: Path, level: int, codec: Codec = "zstd") -> tuple[int, int]:
+    """``src`` as one ``codec`` frame into ``dst`` (created or truncated, fsynced by nobody:
+    it is a temp file to upload). Returns (bytes read, bytes written)."""
+    if codec == "lz4":
+        return _lz4_compress_file(src, dst, level)
     cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
     with open(src, "rb") as fin, open(dst, "wb") as fout:
         size = os.fstat(fin.fileno()).st_size
@@ -123,9 +132,12 @@ def _frame_length(f: BinaryIO, what: str, object_size: int) -> int:
             return pos + _CHECKSUM
 
 
-def decompress_file(src: Path, dst: Path, file_size: int, what: str) -> int:
-    """The zstd object in ``src`` into ``dst`` (created or truncated), which must come out as
-    ``file_size`` bytes; every check of the module docstring. Returns the bytes written."""
+def decompress_file(src: Path, dst: Path, file_size: int, what: str, codec: Codec = "zstd") -> int:
+    """The ``codec`` object in ``src`` into ``dst`` (created or truncated), which must come
+    out as ``file_size`` bytes; every check of the module docstring. Returns the bytes
+    written."""
+    if codec == "lz4":
+        return _lz4_decompress_file(src, dst, file_size, what)
     with open(src, "rb") as fin:
         object_size = os.fstat(fin.fileno()).st_size
         frame = _frame_length(fin, what, object_size)
@@ -152,6 +164,120 @@ def decompress_file(src: Path, dst: Path, file_size: int, what: str) -> int:
                     fout.write(chunk)
         except zstandard.ZstdError as exc:
             raise LayerCorruptionError(what, f"the remote object does not decompress: {exc}") from exc
+    if written != file_size:
+        raise LayerCorruptionError(what, f"the remote object decompresses to {written} bytes, the index says {file_size}")
+    return written
+
+
+# --- LZ4 frames ---------------------------------------------------------------------------
+
+_LZ4_MAGIC: Final = b"\x04\x22\x4d\x18"
+_LZ4_HEADER: Final = 15  # magic, FLG, BD, 8-byte content size, header checksum
+_LZ4_FLG_VERSION: Final = 0x40  # bits 7-6 = 01
+_LZ4_FLG_BLOCK_CHECKSUM: Final = 0x10
+_LZ4_FLG_CONTENT_SIZE: Final = 0x08
+_LZ4_FLG_CONTENT_CHECKSUM: Final = 0x04
+_LZ4_FLG_RESERVED: Final = 0x02
+_LZ4_FLG_DICT_ID: Final = 0x01
+_LZ4_UNCOMPRESSED: Final = 1 << 31
+_LZ4_BLOCK_SIZES: Final = {4: 64 << 10, 5: 256 << 10, 6: 1 << 20, 7: 4 << 20}
+LZ4_BLOCK: Final = 1 << 20  # the writer's block size (BD 6)
+_U32: Final = struct.Struct("<I")
+_U64: Final = struct.Struct("<Q")
+
+
+def _lz4_level(level: int) -> int:
+    # Config levels 1-2 are LZ4's fast mode (its level 0), 3-16 its HC levels.
+    return 0 if level < lz4.frame.COMPRESSIONLEVEL_MINHC else level
+
+
+def _lz4_compress_file(src: Path, dst: Path, level: int) -> tuple[int, int]:
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        size = os.fstat(fin.fileno()).st_size
+        cctx = lz4.frame.LZ4FrameCompressor(
+            block_size=lz4.frame.BLOCKSIZE_MAX1MB, compression_level=_lz4_level(level),
+            content_checksum=True, block_checksum=False, return_bytearray=False)
+        written = fout.write(cctx.begin(source_size=size))
+        read = 0
+        while chunk := fin.read(CHUNK):
+            read += len(chunk)
+            written += fout.write(cctx.compress(chunk))
+        written += fout.write(cctx.flush())
+    if read != size:
+        raise OSError(f"{src}: read {read} bytes to compress, the file has {size}")
+    return read, written
+
+
+def _lz4_frame(f: BinaryIO, what: str, object_size: int) -> tuple[int, int]:
+    """The content size and byte length of the LZ4 frame at the start of ``f``, from its
+    headers alone: the flags we write (content size and content checksum; no dictionary, no
+    reserved bit), every block header walked to the end mark, each block no larger than the
+    frame's block size."""
+    head = f.read(_LZ4_HEADER)
+    if len(head) < 7 or head[:4] != _LZ4_MAGIC:
+        raise LayerCorruptionError(what, "the remote object is not an LZ4 frame")
+    flg, bd = head[4], head[5]
+    if flg & 0xC0 != _LZ4_FLG_VERSION or flg & (_LZ4_FLG_RESERVED | _LZ4_FLG_DICT_ID) or bd & 0x8F:
+        raise LayerCorruptionError(what, f"the remote object's LZ4 frame header is invalid (FLG {flg:#x}, BD {bd:#x})")
+    if not flg & _LZ4_FLG_CONTENT_CHECKSUM:
+        raise LayerCorruptionError(what, "the remote object's LZ4 frame has no content checksum")
+    if not flg & _LZ4_FLG_CONTENT_SIZE or len(head) < _LZ4_HEADER:
+        raise LayerCorruptionError(what, "the remote object's LZ4 frame has no content size")
+    block_max = _LZ4_BLOCK_SIZES.get((bd >> 4) & 7)
+    if block_max is None:
+        raise LayerCorruptionError(what, f"the remote object's LZ4 frame has an invalid block size code (BD {bd:#x})")
+    (content_size,) = _U64.unpack_from(head, 6)
+    block_checksum = 4 if flg & _LZ4_FLG_BLOCK_CHECKSUM else 0
+    pos = _LZ4_HEADER
+    while True:
+        f.seek(pos)
+        raw = f.read(4)
+        if len(raw) < 4:
+            raise LayerCorruptionError(what, f"the remote object ends inside its LZ4 frame (at {object_size})")
+        (word,) = _U32.unpack(raw)
+        if word == 0:  # the end mark, then the content checksum
+            return content_size, pos + 4 + 4
+        size = word & ~_LZ4_UNCOMPRESSED
+        if size == 0 or size > block_max:
+            # An empty block (the walk would crawl 4 bytes at a time) or one larger than the
+            # frame's block size (the decoder's buffer): no encoder writes either.
+            raise LayerCorruptionError(
+                what, f"the remote object has an LZ4 block of {size} bytes at {pos} (at most {block_max})")
+        pos += 4 + size + block_checksum
+        if pos > object_size:
+            raise LayerCorruptionError(what, f"the remote object ends inside its LZ4 frame (at {object_size})")
+
+
+def _lz4_decompress_file(src: Path, dst: Path, file_size: int, what: str) -> int:
+    with open(src, "rb") as fin:
+        object_size = os.fstat(fin.fileno()).st_size
+        content_size, frame = _lz4_frame(fin, what, object_size)
+        if frame != object_size:
+            raise LayerCorruptionError(what, f"the remote object is {object_size} bytes, its LZ4 frame {frame}")
+        if content_size != file_size:
+            raise LayerCorruptionError(
+                what, f"the remote object decompresses to {content_size} bytes by its header, "
+                      f"the index says {file_size}")
+        fin.seek(0)
+        dctx = lz4.frame.LZ4FrameDecompressor(return_bytearray=False)
+        written = 0
+        try:
+            with open(dst, "wb") as fout:
+                while not dctx.eof:
+                    data = fin.read(CHUNK) if dctx.needs_input else b""
+                    if not data and dctx.needs_input:
+                        raise LayerCorruptionError(
+                            what, f"the remote object ends inside its LZ4 frame (at {object_size})")
+                    chunk = dctx.decompress(data, max_length=CHUNK)
+                    written += len(chunk)
+                    if written > file_size:
+                        raise LayerCorruptionError(
+                            what, f"the remote object decompresses to more than {file_size} bytes")
+                    fout.write(chunk)
+        except RuntimeError as exc:  # what lz4.frame raises for a bad frame or checksum
+            raise LayerCorruptionError(what, f"the remote object does not decompress: {exc}") from exc
+        if dctx.unused_data or fin.read(1):
+            raise LayerCorruptionError(what, "the remote object has bytes after its LZ4 frame")
     if written != file_size:
         raise LayerCorruptionError(what, f"the remote object decompresses to {written} bytes, the index says {file_size}")
     return written

@@ -171,6 +171,7 @@ async def download_layer(
     tmp = path.with_name(path.name + _TEMP_DOWNLOAD)
     stored_tmp = path.with_name(path.name + _TEMP_STORED)
     compressed = stored is not None and stored.compression != "none"
+    codec: remote_compression.Codec = "lz4" if stored is not None and stored.compression == "lz4" else "zstd"
     want = stored.size if stored is not None else size
 
     async def get() -> None:
@@ -182,7 +183,7 @@ async def download_layer(
     def decompress() -> None:
         started = time.thread_time()
         try:
-            remote_compression.decompress_file(stored_tmp, tmp, size, key)
+            remote_compression.decompress_file(stored_tmp, tmp, size, key, codec)
         finally:
             stored_tmp.unlink(missing_ok=True)
             CODEC_SECONDS.labels("decompress").inc(time.thread_time() - started)
@@ -536,13 +537,15 @@ class RemoteTimelineClient:
         await retry(attempt, what=what)
 
     def _compress(self, x: UploadLayer, dst: Path) -> StoredLayer:
-        """``x``'s file into ``dst`` as zstd (worker thread); "none" if that saves nothing."""
+        """``x``'s file into ``dst`` as ``self.compression`` (worker thread); "none" if that saves nothing."""
         started = time.thread_time()
         try:
-            if self.compression_probe and not remote_compression.worth_compressing(x.path, self.compression_level):
+            codec: remote_compression.Codec = "lz4" if self.compression == "lz4" else "zstd"
+            if self.compression_probe and not remote_compression.worth_compressing(
+                    x.path, self.compression_level, codec):
                 SKIPPED_COMPRESSIONS.inc()
                 return StoredLayer("none", x.size)
-            read, written = remote_compression.compress_file(x.path, dst, self.compression_level)
+            read, written = remote_compression.compress_file(x.path, dst, self.compression_level, codec)
         finally:
             CODEC_SECONDS.labels("compress").inc(time.thread_time() - started)
         if read != x.size:
@@ -551,7 +554,7 @@ class RemoteTimelineClient:
         if written >= read:
             dst.unlink()
             return StoredLayer("none", x.size)
-        return StoredLayer("zstd", written)
+        return StoredLayer(codec, written)
 
     async def _upload_layers(self, batch: list[UploadLayer]) -> None:
         limiter = trio.CapacityLimiter(self.parallel_uploads)

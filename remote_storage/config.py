@@ -23,8 +23,8 @@ import cattrs
 
 from common.config import register_tagged_union
 
-Compression = Literal["none", "zstd"]
-COMPRESSIONS: Final[tuple[Compression, ...]] = ("none", "zstd")
+Compression = Literal["none", "zstd", "lz4"]
+COMPRESSIONS: Final[tuple[Compression, ...]] = ("none", "zstd", "lz4")
 # zstd levels 1-3 cost 2-5 ms of CPU per MiB; higher ones are far slower for little more
 _LEVELS = attrs.validators.and_(attrs.validators.ge(1), attrs.validators.le(19))
 

@@ -208,7 +208,7 @@ def _lz4_compress_file(src: Path, dst: Path, level: int) -> tuple[int, int]:
     return read, written
 
 
-def _lz4_frame(f: BinaryIO, what: str, object_size: int) -> tuple[int, int]:
+def _lz4_frame(f: BinaryIO, what: str, object_size: int, empty: bool) -> tuple[int, int]:
     """The content size and byte length of the LZ4 frame at the start of ``f``, from its
     headers alone: the flags we write (content size and content checksum; no dictionary, no
     reserved bit), every block header walked to the end mark, each block no larger than the
@@ -221,14 +221,21 @@ def _lz4_frame(f: BinaryIO, what: str, object_size: int) -> tuple[int, int]:
         raise LayerCorruptionError(what, f"the remote object's LZ4 frame header is invalid (FLG {flg:#x}, BD {bd:#x})")
     if not flg & _LZ4_FLG_CONTENT_CHECKSUM:
         raise LayerCorruptionError(what, "the remote object's LZ4 frame has no content checksum")
-    if not flg & _LZ4_FLG_CONTENT_SIZE or len(head) < _LZ4_HEADER:
+    if flg & _LZ4_FLG_CONTENT_SIZE:
+        if len(head) < _LZ4_HEADER:
+            raise LayerCorruptionError(what, f"the remote object ends inside its LZ4 frame (at {object_size})")
+        (content_size,) = _U64.unpack_from(head, 6)
+        pos = _LZ4_HEADER
+    elif empty:
+        # LZ4 writes no content size for 0 bytes (its "unknown"): only an empty file's frame
+        # may omit it, and its output is then bounded by that 0.
+        content_size, pos = 0, _LZ4_HEADER - 8
+    else:
         raise LayerCorruptionError(what, "the remote object's LZ4 frame has no content size")
     block_max = _LZ4_BLOCK_SIZES.get((bd >> 4) & 7)
     if block_max is None:
         raise LayerCorruptionError(what, f"the remote object's LZ4 frame has an invalid block size code (BD {bd:#x})")
-    (content_size,) = _U64.unpack_from(head, 6)
     block_checksum = 4 if flg & _LZ4_FLG_BLOCK_CHECKSUM else 0
-    pos = _LZ4_HEADER
     while True:
         f.seek(pos)
         raw = f.read(4)
@@ -251,7 +258,7 @@ def _lz4_frame(f: BinaryIO, what: str, object_size: int) -> tuple[int, int]:
 def _lz4_decompress_file(src: Path, dst: Path, file_size: int, what: str) -> int:
     with open(src, "rb") as fin:
         object_size = os.fstat(fin.fileno()).st_size
-        content_size, frame = _lz4_frame(fin, what, object_size)
+        content_size, frame = _lz4_frame(fin, what, object_size, file_size == 0)
         if frame != object_size:
             raise LayerCorruptionError(what, f"the remote object is {object_size} bytes, its LZ4 frame {frame}")
         if content_size != file_size:

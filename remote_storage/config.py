@@ -6,9 +6,10 @@ Credentials are not config: boto3 finds them the usual way (environment, ``~/.aw
 ``access_key_id`` / ``secret_access_key`` are for test stores such as SeaweedFS that accept
 any. A relative local ``path`` is taken relative to the node's workdir by the node.
 
-``compression`` (``"zstd"``, the default, or ``"none"``) and ``compression_level`` say how the
-pageserver stores layer files in the store (``pageserver.remote_compression``); the index
-records it per layer, so a change applies to new uploads and every object stays readable.
+``compression`` (``"zstd"``, the default, ``"lz4"`` or ``"none"``) and ``compression_level``
+(zstd 1-19, lz4 1-16) say how the pageserver stores layer files in the store
+(``pageserver.remote_compression``); the index records it per layer, so a change applies to
+new uploads and every object stays readable.
 Indexes and WAL segments are stored as they are.
 """
 
@@ -27,6 +28,15 @@ Compression = Literal["none", "zstd", "lz4"]
 COMPRESSIONS: Final[tuple[Compression, ...]] = ("none", "zstd", "lz4")
 # zstd levels 1-3 cost 2-5 ms of CPU per MiB; higher ones are far slower for little more
 _LEVELS = attrs.validators.and_(attrs.validators.ge(1), attrs.validators.le(19))
+# lz4: 1-2 are its fast mode, 3-16 its HC levels (far slower to write, as fast to read)
+_MAX_LEVEL: Final[dict[str, int]] = {"none": 19, "zstd": 19, "lz4": 16}
+
+
+def _check_level(cfg: LocalStorageConfig | S3StorageConfig) -> None:
+    top = _MAX_LEVEL[cfg.compression]
+    if cfg.compression_level > top:
+        raise ValueError(f"compression_level must be at most {top} with compression = {cfg.compression!r}, "
+                         f"got {cfg.compression_level}")
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
@@ -53,6 +63,9 @@ class LocalStorageConfig:
     compression: Compression = "zstd"
     compression_level: int = attrs.field(default=1, validator=_LEVELS)
 
+    def __attrs_post_init__(self) -> None:
+        _check_level(self)
+
 
 @attrs.frozen(kw_only=True)
 class S3StorageConfig:
@@ -75,6 +88,9 @@ class S3StorageConfig:
     payload_signing: bool = False
     compression: Compression = "zstd"
     compression_level: int = attrs.field(default=1, validator=_LEVELS)
+
+    def __attrs_post_init__(self) -> None:
+        _check_level(self)
 
 
 RemoteStorageConfig = LocalStorageConfig | S3StorageConfig

@@ -7,6 +7,7 @@ import fnmatch
 from collections.abc import Sequence
 from pathlib import Path
 
+import lz4.frame
 import trio
 import zstandard
 
@@ -125,6 +126,8 @@ async def check_remote_invariant(storage: RemoteStorage) -> int:
             assert len(raw) == stored.size, f"{obj}: {len(raw)} bytes, {key} says {stored}"
             if stored.compression == "zstd":
                 raw = zstandard.ZstdDecompressor().decompress(raw)
+            elif stored.compression == "lz4":
+                raw = lz4.frame.decompress(raw)
             assert len(raw) == size, f"{obj}: {len(raw)} bytes as a file, {key} says {size}"
         checked += 1
     return checked

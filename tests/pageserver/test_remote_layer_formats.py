@@ -1,5 +1,5 @@
 """How layer objects are stored, end to end over the local kind and a real SeaweedFS: layers go
-up zstd-compressed and the index says so per layer (sizes before and after, counted in the
+up zstd-compressed (or lz4, or as they are) and the index says so per layer (sizes before and after, counted in the
 metrics); an index and objects of the old format (version 1, stored as they are) load and read
 with no migration, and a newer attachment adds compressed layers beside them; a corrupt
 compressed object fails the read that needs it with a clear error (not retried, never a wrong
@@ -132,6 +132,45 @@ async def test_an_old_format_index_and_its_layers_load(store: FaultyStorage, tmp
         again = await Tenant.load(tmp_path / "c", tenant_id, CFG, nursery=nursery, remote=TenantRemote(store, 3))
         await check(again.timelines[timeline_id], model)
         await again.shutdown()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_mixed_index_of_zstd_lz4_and_raw_layers_loads(store: FaultyStorage, tmp_path: Path) -> None:
+    """Three attachments with three codecs (``lz4``, ``zstd``, ``none``) leave one index naming
+    objects of each kind; a fresh node downloads and decompresses every one, pages equal."""
+    tenant_id, timeline_id = TenantId.generate(), TimelineId.generate()
+    model = Model()
+    kinds: dict[str, str] = {}
+    async with trio.open_nursery() as nursery:
+        for gen, codec in ((1, "lz4"), (2, "zstd"), (3, "none")):
+            remote = TenantRemote(store, gen, compression=codec)  # type: ignore[arg-type]
+            if gen == 1:
+                tenant = Tenant(tmp_path / "a", tenant_id, CFG, nursery=nursery, remote=remote)
+                tl = await tenant.create_timeline(timeline_id)
+            else:
+                tenant = await Tenant.load(tmp_path / "a", tenant_id, CFG, nursery=nursery, remote=remote)
+                tl = tenant.timelines[timeline_id]
+            await write_l0(tl, model, 3)
+            assert tl.remote is not None
+            await tl.remote.wait_uploaded()
+            part = await index_of(store, tenant_id, timeline_id, gen)
+            new = [n for n in part.layers if n not in kinds]
+            assert new, "the attachment uploaded no layer"
+            for name in new:
+                kinds[name] = part.stored_layer(name).compression
+                assert kinds[name] == codec, (name, kinds[name], codec)
+            await tenant.shutdown()
+        raw = json.loads(await store.download(remote_layout.index_key(tenant_id, timeline_id, 3)))
+        assert raw["version"] == 2
+        assert {raw["layers"][n].get("compression", "none") for n in raw["layers"]} == {"lz4", "zstd", "none"}
+        assert await check_remote_invariant(store) == 3  # decompresses every object, sizes equal
+
+        fresh = await Tenant.load(tmp_path / "b", tenant_id, CFG, nursery=nursery, remote=TenantRemote(store, 4))
+        ftl = fresh.timelines[timeline_id]
+        await check(ftl, model)
+        assert all(x.resident for x in ftl.layer_map)
+        assert not [p for p in ftl.path.iterdir() if "___temp" in p.name], "download temp files left"
+        await fresh.shutdown()
         nursery.cancel_scope.cancel()
 
 

@@ -41,7 +41,10 @@ def test_kinds_round_trip() -> None:
     level3 = load_config(Node, 'remote_storage = {kind = "s3", bucket = "b-1", compression_level = 3}',
                          converter=_conv())
     assert isinstance(level3.remote_storage, S3StorageConfig) and level3.remote_storage.compression_level == 3
-    for cfg in (local, s3, plain, level3, Node()):
+    fast = load_config(Node, 'remote_storage = {kind = "s3", bucket = "b-1", compression = "lz4", compression_level = 16}',
+                       converter=_conv())
+    assert isinstance(fast.remote_storage, S3StorageConfig) and fast.remote_storage.compression == "lz4"
+    for cfg in (local, s3, plain, level3, fast, Node()):
         assert load_config(Node, dump_config(cfg, converter=_conv()), converter=_conv()) == cfg
 
 
@@ -56,6 +59,11 @@ def test_kinds_round_trip() -> None:
         ('remote_storage = {kind = "local", path = "/x", compression = "gzip"}', "remote_storage.compression"),
         ('remote_storage = {kind = "s3", bucket = "okay", compression_level = 0}', "compression_level"),
         ('remote_storage = {kind = "local", path = "/x", compression_level = 20}', "compression_level"),
+        ('remote_storage = {kind = "local", path = "/x", compression = "lz4", compression_level = 17}',
+         "compression_level must be at most 16"),
+        ('remote_storage = {kind = "s3", bucket = "okay", compression = "lz4", compression_level = 0}',
+         "compression_level"),
+        ('remote_storage = {kind = "s3", bucket = "okay", compression = "LZ4"}', "remote_storage.compression"),
     ],
 )
 def test_bad_tables_name_the_key(text: str, error: str) -> None:

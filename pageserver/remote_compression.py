@@ -1,8 +1,9 @@
-"""How a layer file is stored as a remote object: as it is (``none``) or as one zstd frame
-(``zstd``), and the blocking codec between the two (run in worker threads).
+"""How a layer file is stored as a remote object: as it is (``none``), as one zstd frame
+(``zstd``) or as one LZ4 frame (``lz4``), and the blocking codecs between them (run in worker
+threads).
 
 The remote index records the choice per layer (``IndexPart.stored``): ``"compression": "zstd"``
-and the object's ``compressed_size`` beside the layer's ``file_size``. A layer without them is
+(or ``"lz4"``) and the object's ``compressed_size`` beside the layer's ``file_size``. A layer without them is
 stored as it is, which is how every object written before compression existed reads, so old
 indexes and objects need no migration. Layer objects are downloaded whole (on-demand download
 fetches a whole layer; no read path does ranged GETs into a layer object), so a compressed
@@ -27,6 +28,21 @@ Reading (``decompress_file``) trusts nothing in the object:
   refused even where the decoder would stop quietly);
 - the decoder's output is written in blocks of ``CHUNK`` and may never exceed ``file_size``
   (memory stays bounded whatever the object says); the checksum is checked at the frame's end.
+
+LZ4 (``compression = "lz4"``) is written as one frame of the LZ4 frame format (``lz4.frame``)
+with the content size and an XXH32 content checksum in it, 1 MiB linked blocks and no block
+checksums (they cost as much CPU again as the content checksum and guard nothing the content
+checksum and the layer's own CRCs do not). Its reader meets the same bar:
+
+- the frame header must be LZ4's magic, version 01, no dictionary id or reserved bit, a block
+  size code of 64 KiB-4 MiB, a content checksum and a content size equal to ``file_size``
+  (only an empty file's frame may omit the size: LZ4 writes none for 0 bytes); the header's
+  own checksum is checked by the decoder;
+- every block header is walked (4-byte size with the uncompressed bit) to the end mark: a block
+  of 0 bytes or larger than the frame's block size is refused before anything is decompressed,
+  and the end mark with the content checksum after it must end exactly at the object's end;
+- the decoder's output is taken ``CHUNK`` at a time and may never exceed ``file_size``; the
+  content checksum (and block checksums, if a frame has them) is checked by the decoder.
 
 Any failure is a ``LayerCorruptionError`` naming the object: the download fails with it (it is
 not retried: the same bytes would fail again), never a wrong page. The layer format's own

@@ -10,7 +10,11 @@ it was written.
 
 The remote index (the same document, uploaded as ``index_part.json-<generation>``) also says
 per layer how its object is stored: the generation that uploaded it and, for a compressed
-object, ``"compression": "zstd"`` and ``compressed_size`` (``pageserver.remote_compression``).
+object, ``"compression": "zstd"`` or ``"lz4"`` and ``compressed_size``
+(``pageserver.remote_compression``). A build reads only the codecs it knows: an index naming
+one it does not (``"lz4"`` for builds before it) is refused as invalid (XX001), never read as
+an uncompressed layer, so roll a node back only to a build that knows every codec its indexes
+name.
 A layer without them is stored as it is: indexes written before compression (version 1) read
 the same. ``version`` 2 is written only when the index names a compressed object, 1 otherwise
 (every local index, and every remote one with ``compression = "none"``), so a node can still be

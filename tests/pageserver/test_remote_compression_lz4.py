@@ -34,11 +34,11 @@ def compressed(tmp: Path, data: bytes, level: int = 1) -> bytes:
 
 def blocks(obj: bytes) -> list[int]:
     """The offsets of the frame's block headers and of its end mark (the test's own walk)."""
-    assert obj[4] & 0x08 and not obj[4] & 0x10  # content size, no block checksums
+    assert obj[4] & 0x08 and obj[4] & 0x10 and obj[4] & 0x04  # content size, block and content checksums
     out, pos = [], HEADER
     while (word := struct.unpack_from("<I", obj, pos)[0]) != 0:
         out.append(pos)
-        pos += 4 + (word & 0x7FFFFFFF)
+        pos += 4 + (word & 0x7FFFFFFF) + 4
     return [*out, pos]
 
 
@@ -105,8 +105,10 @@ def test_flipped_bits_are_refused(tmp_path: Path) -> None:
     obj = compressed(tmp_path, data)
     marks = blocks(obj)
     # the header (flags, block size code, content size, its checksum), a block's size, a
-    # block's data (a literal, a match offset), the end mark, the content checksum
-    for pos in (4, 5, 6, 13, 14, marks[0], marks[0] + 2, marks[0] + 50, len(obj) // 2, marks[-1],
+    # block's data (a literal, a match offset), a block's checksum, the end mark, the content
+    # checksum
+    for pos in (4, 5, 6, 13, 14, marks[0], marks[0] + 2, marks[0] + 50, marks[1] - 1, len(obj) // 2,
+                marks[-1],
                 len(obj) - 1):
         for bit in (0x01, 0x10, 0x80):
             bad = bytearray(obj)
@@ -155,7 +157,7 @@ def test_frames_without_checksum_or_size_or_with_other_flags_are_refused(tmp_pat
     # block checksums alone do not replace the content checksum
     refused(tmp_path, lz4.frame.compress(data, block_checksum=True, content_checksum=False), len(data),
             "no content checksum")
-    # the library's own frames with what our writer sets read (block checksums are accepted)
+    # the library's own frames with what the reader needs read (block checksums are optional)
     for kw in ({}, {"block_checksum": True}, {"block_size": lz4.frame.BLOCKSIZE_MAX4MB, "block_linked": False}):
         (tmp_path / "ok").write_bytes(lz4.frame.compress(data, content_checksum=True, **kw))
         assert rc.decompress_file(tmp_path / "ok", tmp_path / "out", len(data), "k", "lz4") == len(data)

@@ -16,8 +16,9 @@ index is complete, so only the newest of a run needs to go up). With ``coalesce_
 default), when an index reaches the head of the queue, the layers of the later indexes queued
 behind it (up to a Delete or a Barrier) are uploaded first and only the newest of those indexes
 is sent; and an index waits until ``index_upload_interval_s`` has passed since the last index
-PUT, coalescing what is queued meanwhile, unless a Delete or a Barrier (``wait_uploaded``)
-stands behind it. A node flushing L0s faster than that sends one index per interval instead of
+PUT, coalescing what is queued meanwhile, unless what stands behind it cannot be coalesced (a
+Delete, a Barrier (``wait_uploaded``), a layer no index follows yet, a layer already uploaded
+or queued twice, more than ``parallel_uploads * 4`` layers): then it goes at once. A node flushing L0s faster than that sends one index per interval instead of
 one per flush; ``remote_consistent_lsn`` lags by at most the interval plus the uploads. The
 layers moved ahead of an index are ones it does not name (they are new in later indexes), so
 the invariant is the same: at most one index PUT is in flight, every index goes up after the
@@ -192,14 +193,14 @@ async def download_layer(
         await retry(get, what=f"download {key}", attempts=attempts)
         if compressed:
             await trio.to_thread.run_sync(decompress)
+        # inside the try: a failed fsync or rename leaves no temp file behind either
+        await trio.to_thread.run_sync(_publish, tmp, path)
     except BaseException:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(_unlink_all, (tmp, stored_tmp))
         raise
     DOWNLOADED_STORED_BYTES.inc(want)
     DOWNLOADED_BYTES.inc(size)
-
-    await trio.to_thread.run_sync(_publish, tmp, path)
 
 
 class Pins:
@@ -417,6 +418,8 @@ class RemoteTimelineClient:
                         break
                     batch.append(queued)
                 await self._upload_layers(batch)
+                if self._halted():
+                    break  # ``stop`` dropped the queue (and unpinned its layers)
                 for _ in batch:
                     self._pop()
                 for x in batch:
@@ -425,7 +428,7 @@ class RemoteTimelineClient:
                     await self._on_unpinned()
             elif isinstance(op, UploadIndex):
                 if self.coalesce_indexes:
-                    if not await self._coalesce():
+                    if not await self._coalesce() or self._halted():
                         continue  # more was queued, or the node stops: look again
                     op = self._ops[0]
                     assert isinstance(op, UploadIndex)
@@ -440,18 +443,31 @@ class RemoteTimelineClient:
                     # The deletions this index enables go to disk first: a crash after the
                     # upload must not leak them (recovery: pageserver.deletion_queue).
                     await self._persist(self._ops[1])
+                    if self._halted():
+                        break
                 await self._upload_index(op.part)
                 self._last_index_put = trio.current_time()
+                if self._halted():
+                    break
                 self._pop()
             elif isinstance(op, Delete):
                 await self._persist(op)
+                if self._halted():
+                    break
                 await self._delete(op.keys)
                 if op.persisted is not None and self.deletions is not None:
                     await trio.to_thread.run_sync(self.deletions.done, op.persisted)
+                if self._halted():
+                    break
                 self._pop()
             else:
                 op.done.set()
                 self._pop()
+
+    def _halted(self) -> bool:
+        """``stopped``, read afresh: ``stop`` may have run during the worker's last await (a
+        method, so that the loop's ``while not self.stopped`` does not narrow it for mypy)."""
+        return self.stopped
 
     def _pop(self) -> None:
         self._ops.popleft()
@@ -470,6 +486,7 @@ class RemoteTimelineClient:
         pending: list[UploadLayer] = []
         last = 0
         blocked = False
+        names: set[str] = set()
         for i in range(1, len(ops)):
             q = ops[i]
             if isinstance(q, UploadIndex):
@@ -477,7 +494,10 @@ class RemoteTimelineClient:
                 group += pending
                 pending = []
             elif (isinstance(q, UploadLayer) and len(group) + len(pending) < self.parallel_uploads * 4
-                  and self.layer_key(q.name, self.generation) not in self._stored):
+                  and self.layer_key(q.name, self.generation) not in self._stored
+                  and q.name not in names):
+                # (a name queued twice stops the scan: two PUTs of one key must not run at once)
+                names.add(q.name)
                 pending.append(q)
             else:
                 blocked = True
@@ -486,10 +506,6 @@ class RemoteTimelineClient:
             await self._upload_layers(group)
             if self.stopped:
                 return False  # ``stop`` dropped the queue (and unpinned its layers)
-            for x in group:
-                self.pins.unpin(x.path)
-            if self._on_unpinned is not None:
-                await self._on_unpinned()
         if last:
             newest = ops[last]  # only appends happened meanwhile: positions 0..last are the same
             superseded = sum(1 for j in range(last) if isinstance(ops[j], UploadIndex))
@@ -498,6 +514,15 @@ class RemoteTimelineClient:
             ops.appendleft(newest)
             QUEUED_OPS.inc()
             COALESCED_INDEXES.inc(superseded)
+        if group:
+            # unpinned only once their ops have left the queue: a ``stop`` during the await
+            # below must not unpin them a second time (the pins are shared with the graveyard)
+            for x in group:
+                self.pins.unpin(x.path)
+            if self._on_unpinned is not None:
+                await self._on_unpinned()
+            if self.stopped:
+                return False
         if blocked or pending:
             return True
         if self._pushes != pushes:

@@ -8,7 +8,7 @@
 # the Python ints are range-checked before they become C integers (native.md 6.1).
 """The L0 writer's packing, compiled (see pageserver/storage/_l0_py.py)."""
 
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport UINT32_MAX, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 
@@ -109,20 +109,31 @@ cdef void _walk(Walk *w, const unsigned char *keys, const uint64_t *counts, size
     w.status = ST_DONE
 
 
-cdef void _copy(const unsigned char *keys, const uint64_t *counts, const uint64_t *triples,
-                const unsigned char *src, size_t k, uint64_t sub, size_t v, size_t n,
-                uint64_t data_offset, unsigned char *data, unsigned char *entries) noexcept nogil:
-    """Pass 2: the ``n`` values from the cursor (all checked by ``_walk``) and their entries."""
+cdef bint _copy(const unsigned char *keys, const uint64_t *counts, size_t n_keys,
+                const uint64_t *triples, size_t n_triples, const unsigned char *src,
+                uint64_t src_len, size_t k, uint64_t sub, size_t v, size_t n,
+                uint64_t data_offset, unsigned char *data, uint64_t data_len,
+                unsigned char *entries) noexcept nogil:
+    """Pass 2: the ``n`` values from the cursor (all checked by ``_walk``) and their entries.
+    The bounds are checked again (a few compares per value): the arrays are the caller's, and
+    between the passes the GIL was taken, so another thread could have changed them in place.
+    False: something no longer fits (nothing outside the buffers was touched)."""
     cdef size_t i
     cdef uint64_t pos, length, at = 0
     cdef const unsigned char *blob
     cdef unsigned char *e
     for i in range(n):
-        while sub >= counts[k]:
+        while k < n_keys and sub >= counts[k]:
             k += 1
             sub = 0
+        if k >= n_keys or v >= n_triples // 3:
+            return False
         pos = triples[3 * v + 1]
         length = triples[3 * v + 2]
+        if (pos >> 1) > src_len or length > src_len - (pos >> 1):
+            return False
+        if length > data_len - at or length > <uint64_t>UINT32_MAX:
+            return False
         blob = src + (pos >> 1)
         if length:
             memcpy(data + at, blob, length)
@@ -135,6 +146,7 @@ cdef void _copy(const unsigned char *keys, const uint64_t *counts, const uint64_
         at += length
         sub += 1
         v += 1
+    return at == data_len
 
 
 def pack_values(keys, const uint64_t[::1] counts, const uint64_t[::1] triples, src,
@@ -160,6 +172,7 @@ def pack_values(keys, const uint64_t[::1] counts, const uint64_t[::1] triples, s
     cdef bint over = False
     cdef unsigned char *dp
     cdef unsigned char *ep
+    cdef bint fits
     if <size_t>kv.shape[0] != C_KEY * n_keys:
         raise ValueError(f"pack_values: {kv.shape[0]} key bytes for {n_keys} keys")
     for i in range(n_keys):
@@ -218,5 +231,8 @@ def pack_values(keys, const uint64_t[::1] counts, const uint64_t[::1] triples, s
     dp = <unsigned char *>PyBytes_AS_STRING(data)
     ep = <unsigned char *>PyBytes_AS_STRING(entries)
     with nogil:
-        _copy(kp, cp, tp, sp, start_k, start_sub, start_v, w.n, c_offset, dp, ep)
+        fits = _copy(kp, cp, n_keys, tp, n_triples, sp, src_len, start_k, start_sub, start_v,
+                     w.n, c_offset, dp, w.out, ep)
+    if not fits:
+        raise RuntimeError("pack_values: the index or the layer's bytes changed during the call")
     return data, entries, w.k, w.sub

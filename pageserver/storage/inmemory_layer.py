@@ -450,6 +450,13 @@ class InMemoryLayer:
 
         # (the values' lengths add up to the data section: the index goes straight behind it)
         data_size = sum(triples[2::3])
+        if data_size > self.size:
+            # (the L0 worker's index comes off a pipe: lengths that cannot be the layer's
+            # would place the index far behind the data in a huge sparse file before the
+            # kernel refuses a value)
+            raise ValueError(
+                f"write_l0: the index's values add up to {data_size} bytes, the layer holds {self.size}"
+            )
         return await write_layer_file(engine, directory, self.l0_desc(), opts, fill, data_size=data_size)
 
     def l0_desc(self) -> LayerDesc:

@@ -452,3 +452,41 @@ def test_a_write_l0_mutant_is_caught(old: str, new: str, monkeypatch: pytest.Mon
             _same_l0_both_ways(_bulk_load_puts(), big=False)
             _same_l0_both_ways(_bulk_load_puts(), big=True)
             _quick(_same_l0_both_ways, puts=layer_puts(), big=hst.booleans())
+
+
+class _Bytes:
+    """A frozen layer's bytes (``FrozenData``), as the L0 worker hands them to ``write_l0``."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.length = len(data)
+
+    async def read_all(self) -> bytes:
+        return self.data
+
+    def mapped(self) -> None:
+        return None
+
+    async def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        return [self.data[o : o + n] for o, n in ranges]
+
+
+async def test_an_index_naming_more_bytes_than_the_layer_is_refused_before_any_write(tmp_path: Path) -> None:
+    """The worker's index comes off a pipe: lengths adding up to more than the layer's bytes
+    are refused before a file is made (the in-place index would otherwise be written far
+    behind the data, a huge sparse file, before the kernel refused a later value)."""
+    from array import array
+
+    data = b"x" * 100
+    keys = k(1) + k(2)
+    counts = array("Q", [1, 1])
+    good = array("Q", [0x100, 0, 50, 0x101, 100, 50])
+    layer = InMemoryLayer.frozen_view(_Bytes(data), (keys, counts, good), Lsn(0x100), Lsn(0x200))
+    path = await layer.write_l0(BlockingIoEngine(), tmp_path, WriteOptions())
+    assert path is not None and path.exists()
+    path.unlink()
+    huge = array("Q", [0x100, 0, 50, 0x101, 100, 1 << 40])
+    layer = InMemoryLayer.frozen_view(_Bytes(data), (keys, counts, huge), Lsn(0x100), Lsn(0x200))
+    with pytest.raises(ValueError, match="add up to"):
+        await layer.write_l0(BlockingIoEngine(), tmp_path, WriteOptions())
+    assert list(tmp_path.iterdir()) == []

@@ -545,7 +545,7 @@ def _drive_processes(
                     [sys.executable, "-m", "bench.getpage", "--client-process", json.dumps(argv)],
                     stdout=subprocess.PIPE,
                     text=True,
-                    cwd=Path(__file__).resolve().parent.parent,
+                    cwd=_REPO,
                     env=env,
                 )
             )
@@ -766,12 +766,14 @@ def _export_rev(rev: str, dest: Path) -> tuple[str, Path]:
     archive = subprocess.run(["git", "-C", str(_REPO), "archive", sha], check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    for so in _REPO.glob("**/*.so"):
-        rel = so.relative_to(_REPO)
-        if rel.parts[0] in (".venv", ".cache", "build"):
-            continue
-        if (tree / rel).parent.is_dir():
-            shutil.copy2(so, tree / rel)
+    from protocol._native_sources import NATIVE_MODULES
+
+    for name in NATIVE_MODULES:  # (the compiled modules, not a walk of .venv and .cache)
+        module = _REPO / name.replace(".", "/")
+        for so in module.parent.glob(module.name + "*.so"):
+            rel = so.relative_to(_REPO)
+            if (tree / rel).parent.is_dir():
+                shutil.copy2(so, tree / rel)
     check = subprocess.run(
         [sys.executable, "-c", "from protocol import _native; _native.describe()"],
         cwd=tree, env=_kernel_env("native"), capture_output=True, text=True,

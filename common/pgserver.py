@@ -72,14 +72,14 @@ import secrets
 import ssl
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import attrs
 import structlog
 import trio
 
 from common.pgcopy import CopyBothStream
-from common.tls_stream import TlsStream
+from common.tls_stream import Offload, TlsStream
 from protocol.buffer import WriteBuffer
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.ids import TenantId
@@ -114,7 +114,7 @@ class PgServerConfig:
     # CPU (other processes on the cores): with a core free the thread costs more CPU per page
     # than the cipher it moves and lost every idle round, on a loaded host it wins
     # (docs/benchmarks.md, "Auth and TLS").
-    tls_sender_thread: bool | Literal["auto"] = "auto"
+    tls_sender_thread: Offload = "auto"
 
 
 class QueryHandler(Protocol):

@@ -64,6 +64,15 @@ from pageserver.storage.layer_file import LayerCorruptionError
 
 Codec = Literal["zstd", "lz4"]
 
+
+def codec_of(compression: str) -> Codec:
+    """The codec of a stored object's or a config's ``compression`` ("none" has none)."""
+    if compression == "zstd":
+        return "zstd"
+    if compression == "lz4":
+        return "lz4"
+    raise ValueError(f"no codec for compression {compression!r}")
+
 CHUNK: Final = 1 << 20  # read and write size of the codec (its memory, with the window)
 MAX_WINDOW: Final = 1 << 23  # levels 1-9 use at most 8 MiB windows on layer-sized inputs
 _MAGIC: Final = b"\x28\xb5\x2f\xfd"

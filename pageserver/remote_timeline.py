@@ -63,7 +63,7 @@ import structlog
 import trio
 from prometheus_client import Counter, Gauge, Histogram
 
-from common.fsync import fsync_dir
+from common.fsync import fsync_dir, fsync_file
 from pageserver import remote_compression, remote_layout
 from pageserver.deletion_queue import DeletionList, DeletionQueue
 from pageserver.storage.index_part import IndexPart, StoredLayer
@@ -151,11 +151,7 @@ def _publish(tmp: Path, path: Path) -> None:
     """A complete download into place: fsync the file, rename it, fsync the directory. Without
     the first fsync a crash could leave the new name with the right size but bytes never
     written (it would fail its CRC when opened, instead of being downloaded again)."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(tmp)
     os.rename(tmp, path)
     fsync_dir(path.parent)
 
@@ -172,7 +168,6 @@ async def download_layer(
     tmp = path.with_name(path.name + _TEMP_DOWNLOAD)
     stored_tmp = path.with_name(path.name + _TEMP_STORED)
     compressed = stored is not None and stored.compression != "none"
-    codec: remote_compression.Codec = "lz4" if stored is not None and stored.compression == "lz4" else "zstd"
     want = stored.size if stored is not None else size
 
     async def get() -> None:
@@ -182,9 +177,11 @@ async def download_layer(
             raise OSError(f"{key}: downloaded {got} bytes, the index says {want}")
 
     def decompress() -> None:
+        assert stored is not None  # (only for a compressed object)
         started = time.thread_time()
         try:
-            remote_compression.decompress_file(stored_tmp, tmp, size, key, codec)
+            remote_compression.decompress_file(
+                stored_tmp, tmp, size, key, remote_compression.codec_of(stored.compression))
         finally:
             stored_tmp.unlink(missing_ok=True)
             CODEC_SECONDS.labels("decompress").inc(time.thread_time() - started)
@@ -422,10 +419,7 @@ class RemoteTimelineClient:
                     break  # ``stop`` dropped the queue (and unpinned its layers)
                 for _ in batch:
                     self._pop()
-                for x in batch:
-                    self.pins.unpin(x.path)
-                if self._on_unpinned is not None:
-                    await self._on_unpinned()
+                await self._release(batch)
             elif isinstance(op, UploadIndex):
                 if self.coalesce_indexes:
                     if not await self._coalesce() or self._halted():
@@ -437,8 +431,8 @@ class RemoteTimelineClient:
                     while len(self._ops) > 1 and isinstance(self._ops[1], UploadIndex):
                         self._pop()
                         COALESCED_INDEXES.inc()
-                        op = self._ops[0]
-                        assert isinstance(op, UploadIndex)
+                    op = self._ops[0]
+                    assert isinstance(op, UploadIndex)
                 if len(self._ops) > 1 and isinstance(self._ops[1], Delete):
                     # The deletions this index enables go to disk first: a crash after the
                     # upload must not leak them (recovery: pageserver.deletion_queue).
@@ -463,6 +457,13 @@ class RemoteTimelineClient:
             else:
                 op.done.set()
                 self._pop()
+
+    async def _release(self, uploaded: list[UploadLayer]) -> None:
+        """Uploaded layers whose ops have left the queue: their files may go now."""
+        for x in uploaded:
+            self.pins.unpin(x.path)
+        if self._on_unpinned is not None:
+            await self._on_unpinned()
 
     def _halted(self) -> bool:
         """``stopped``, read afresh: ``stop`` may have run during the worker's last await (a
@@ -517,10 +518,7 @@ class RemoteTimelineClient:
         if group:
             # unpinned only once their ops have left the queue: a ``stop`` during the await
             # below must not unpin them a second time (the pins are shared with the graveyard)
-            for x in group:
-                self.pins.unpin(x.path)
-            if self._on_unpinned is not None:
-                await self._on_unpinned()
+            await self._release(group)
             if self.stopped:
                 return False
         if blocked or pending:
@@ -565,7 +563,7 @@ class RemoteTimelineClient:
         """``x``'s file into ``dst`` as ``self.compression`` (worker thread); "none" if that saves nothing."""
         started = time.thread_time()
         try:
-            codec: remote_compression.Codec = "lz4" if self.compression == "lz4" else "zstd"
+            codec = remote_compression.codec_of(self.compression)
             if self.compression_probe and not remote_compression.worth_compressing(
                     x.path, self.compression_level, codec):
                 SKIPPED_COMPRESSIONS.inc()

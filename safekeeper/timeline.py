@@ -475,22 +475,23 @@ class Timeline:
         written = pending.written
         assert written is not None  # sync() ran and its write succeeded
         async with self.lock:
+            # Published only in the group's epoch, checked under the storage's LSN lock: a
+            # later group's invalid WAL may be cutting WAL back in the engine's thread now.
+            # The one epoch decision for everything below.
+            published = self.storage.mark_flushed(
+                written.epoch, written.write_lsn, written.record_end
+            )
             if written.error is not None:
                 # WAL was cut back at the group's last valid record (or the group followed
                 # such a cut): the acceptor must not believe in WAL past what is written.
                 # Only in the epoch of the cut: an election since then truncated and set the
                 # acceptor's LSNs itself, and a new proposer may already have WAL in flight
                 # that this deposed group must not take back from it.
-                if self.storage.epoch == written.epoch:
+                if published:
                     self.acceptor.write_lsn = Lsn(
                         min(self.acceptor.write_lsn, self.storage.write_lsn)
                     )
                 pending.invalid = written.error
-            # Published only in the group's epoch, checked under the storage's LSN lock: a
-            # later group's invalid WAL may be cutting WAL back in the engine's thread now.
-            published = self.storage.mark_flushed(
-                written.epoch, written.write_lsn, written.record_end
-            )
             if published and written.record_end > self.acceptor.flush_record_lsn:
                 self.acceptor.wal_flushed(written.record_end)
             self.acceptor.advance_commit()

@@ -792,7 +792,7 @@ async def _execute_getpages(
     timeline = batch[0].timeline
     assert timeline is not None
     timeout_s = ctx.config.wait_lsn_timeout_s
-    top = batch[0].lsn if len(batch) == 1 else max(map(_lsn_of, batch))
+    top = max(map(_lsn_of, batch))
     results: Sequence[bytes | PageRequestError | None]
     try:
         await _wait_for(timeline, top, timeout_s)

@@ -35,18 +35,20 @@ async def test_timed_out_and_cancelled_waiters_leave_the_heap(tmp_path: Path) ->
         # waiters that arrive, between ones that give up, are still woken in LSN order
         base = tl.last_record_lsn
         woken: list[int] = []
+        gave_up: list[int] = []
 
         async def wait_for(n: int, timeout: float) -> None:
             try:
                 await tl.wait_lsn(Lsn(base + 8 * n), timeout)
                 woken.append(n)
             except LsnTimeoutError:
-                pass
+                gave_up.append(n)
 
         async with trio.open_nursery() as nursery:
             for n in range(1, 7):
                 nursery.start_soon(wait_for, n, 0.005 if n % 2 else 30.0)
             await trio.sleep(0.05)  # the odd ones time out
+            assert sorted(gave_up) == [1, 3, 5]
             assert len(tl._waiters) == 3
             tl.finish_write(Lsn(base + 8 * 4))
             await trio.sleep(0.01)

@@ -835,22 +835,34 @@ class Timeline:
 
     def _admit(self, lsns: Iterable[int]) -> list[int]:
         """Register reads at ``lsns`` (called with no await since their GC-cutoff check)."""
-        if self._shut_down:
-            raise TimelineShutdownError(f"timeline {self.timeline_id.hex} is shut down")
+        self._refuse_if_shut_down()
         admitted = list(set(lsns))
         flight = self._reads_in_flight
         for lsn in admitted:
             flight[lsn] = flight.get(lsn, 0) + 1
         return admitted
 
+    def _refuse_if_shut_down(self) -> None:
+        if self._shut_down:
+            raise TimelineShutdownError(f"timeline {self.timeline_id.hex} is shut down")
+
     def _release(self, admitted: list[int]) -> None:
-        flight = self._reads_in_flight
         for lsn in admitted:
-            left = flight[lsn] - 1
-            if left:
-                flight[lsn] = left
-            else:
-                del flight[lsn]
+            self._release_one(lsn)
+
+    def _admit_one(self, lsn: int) -> None:
+        """``_admit((lsn,))`` without its list (the lone request's read)."""
+        self._refuse_if_shut_down()
+        flight = self._reads_in_flight
+        flight[lsn] = flight.get(lsn, 0) + 1
+
+    def _release_one(self, lsn: int) -> None:
+        flight = self._reads_in_flight
+        left = flight[lsn] - 1
+        if left:
+            flight[lsn] = left
+        else:
+            del flight[lsn]
 
     @contextlib.contextmanager
     def reads_held_at(self, lsn: int) -> Iterator[None]:
@@ -964,15 +976,19 @@ class Timeline:
                 # layers, with validation on) must not starve the page service's connections
                 await trio.lowlevel.checkpoint()
             redone += 1
-            try:
-                page, applied = reconstruct_value(key, requests[key], st, self.redo)
-            except PageReconstructError as exc:
-                out[key] = exc
-                continue
-            if use_cache and applied is not None:
-                self.page_cache.memorize(self._key, key, applied, page)
-            out[key] = page
+            out[key] = self._reconstruct(key, requests[key], st, use_cache)
         return out
+
+    def _reconstruct(self, key: Key, lsn: Lsn, st: KeyState, use_cache: bool) -> Result:
+        """The page from what the walk found (a reconstruct error is the answer, not raised),
+        memorized in the page cache when redo made it."""
+        try:
+            page, applied = reconstruct_value(key, lsn, st, self.redo)
+        except PageReconstructError as exc:
+            return exc
+        if use_cache and applied is not None:
+            self.page_cache.memorize(self._key, key, applied, page)
+        return page
 
     async def get_vectored_results(
         self, keys: KeySpace | Iterable[Key], lsn: Lsn, ctx: ReadContext | None = None
@@ -1109,10 +1125,7 @@ class Timeline:
         if (config.get_impl != "vectored" or config.validate_get or graveyard.per_layer
                 or graveyard.evicted or lsn < self.latest_gc_cutoff_lsn):
             return (await self.get_pages(((key, lsn),), ctx))[0]
-        if self._shut_down:
-            raise TimelineShutdownError(f"timeline {self.timeline_id.hex} is shut down")
-        flight = self._reads_in_flight
-        flight[lsn] = flight.get(lsn, 0) + 1  # _admit((lsn,))
+        self._admit_one(lsn)
         try:
             page_cache = self.page_cache
             hit = page_cache.lookup(self._key, key, lsn)
@@ -1131,19 +1144,9 @@ class Timeline:
             img = st.img
             if img is not None and st.complete and not st.records and not st.missing:
                 return img[1]  # an image and nothing above it: reconstruct_value's answer
-            try:
-                page, applied = reconstruct_value(key, lsn, st, self.redo)
-            except PageReconstructError as exc:
-                return exc
-            if applied is not None:
-                page_cache.memorize(self._key, key, applied, page)
-            return page
+            return self._reconstruct(key, lsn, st, True)
         finally:
-            left = flight[lsn] - 1  # _release([lsn])
-            if left:
-                flight[lsn] = left
-            else:
-                del flight[lsn]
+            self._release_one(lsn)
 
     async def _validate_mixed(self, batch: dict[Key, Lsn], results: dict[Key, Result]) -> None:
         """``validate_get`` for a mixed-LSN read: the legacy path per LSN as the oracle."""

@@ -264,3 +264,14 @@ def test_fuzz_harness_accepts_its_seeds_and_catches_a_planted_difference(tmp_pat
         with pytest.raises(AssertionError, match="pack_values differs"):
             broken(data)
     assert packed >= 3
+
+
+@pytest.mark.native
+def test_same_names_and_the_writers_entry_size() -> None:
+    """Kernel and twin export the same names, and their entries are the layer writer's."""
+    from pageserver.storage import _l0_py
+    from pageserver.storage.layer_file import ENTRY as WRITER_ENTRY
+
+    native = kernel("native", L0)
+    assert native.__all__ == _l0_py.__all__
+    assert native.ENTRY_SIZE == _l0_py.ENTRY_SIZE == ENTRY.size == WRITER_ENTRY.size

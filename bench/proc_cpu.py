@@ -61,7 +61,8 @@ def _threads() -> dict[int, ThreadTimes]:
     return out
 
 
-def _process_cpu(pid: int) -> float | None:
+def process_cpu(pid: int) -> float | None:
+    """The CPU seconds (user and system) process ``pid`` has used; None if it is gone."""
     try:
         return _stat_cpu(Path(f"/proc/{pid}/stat").read_text())
     except (OSError, ValueError, IndexError):
@@ -89,7 +90,7 @@ class Sample:
     @classmethod
     def take(cls, pids: dict[str, int] | None = None) -> Sample:
         busy, total = _machine()
-        return cls(_threads(), {name: _process_cpu(pid) for name, pid in (pids or {}).items()}, busy, total)
+        return cls(_threads(), {name: process_cpu(pid) for name, pid in (pids or {}).items()}, busy, total)
 
 
 def _group(tid: int, main_tid: int) -> str:

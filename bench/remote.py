@@ -239,6 +239,9 @@ async def _ingest(tl: Timeline, mib: int, pages: list[bytes], start_block: int =
     n = mib * MiB // PAGE
     lsn = tl.last_record_lsn
     sample = proc_cpu.Sample.take(pids)
+    worker_pid = tl.l0_worker.pid
+    worker0 = 0.0 if worker_pid is None else proc_cpu.process_cpu(worker_pid) or 0.0
+    stage0 = tl.l0_worker.stage_cpu_s
     started = time.perf_counter()
     thread0, process0 = time.thread_time(), time.process_time()
     for i in range(n):
@@ -250,6 +253,13 @@ async def _ingest(tl: Timeline, mib: int, pages: list[bytes], start_block: int =
         cpu["trio_thread_cpu_s"] = time.thread_time() - thread0
         cpu["process_cpu_s"] = time.process_time() - process0
         cpu["cpu"] = proc_cpu.breakdown(sample, proc_cpu.Sample.take(pids))
+        # The L0 writer process (started on the first roll, so usually inside this interval):
+        # its writes, and with staging the compression of the L0s it wrote
+        pid = tl.l0_worker.pid
+        if pid is not None:
+            cpu["cpu"]["l0_worker_cpu_s"] = round(
+                (proc_cpu.process_cpu(pid) or 0.0) - (worker0 if pid == worker_pid else 0.0), 3)
+        cpu["stage_cpu_s"] = tl.l0_worker.stage_cpu_s - stage0
     return time.perf_counter() - started
 
 
@@ -259,14 +269,18 @@ async def _ingest(tl: Timeline, mib: int, pages: list[bytes], start_block: int =
 # settings with SigV4 over the body (``payload_signing``); on-no-coalesce: one index PUT per
 # flush (only back-to-back queued indexes coalesced: ``coalesce_indexes = False``);
 # on-no-probe: every layer compressed whole, whatever its sample says; on-zstd / on-lz4: the
-# node's settings with that codec (``compression = "zstd"`` / ``"lz4"``)
-INGEST_CONFIGS = ("off", "on", "on-uncompressed", "on-signed", "on-no-coalesce", "on-no-probe", "on-zstd", "on-lz4")
+# node's settings with that codec (``compression = "zstd"`` / ``"lz4"``); on-no-stage: the
+# L0 writer process does not compress its L0s, the uploads compress every layer in the
+# pageserver's own threads (``stage_in_l0_writer = False``)
+INGEST_CONFIGS = ("off", "on", "on-uncompressed", "on-signed", "on-no-coalesce", "on-no-probe", "on-zstd", "on-lz4",
+                  "on-no-stage")
 _CODECS: dict[str, Compression] = {"on-uncompressed": "none", "on-zstd": "zstd", "on-lz4": "lz4"}
 _SENT = "pageserver_remote_upload_stored_bytes_total"
 _LAYER_BYTES = "pageserver_remote_upload_bytes_total"
 _CODEC_CPU = "pageserver_remote_codec_cpu_seconds_total"
 _LAYER_PUTS = "pageserver_remote_uploaded_layers_total"
 _INDEX_PUTS = "pageserver_remote_uploaded_indexes_total"
+_STAGED = "pageserver_remote_staged_layers_total"
 
 
 async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: list[bytes],
@@ -280,7 +294,8 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: l
                                                        payload_signing=config == "on-signed"))
             await storage.list("nothing/")
             remote = TenantRemote(storage, 1, coalesce_indexes=config != "on-no-coalesce",
-                                  compression_probe=config != "on-no-probe")
+                                  compression_probe=config != "on-no-probe",
+                                  stage_in_l0_writer=config != "on-no-stage")
             codec = _CODECS.get(config)
             if codec is not None:  # else the node's default codec
                 remote = attrs.evolve(remote, compression=codec)
@@ -292,6 +307,7 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: l
         sent0, layer0 = _counter(_SENT), _counter(_LAYER_BYTES)
         codec0 = _counter(_CODEC_CPU, {"op": "compress"})
         puts0 = _counter(_LAYER_PUTS), _counter(_INDEX_PUTS)
+        staged0 = _counter(_STAGED)
         seconds = await _ingest(tl, mib, pages, cpu=cpu, pids=pids)
         out: dict[str, Any] = {"config": config, "uploads": config != "off", "seconds": round(seconds, 3),
                                "mb_s": round(mib * MiB / 1e6 / seconds, 1),
@@ -304,6 +320,7 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: l
             out["layer_bytes"] = int(_counter(_LAYER_BYTES) - layer0)
             out["sent_bytes"] = int(_counter(_SENT) - sent0)
             out["compress_cpu_s"] = round(_counter(_CODEC_CPU, {"op": "compress"}) - codec0, 3)
+            out["staged_layer_puts"] = int(_counter(_STAGED) - staged0)
             out["layer_puts"] = int(_counter(_LAYER_PUTS) - puts0[0])
             out["index_puts"] = int(_counter(_INDEX_PUTS) - puts0[1])
         await tenant.shutdown()
@@ -360,10 +377,14 @@ def bench_ingest(endpoint: str, work: Path, mib: int, rounds: int, pages: list[b
     for c in configs:  # where the time goes: per thread group and process, medians of the rounds
         out[f"{c}_trio_thread_cpu_s"] = statistics.median(
             x["trio_thread_cpu_s"] for x in runs if x["config"] == c)
-        # the pageserver's threads and the store together: what a round costs the machine
+        # the pageserver's threads, its L0 writer process and the store together: what a
+        # round costs the machine
         out[f"{c}_pageserver_and_store_cpu_s"] = round(statistics.median(
             x["trio_thread_cpu_s"] + x["cpu"].get("worker_threads", {}).get("cpu_s", 0.0)
+            + x["cpu"].get("l0_worker_cpu_s", 0.0)
             + x["cpu"].get("seaweedfs_cpu_s", 0.0) for x in runs if x["config"] == c), 3)
+        out[f"{c}_codec_cpu_s"] = round(statistics.median(
+            x.get("compress_cpu_s", 0.0) + x["stage_cpu_s"] for x in runs if x["config"] == c), 3)
         out[f"{c}_cpu"] = _median_cpu([x for x in runs if x["config"] == c])
     emit({**out, "goal": "ratio_on_vs_off >= 0.9 (median of per-round ratios)",
           "cpus": sorted(os.sched_getaffinity(0)), "load_avg": [round(x, 2) for x in os.getloadavg()]})

@@ -48,15 +48,30 @@ Any failure is a ``LayerCorruptionError`` naming the object: the download fails 
 not retried: the same bytes would fail again), never a wrong page. The layer format's own
 checks (summary CRC-32C and size when the downloaded file is opened, each blob's CRC-32C when
 read) still run on the decompressed file.
+
+Staging (``stage_layer``, ``adopt_staged``): the L0 writer process
+(``pageserver.storage.l0_worker``) compresses the L0 it has just written, while the file is in
+the page cache, into ``<layer>.___temp_staged`` beside it (the same frame as above, made by the
+same ``compress_file``; written to ``<layer>.___temp_staging`` and renamed, so the name is
+never over half an object in a running node). The upload then sends that file as it is instead
+of compressing in the pageserver's process (``adopt_staged``), after checking it: the layer file
+is the size the index says and no newer than the staged object, and the object is one whole
+frame of the configured codec whose content size is the layer's (its headers walked to its
+end, as a download does). Anything else (missing, torn, another codec, a layer rewritten
+since) is removed and the upload compresses the layer itself. Staged files are not fsynced: a
+node that restarts deletes every file its index does not name, these included
+(``*.___temp*``), so a staged object never outlives the process run that made it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from pathlib import Path
 from typing import BinaryIO, Final, Literal
 
+import attrs
 import lz4.frame
 import zstandard
 
@@ -72,6 +87,16 @@ def codec_of(compression: str) -> Codec:
     if compression == "lz4":
         return "lz4"
     raise ValueError(f"no codec for compression {compression!r}")
+
+@attrs.frozen
+class StageSpec:
+    """How the L0 writer stages a layer's object: what ``RemoteTimelineClient._compress``
+    would do with it (codec, level, whether the sample probe may skip it)."""
+
+    codec: Codec
+    level: int
+    probe: bool
+
 
 CHUNK: Final = 1 << 20  # read and write size of the codec (its memory, with the window)
 MAX_WINDOW: Final = 1 << 23  # levels 1-9 use at most 8 MiB windows on layer-sized inputs
@@ -313,3 +338,85 @@ def _lz4_decompress_file(src: Path, dst: Path, file_size: int, what: str) -> int
     if written != file_size:
         raise LayerCorruptionError(what, f"the remote object decompresses to {written} bytes, the index says {file_size}")
     return written
+
+
+# --- staged objects (made by the L0 writer process, sent by the upload) -------------------
+
+STAGED_SUFFIX: Final = ".___temp_staged"
+_STAGING_SUFFIX: Final = ".___temp_staging"
+
+
+def staged_path(layer: Path) -> Path:
+    """Where the L0 writer leaves the compressed object of ``layer``."""
+    return layer.with_name(layer.name + STAGED_SUFFIX)
+
+
+def discard_staged(layer: Path) -> None:
+    """Remove ``layer``'s staged object and a staging temp file, if any."""
+    staged_path(layer).unlink(missing_ok=True)
+    layer.with_name(layer.name + _STAGING_SUFFIX).unlink(missing_ok=True)
+
+
+def stage_layer(layer: Path, spec: StageSpec) -> int | None:
+    """Compress the just-written ``layer`` into its staged object as ``spec`` says (the L0
+    writer process, blocking); its size, or None when nothing is staged (the sample does not
+    compress, or the frame is not smaller: the upload then decides as usual)."""
+    discard_staged(layer)
+    if spec.probe and not worth_compressing(layer, spec.level, spec.codec):
+        return None
+    tmp = layer.with_name(layer.name + _STAGING_SUFFIX)
+    try:
+        read, written = compress_file(layer, tmp, spec.level, spec.codec)
+        if written >= read:
+            tmp.unlink()
+            return None
+        os.rename(tmp, staged_path(layer))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return written
+
+
+def _check_staged(f: BinaryIO, what: str, object_size: int, file_size: int, codec: Codec) -> None:
+    if codec == "lz4":
+        content_size, frame = _lz4_frame(f, what, object_size, file_size == 0)
+    else:
+        frame = _frame_length(f, what, object_size)
+        f.seek(0)
+        content_size = zstandard.get_frame_parameters(f.read(18)).content_size
+    if frame != object_size:
+        raise LayerCorruptionError(what, f"the staged object is {object_size} bytes, its frame {frame}")
+    if content_size != file_size:
+        raise LayerCorruptionError(what, f"the staged object holds {content_size} bytes, the layer {file_size}")
+
+
+def adopt_staged(layer: Path, file_size: int, codec: Codec, dst: Path) -> tuple[int | None, str | None]:
+    """``layer``'s staged object, checked (see the module docstring) and renamed to ``dst``:
+    (its size, None); (None, None) if there is none; (None, why) if it does not pass (it is
+    removed then)."""
+    staged = staged_path(layer)
+    try:
+        f = open(staged, "rb")  # noqa: SIM115 - closed below, before the rename
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:  # (not a file, unreadable: not ours to send)
+        f = None
+        why = f"{type(exc).__name__}: {exc}"
+    if f is None:
+        with contextlib.suppress(OSError):
+            discard_staged(layer)
+        return None, why
+    try:
+        with f:
+            st, lst = os.fstat(f.fileno()), os.stat(layer)
+            if lst.st_size != file_size:
+                raise LayerCorruptionError(staged, f"the layer is {lst.st_size} bytes, the index says {file_size}")
+            if st.st_mtime_ns < lst.st_mtime_ns:
+                raise LayerCorruptionError(staged, "the layer file is newer than its staged object")
+            _check_staged(f, os.fspath(staged), st.st_size, file_size, codec)
+        os.rename(staged, dst)
+    except (LayerCorruptionError, zstandard.ZstdError, OSError) as exc:
+        with contextlib.suppress(OSError):
+            discard_staged(layer)
+        return None, f"{type(exc).__name__}: {exc}"
+    return st.st_size, None

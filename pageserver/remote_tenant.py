@@ -76,6 +76,9 @@ class TenantRemote:
     index_upload_interval_s: float = 0.5
     # A layer whose sample does not compress is stored as it is (``remote_compression``)
     compression_probe: bool = True
+    # The L0 writer process compresses the L0s it writes; their uploads send that object
+    # (``RemoteTimelineClient.stage_spec``)
+    stage_in_l0_writer: bool = True
 
 
 async def list_remote_tenants(storage: RemoteStorage) -> list[TenantId]:
@@ -253,5 +256,5 @@ def make_client(
         parallel_uploads=remote.parallel_uploads, deletions=remote.deletions,
         compression=remote.compression, compression_level=remote.compression_level,
         coalesce_indexes=remote.coalesce_indexes, index_upload_interval_s=remote.index_upload_interval_s,
-        compression_probe=remote.compression_probe,
+        compression_probe=remote.compression_probe, stage_in_l0_writer=remote.stage_in_l0_writer,
     )

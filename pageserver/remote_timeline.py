@@ -41,7 +41,10 @@ and ``remote_consistent_lsn`` stays where it was.
 Layer files are stored compressed (``compression = "zstd"``, the default of the
 ``remote_storage`` table) or as they are: each upload compresses its file into a temp file
 beside it in a worker thread (``pageserver.remote_compression``), PUTs that, and the index
-records how each object is stored. Downloads read that from the index they come from, so
+records how each object is stored. An L0 written by the L0 writer process comes with its
+object already compressed there (``stage_spec``: the process compresses the file it has just
+written, off this process and its GIL); the upload checks that staged object and sends it as
+it is, or compresses the layer itself if it is missing or does not pass. Downloads read that from the index they come from, so
 objects of any age (and of either setting) read back alike.
 
 Until ``activate`` (a timeline still being bootstrapped or imported) nothing is queued: only
@@ -52,7 +55,7 @@ timeline.
 from __future__ import annotations
 
 import collections
-import functools
+import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -92,6 +95,13 @@ DELETED_OBJECTS = Counter("pageserver_remote_deleted_objects", "layer objects de
 DROPPED_DELETIONS = Counter(
     "pageserver_remote_dropped_deletions",
     "layer objects not deleted because the generation was no longer current (leaked, safe)",
+)
+STAGED_LAYERS = Counter(
+    "pageserver_remote_staged_layers", "layer objects sent as the L0 writer process compressed them"
+)
+REJECTED_STAGED = Counter(
+    "pageserver_remote_rejected_staged_layers",
+    "staged layer objects that failed their checks (torn, another codec, an older layer): compressed again",
 )
 SKIPPED_COMPRESSIONS = Counter(
     "pageserver_remote_skipped_compressions", "layer files stored as they are: a sample did not compress"
@@ -239,6 +249,7 @@ class RemoteTimelineClient:
         coalesce_indexes: bool = True,
         index_upload_interval_s: float = 0.5,
         compression_probe: bool = True,
+        stage_in_l0_writer: bool = True,
     ) -> None:
         self.storage = storage
         self.tenant_id = tenant_id
@@ -255,6 +266,7 @@ class RemoteTimelineClient:
         self.coalesce_indexes = coalesce_indexes
         self.compression_probe = compression_probe  # skip layers whose sample does not compress
         self.index_upload_interval_s = index_upload_interval_s
+        self.stage_in_l0_writer = stage_in_l0_writer  # adopt objects the L0 writer compressed
         self._last_index_put = -float("inf")  # trio.current_time() of the last index PUT
         self._pushes = 0  # ops ever queued (the coalescer's "has more come?")
         # Compression is CPU work in worker threads: at most two at once (a core each on a
@@ -295,6 +307,15 @@ class RemoteTimelineClient:
     def layer_generation(self, name: str) -> int | None:
         got = self._layers.get(name)
         return None if got is None else got[1]
+
+    def stage_spec(self) -> remote_compression.StageSpec | None:
+        """What the L0 writer process should compress a new L0 into (its staged object), or
+        None: nothing to stage (uncompressed uploads, staging off, or a queue that is not
+        running: an inactive one may never upload the layer, a stopped one never will)."""
+        if self.compression == "none" or not self.stage_in_l0_writer or not self.active or self.stopped:
+            return None
+        return remote_compression.StageSpec(
+            remote_compression.codec_of(self.compression), self.compression_level, self.compression_probe)
 
     def layer_key(self, name: str, generation: int) -> str:
         return remote_layout.layer_key(self.tenant_id, self.timeline_id, name, generation)
@@ -559,6 +580,19 @@ class RemoteTimelineClient:
 
         await retry(attempt, what=what)
 
+    def _prepare(self, x: UploadLayer, dst: Path) -> StoredLayer:
+        """``x``'s object into ``dst`` (worker thread): the L0 writer's staged object if it
+        passes its checks, else ``_compress``."""
+        codec = remote_compression.codec_of(self.compression)
+        size, rejected = remote_compression.adopt_staged(x.path, x.size, codec, dst)
+        if size is not None:
+            STAGED_LAYERS.inc()
+            return StoredLayer(codec, size)
+        if rejected is not None:
+            REJECTED_STAGED.inc()
+            log.warning("staged layer object rejected; compressing the layer again", layer=x.name, why=rejected)
+        return self._compress(x, dst)
+
     def _compress(self, x: UploadLayer, dst: Path) -> StoredLayer:
         """``x``'s file into ``dst`` as ``self.compression`` (worker thread); "none" if that saves nothing."""
         started = time.thread_time()
@@ -585,25 +619,38 @@ class RemoteTimelineClient:
         async def one(x: UploadLayer) -> None:
             key = self.layer_key(x.name, self.generation)
             stored_tmp = x.path.with_name(x.name + _TEMP_STORED)
-            stored = StoredLayer("none", x.size)
+            # The object to send, made once: a retry after a failed PUT sends the same file
+            # (None: make it, again after an upload of the wrong size).
+            stored: StoredLayer | None = None
 
             async def put() -> None:
                 nonlocal stored
-                if self.compression != "none":
-                    async with self._codec_limiter:
-                        stored = await trio.to_thread.run_sync(self._compress, x, stored_tmp)
+                if stored is None:
+                    if self.compression == "none":
+                        stored = StoredLayer("none", x.size)
+                    else:
+                        prepare = self._prepare if self.stage_in_l0_writer else self._compress
+                        async with self._codec_limiter:
+                            stored = await trio.to_thread.run_sync(prepare, x, stored_tmp)
                 src = stored_tmp if stored.compression != "none" else x.path
                 size = await self.storage.upload_file(key, src)
                 if size != stored.size:
                     # The index says stored.size: an object of another size must not be named by it.
-                    raise OSError(f"{src}: uploaded {size} bytes, the index says {stored.size}")
+                    want, stored = stored.size, None
+                    raise OSError(f"{src}: uploaded {size} bytes, the index says {want}")
+
+            def cleanup() -> None:
+                stored_tmp.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # (not adopted: the upload is done with it)
+                    remote_compression.discard_staged(x.path)
 
             try:
                 async with limiter:
                     await self._retry(f"upload {key}", put)
             finally:
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(functools.partial(stored_tmp.unlink, missing_ok=True))
+                    await trio.to_thread.run_sync(cleanup)
+            assert stored is not None  # (put returned)
             self._stored[key] = stored
             UPLOADED_BYTES.inc(x.size)
             UPLOADED_STORED_BYTES.inc(stored.size)

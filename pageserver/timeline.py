@@ -655,7 +655,8 @@ class Timeline:
                 )
         self._raise_if_layers_closed()
         return await self.l0_worker.write_l0(
-            layer, self.path, buffer_size=cfg.write_buffer_size, write_sync_mode=self.engine.write_sync_mode
+            layer, self.path, buffer_size=cfg.write_buffer_size, write_sync_mode=self.engine.write_sync_mode,
+            stage=None if self.remote is None else self.remote.stage_spec(),
         )
 
     async def _write_frozen(self) -> None:

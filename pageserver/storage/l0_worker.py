@@ -20,6 +20,14 @@ off (Neon's flush is a background task too; here it is a process because of the 
   is killed mid-job, a broken pipe or a cancelled job (the process is then killed and reaped,
   so it never writes behind the caller's back) becomes ``L0WorkerError`` too, and the next job
   starts a new worker. The caller keeps its frozen layer (nothing advanced) either way.
+- Staging (the job's ``stage``, given when the timeline uploads to remote storage): once the
+  L0 is durable, the worker compresses it into its staged remote object beside it
+  (``remote_compression.stage_layer``: the file's pages are still in the page cache, and the
+  codec's CPU is spent here, at the worker's niceness, instead of in the pageserver's process
+  under its GIL); the upload sends that object after its own checks
+  (``RemoteTimelineClient._prepare``). A failed staging is not a failed job: the answer still
+  names the L0 and the upload compresses it itself. The answer says how it went
+  (``staged_bytes``, ``stage_cpu_s``).
 - Priority: the worker runs at niceness ``WORKER_NICE`` (background work: when the two compete
   for a core, the WAL ingest wins; the roll's backpressure bounds how far the worker lags).
 - Shutdown: ``aclose`` closes the pipe (the worker exits on EOF), waits a moment, then kills;
@@ -29,7 +37,7 @@ off (Neon's flush is a background task too; here it is a process because of the 
 
 Wire format (little-endian, same machine: the arrays travel in native order):
 request ``"L0Rq" u32 meta_len u64 body_len``, JSON meta, body (``iter_index_body``); answer
-``"L0Rs" u32 len``, JSON ``{"path": str | null}`` or ``{"error", "errno", "message"}``.
+``"L0Rs" u32 len``, JSON ``{"path": str | null, "staged_bytes"?, "stage_cpu_s"?}`` or ``{"error", "errno", "message"}``.
 
 Test seams (worker command-line flags, ``L0Worker(worker_args=...)``): ``--stall-s S`` sleeps
 before every job's write; ``--eio-jobs N`` makes the first N jobs' second write fail with EIO;
@@ -39,6 +47,7 @@ before every job's write; ``--eio-jobs N`` makes the first N jobs' second write 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import mmap
@@ -51,10 +60,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from common.child_io import open_pipes, read_exact, start_watchdog
 from common.children import reap, spawn, stop
+from pageserver.remote_compression import StageSpec, codec_of, discard_staged, stage_layer
 from pageserver.storage.ephemeral_file import map_readonly
 from pageserver.storage.inmemory_layer import FlatIndex, InMemoryLayer
 from pageserver.storage.io_engine import BlockingIoEngine, IoFile
@@ -198,6 +209,7 @@ class L0Worker:
         self._closed = False
         self.jobs = 0  # answered jobs (for tests and benchmarks)
         self.starts = 0  # processes started
+        self.stage_cpu_s = 0.0  # the worker's CPU seconds staging remote objects (its answers)
 
     @property
     def pid(self) -> int | None:
@@ -219,10 +231,13 @@ class L0Worker:
         *,
         buffer_size: int,
         write_sync_mode: SyncMode,
+        stage: StageSpec | None = None,
     ) -> Path | None:
         """What ``layer.write_l0(engine, directory, WriteOptions(buffer_size))`` returns, the
         file written by the worker (durable: fsynced, renamed, directory fsynced). ``layer``
-        must be frozen with its tail in the file (``InMemoryLayer.freeze`` returned)."""
+        must be frozen with its tail in the file (``InMemoryLayer.freeze`` returned).
+        ``stage``: the worker also compresses the L0 into its staged remote object
+        (``remote_compression.stage_layer``) before it answers."""
         if layer.end_lsn is None or not layer.file.writer.closed:
             raise AssertionError(f"{layer}: only a frozen layer whose tail is written goes to the L0 worker")
         if not layer.index:
@@ -240,6 +255,7 @@ class L0Worker:
                 "buffer_size": buffer_size,
                 "write_sync_mode": write_sync_mode,
                 "n_keys": len(index),
+                "stage": None if stage is None else attrs.asdict(stage),
             }).encode()
             header = _REQUEST.pack(REQUEST_MAGIC, len(meta), index_body_size(index))
             proc = await self._start()
@@ -264,6 +280,9 @@ class L0Worker:
                     # it must not do so behind our back (the next job restarts it)
                     await self._kill()
             self.jobs += 1
+            cpu = answer.get("stage_cpu_s")
+            if type(cpu) is float:
+                self.stage_cpu_s += cpu
         if isinstance(result, L0WorkerError):
             raise result
         return result
@@ -380,8 +399,31 @@ class _EioEngine(BlockingIoEngine):
         await super().pwritev(fd, buffers, offset)
 
 
-async def _write_job(meta: dict[str, Any], index: FlatIndex, eio: bool) -> str | None:
+def _stage_spec(raw: object) -> StageSpec | None:
+    """The request's ``stage`` (from our own pageserver; a malformed one is its bug)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("level"), int) or not isinstance(raw.get("probe"), bool):
+        raise L0WorkerProtocolError(f"malformed stage {raw!r}")
+    return StageSpec(codec_of(str(raw.get("codec"))), raw["level"], raw["probe"])
+
+
+def _stage(path: Path, spec: StageSpec) -> dict[str, Any]:
+    """The L0's staged object (``remote_compression.stage_layer``), right after the write
+    while its pages are in the page cache. A failure here is not the flush's: the L0 is
+    durable, and the upload compresses the layer itself when it finds no staged object."""
+    started = time.thread_time()
+    try:
+        size = stage_layer(path, spec)
+    except OSError as exc:
+        print(f"l0_worker: staging {path.name} failed ({exc}); the upload compresses it", file=sys.stderr)
+        size = None
+    return {"staged_bytes": size, "stage_cpu_s": time.thread_time() - started}
+
+
+async def _write_job(meta: dict[str, Any], index: FlatIndex, eio: bool) -> tuple[str | None, dict[str, Any]]:
     sync_mode: SyncMode = meta["write_sync_mode"]
+    stage = _stage_spec(meta.get("stage"))
     engine = _EioEngine(sync_mode) if eio else BlockingIoEngine(write_sync_mode=sync_mode)
     file = await engine.open_file(Path(meta["ephemeral"]), "r")
     try:
@@ -390,10 +432,17 @@ async def _write_job(meta: dict[str, Any], index: FlatIndex, eio: bool) -> str |
         layer = InMemoryLayer.frozen_view(
             _FrozenFile(file, meta["length"]), index, Lsn(meta["start_lsn"]), Lsn(meta["end_lsn"])
         )
-        path = await layer.write_l0(engine, Path(meta["directory"]), WriteOptions(buffer_size=meta["buffer_size"]))
+        directory = Path(meta["directory"])
+        # A staged object left by an earlier attempt at this L0 must not pass for the new one's
+        # (the upload's checks would refuse it too: older than the layer).
+        with contextlib.suppress(OSError):
+            discard_staged(directory / layer.l0_desc().file_name())
+        path = await layer.write_l0(engine, directory, WriteOptions(buffer_size=meta["buffer_size"]))
     finally:
         await file.aclose()
-    return None if path is None else os.fspath(path)
+    if path is None:
+        return None, {}
+    return os.fspath(path), {} if stage is None else _stage(path, stage)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -419,8 +468,8 @@ def _serve(args: argparse.Namespace) -> int:
             del body
             if args.stall_s:
                 time.sleep(args.stall_s)
-            path = trio.run(_write_job, meta, index, jobs <= args.eio_jobs)
-            answer = _answer({"path": path})
+            path, staged = trio.run(_write_job, meta, index, jobs <= args.eio_jobs)
+            answer = _answer({"path": path, **staged})
         except Exception as exc:  # every failure of a job is the caller's failed flush
             answer = _answer({
                 "error": type(exc).__name__,

@@ -49,25 +49,30 @@ not retried: the same bytes would fail again), never a wrong page. The layer for
 checks (summary CRC-32C and size when the downloaded file is opened, each blob's CRC-32C when
 read) still run on the decompressed file.
 
-Staging (``stage_layer``, ``adopt_staged``): the L0 writer process
+Staging (``begin_staging``, ``stage_layer``, ``adopt_staged``): the L0 writer process
 (``pageserver.storage.l0_worker``) compresses the L0 it has just written, while the file is in
 the page cache, into ``<layer>.___temp_staged`` beside it (the same frame as above, made by the
-same ``compress_file``; written to ``<layer>.___temp_staging`` and renamed, so the name is
-never over half an object in a running node). The upload then sends that file as it is instead
-of compressing in the pageserver's process (``adopt_staged``), after checking it: the layer file
-is the size the index says and no newer than the staged object, and the object is one whole
-frame of the configured codec whose content size is the layer's (its headers walked to its
-end, as a download does). Anything else (missing, torn, another codec, a layer rewritten
-since) is removed and the upload compresses the layer itself. Staged files are not fsynced: a
-node that restarts deletes every file its index does not name, these included
-(``*.___temp*``), so a staged object never outlives the process run that made it.
+same ``compress_file``). Before it answers that the L0 is durable it creates
+``<layer>.___temp_staging`` and holds an exclusive ``flock`` on it; it compresses into that
+file after answering (so the roll, which waits for the L0, does not wait for the codec), renames
+it to the staged name and only then lets the lock go. The upload (``adopt_staged``) first waits
+for that lock (a worker that dies lets it go too), then sends the staged file as it is instead
+of compressing in the pageserver's process, after checking it: the layer file is the size the
+index says and no newer than the staged object, and the object is one whole frame of the
+configured codec whose content size is the layer's (its headers walked to its end, as a
+download does). Anything else (missing, torn, another codec, a layer rewritten since) is
+removed and the upload compresses the layer itself. Staged files are not fsynced: a node that
+restarts deletes every file its index does not name, these included (``*.___temp*``), so a
+staged object never outlives the process run that made it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import struct
+import time
 from pathlib import Path
 from typing import BinaryIO, Final, Literal
 
@@ -357,14 +362,55 @@ def discard_staged(layer: Path) -> None:
     layer.with_name(layer.name + _STAGING_SUFFIX).unlink(missing_ok=True)
 
 
+STAGING_WAIT_S: Final = 60.0  # an upload waits this long for a staging, then compresses itself
+
+
+def begin_staging(layer: Path) -> int:
+    """Claim ``layer``'s staging (the L0 writer, before it answers): the staging temp file,
+    created empty and locked; the descriptor holds the lock until it is closed (after
+    ``stage_layer``), and an upload of the layer waits for that (``wait_staging``)."""
+    discard_staged(layer)
+    fd = os.open(layer.with_name(layer.name + _STAGING_SUFFIX), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def wait_staging(layer: Path, timeout_s: float = STAGING_WAIT_S) -> bool:
+    """Wait (blocking, in a worker thread) until no staging of ``layer`` runs: its staging
+    temp file gone or unlocked. False if one still runs after ``timeout_s``."""
+    try:
+        fd = os.open(layer.with_name(layer.name + _STAGING_SUFFIX), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True  # none begun, or done (renamed to the staged name, or removed)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.005)
+    finally:
+        os.close(fd)
+
+
 def stage_layer(layer: Path, spec: StageSpec) -> int | None:
     """Compress the just-written ``layer`` into its staged object as ``spec`` says (the L0
-    writer process, blocking); its size, or None when nothing is staged (the sample does not
-    compress, or the frame is not smaller: the upload then decides as usual)."""
-    discard_staged(layer)
-    if spec.probe and not worth_compressing(layer, spec.level, spec.codec):
-        return None
+    writer process, blocking; into the staging temp file ``begin_staging`` made, or a new one);
+    its size, or None when nothing is staged (the sample does not compress, or the frame is not
+    smaller: the upload then decides as usual)."""
     tmp = layer.with_name(layer.name + _STAGING_SUFFIX)
+    staged_path(layer).unlink(missing_ok=True)
+    if spec.probe and not worth_compressing(layer, spec.level, spec.codec):
+        tmp.unlink(missing_ok=True)
+        return None
     try:
         read, written = compress_file(layer, tmp, spec.level, spec.codec)
         if written >= read:
@@ -391,9 +437,11 @@ def _check_staged(f: BinaryIO, what: str, object_size: int, file_size: int, code
 
 
 def adopt_staged(layer: Path, file_size: int, codec: Codec, dst: Path) -> tuple[int | None, str | None]:
-    """``layer``'s staged object, checked (see the module docstring) and renamed to ``dst``:
-    (its size, None); (None, None) if there is none; (None, why) if it does not pass (it is
-    removed then)."""
+    """``layer``'s staged object, once its staging is done (``wait_staging``), checked (see the
+    module docstring) and renamed to ``dst``: (its size, None); (None, None) if there is none;
+    (None, why) if it does not pass (it is removed then)."""
+    if not wait_staging(layer):
+        return None, f"its staging did not finish within {STAGING_WAIT_S} s"
     staged = staged_path(layer)
     try:
         f = open(staged, "rb")  # noqa: SIM115 - closed below, before the rename

@@ -21,13 +21,15 @@ off (Neon's flush is a background task too; here it is a process because of the 
   so it never writes behind the caller's back) becomes ``L0WorkerError`` too, and the next job
   starts a new worker. The caller keeps its frozen layer (nothing advanced) either way.
 - Staging (the job's ``stage``, given when the timeline uploads to remote storage): once the
-  L0 is durable, the worker compresses it into its staged remote object beside it
-  (``remote_compression.stage_layer``: the file's pages are still in the page cache, and the
-  codec's CPU is spent here, at the worker's niceness, instead of in the pageserver's process
-  under its GIL); the upload sends that object after its own checks
-  (``RemoteTimelineClient._prepare``). A failed staging is not a failed job: the answer still
-  names the L0 and the upload compresses it itself. The answer says how it went
-  (``staged_bytes``, ``stage_cpu_s``).
+  L0 is durable, the worker claims its staging (``remote_compression.begin_staging``: a locked
+  temp file) and answers; a staging thread then compresses the L0 into its staged remote object
+  beside it (``stage_layer``: the file's pages are still in the page cache, and the codec's CPU
+  is spent here, at the worker's niceness, instead of in the pageserver's process under its
+  GIL) and lets the lock go. So the roll that waits for the L0 does not wait for the codec, and
+  the upload, which waits for the lock, sends that object after its own checks
+  (``RemoteTimelineClient._prepare``). One staging at a time, in job order; a failed staging is
+  not a failed job (the upload compresses the layer itself). At EOF the worker finishes the
+  stagings it has before it exits.
 - Priority: the worker runs at niceness ``WORKER_NICE`` (background work: when the two compete
   for a core, the WAL ingest wins; the roll's backpressure bounds how far the worker lags).
 - Shutdown: ``aclose`` closes the pipe (the worker exits on EOF), waits a moment, then kills;
@@ -37,11 +39,12 @@ off (Neon's flush is a background task too; here it is a process because of the 
 
 Wire format (little-endian, same machine: the arrays travel in native order):
 request ``"L0Rq" u32 meta_len u64 body_len``, JSON meta, body (``iter_index_body``); answer
-``"L0Rs" u32 len``, JSON ``{"path": str | null, "staged_bytes"?, "stage_cpu_s"?}`` or ``{"error", "errno", "message"}``.
+``"L0Rs" u32 len``, JSON ``{"path": str | null}`` or ``{"error", "errno", "message"}``.
 
 Test seams (worker command-line flags, ``L0Worker(worker_args=...)``): ``--stall-s S`` sleeps
 before every job's write; ``--eio-jobs N`` makes the first N jobs' second write fail with EIO;
-``--big-layer-path`` writes small layers through the big-layer path (mapped, in small pieces).
+``--big-layer-path`` writes small layers through the big-layer path (mapped, in small pieces);
+``--stage-stall-s S`` sleeps before every staging (after the job's answer).
 """
 
 from __future__ import annotations
@@ -49,11 +52,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import io
 import json
 import mmap
 import os
+import queue
 import struct
 import sys
+import threading
 import time
 from array import array
 from collections.abc import Iterator, Sequence
@@ -65,7 +71,13 @@ import trio
 
 from common.child_io import open_pipes, read_exact, start_watchdog
 from common.children import reap, spawn, stop
-from pageserver.remote_compression import StageSpec, codec_of, discard_staged, stage_layer
+from pageserver.remote_compression import (
+    StageSpec,
+    begin_staging,
+    codec_of,
+    discard_staged,
+    stage_layer,
+)
 from pageserver.storage.ephemeral_file import map_readonly
 from pageserver.storage.inmemory_layer import FlatIndex, InMemoryLayer
 from pageserver.storage.io_engine import BlockingIoEngine, IoFile
@@ -209,7 +221,6 @@ class L0Worker:
         self._closed = False
         self.jobs = 0  # answered jobs (for tests and benchmarks)
         self.starts = 0  # processes started
-        self.stage_cpu_s = 0.0  # the worker's CPU seconds staging remote objects (its answers)
 
     @property
     def pid(self) -> int | None:
@@ -280,9 +291,6 @@ class L0Worker:
                     # it must not do so behind our back (the next job restarts it)
                     await self._kill()
             self.jobs += 1
-            cpu = answer.get("stage_cpu_s")
-            if type(cpu) is float:
-                self.stage_cpu_s += cpu
         if isinstance(result, L0WorkerError):
             raise result
         return result
@@ -408,20 +416,45 @@ def _stage_spec(raw: object) -> StageSpec | None:
     return StageSpec(codec_of(str(raw.get("codec"))), raw["level"], raw["probe"])
 
 
-def _stage(path: Path, spec: StageSpec) -> dict[str, Any]:
-    """The L0's staged object (``remote_compression.stage_layer``), right after the write
-    while its pages are in the page cache. A failure here is not the flush's: the L0 is
-    durable, and the upload compresses the layer itself when it finds no staged object."""
-    started = time.thread_time()
-    try:
-        size = stage_layer(path, spec)
-    except OSError as exc:
-        print(f"l0_worker: staging {path.name} failed ({exc}); the upload compresses it", file=sys.stderr)
-        size = None
-    return {"staged_bytes": size, "stage_cpu_s": time.thread_time() - started}
+class _Stager:
+    """The staging thread: the staged objects of answered jobs' L0s, one at a time, in order
+    (``remote_compression.stage_layer``). Each job's claim (``begin_staging``) is taken before
+    its answer and let go here once its object is renamed into place or given up. A failure
+    is not the job's: the L0 is durable, and the upload compresses the layer itself when it
+    finds no staged object."""
+
+    def __init__(self, stall_s: float = 0.0) -> None:
+        self._stall_s = stall_s  # (test seam: ``--stage-stall-s``)
+        self._jobs: queue.SimpleQueue[tuple[Path, StageSpec, int] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, path: Path, spec: StageSpec, claim: int) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="l0-stager")
+            self._thread.start()
+        self._jobs.put((path, spec, claim))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            path, spec, claim = job
+            try:
+                if self._stall_s:
+                    time.sleep(self._stall_s)
+                stage_layer(path, spec)
+            except OSError as exc:
+                print(f"l0_worker: staging {path.name} failed ({exc}); the upload compresses it", file=sys.stderr)
+            finally:
+                os.close(claim)  # (the upload waits for this)
+
+    def close(self) -> None:
+        """Finish what was submitted, then stop the thread."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
 
 
-async def _write_job(meta: dict[str, Any], index: FlatIndex, eio: bool) -> tuple[str | None, dict[str, Any]]:
+async def _write_job(meta: dict[str, Any], index: FlatIndex, eio: bool, stager: _Stager) -> str | None:
     sync_mode: SyncMode = meta["write_sync_mode"]
     stage = _stage_spec(meta.get("stage"))
     engine = _EioEngine(sync_mode) if eio else BlockingIoEngine(write_sync_mode=sync_mode)
@@ -440,14 +473,27 @@ async def _write_job(meta: dict[str, Any], index: FlatIndex, eio: bool) -> tuple
         path = await layer.write_l0(engine, directory, WriteOptions(buffer_size=meta["buffer_size"]))
     finally:
         await file.aclose()
-    if path is None:
-        return None, {}
-    return os.fspath(path), {} if stage is None else _stage(path, stage)
+    if path is not None and stage is not None:
+        try:
+            claim = begin_staging(path)
+        except OSError as exc:
+            print(f"l0_worker: staging {path.name} failed ({exc}); the upload compresses it", file=sys.stderr)
+        else:
+            stager.submit(path, stage, claim)
+    return None if path is None else os.fspath(path)
 
 
 def _serve(args: argparse.Namespace) -> int:
     start_watchdog(args.parent_pid, "l0-watchdog")
     stdin, out = open_pipes()
+    stager = _Stager(args.stage_stall_s)
+    try:
+        return _serve_jobs(args, stdin, out, stager)
+    finally:
+        stager.close()
+
+
+def _serve_jobs(args: argparse.Namespace, stdin: io.FileIO, out: int, stager: _Stager) -> int:
     jobs = 0
     while True:
         header = read_exact(stdin, _REQUEST.size)
@@ -468,8 +514,8 @@ def _serve(args: argparse.Namespace) -> int:
             del body
             if args.stall_s:
                 time.sleep(args.stall_s)
-            path, staged = trio.run(_write_job, meta, index, jobs <= args.eio_jobs)
-            answer = _answer({"path": path, **staged})
+            path = trio.run(_write_job, meta, index, jobs <= args.eio_jobs, stager)
+            answer = _answer({"path": path})
         except Exception as exc:  # every failure of a job is the caller's failed flush
             answer = _answer({
                 "error": type(exc).__name__,
@@ -486,6 +532,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nice", type=int, default=0, help="niceness increment (below the WAL ingest)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when no longer this process's child")
     parser.add_argument("--stall-s", type=float, default=0.0, help="test seam: sleep before each write")
+    parser.add_argument("--stage-stall-s", type=float, default=0.0,
+                        help="test seam: sleep before each staging (after the job's answer)")
     parser.add_argument("--eio-jobs", type=int, default=0, help="test seam: the first N jobs fail with EIO")
     parser.add_argument("--big-layer-path", action="store_true",
                         help="test seam: write every layer through the big-layer path, in small pieces")

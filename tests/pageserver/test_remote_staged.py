@@ -10,6 +10,9 @@ sent as they are by the upload queue (``RemoteTimelineClient._prepare``).
   of another codec, made from an older layer file, or not a file at all is not sent: it is
   removed, the upload compresses the layer itself, and the object it sends decompresses to
   the layer; an intact one is sent byte for byte.
+- The worker answers before it stages (the flush does not wait for the codec) and the upload
+  waits for the staging (its locked claim) and then sends it; a claim let go without a staged
+  object (a worker that died) makes the upload compress the layer itself.
 - A PUT that fails is retried with the same object (nothing compressed again); a queue that
   is not active, or uploads stored as they are, ask the worker to stage nothing; a staging
   that fails in the worker is not a failed flush (the upload compresses the L0 instead).
@@ -93,7 +96,7 @@ async def test_l0s_go_up_as_the_worker_staged_them_and_load_back(
         for r in range(3):
             await _ingest(tl, 40, r * 40)
         await tl.remote.wait_uploaded()
-        assert tl.l0_worker.jobs == 3 and tl.l0_worker.stage_cpu_s > 0  # (one L0 per flush)
+        assert tl.l0_worker.jobs == 3  # (one L0 per flush)
         assert in_process == [], "the pageserver compressed a layer the worker had staged"
         assert _counter("pageserver_remote_staged_layers_total") - staged0 == 3
         assert _leftovers(tl.path) == []
@@ -284,3 +287,74 @@ async def test_a_failed_staging_is_not_a_failed_flush(tmp_path: Path, monkeypatc
         await tenant.shutdown()
         nursery.cancel_scope.cancel()
     await store.aclose()
+
+
+async def test_the_flush_does_not_wait_for_the_staging_and_the_upload_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pageserver.storage.l0_worker import L0Worker
+
+    def refuse(*args: object) -> tuple[int, int]:
+        raise AssertionError("the upload compressed a layer the worker was staging")
+
+    monkeypatch.setattr(rc, "compress_file", refuse)
+    store = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote"))
+    staged0 = _counter("pageserver_remote_staged_layers_total")
+    async with trio.open_nursery() as nursery:
+        tenant = Tenant(tmp_path / "a", TenantId.generate(), CFG, nursery=nursery, remote=TenantRemote(store, 1))
+        tl = await tenant.create_timeline(TimelineId.generate())
+        tl.l0_worker = L0Worker(worker_args=["--stage-stall-s=3"])
+        assert tl.remote is not None
+        await tl.remote.wait_uploaded()
+        await _ingest(tl, 40)
+        (layer,) = [x.path for x in tl.layer_map]
+        assert not rc.wait_staging(layer, 0), "the flush returned only once the staging was done"
+        await tl.remote.wait_uploaded()
+        assert rc.wait_staging(layer, 0)
+        assert _counter("pageserver_remote_staged_layers_total") - staged0 == 1
+        assert tl.remote.uploaded_index is not None
+        assert tl.remote.uploaded_index.stored_layer(layer.name).compression == "zstd"
+        assert _leftovers(tl.path) == []
+        await tenant.shutdown()
+        nursery.cancel_scope.cancel()
+    await store.aclose()
+
+
+@pytest.mark.parametrize("finish", [True, False])
+async def test_the_upload_waits_for_a_claimed_staging(tmp_path: Path, finish: bool) -> None:
+    """A claim held: the upload waits; let go after staging: the staged object is sent; let go
+    with half an object in the temp file and no staged one (a worker killed mid-staging): the
+    upload compresses the layer itself."""
+    storage = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote"))
+    path = _layer(tmp_path)
+    claim = rc.begin_staging(path)
+    staged0 = _counter("pageserver_remote_staged_layers_total")
+    client = RemoteTimelineClient(storage, TenantId.generate(), TimelineId.generate(), 1, tmp_path)
+    done = trio.Event()
+    part: list[IndexPart] = []
+
+    async def upload() -> None:
+        part.append(await _upload(client, path))
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(upload)
+        with trio.move_on_after(0.5):
+            await done.wait()
+        assert not done.is_set(), "the upload did not wait for the staging"
+        if finish:
+            assert rc.stage_layer(path, rc.StageSpec("zstd", 1, True)) is not None
+            staged_bytes = rc.staged_path(path).read_bytes()
+        else:
+            os.write(claim, b"\x28\xb5\x2f\xfd half a frame")
+        os.close(claim)
+        await done.wait()
+    stored = part[0].stored_layer(path.name)
+    obj = await storage.download(client.layer_key(path.name, 1))
+    assert stored.compression == "zstd" and len(obj) == stored.size
+    assert zstandard.ZstdDecompressor().decompress(obj) == path.read_bytes()
+    assert _counter("pageserver_remote_staged_layers_total") - staged0 == (1 if finish else 0)
+    if finish:
+        assert obj == staged_bytes
+    assert _leftovers(tmp_path) == []
+    await storage.aclose()

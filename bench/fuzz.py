@@ -57,6 +57,14 @@ Harnesses (``NAME``):
   triples as u64 LE words. The layer is packed piece after piece from the cursor each call
   returns; every piece (bytes, entries, cursor) or the error (class and message) must be equal.
 
+- ``read-images``: ``pageserver.storage._images_c.read_images``, the page service's image fast
+  path in one layer: the index search, the reads and the checks. Input: cont, floor, entries
+  per block and data_end choices (u8 each), the index's length in bytes (u16 LE), then raw
+  42-byte index entries (sorted or not), then the layer file's bytes (written to a temporary
+  file whose descriptor is read). The keys asked are the entries' keys and their successors,
+  in input order. Both must give the same pages, absent flags, hits, reads and bytes and LRU
+  order (or the same error class).
+
 - ``spgist-leaves``: ``pageserver.walredo._spgist_c`` (SP-GiST's tuple kernel of the redo):
   ``place_leaves`` or ``multi_delete`` on an SP-GiST leaf page. Input: mode (u8: bit 0
   multi_delete, bit 1 a page selector array, bit 2 the selector wanted), tuple or offset count
@@ -90,7 +98,7 @@ if TYPE_CHECKING:
 
 HARNESSES = ("scan-records", "record-tracker", "crc32c", "same-run", "pagestream-getpages",
              "getpage-load", "take-append-run", "spgist-leaves",
-             "heap-multi-insert", "plan-cached", "fused-walk", "pack-values")
+             "heap-multi-insert", "plan-cached", "fused-walk", "pack-values", "read-images")
 # the compiled module each harness fuzzes (its twin is the reference)
 MODULES = {"scan-records": "protocol._wal_c", "record-tracker": "protocol._wal_c", "crc32c": "protocol._wal_c",
            "same-run": "protocol._ingest_c", "pagestream-getpages": "protocol._pagestream_c",
@@ -98,7 +106,7 @@ MODULES = {"scan-records": "protocol._wal_c", "record-tracker": "protocol._wal_c
            "spgist-leaves": "pageserver.walredo._spgist_c",
            "heap-multi-insert": "pageserver.walredo._heap_c",
            "plan-cached": "pageserver.storage._plan_c", "fused-walk": "protocol._ingest_c",
-           "pack-values": "pageserver.storage._l0_c"}
+           "pack-values": "pageserver.storage._l0_c", "read-images": "pageserver.storage._images_c"}
 MAX_LENGTHS = (0, 4, 50, 1100, 1 << 20, (1 << 32) - 1)
 RUN_LSN = 0x2000000 + 8192 + 24  # LSN of the first record of a same-run input
 BASE = 0x2000000
@@ -184,6 +192,9 @@ def write_seeds(name: str, corpus: Path) -> None:
         return
     if name == "pack-values":
         _pack_seeds(corpus)
+        return
+    if name == "read-images":
+        _images_seeds(corpus)
         return
     if name == "same-run":
         for k, (tot_len, count) in enumerate(((59, 120), (203, 36), (250, 30))):
@@ -397,6 +408,61 @@ def plan_outcome(mod: ModuleType, data: bytes) -> tuple[object, ...] | None:
     outcome = _outcome(mod.plan_cached, fences, len(blocks), cache, 1, keys, _PLAN_BOUNDS[p[0] % 8],
                        _PLAN_BOUNDS[p[1] % 8], states, blobs, reads, "r", max_bytes, 4096, data_end)
     return (outcome, blobs, reads, [(k, s.complete, s.pending) for k, s in states.items()], list(cache))
+
+
+_IMAGES_LSNS = (0, 1, 16, 17, 40, 1 << 63, _U64, _U64 + 1)
+
+
+def _images_seeds(corpus: Path) -> None:
+    from crc32c import crc32c
+
+    from pageserver.storage.key import rel_block_key
+
+    for k, (n_keys, versions) in enumerate(((2, 1), (3, 2), (1, 3))):
+        raw, blobs, off = bytearray(), bytearray(), 64
+        for blk in range(n_keys):
+            for v in range(versions):
+                blob = bytes([0 if v != 1 else 1]) + bytes([blk + 16 * v]) * 8192
+                raw += rel_block_key(1663, 5, 16384, 0, blk) + (16 + v).to_bytes(8, "big")
+                raw += ((off << 1) | 1).to_bytes(8, "big") + len(blob).to_bytes(4, "big")
+                raw += crc32c(blob).to_bytes(4, "big")
+                blobs += blob
+                off += len(blob)
+        head = bytes([4, k % 3, 1 + k, 0]) + len(raw).to_bytes(2, "little")
+        (corpus / f"seed-{k}").write_bytes(head + bytes(raw) + bytes(64) + bytes(blobs))
+
+
+def images_outcome(mod: ModuleType, data: bytes) -> tuple[tuple[object, ...], list[object]] | None:
+    """One ``read-images`` input run through ``mod`` (see the module docstring)."""
+    import tempfile
+    from collections import OrderedDict
+
+    from pageserver.storage.layer_file import _BLOCK_HDR, IndexBlock
+
+    if len(data) < 6:
+        return None
+    p = data[:6]
+    n_raw = min(int.from_bytes(p[4:6], "little"), len(data) - 6)
+    body, file_bytes = data[6 : 6 + n_raw], data[6 + n_raw :]
+    n = min(len(body) // 42, 300)
+    raws = [body[i * 42 : (i + 1) * 42] for i in range(n)]
+    per = 1 + p[2] % 8
+    blocks = [IndexBlock(_BLOCK_HDR.pack(0, len(c), 0) + b"".join(c), len(c))
+              for c in (raws[i : i + per] for i in range(0, n, per))] or [IndexBlock(bytes(8), 0)]
+    fences = [b.prefixes[0] if b.prefixes else bytes(26) for b in blocks]
+    cache = OrderedDict(((1, b), block) for b, block in enumerate(blocks))
+    keys: list[bytes] = []
+    for r in raws[:64]:
+        for key in (r[:18], ((int.from_bytes(r[:18], "big") + 1) & ((1 << 144) - 1)).to_bytes(18, "big")):
+            if key not in keys:
+                keys.append(key)
+    data_end = (len(file_bytes), 1 << 40, _U64, 64)[p[3] % 4]
+    with tempfile.TemporaryFile() as f:
+        f.write(file_bytes)
+        f.flush()
+        outcome = _outcome(mod.read_images, fences, len(blocks), cache, 1, keys, _IMAGES_LSNS[p[0] % 8],
+                           _IMAGES_LSNS[p[1] % 8], 64, data_end, f.fileno())
+    return (outcome, list(cache))
 
 
 _PACK_MAX_BYTES = (0, 1, 100, 5000, 1 << 40)
@@ -765,11 +831,17 @@ def _harness(name: str, native: ModuleType, twin: ModuleType) -> Callable[[bytes
         if a != b:
             raise AssertionError(f"pack_values differs: native {a and a[-1][:1]} twin {b and b[-1][:1]}")
 
+    def read_images(data: bytes) -> None:
+        a, b = images_outcome(native, data), images_outcome(twin, data)
+        if a != b:
+            raise AssertionError(f"read_images differs: native {a and a[0][:1]} twin {b and b[0][:1]}")
+
     return {"scan-records": scan_records, "record-tracker": record_tracker, "crc32c": crc32c,
             "same-run": same_run, "pagestream-getpages": pagestream_getpages,
             "getpage-load": getpage_load, "take-append-run": take_append_run,
             "spgist-leaves": spgist_leaves, "heap-multi-insert": heap_multi_insert,
-            "plan-cached": plan_cached, "fused-walk": fused_walk, "pack-values": pack_values}[name]
+            "plan-cached": plan_cached, "fused-walk": fused_walk, "pack-values": pack_values,
+            "read-images": read_images}[name]
 
 
 def _fuzz_main(argv: list[str]) -> None:

@@ -275,6 +275,11 @@ class Timeline:
         # The upload queue to remote storage (None: the node has none); every index_part
         # written here is handed to it.
         self.remote: RemoteTimelineClient | None = None
+        # Pages answered by the image kernel (``_read_images``) rather than the general walk.
+        self.image_fast_pages = 0
+
+    # Whether reads try the image kernel first (tests turn it off to compare with the walk).
+    image_fast_path = True
 
     # -- ReadableTimeline ------------------------------------------------------------------
 
@@ -1067,6 +1072,57 @@ class Timeline:
 
         return await self._read_requests(requests, walk, True, ctx)
 
+    def _images_allowed(self, lsn: Lsn) -> bool:
+        """Whether a read at ``lsn`` may try the image kernel first (``_read_images``): the
+        lanes ``get_page`` takes, and no ``validate_get`` (which compares the general paths)."""
+        config = self.config
+        graveyard = self.graveyard
+        return (self.image_fast_path and config.get_impl == "vectored" and not config.validate_get
+                and not graveyard.per_layer and not graveyard.evicted and lsn >= self.latest_gc_cutoff_lsn)
+
+    async def _read_images(self, keys: Sequence[Key], lsn: Lsn) -> list[bytes | None] | None:
+        """``read_path.read_images`` for keys the page cache holds nothing of (a lookup would
+        miss: counted as such for the keys answered), with the layers kept open (a reader of
+        the graveyard) and the shutdown checks of ``_read_requests``. None (or None per key):
+        the general path answers."""
+        page_cache = self.page_cache
+        graveyard = self.graveyard
+        graveyard.readers += 1
+        try:
+            pages = await read_path.read_images(self, keys, lsn)
+        except OSError:
+            self._raise_if_shut_down()  # (a descriptor closed under a threadpool read)
+            raise
+        finally:
+            graveyard.readers -= 1
+        self._raise_if_shut_down()
+        await graveyard.collect()
+        if pages is not None:
+            served = len(pages) - pages.count(None)
+            page_cache.count_misses(served)
+            self.image_fast_pages += served
+        return pages
+
+    async def _read_batch(self, batch: dict[Key, Lsn], lsn: Lsn, ctx: ReadContext | None) -> list[Result]:
+        """The answers of ``batch`` (every key at ``lsn``) in its order: the image kernel
+        first, then the general walk (``_read_mixed``) for the keys it declined."""
+        page_cache = self.page_cache
+        keys = list(batch)
+        if page_cache._lsns:
+            tl_key = self._key
+            fast = [k for k in keys if not page_cache.holds(tl_key, k)]
+        else:
+            fast = keys
+        pages = await self._read_images(fast, lsn) if fast else None
+        if pages is None:
+            results = await self._read_mixed(batch, ctx)
+            return [results[key] for key in keys]
+        if fast is keys and None not in pages:
+            return pages  # type: ignore[return-value]  # the usual batch: every page an image
+        got: dict[Key, Result] = {k: p for k, p in zip(fast, pages, strict=True) if p is not None}
+        results = await self._read_mixed({k: lsn for k in keys if k not in got}, ctx)
+        return [got[k] if k in got else results[k] for k in keys]
+
     async def get_pages(
         self, requests: Sequence[tuple[Key, Lsn]], ctx: ReadContext | None = None
     ) -> list[Result]:
@@ -1081,6 +1137,8 @@ class Timeline:
             # walk, no per-request bookkeeping of rounds and answers.
             admitted = self._admit(batch.values())
             try:
+                if len(admitted) == 1 and self._images_allowed(Lsn(admitted[0])):
+                    return await self._read_batch(batch, Lsn(admitted[0]), ctx)
                 results = await self._read_mixed(batch, ctx)
                 if self.config.validate_get:
                     await self._validate_mixed(batch, results)
@@ -1113,6 +1171,19 @@ class Timeline:
             self._release(admitted)
         return [answers[(key, lsn)] for key, lsn in requests]
 
+    async def get_pages_at(self, keys: Sequence[Key], lsn: Lsn, ctx: ReadContext | None = None) -> list[Result]:
+        """``get_pages([(key, lsn) for key in keys])`` (the page service's usual batch: one
+        LSN), without the pairs: distinct keys at or above the GC cutoff try the image kernel
+        first (``_read_batch``); anything else is ``get_pages``."""
+        batch = dict.fromkeys(keys, lsn)
+        if len(batch) != len(keys) or not self._images_allowed(lsn):
+            return await self.get_pages([(key, lsn) for key in keys], ctx)
+        self._admit_one(lsn)
+        try:
+            return await self._read_batch(batch, lsn, ctx)
+        finally:
+            self._release_one(lsn)
+
     async def get_page(self, key: Key, lsn: Lsn, ctx: ReadContext | None = None) -> Result:
         """``get_pages([(key, lsn)])[0]``, the same answer and errors, without a batch's
         machinery (the page service's lone requests at queue depth 1): no request dict, LSN
@@ -1129,6 +1200,10 @@ class Timeline:
         self._admit_one(lsn)
         try:
             page_cache = self.page_cache
+            if self.image_fast_path and not page_cache.holds(self._key, key):
+                got = await self._read_images((key,), lsn)
+                if got is not None and (page := got[0]) is not None:
+                    return page
             hit = page_cache.lookup(self._key, key, lsn)
             st = KeyState() if hit is None else KeyState(hit[0], hit[1])
             ctx = ctx or ReadContext(max_vectored_read_bytes=config.max_vectored_read_bytes)

@@ -30,6 +30,7 @@ NATIVE_MODULES: Final[dict[str, tuple[str, ...]]] = {
         "protocol/_bytes.h",
     ),
     "pageserver.storage._plan_c": ("pageserver/storage/_plan_c.pyx", "protocol/_bytes.h"),
+    "pageserver.storage._images_c": ("pageserver/storage/_images_c.pyx", "protocol/_crc32c.h", "protocol/_bytes.h"),
     "pageserver.storage._l0_c": ("pageserver/storage/_l0_c.pyx", "protocol/_crc32c.h", "protocol/_bytes.h"),
 }
 

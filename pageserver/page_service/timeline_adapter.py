@@ -16,8 +16,10 @@ the timeline's shutdown cut short (``TimelineShutdownError``) -> ``Shutdown`` (5
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Final, cast
 
 import trio
@@ -156,6 +158,24 @@ class TimelinePageReader:
 
     async def get_pages(self, reads: Sequence[PageRead]) -> list[bytes | PageRequestError]:
         known = self._sizes_at
+        if reads:
+            # The usual batch: one fork at one LSN, its size cached, every block inside it:
+            # the keys made by C loops and one ``Timeline.get_pages_at`` (the image kernel).
+            rel, lsn = reads[0].rel, reads[0].lsn
+            nblocks = known.get((rel, lsn))
+            n = len(reads)
+            if nblocks is not None and list(map(_rel_of, reads)).count(rel) == n and list(
+                    map(_lsn_of, reads)).count(lsn) == n:
+                blknos = list(map(_blkno_of, reads))
+                if max(blknos) < nblocks:
+                    try:
+                        results = await self.timeline.get_pages_at(
+                            list(map(_block_key, repeat(_rel_prefix(rel), n), blknos)), lsn)
+                    except TimelineShutdownError as exc:
+                        raise Shutdown(str(exc)) from None
+                    if set(map(type, results)) == _ONLY_PAGES:
+                        return results  # type: ignore[return-value]  # (all bytes)
+                    return [r if isinstance(r, bytes) else ReadError(str(r)) for r in results]
         by_key: dict[tuple[RelTag, Lsn], int | PageRequestError] | None = None
         out: list[bytes | PageRequestError] = [ZERO_PAGE] * len(reads)
         wanted: list[int] = []
@@ -223,6 +243,12 @@ class TimelinePageReader:
 # ``rel_block_key`` packs, split so a batch packs the fork's part once.
 _KEY_TAIL: Final = struct.Struct(">14sI")
 _block_key: Final = cast(Callable[[bytes, int], Key], _KEY_TAIL.pack)
+
+
+_rel_of: Final[Callable[[PageRead], RelTag]] = operator.attrgetter("rel")
+_lsn_of: Final[Callable[[PageRead], Lsn]] = operator.attrgetter("lsn")
+_blkno_of: Final[Callable[[PageRead], int]] = operator.attrgetter("blkno")
+_ONLY_PAGES: Final = {bytes}
 
 
 def _rel_prefix(rel: RelTag) -> bytes:

@@ -96,6 +96,16 @@ class PageCache:
         PAGE_CACHE_MISSES.value += n_misses
         return hits
 
+    def holds(self, timeline: bytes, key: Key) -> bool:
+        """Whether any entry of ``key`` is cached (at any LSN): only then can ``lookup`` hit."""
+        return (timeline, key) in self._lsns
+
+    def count_misses(self, n: int) -> None:
+        """``n`` lookups that would have missed (keys ``holds`` says have no entry) and were
+        answered without one: the counters as if they had been looked up."""
+        self.misses += n
+        PAGE_CACHE_MISSES.value += n
+
     def memorize(self, timeline: bytes, key: Key, lsn: int, page: bytes) -> None:
         if self.capacity_bytes <= 0:
             return

@@ -28,6 +28,13 @@ that finds the index cold prefetches the index blocks of the layers it may still
 Mixed LSNs (``get_vectored_mixed``, the page service's scattered-lsn batches, neon#10765): the
 same walk with a ``cont`` per key, so a batch whose keys have different request LSNs is one walk;
 see the notes above ``_MixedFringe`` for when a layer is still visited twice.
+
+Images in one layer (``read_images``, the page service's common batch): when one persistent
+layer is the first the walk would visit for every key of a batch at one LSN (no in-memory layer
+below the LSN, ``LayerMap.search_span`` of the keys' span), one call of the image kernel
+(``_images_c.read_images``, twin ``_images_py``) searches its cached index, reads every key
+whose newest version there is a page image and checks it: no key state, planned read or value
+object per key. What it declines goes the general way (``Timeline.get_pages``).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Protocol
 
+from pageserver.storage import _images_select, delta_layer
 from pageserver.storage.delta_layer import (
     ALL_LSNS_END,
     ZERO_LSN,
@@ -47,9 +55,10 @@ from pageserver.storage.delta_layer import (
 )
 from pageserver.storage.inmemory_layer import InMemoryLayer
 from pageserver.storage.key import Key, KeyRange, is_inherited_key, key_hex, key_next
+from pageserver.storage.layer_file import DATA_START
 from pageserver.storage.layer_map import LayerMap
 from pageserver.storage.reconstruct import KeyState
-from protocol.lsn import Lsn
+from protocol.lsn import MAX_LSN, Lsn
 
 Layer = InMemoryLayer | PersistentLayer
 
@@ -296,6 +305,116 @@ async def get_one(tl: ReadableTimeline, key: Key, lsn: Lsn, st: KeyState, ctx: R
         cont_lsn = min(cont_lsn, timeline.ancestor_lsn + 1)
         timeline = ancestor
     await read_and_resolve(ctx, (st,))
+
+
+# the image kernel (a module attribute, so tests can put the twin in its place)
+_read_images = _images_select.read_images
+
+
+# How many layers down the image path follows keys a delta layer has nothing of (the walk's
+# next steps): an image rewritten above an older one is found one layer down.
+_IMAGE_DEPTH = 4
+
+
+async def read_images(tl: ReadableTimeline, keys: Sequence[Key], lsn: Lsn) -> list[bytes | None] | None:
+    """The page of every key of ``keys`` (distinct) at ``lsn`` that the layer where the walk
+    would find its newest version holds as an image (None in a declined key's place), or None
+    when an in-memory layer is below ``lsn`` (the walk would visit it first), no persistent
+    layer holds any of the keys, or the file system refuses ``RWF_NOWAIT``. A page given is
+    what ``get_vectored`` finds for a key with nothing cached: its newest version below
+    ``lsn + 1``, an image.
+
+    The keys are routed as the walk routes them: one layer for all of them
+    (``LayerMap.search_span``), then, for the keys that layer has nothing of in its range (a
+    delta layer: ``absent``), the layer below its floor, and so on, up to ``_IMAGE_DEPTH``
+    layers; or, when the first step splits the keys over several layers (an image layer per
+    key range), one call per layer of ``range_search`` and no step further. The caller keeps
+    the layer files open meanwhile (a reader of the graveyard) and answers the declined keys
+    with the general path."""
+    if not keys or lsn >= MAX_LSN or not delta_layer._nowait[0]:
+        return None
+    cont = lsn + 1
+    mem = tl.in_memory_layers()
+    if mem and mem[-1].start_lsn < cont:  # the oldest: the walk would visit one first
+        return None
+    layer_map = tl.layer_map
+    first, last = min(keys), max(keys)
+    hit = layer_map.search_span(first, last, cont)
+    if hit is None:
+        return await _images_split(layer_map, keys, first, last, cont)
+    layer, floor = hit
+    got = await _images_in(layer, floor, keys, cont)
+    if got is None:
+        return None
+    pages, absent = got
+    if 1 not in absent or layer.completes_keys:
+        return pages  # the usual batch: every key answered (or declined) by its first layer
+    # keys this delta layer has nothing of: the walk's next layers, all keys in each
+    todo = [i for i, flag in enumerate(absent) if flag]
+    for _ in range(_IMAGE_DEPTH - 1):
+        cont = floor
+        todo_keys = [keys[i] for i in todo]
+        hit = layer_map.search_span(min(todo_keys), max(todo_keys), cont)
+        if hit is None or hit[1] >= cont:
+            break
+        layer, floor = hit
+        got = await _images_in(layer, floor, todo_keys, cont)
+        if got is None:
+            break
+        below, absent = got
+        rest: list[int] = []
+        for i, page, flag in zip(todo, below, absent, strict=True):
+            if page is not None:
+                pages[i] = page
+            elif flag and not layer.completes_keys:
+                rest.append(i)
+        if not rest:
+            break
+        todo = rest
+    return pages
+
+
+async def _images_split(
+    layer_map: LayerMap, keys: Sequence[Key], first: Key, last: Key, cont: int
+) -> list[bytes | None]:
+    """``read_images``'s first step over several layers: per layer of ``range_search``, its keys
+    in key order (keys a delta layer has nothing of are declined)."""
+    found, _missing = layer_map.range_search(KeyRange(first, key_next(last)), cont)
+    ordered = sorted(keys)
+    got: dict[Key, bytes | None] = {}
+    for layer, floor, sub in found:
+        lo = bisect.bisect_left(ordered, sub.start)
+        hi = bisect.bisect_left(ordered, sub.end, lo)
+        if lo < hi:
+            part = ordered[lo:hi]
+            answer = await _images_in(layer, floor, part, cont)
+            if answer is not None:
+                got.update(zip(part, answer[0], strict=True))
+    return [got.get(key) for key in keys]
+
+
+async def _images_in(
+    layer: PersistentLayer, floor: int, keys: Sequence[Key], cont: int
+) -> tuple[list[bytes | None], bytes] | None:
+    """One image-kernel call over ``layer``'s cached index and file: (pages, absent)."""
+    if not layer.resident:
+        return None
+    r = layer.reader
+    file = r.file
+    if file.closed:
+        return None  # (the general path raises LayerClosedError)
+    summary = r.summary
+    engine = file.engine
+    pages, absent, hits, calls, nbytes, supported = await engine.run_sync(
+        _read_images, r.fences, summary.n_index_blocks, r.cache._blocks, r.file_id, keys, cont, floor,
+        DATA_START, summary.data_end, file.fd,
+    )
+    r.cache.hits += hits
+    engine.stats.preadvs += calls
+    engine.stats.bytes_read += nbytes
+    if not supported:
+        delta_layer._nowait[0] = False
+    return pages, absent
 
 
 async def get_vectored(

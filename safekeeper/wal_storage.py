@@ -4,6 +4,11 @@ Owns the files in ``<data_dir>/<tenant>/<timeline>/``: 16 MiB segments named lik
 PostgreSQL's (TLI 1), the one being written with the suffix ``.partial``. A new segment is
 created as ``waltmp``, preallocated to its full size, fsynced and renamed to ``.partial``
 (then the directory is fsynced), so a later ``fdatasync`` has no size change to carry.
+The write path does not make that file itself when it can help it: when it opens a segment,
+a thread of its own makes a *spare* (``SPARE_SEGMENT``: created, ``posix_fallocate``d,
+fsynced, all zeros), and the write that crosses into the next segment only renames the spare
+to ``NAME.partial`` and fsyncs the directory. The spare has no segment's name, so no scan,
+listing or removal ever sees it, and a spare left by a crash is made again (never trusted).
 
 Rules:
 - Writes are strictly sequential (``begin == write_lsn``). ``write`` takes a whole group of
@@ -38,6 +43,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -55,6 +61,8 @@ from protocol.wal.page import XLP_BKP_REMOVABLE, XLP_FIRST_IS_CONTRECORD, encode
 from safekeeper.record_tracker import InvalidWal, RecordTracker
 
 TMP_SEGMENT = "waltmp"
+# A zero-filled segment file made ahead of the write, in the background (``_Spare``).
+SPARE_SEGMENT = "waltmp.spare"
 IOV_MAX = 1024
 SCAN_CHUNK = 1 << 20
 
@@ -96,6 +104,28 @@ def split_at_segments(
                 size += len(buf)
         yield segno, offset, iov, size
         pos += size
+
+class _Spare:
+    """A spare segment file being made in a thread of its own (see the module docstring):
+    what ``_open_segment`` would do inline before the rename, so that the write path then
+    only renames it. A failure here is not the write path's: the storage is not broken by it,
+    and the next segment is made inline (where a failure does break the storage)."""
+
+    __slots__ = ("error", "thread")
+
+    def __init__(self, storage: WalStorage) -> None:
+        self.error: OSError | None = None
+        self.thread = threading.Thread(
+            target=self._run, args=(storage,), name="wal-spare-segment", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, storage: WalStorage) -> None:
+        try:
+            storage.make_zeroed_file(SPARE_SEGMENT)
+        except OSError as exc:
+            self.error = exc
+
 
 class FollowsInvalidWal(InvalidWal):
     """A write group that begins past the point where an earlier group's invalid WAL cut this
@@ -149,6 +179,11 @@ class WalStorage:
         # submitted behind it, which start further on, are refused (``write_group``) until
         # WAL continues at the cut.
         self.cut_by_invalid_wal = False
+        # The spare segment file being made in the background (``_Spare``), and whether a
+        # made one is ready to be renamed in.
+        self._spare: _Spare | None = None
+        self._spare_ready = False
+        self.spares_used = 0  # segments the write path took from a spare
 
     # -- naming ------------------------------------------------------------------------------
 
@@ -246,8 +281,12 @@ class WalStorage:
 
     # -- segments ----------------------------------------------------------------------------
 
-    def _open_segment(self, segno: int) -> int:
+    def _open_segment(self, segno: int, make_spare: bool = False) -> int:
+        """The open segment's descriptor, opening (or making) ``segno``'s file first if
+        needed. ``make_spare`` (the write path): have a spare made for the next segment."""
         if self._segno == segno and self._fd >= 0:
+            if make_spare and not self._spare_ready and self._spare is None:
+                self._start_spare()  # the segment was opened by a truncation or a restart
             return self._fd
         self._close_fd()
         final = self.directory / self.segment_name(segno)
@@ -255,23 +294,50 @@ class WalStorage:
         if final.exists():
             raise WalStorageError(f"segment {final.name} is complete but WAL is being written there")
         if not partial.exists():
-            tmp = self.directory / TMP_SEGMENT
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, self.seg_size)
-                if not self.no_sync:
-                    os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)
-            os.rename(tmp, partial)
+            self.join_spare()
+            if self._spare_ready:
+                self._spare_ready = False
+                os.rename(self.directory / SPARE_SEGMENT, partial)
+                self.spares_used += 1
+            else:
+                self.make_zeroed_file(TMP_SEGMENT)
+                os.rename(self.directory / TMP_SEGMENT, partial)
             if not self.no_sync:
                 fsync_dir(self.directory)
         self._fd = os.open(partial, os.O_RDWR)
         self._fd_path = str(partial)
         self._segno = segno
+        if make_spare and not self._spare_ready and self._spare is None:
+            self._start_spare()
         return self._fd
+
+    def make_zeroed_file(self, name: str) -> None:
+        """A file of one segment's size in the directory: all zeros, its blocks allocated,
+        fsynced (its name is made durable by the rename that follows)."""
+        fd = os.open(self.directory / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, self.seg_size)
+            if not self.no_sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _start_spare(self) -> None:
+        if self.broken is None:
+            self._spare = _Spare(self)
+
+    def join_spare(self) -> None:
+        """Wait for the spare being made, if one is; a failed one is removed (the next
+        segment is then made inline)."""
+        spare = self._spare
+        if spare is None:
+            return
+        spare.thread.join()
+        self._spare = None
+        self._spare_ready = spare.error is None
+        if spare.error is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.directory / SPARE_SEGMENT)
 
     def fdatasync(self, fd: int) -> None:
         """``os.fdatasync`` that marks the storage broken when it fails."""
@@ -323,6 +389,7 @@ class WalStorage:
 
     def close(self) -> None:
         self._close_fd()
+        self.join_spare()
 
     # -- write path --------------------------------------------------------------------------
 
@@ -396,7 +463,7 @@ class WalStorage:
     def _pwrite_group(self, begin: Lsn, views: list[memoryview]) -> None:
         pos = begin
         for segno, offset, iov, size in split_at_segments(begin, views, self.seg_size):
-            fd = self._open_segment(segno)
+            fd = self._open_segment(segno, make_spare=True)
             self._pwritev_all(fd, iov, offset, size)
             pos = Lsn(pos + size)
             self.write_lsn = pos

@@ -217,3 +217,69 @@ def test_read_finds_a_segment_renamed_while_it_looks(
 
     monkeypatch.setattr(os, "open", open_racing_the_rename)
     assert storage.read(real_wal.start, 4096) == real_wal.data[:4096]
+
+
+def _partial(directory: Path, segno: int) -> Path:
+    return directory / (segment_file_name(segno) + ".partial")
+
+
+def _segment_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("0000"))
+
+
+def test_segments_are_taken_from_spares_made_ahead_and_a_stale_spare_is_never_trusted(
+    real_wal: RealWal, tmp_path: Path
+) -> None:
+    storage = WalStorage(tmp_path)
+    storage.truncate(real_wal.start)
+    _write_all(storage, real_wal.start, real_wal.data)
+    # Segments 2 and 3 were spares made in the background while 1 and 2 were written; the
+    # spare for the one after the WAL's end is there (no segment's name: not WAL, not listed).
+    assert storage.spares_used == 2
+    storage.join_spare()
+    assert (tmp_path / "waltmp.spare").read_bytes() == bytes(SEG)
+    last = (real_wal.end - 1) // SEG
+    assert _segment_files(tmp_path)[-1] == segment_file_name(last) + ".partial"
+    assert storage.segments() == list(range(1, last + 1))
+    # What a kill -9 leaves: no close, and a spare that may be half made. A new process
+    # makes its own spare (never renames one it did not make and sync).
+    survivor = tmp_path.parent / "after-crash"
+    shutil.copytree(tmp_path, survivor)
+    (survivor / "waltmp.spare").write_bytes(b"stale WAL?" * 1000)
+    reopened = WalStorage(survivor)
+    assert reopened.open(real_wal.record_starts[3]) == real_wal.end
+    cut = max(s for s in real_wal.record_starts if s < real_wal.end - SEG // 4)
+    reopened.truncate(cut)
+    assert _segment_files(survivor)[-1] == segment_file_name(cut // SEG) + ".partial"
+    _write_all(reopened, cut, real_wal.data[cut - real_wal.start :], seed=9)
+    assert reopened.flush_record_lsn == real_wal.end
+    reopened.close()
+    assert (survivor / "waltmp.spare").read_bytes() == bytes(SEG)
+    assert WalStorage(survivor).open(real_wal.start) == real_wal.end
+    on_disk = b"".join((survivor / n).read_bytes() for n in _segment_files(survivor))
+    assert on_disk[: len(real_wal.data)] == real_wal.data
+    assert on_disk[len(real_wal.data) :] == bytes(len(on_disk) - len(real_wal.data))
+
+
+def test_a_failed_spare_is_made_inline_and_breaks_nothing(
+    real_wal: RealWal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_make = WalStorage.make_zeroed_file
+    failed: list[str] = []
+
+    def make(self: WalStorage, name: str) -> None:
+        if name == "waltmp.spare":
+            real_make(self, name)  # as if its fsync failed: the file is there
+            failed.append(name)
+            raise OSError(5, "injected")
+        real_make(self, name)
+
+    monkeypatch.setattr(WalStorage, "make_zeroed_file", make)
+    storage = WalStorage(tmp_path)
+    storage.truncate(real_wal.start)
+    _write_all(storage, real_wal.start, real_wal.data)
+    storage.close()
+    assert len(failed) >= 2 and storage.spares_used == 0 and storage.broken is None
+    assert storage.flush_record_lsn == real_wal.end
+    assert not (tmp_path / "waltmp.spare").exists()
+    assert WalStorage(tmp_path).open(real_wal.start) == real_wal.end

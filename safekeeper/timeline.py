@@ -51,10 +51,9 @@ from safekeeper.acceptor import (
     WriteWal,
 )
 from safekeeper.control_file import (
+    ControlFile,
     ControlFileError,
     PersistentState,
-    read_control_file,
-    write_control_file,
 )
 from safekeeper.record_tracker import InvalidWal
 from safekeeper.wal_backup import BackupStatus
@@ -156,8 +155,11 @@ class Timeline:
         *,
         no_sync: bool,
         wal_io_engine: WalIoEngine = "writer-thread",
+        control: ControlFile | None = None,
     ) -> None:
         self.directory = directory
+        # Written in place (one pwrite + fdatasync) once it has read or made the file.
+        self.control = control if control is not None else ControlFile(directory, no_sync=no_sync)
         self.acceptor = acceptor
         self.storage = storage
         self.no_sync = no_sync
@@ -192,7 +194,8 @@ class Timeline:
         wal_io_engine: WalIoEngine = "writer-thread",
     ) -> Timeline:
         """Open an existing timeline: read the control file, scan for the end of WAL."""
-        state = read_control_file(directory)
+        control = ControlFile(directory, no_sync=no_sync)
+        state = control.read()
         if state is None:
             raise FileNotFoundError(f"no control file in {directory}")
         storage = WalStorage(directory, seg_size=state.wal_seg_size, no_sync=no_sync)
@@ -211,7 +214,7 @@ class Timeline:
         )
         return cls(
             directory, Acceptor(node_id, state, end), storage, no_sync=no_sync,
-            wal_io_engine=wal_io_engine,
+            wal_io_engine=wal_io_engine, control=control,
         )
 
     @classmethod
@@ -228,7 +231,8 @@ class Timeline:
                 "timeline over them"
             )
         state = PersistentState(tenant_id=tenant_id, timeline_id=timeline_id)
-        write_control_file(directory, state, no_sync=no_sync)
+        control = ControlFile(directory, no_sync=no_sync)
+        control.write(state)
         if not no_sync:
             # The new directories' own entries: without these a crash could lose the whole
             # timeline, votes included, though its control file was fsynced.
@@ -237,7 +241,7 @@ class Timeline:
         storage = WalStorage(directory, seg_size=state.wal_seg_size, no_sync=no_sync)
         return cls(
             directory, Acceptor(node_id, state, INVALID_LSN), storage, no_sync=no_sync,
-            wal_io_engine=wal_io_engine,
+            wal_io_engine=wal_io_engine, control=control,
         )
 
     # -- the write path ----------------------------------------------------------------------
@@ -316,9 +320,7 @@ class Timeline:
 
     async def _apply(self, effect: PersistControl | InitFirstSegment | TruncateWal) -> None:
         if isinstance(effect, PersistControl):
-            await trio.to_thread.run_sync(
-                write_control_file, self.directory, effect.state, self.no_sync
-            )
+            await trio.to_thread.run_sync(self.control.write, effect.state)
             self.persisted = effect.state
         elif isinstance(effect, InitFirstSegment):
             await self.io.run(self.storage.init_first_segment, effect.lsn, effect.system_id)
@@ -511,7 +513,7 @@ class Timeline:
             acc.commit_lsn >= acc.term_start_lsn > persisted
         ):
             state = acc.persisted_state()
-            await trio.to_thread.run_sync(write_control_file, self.directory, state, self.no_sync)
+            await trio.to_thread.run_sync(self.control.write, state)
             self.persisted = state
 
     async def persist(self) -> None:
@@ -519,9 +521,7 @@ class Timeline:
         async with self.lock:
             state = self.acceptor.persisted_state()
             if state != self.persisted:
-                await trio.to_thread.run_sync(
-                    write_control_file, self.directory, state, self.no_sync
-                )
+                await trio.to_thread.run_sync(self.control.write, state)
                 self.persisted = state
 
     # -- WAL removal -------------------------------------------------------------------------
@@ -548,7 +548,7 @@ class Timeline:
                 return
             self.acceptor.backup_lsn = end
             state = self.acceptor.persisted_state()
-            await trio.to_thread.run_sync(write_control_file, self.directory, state, self.no_sync)
+            await trio.to_thread.run_sync(self.control.write, state)
             self.persisted = state
 
     async def remove_old_wal(self) -> int:
@@ -563,9 +563,7 @@ class Timeline:
             # must not lie in a removed segment. The horizon is <= commit_lsn in memory.
             if self.persisted.commit_lsn < cutoff * seg:
                 state = self.acceptor.persisted_state()
-                await trio.to_thread.run_sync(
-                    write_control_file, self.directory, state, self.no_sync
-                )
+                await trio.to_thread.run_sync(self.control.write, state)
                 self.persisted = state
             # Published first: a reader that loses the race gets 58P01, not a generic error.
             self.wal_removed_below = cutoff

@@ -181,12 +181,18 @@ async def test_failed_segment_switch_breaks_the_storage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str
 ) -> None:
     """A group that crosses a segment end: completing the old segment (fdatasync, rename) or
-    creating the next (open, preallocate, fsync, rename, directory fsync) fails."""
+    creating the next (open, preallocate, fsync, rename, directory fsync) fails. The next
+    segment's file is a spare made in the background when the first group opened the
+    current one: a preallocation that fails there fails from the start (the spare's failure
+    breaks nothing, the inline creation at the switch then fails and breaks the storage)."""
     start = Lsn(2 * WAL_SEGMENT_SIZE - 3 * PIECE)
     directory = tmp_path / "tl"
     tl = await elected_timeline(directory, start=start)
     wal = synthetic_wal(start, 6 * PIECE, system_id=7)
+    if call == "posix_fallocate":
+        monkeypatch.setattr(os, call, failing(OSError(errno.ENOSPC, "No space left on device")))
     acked = await ack(tl, append(wal, start, 0, 2 * PIECE), pipelined=True)
+    assert tl.storage.broken is None
     monkeypatch.setattr(os, call, failing(OSError(errno.ENOSPC, "No space left on device")))
     with pytest.raises(WalStorageBroken):
         await ack(tl, append(wal, start, 1, 2 * PIECE), pipelined=True)

@@ -102,6 +102,9 @@ class Written:
     record_end: Lsn
     epoch: int
     error: InvalidWal | None = None
+    # ``WalStorage.dir_changes`` after the write: the sync also fsyncs the directory if a
+    # segment renamed into place by this group (or an earlier one) is not durable yet.
+    dir_changes: int = 0
 
 
 @attrs.define(eq=False)
@@ -413,6 +416,7 @@ class Timeline:
         with fsync off ``finish`` calls it itself, as there is nothing to overlap)."""
         pending.syncing = True
         fd = -1
+        dir_changes = 0
         closed = False
 
         def sync_and_close() -> None:
@@ -420,10 +424,15 @@ class Timeline:
             # (NFS flushes on close), and the event loop's thread must not wait on it.
             nonlocal closed
             try:
-                self.storage.fdatasync(fd)
+                # A segment this group (or an earlier one) renamed into place: its name
+                # must be durable before anything written in it is acknowledged.
+                self.storage.sync_directory(dir_changes)
+                if fd >= 0:
+                    self.storage.fdatasync(fd)
             finally:
-                closed = True
-                os.close(fd)
+                if fd >= 0:
+                    closed = True
+                    os.close(fd)
 
         try:
             try:
@@ -437,8 +446,9 @@ class Timeline:
                 raise
             pending.written = written
             fd = written.fd
+            dir_changes = written.dir_changes
             self.stats.fsyncs += written.fsyncs
-            if fd >= 0:
+            if fd >= 0 or self.storage.dir_sync_due(dir_changes):
                 await trio.to_thread.run_sync(sync_and_close)
                 self.stats.fsyncs += 1
         except BaseException as exc:
@@ -677,7 +687,7 @@ def _write_and_open_sync(
     fd = -1 if isinstance(error, FollowsInvalidWal) else storage.sync_handle()
     return Written(
         fd, storage.fsync_count - before, storage.write_lsn, Lsn(min(record_end, storage.write_lsn)),
-        storage.epoch, error,
+        storage.epoch, error, storage.dir_changes,
     )
 
 

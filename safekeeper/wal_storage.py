@@ -2,13 +2,15 @@
 
 Owns the files in ``<data_dir>/<tenant>/<timeline>/``: 16 MiB segments named like
 PostgreSQL's (TLI 1), the one being written with the suffix ``.partial``. A new segment is
-created as ``waltmp``, preallocated to its full size, fsynced and renamed to ``.partial``
-(then the directory is fsynced), so a later ``fdatasync`` has no size change to carry.
-The write path does not make that file itself when it can help it: when it opens a segment,
-a thread of its own makes a *spare* (``SPARE_SEGMENT``: created, ``posix_fallocate``d,
-fsynced, all zeros), and the write that crosses into the next segment only renames the spare
-to ``NAME.partial`` and fsyncs the directory. The spare has no segment's name, so no scan,
-listing or removal ever sees it, and a spare left by a crash is made again (never trusted).
+a zero-filled file preallocated to its full size and fsynced before it is renamed to
+``.partial`` (then the directory is fsynced), so a later ``fdatasync`` has no size change to
+carry. The write path does not make that file itself when it can help it: when it opens a
+segment, a thread of its own makes a *spare* (``SPARE_SEGMENT``), and the write that crosses
+into the next segment only renames the spare to ``NAME.partial``; the directory fsync that
+makes the new name durable runs with the group's own sync (``sync_directory``: in ``flush``,
+or in the pipelined group's sync worker beside its ``fdatasync``), before anything written
+there is acknowledged. The spare has no segment's name, so no scan, listing or removal ever
+sees it, and a spare left by an earlier process is never used (it is made again).
 
 Rules:
 - Writes are strictly sequential (``begin == write_lsn``). ``write`` takes a whole group of
@@ -184,6 +186,13 @@ class WalStorage:
         self._spare: _Spare | None = None
         self._spare_ready = False
         self.spares_used = 0  # segments the write path took from a spare
+        # Segment files the write path renamed into place without fsyncing the directory
+        # (counted in the engine's thread), and how many of those renames a directory fsync
+        # has made durable since (under lsn_lock: two group syncs may run at once). The
+        # fsync runs with the group's fdatasync (``sync_directory``), off the write path,
+        # and before anything in the new segment is acknowledged.
+        self.dir_changes = 0
+        self._dir_synced = 0
 
     # -- naming ------------------------------------------------------------------------------
 
@@ -302,7 +311,11 @@ class WalStorage:
             else:
                 self.make_zeroed_file(TMP_SEGMENT)
                 os.rename(self.directory / TMP_SEGMENT, partial)
-            if not self.no_sync:
+            if self.no_sync:
+                pass
+            elif make_spare:
+                self.dir_changes += 1  # the write path: synced with the group (flush, sync)
+            else:
                 fsync_dir(self.directory)
         self._fd = os.open(partial, os.O_RDWR)
         self._fd_path = str(partial)
@@ -347,6 +360,25 @@ class WalStorage:
             os.fdatasync(fd)
         except OSError as exc:
             raise self._broke(exc, "fdatasync of a WAL segment") from exc
+
+    def dir_sync_due(self, changes: int) -> bool:
+        """Whether ``sync_directory(changes)`` has a directory fsync to do."""
+        return changes > self._dir_synced
+
+    def sync_directory(self, changes: int) -> None:
+        """Make the first ``changes`` renames of ``dir_changes`` durable (one directory fsync
+        unless an earlier call covered them); marks the storage broken when it fails. Any
+        thread: a group's sync worker calls it before its reply may leave."""
+        if changes <= self._dir_synced:
+            return
+        if self.broken is not None:
+            self.check_usable()
+        try:
+            fsync_dir(self.directory)
+        except OSError as exc:
+            raise self._broke(exc, "fsync of the WAL directory") from exc
+        with self.lsn_lock:
+            self._dir_synced = max(self._dir_synced, changes)
 
     def _broke(self, exc: OSError, what: str) -> WalStorageBroken:
         """Mark the storage broken by ``exc``; the error to raise from it."""
@@ -530,6 +562,7 @@ class WalStorage:
     def flush(self) -> Lsn:
         """Make everything written durable; returns the new ``flush_record_lsn``."""
         self.check_usable()
+        self.sync_directory(self.dir_changes)
         if self._fd >= 0 and self.flush_lsn < self.write_lsn and not self.no_sync:
             self.fdatasync(self._fd)
             self.fsync_count += 1

@@ -489,3 +489,60 @@ async def test_node_write_error_with_a_sync_in_flight_still_ends_with_58030(
                     assert not (isinstance(msg, AppendResponse) and msg.flush_lsn > acked)
             assert info.value.sqlstate == "58030"
             assert info.value.severity == "FATAL"
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+async def test_a_new_segments_name_is_synced_off_the_write_path_before_its_ack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pipelined: bool
+) -> None:
+    """The write that crosses into a new segment renames a spare into place and does not
+    fsync the directory itself; the group's sync does (pipelined: in its sync worker, beside
+    its fdatasync; sequential: in ``flush``), before the group is acknowledged. A failure of
+    that directory fsync breaks the storage like a failed fdatasync: no ack."""
+    start = Lsn(2 * WAL_SEGMENT_SIZE - 3 * PIECE)
+    directory = tmp_path / "tl"
+    tl = await elected_timeline(directory, start=start)
+    wal = synthetic_wal(start, 6 * PIECE, system_id=7)
+    acked = await ack(tl, append(wal, start, 0, 2 * PIECE), pipelined=pipelined)
+    await tl.io.run(tl.storage.join_spare)  # the spare is ready before the switch
+    import common.fsync
+    import safekeeper.wal_storage as ws
+
+    events: list[str] = []
+    real_fsync_dir, real_write_group = common.fsync.fsync_dir, WalStorage.write_group
+
+    def fsync_dir(path: Path) -> None:
+        events.append("dir fsync")
+        real_fsync_dir(path)
+
+    def write_group(self: WalStorage, begin: Lsn, chunks: Any) -> Any:
+        events.append("write begins")
+        try:
+            return real_write_group(self, begin, chunks)
+        finally:
+            events.append("write ends")
+
+    monkeypatch.setattr(ws, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(WalStorage, "write_group", write_group)
+    acked2 = await ack(tl, append(wal, start, 1, 2 * PIECE), pipelined=pipelined)
+    assert acked2 > 2 * WAL_SEGMENT_SIZE > acked  # the group's WAL in the new segment is acked
+    assert tl.storage.spares_used == 1
+    assert events == ["write begins", "write ends", "dir fsync"]
+    # The next group in the same segment needs no directory fsync.
+    events.clear()
+    await ack(tl, append(wal, start, 2, 2 * PIECE), pipelined=pipelined)
+    assert events == ["write begins", "write ends"]
+    tl.storage.close()
+
+    # The same switch with the directory fsync failing: broken, nothing acknowledged.
+    directory = tmp_path / "tl2"
+    tl = await elected_timeline(directory, start=start)
+    monkeypatch.undo()
+    acked = await ack(tl, append(wal, start, 0, 2 * PIECE), pipelined=pipelined)
+    await tl.io.run(tl.storage.join_spare)
+    monkeypatch.setattr(ws, "fsync_dir", failing(OSError(errno.EIO, "Input/output error")))
+    with pytest.raises(WalStorageBroken):
+        await ack(tl, append(wal, start, 1, 2 * PIECE), pipelined=pipelined)
+    assert tl.acceptor.flush_lsn == acked
+    assert tl.storage.broken is not None
+    tl.storage.close()

@@ -57,7 +57,7 @@ import struct
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 import trio
@@ -1080,7 +1080,9 @@ class Timeline:
         return (self.image_fast_path and config.get_impl == "vectored" and not config.validate_get
                 and not graveyard.per_layer and not graveyard.evicted and lsn >= self.latest_gc_cutoff_lsn)
 
-    async def _read_images(self, keys: Sequence[Key], lsn: Lsn) -> list[bytes | None] | None:
+    async def _read_images(
+        self, keys: Sequence[Key], lsn: Lsn, into: read_path.Into | None = None, slots: Sequence[int] | None = None,
+    ) -> list[Any] | None:
         """``read_path.read_images`` for keys the page cache holds nothing of (a lookup would
         miss: counted as such for the keys answered), with the layers kept open (a reader of
         the graveyard) and the shutdown checks of ``_read_requests``. None (or None per key):
@@ -1089,7 +1091,7 @@ class Timeline:
         graveyard = self.graveyard
         graveyard.readers += 1
         try:
-            pages = await read_path.read_images(self, keys, lsn)
+            pages = await read_path.read_images(self, keys, lsn, into, slots)
         except OSError:
             self._raise_if_shut_down()  # (a descriptor closed under a threadpool read)
             raise
@@ -1103,23 +1105,31 @@ class Timeline:
             self.image_fast_pages += served
         return pages
 
-    async def _read_batch(self, batch: dict[Key, Lsn], lsn: Lsn, ctx: ReadContext | None) -> list[Result]:
+    async def _read_batch(
+        self, batch: dict[Key, Lsn], lsn: Lsn, ctx: ReadContext | None, into: read_path.Into | None = None,
+    ) -> list[Result | None]:
         """The answers of ``batch`` (every key at ``lsn``) in its order: the image kernel
-        first, then the general walk (``_read_mixed``) for the keys it declined."""
+        first, then the general walk (``_read_mixed``) for the keys it declined. With
+        ``into``, None for a page the kernel read into its slot (``read_path.Into``)."""
         page_cache = self.page_cache
         keys = list(batch)
+        slots: list[int] | None = None
         if page_cache._lsns:
             tl_key = self._key
             fast = [k for k in keys if not page_cache.holds(tl_key, k)]
+            if into is not None and len(fast) != len(keys):
+                slots = [i for i, k in enumerate(keys) if not page_cache.holds(tl_key, k)]
         else:
             fast = keys
-        pages = await self._read_images(fast, lsn) if fast else None
+        pages = await self._read_images(fast, lsn, into, slots) if fast else None
         if pages is None:
             results = await self._read_mixed(batch, ctx)
             return [results[key] for key in keys]
         if fast is keys and None not in pages:
-            return pages  # type: ignore[return-value]  # the usual batch: every page an image
-        got: dict[Key, Result] = {k: p for k, p in zip(fast, pages, strict=True) if p is not None}
+            # the usual batch: every page an image (with ``into``: all in their slots)
+            return [None] * len(keys) if into is not None else pages
+        got: dict[Key, Result | None] = {
+            k: (None if into is not None else p) for k, p in zip(fast, pages, strict=True) if p is not None}
         results = await self._read_mixed({k: lsn for k in keys if k not in got}, ctx)
         return [got[k] if k in got else results[k] for k in keys]
 
@@ -1138,7 +1148,7 @@ class Timeline:
             admitted = self._admit(batch.values())
             try:
                 if len(admitted) == 1 and self._images_allowed(Lsn(admitted[0])):
-                    return await self._read_batch(batch, Lsn(admitted[0]), ctx)
+                    return await self._read_batch(batch, Lsn(admitted[0]), ctx)  # type: ignore[return-value]
                 results = await self._read_mixed(batch, ctx)
                 if self.config.validate_get:
                     await self._validate_mixed(batch, results)
@@ -1171,16 +1181,20 @@ class Timeline:
             self._release(admitted)
         return [answers[(key, lsn)] for key, lsn in requests]
 
-    async def get_pages_at(self, keys: Sequence[Key], lsn: Lsn, ctx: ReadContext | None = None) -> list[Result]:
+    async def get_pages_at(
+        self, keys: Sequence[Key], lsn: Lsn, ctx: ReadContext | None = None, into: read_path.Into | None = None,
+    ) -> list[Result | None]:
         """``get_pages([(key, lsn) for key in keys])`` (the page service's usual batch: one
         LSN), without the pairs: distinct keys at or above the GC cutoff try the image kernel
-        first (``_read_batch``); anything else is ``get_pages``."""
+        first (``_read_batch``); anything else is ``get_pages``. With ``into`` (``(out, dest,
+        stride)``), a page the kernel reads goes straight to ``out[dest + i * stride:]`` and
+        its answer is None; every other answer is as ``get_pages`` gives it."""
         batch = dict.fromkeys(keys, lsn)
         if len(batch) != len(keys) or not self._images_allowed(lsn):
-            return await self.get_pages([(key, lsn) for key in keys], ctx)
+            return await self.get_pages([(key, lsn) for key in keys], ctx)  # type: ignore[return-value]
         self._admit_one(lsn)
         try:
-            return await self._read_batch(batch, lsn, ctx)
+            return await self._read_batch(batch, lsn, ctx, into)
         finally:
             self._release_one(lsn)
 
@@ -1203,7 +1217,7 @@ class Timeline:
             if self.image_fast_path and not page_cache.holds(self._key, key):
                 got = await self._read_images((key,), lsn)
                 if got is not None and (page := got[0]) is not None:
-                    return page
+                    return page  # type: ignore[no-any-return]  # (bytes: no ``into``)
             hit = page_cache.lookup(self._key, key, lsn)
             st = KeyState() if hit is None else KeyState(hit[0], hit[1])
             ctx = ctx or ReadContext(max_vectored_read_bytes=config.max_vectored_read_bytes)

@@ -24,5 +24,5 @@ def decode_getpages(
     rels: dict[tuple[int, int, int, int], Any],
 ) -> tuple[list[Any], int]: ...
 def encode_getpage_responses(
-    out: bytearray, v3: bool, requests: Sequence[Any], pages: Sequence[Buffer]
+    out: bytearray, v3: bool, requests: Sequence[Any], pages: Sequence[Buffer | None]
 ) -> None: ...

@@ -6,7 +6,7 @@
 """Pagestream batch codec, compiled (see protocol/_pagestream_py.py for the reference)."""
 
 from libc.stdint cimport uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from libc.stdlib cimport free, malloc
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_GET_SIZE
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
@@ -150,7 +150,9 @@ def encode_getpage_responses(out, v3, requests, pages):
     cdef RespHead *h
     try:
         for i in range(n):
-            hs[i].page = _page_ptr(pages[i], held)
+            page = pages[i]
+            # None: the page's bytes are left zero, for the caller to fill (its slot)
+            hs[i].page = NULL if page is None else _page_ptr(page, held)
         if not isinstance(out, bytearray):
             raise TypeError("out must be a bytearray")
         at = PyByteArray_GET_SIZE(out)
@@ -183,7 +185,10 @@ def encode_getpage_responses(out, v3, requests, pages):
                 ps_put_be32(d + 38, h.relnode)
                 d[42] = h.fork
                 ps_put_be32(d + 43, h.blk)
-            memcpy(d + head, hs[i].page, C_BLCKSZ)
+            if hs[i].page != NULL:
+                memcpy(d + head, hs[i].page, C_BLCKSZ)
+            else:
+                memset(d + head, 0, C_BLCKSZ)
             d += head + C_BLCKSZ
     finally:
         free(hs)

@@ -13,7 +13,8 @@
 - ``encode_getpage_responses(out, v3, requests, pages)``: append one framed GetPage response
   per (request, page) to the bytearray ``out`` (v3 echoes the request; v2 is the tag and the
   page); each page must be ``BLCKSZ`` bytes (``ValueError`` otherwise, nothing appended),
-  ``out`` a ``bytearray`` (``TypeError``).
+  or None: its ``BLCKSZ`` bytes are zeros, a slot for the caller to fill (the page service's
+  image kernel reads pages straight into them); ``out`` a ``bytearray`` (``TypeError``).
 """
 
 from __future__ import annotations
@@ -80,13 +81,13 @@ def decode_getpages(
 
 
 def encode_getpage_responses(
-    out: bytearray, v3: bool, requests: Sequence[Any], pages: Sequence[Buffer]
+    out: bytearray, v3: bool, requests: Sequence[Any], pages: Sequence[Buffer | None]
 ) -> None:
     """See the module docstring."""
     if len(requests) != len(pages):
         raise ValueError(f"{len(requests)} requests but {len(pages)} pages")
     for page in pages:
-        if len(memoryview(page).cast("B")) != BLCKSZ:
+        if page is not None and len(memoryview(page).cast("B")) != BLCKSZ:
             raise ValueError(f"a page is {BLCKSZ} bytes, got {len(memoryview(page).cast('B'))}")
     if not isinstance(out, bytearray):
         raise TypeError("out must be a bytearray")
@@ -100,4 +101,4 @@ def encode_getpage_responses(
             )
         else:
             out += RESPONSE_V2.pack(b"d", RESPONSE_V2.size - 1 + BLCKSZ, TAG_GET_PAGE_RESPONSE)
-        out += page
+        out += bytes(BLCKSZ) if page is None else page

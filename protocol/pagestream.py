@@ -433,6 +433,22 @@ class ResponseWriter:
             buf += _V2_TAG.pack(_GET_PAGE_TAG)
         buf += page
 
+    def reserve_pages(self, requests: Sequence[GetPageRequest]) -> tuple[int, int, int]:
+        """``get_pages`` with every page zero, for the caller to fill in place (the page
+        service's image kernel reads pages straight into them): ``(start, dest, stride)``, the
+        batch's responses from ``buf[start:]``, request i's page at ``buf[dest + i * stride:]``
+        (``BLCKSZ`` bytes). ``truncate(start)`` takes the batch back out."""
+        if not self.framed:
+            raise LocalProtocolError("page slots are for framed responses")
+        start = len(self.buf)
+        encode_getpage_responses(self.buf, self.version == 3, requests, [None] * len(requests))
+        head = _F_V3_GET_PAGE.size if self.version == 3 else _F_V2_TAG.size
+        return start, start + head, head + BLCKSZ
+
+    def truncate(self, start: int) -> None:
+        """Drop everything written from ``start`` on."""
+        del self.buf[start:]
+
     def get_pages(self, requests: Sequence[GetPageRequest], pages: Sequence[Buffer]) -> None:
         """``get_page`` for a whole batch: one kernel call sizes the buffer once and copies
         every header and page in (nothing is written if a page is not ``BLCKSZ`` bytes)."""

@@ -93,6 +93,7 @@ from pageserver.page_service.reader import (
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn, format_lsn
 from protocol.pagestream import (
+    BLCKSZ,
     MAX_REQUEST_MESSAGE_LEN,
     NEED_DATA,
     DbSizeRequest,
@@ -799,9 +800,20 @@ async def _execute_getpages(
     except PageRequestError as exc:
         results = await _read_after_failed_wait(batch, timeline, exc, timeout_s)
     else:
-        results = await _read_pages(
-            timeline, [PageRead(p.request.rel, p.request.blkno, p.lsn) for p in batch]  # type: ignore[union-attr]
-        )
+        into = getattr(timeline, "get_pages_into", None)
+        got = None
+        if into is not None and writer.framed and min(map(_lsn_of, batch)) == top:
+            got = await _read_into_slots(batch, into, top, writer)
+        if got is None:
+            results = await _read_pages(
+                timeline, [PageRead(p.request.rel, p.request.blkno, p.lsn) for p in batch]  # type: ignore[union-attr]
+            )
+        elif not got:
+            if ctx.metrics is not None:
+                ctx.metrics.count("get_page", True, len(batch))
+            return  # the common batch: every page read into its response's slot
+        else:
+            results = got
     failed = 0
     if set(map(type, results)) == _ALL_PAGES:
         # the common batch: every page read; one kernel call frames all the answers
@@ -821,6 +833,49 @@ async def _execute_getpages(
             ctx.metrics.count("get_page", False, failed)
         if failed < len(batch):
             ctx.metrics.count("get_page", True, len(batch) - failed)
+
+
+async def _read_into_slots(
+    batch: list[Pending], into: Callable[..., Awaitable[list[bytes | PageRequestError | None] | None]],
+    lsn: Lsn, writer: ResponseWriter,
+) -> list[bytes | PageRequestError] | None:
+    """The batch's responses framed first with their pages left as slots, which the reader
+    fills (``get_pages_into``: the image kernel reads each page straight into its response)
+    and this fills with the pages the general path read. ``[]``: every response written.
+    Otherwise the slots are taken back out (nothing written): None when the reader cannot take
+    the batch this way, else every request's result for the per-request answers (an error,
+    or a page that is not ``BLCKSZ`` bytes, which ``get_page`` refuses as before)."""
+    requests = list(map(_request_of, batch))
+    start, dest, stride = writer.reserve_pages(requests)
+    try:
+        placed = await into(requests, lsn, writer.buf, dest, stride)
+    except PageRequestError as exc:
+        placed = [exc] * len(batch)  # the walk itself failed: every read of it fails
+    if placed is None:
+        writer.truncate(start)
+        return None
+    if len(placed) != len(batch):
+        raise AssertionError(f"get_pages_into returned {len(placed)} results for {len(batch)}")
+    buf = writer.buf
+    if placed.count(None) == len(placed):
+        return []
+    results: list[bytes | PageRequestError] = []
+    whole = True
+    at = dest
+    for outcome in placed:
+        if outcome is None:
+            results.append(bytes(buf[at : at + BLCKSZ]))
+        else:
+            results.append(outcome)
+            if type(outcome) is bytes and len(outcome) == BLCKSZ:
+                buf[at : at + BLCKSZ] = outcome
+            else:
+                whole = False
+        at += stride
+    if whole:
+        return []
+    writer.truncate(start)
+    return results
 
 
 async def _execute_getpage(

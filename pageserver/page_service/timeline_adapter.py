@@ -53,7 +53,7 @@ from pageserver.storage.reconstruct import MissingKeyError, PageReconstructError
 from pageserver.timeline import Timeline, TimelineShutdownError
 from protocol.errors import RemoteProtocolError
 from protocol.lsn import Lsn, format_lsn
-from protocol.pagestream import RelTag, SlruKind
+from protocol.pagestream import GetPageRequest, RelTag, SlruKind
 
 SIZE_CACHE_ENTRIES = 4096
 
@@ -161,21 +161,11 @@ class TimelinePageReader:
         if reads:
             # The usual batch: one fork at one LSN, its size cached, every block inside it:
             # the keys made by C loops and one ``Timeline.get_pages_at`` (the image kernel).
-            rel, lsn = reads[0].rel, reads[0].lsn
-            nblocks = known.get((rel, lsn))
-            n = len(reads)
-            if nblocks is not None and list(map(_rel_of, reads)).count(rel) == n and list(
-                    map(_lsn_of, reads)).count(lsn) == n:
-                blknos = list(map(_blkno_of, reads))
-                if max(blknos) < nblocks:
-                    try:
-                        results = await self.timeline.get_pages_at(
-                            list(map(_block_key, repeat(_rel_prefix(rel), n), blknos)), lsn)
-                    except TimelineShutdownError as exc:
-                        raise Shutdown(str(exc)) from None
-                    if set(map(type, results)) == _ONLY_PAGES:
-                        return results  # type: ignore[return-value]  # (all bytes)
-                    return [r if isinstance(r, bytes) else ReadError(str(r)) for r in results]
+            lsn = reads[0].lsn
+            keys = self._one_fork(list(map(_rel_of, reads)), lsn, list(map(_lsn_of, reads)),
+                                  list(map(_blkno_of, reads)))
+            if keys is not None:
+                return await self._read_at(keys, lsn, None)  # type: ignore[return-value]  # (no None without into)
         by_key: dict[tuple[RelTag, Lsn], int | PageRequestError] | None = None
         out: list[bytes | PageRequestError] = [ZERO_PAGE] * len(reads)
         wanted: list[int] = []
@@ -216,6 +206,45 @@ class TimelinePageReader:
                 out[i] = result if isinstance(result, bytes) else ReadError(str(result))
         return out
 
+    async def get_pages_into(
+        self, requests: Sequence[GetPageRequest], lsn: Lsn, out: bytearray, dest: int, stride: int
+    ) -> list[bytes | PageRequestError | None] | None:
+        """``get_pages`` of the GetPages ``requests``, every one at the effective LSN ``lsn``,
+        with each page the image kernel reads put straight into ``out`` at ``dest + i *
+        stride`` (the response buffer's page slots) and None in its place; None for a batch
+        that is not one fork with its size cached and every block inside it (the caller then
+        takes ``get_pages``)."""
+        if not requests:
+            return None
+        keys = self._one_fork(list(map(_rel_of, requests)), lsn, None, list(map(_blkno_of, requests)))
+        if keys is None:
+            return None
+        return await self._read_at(keys, lsn, (out, dest, stride))
+
+    def _one_fork(
+        self, rels: list[RelTag], lsn: Lsn, lsns: list[Lsn] | None, blknos: list[int]
+    ) -> list[Key] | None:
+        """The keys of a batch of one fork at ``lsn`` (``lsns``: every read's, checked), its
+        size cached and every block inside it; else None (the batch path decides)."""
+        n = len(rels)
+        rel = rels[0]
+        nblocks = self._sizes_at.get((rel, lsn))
+        if nblocks is None or rels.count(rel) != n or (lsns is not None and lsns.count(lsn) != n) or (
+                max(blknos) >= nblocks):
+            return None
+        return list(map(_block_key, repeat(_rel_prefix(rel), n), blknos))
+
+    async def _read_at(
+        self, keys: list[Key], lsn: Lsn, into: tuple[bytearray, int, int] | None
+    ) -> list[bytes | PageRequestError | None]:
+        try:
+            results = await self.timeline.get_pages_at(keys, lsn, into=into)
+        except TimelineShutdownError as exc:
+            raise Shutdown(str(exc)) from None
+        if set(map(type, results)) <= _PAGES_OR_PLACED:
+            return results  # type: ignore[return-value]  # (bytes or None)
+        return [r if r is None or isinstance(r, bytes) else ReadError(str(r)) for r in results]
+
     async def get_page(self, read: PageRead) -> bytes | PageRequestError:
         """``get_pages([read])[0]`` for a lone request: with its fork's size cached (a hot
         timeline), one ``Timeline.get_page``; no lists, no run tracking. Otherwise (the first
@@ -245,10 +274,11 @@ _KEY_TAIL: Final = struct.Struct(">14sI")
 _block_key: Final = cast(Callable[[bytes, int], Key], _KEY_TAIL.pack)
 
 
-_rel_of: Final[Callable[[PageRead], RelTag]] = operator.attrgetter("rel")
+# (C loops over a batch; PageRead and GetPageRequest both have rel and blkno)
+_rel_of: Final[Callable[[PageRead | GetPageRequest], RelTag]] = operator.attrgetter("rel")
 _lsn_of: Final[Callable[[PageRead], Lsn]] = operator.attrgetter("lsn")
-_blkno_of: Final[Callable[[PageRead], int]] = operator.attrgetter("blkno")
-_ONLY_PAGES: Final = {bytes}
+_blkno_of: Final[Callable[[PageRead | GetPageRequest], int]] = operator.attrgetter("blkno")
+_PAGES_OR_PLACED: Final = frozenset((bytes, type(None)))
 
 
 def _rel_prefix(rel: RelTag) -> bytes:

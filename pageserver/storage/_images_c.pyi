@@ -3,7 +3,7 @@
 from collections.abc import MutableMapping, Sequence
 from typing import Any, Final
 
-__all__ = ["BLCKSZ", "IMPL", "MAX_RUN", "read_images"]
+__all__ = ["BLCKSZ", "IMPL", "MAX_RUN", "read_images", "read_images_into"]
 
 IMPL: Final = "native"
 SOURCE_HASH: Final[str]
@@ -22,3 +22,20 @@ def read_images(
     data_end: int,
     fd: int,
 ) -> tuple[list[bytes | None], bytes, int, int, int, bool]: ...
+
+def read_images_into(
+    fences: Sequence[bytes],
+    n_blocks: int,
+    blocks: MutableMapping[tuple[int, int], Any],
+    file_id: int,
+    keys: Sequence[bytes],
+    cont: int,
+    floor: int,
+    data_start: int,
+    data_end: int,
+    fd: int,
+    out: bytearray,
+    dest: int,
+    stride: int,
+    slots: Sequence[int],
+) -> tuple[bytes, bytes, int, int, int, bool]: ...

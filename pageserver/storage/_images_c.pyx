@@ -51,7 +51,7 @@ cdef extern from *:
 from collections import OrderedDict
 import os
 
-__all__ = ["BLCKSZ", "IMPL", "MAX_RUN", "read_images"]
+__all__ = ["BLCKSZ", "IMPL", "MAX_RUN", "read_images", "read_images_into"]
 
 IMPL = "native"
 SOURCE_HASH = ps_images_source_hash.decode("ascii")
@@ -168,6 +168,19 @@ cdef int _read_all(int fd, Planned *plan, Py_ssize_t n, Py_ssize_t *calls, int64
 
 def read_images(fences, n_blocks, blocks, file_id, keys, cont, floor, data_start, data_end, int fd):
     """The pages ``keys`` have as images in one layer, or None where declined: see the twin."""
+    return _read(fences, n_blocks, blocks, file_id, keys, cont, floor, data_start, data_end, fd,
+                 None, 0, 0, None)
+
+
+def read_images_into(fences, n_blocks, blocks, file_id, keys, cont, floor, data_start, data_end,
+                     int fd, out, dest, stride, slots):
+    """``read_images`` with each page read into ``out`` at ``dest + slot * stride``: see the twin."""
+    return _read(fences, n_blocks, blocks, file_id, keys, cont, floor, data_start, data_end, fd,
+                 out, dest, stride, slots)
+
+
+cdef object _read(fences, n_blocks, blocks, file_id, keys, cont, floor, data_start, data_end,
+                  int fd, object out, object dest, object stride, object slots):
     cdef list key_list = list(keys)
     cdef Py_ssize_t nkeys = len(key_list), n, i, blkno, nblk = n_blocks, last_blk = -1, n_entries
     cdef object k, block, raw, last_raw = None
@@ -177,6 +190,28 @@ def read_images(fences, n_blocks, blocks, file_id, keys, cont, floor, data_start
             raise ValueError("keys must be 18-byte bytes")
     cdef uint64_t c_cont = _u64("cont", cont), c_floor = _u64("floor", floor)
     cdef uint64_t c_start = _u64("data_start", data_start), c_end = _u64("data_end", data_end)
+    # the pages' place in ``out`` (read_images_into), checked before anything is read
+    cdef unsigned char[::1] out_view
+    cdef unsigned char *outp = NULL
+    cdef Py_ssize_t c_dest = 0, c_stride = 0, room, slot
+    cdef list slot_list = None
+    if out is not None:
+        if not isinstance(out, bytearray):
+            raise TypeError("out must be a bytearray")
+        if stride < C_BLCKSZ or dest < 0:
+            raise ValueError(f"dest {dest} and stride {stride}: pages would overlap or fall outside")
+        slot_list = list(slots)
+        if len(slot_list) != nkeys:
+            raise ValueError(f"{nkeys} keys but {len(slot_list)} slots")
+        room = len(out) - C_BLCKSZ - dest if dest <= len(out) else -1
+        c_dest = dest
+        c_stride = stride
+        for n in range(nkeys):
+            if not 0 <= slot_list[n] or room < 0 or slot_list[n] > room // c_stride:
+                raise ValueError(f"slot {slot_list[n]} is outside out")
+        if len(out):
+            out_view = out  # (an export: the bytearray cannot be resized while it is held)
+            outp = &out_view[0]
     if not isinstance(fences, list):
         fences = list(fences)
     cdef list fence_list = fences
@@ -258,12 +293,16 @@ def read_images(fences, n_blocks, blocks, file_id, keys, cont, floor, data_start
             off = pos >> 1
             if off < c_start or off > c_end or c_end - off < length:
                 continue
-            page = PyBytes_FromStringAndSize(NULL, C_BLCKSZ)
-            planned.append(page)
             plan[n_plan].index = n
             plan[n_plan].off = off
             plan[n_plan].crc = ps_be32(e + C_PREFIX + 12)
-            plan[n_plan].page = <unsigned char *>PyBytes_AS_STRING(page)
+            if outp != NULL:
+                slot = slot_list[n]
+                plan[n_plan].page = outp + c_dest + slot * c_stride
+            else:
+                page = PyBytes_FromStringAndSize(NULL, C_BLCKSZ)
+                planned.append(page)
+                plan[n_plan].page = <unsigned char *>PyBytes_AS_STRING(page)
             plan[n_plan].tag = 0xFF
             plan[n_plan].ok = False
             n_plan += 1
@@ -272,6 +311,13 @@ def read_images(fences, n_blocks, blocks, file_id, keys, cont, floor, data_start
             status = _read_all(fd, plan, n_plan, &calls, &nbytes, iov, &err)
         if status == R_OSERROR:
             raise OSError(err, os.strerror(err))
+        if out is not None:
+            placed = PyBytes_FromStringAndSize(NULL, nkeys)
+            memset(PyBytes_AS_STRING(placed), 0, <size_t>nkeys)
+            for n in range(n_plan):
+                if plan[n].ok:
+                    (<unsigned char *>PyBytes_AS_STRING(placed))[plan[n].index] = 1
+            return placed, absent, hits, calls, nbytes, status != R_UNSUPPORTED
         for n in range(n_plan):
             if plan[n].ok:
                 pages[plan[n].index] = planned[n]

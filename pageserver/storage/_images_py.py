@@ -32,6 +32,14 @@ entries do not match its decoded entries) are ``ValueError``/``TypeError`` from 
 
 Returns ``(pages, absent, hits, preadvs, bytes_read, supported)``; ``absent`` has one byte per
 key, 1 where the key has nothing in ``[floor, cont)`` (its page is then None).
+
+``read_images_into(..., out, dest, stride, slots)`` reads each page straight into the bytearray
+``out`` at ``dest + slots[i] * stride`` (the page service's response buffer: no bytes object and
+no copy per page) and returns ``(placed, absent, hits, preadvs, bytes_read, supported)``,
+``placed`` one byte per key, 1 where its page is there. A declined key's slot may have been
+written (a page that failed its CRC, a read cut short): the caller fills it. ``out`` must be a
+bytearray (``TypeError``), ``stride`` at least ``BLCKSZ``, ``dest`` and every slot inside
+``out`` (``ValueError``), all checked before anything is read.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from typing import Any, Final
 
 from crc32c import crc32c
 
-__all__ = ["BLCKSZ", "IMPL", "MAX_RUN", "read_images"]
+__all__ = ["BLCKSZ", "IMPL", "MAX_RUN", "read_images", "read_images_into"]
 
 IMPL: Final = "python"
 BLCKSZ: Final = 8192
@@ -95,6 +103,49 @@ def read_images(
     fd: int,
 ) -> tuple[list[bytes | None], bytes, int, int, int, bool]:
     """See the module docstring."""
+    pages, absent, hits, calls, nbytes, supported = _read(
+        fences, n_blocks, blocks, file_id, keys, cont, floor, data_start, data_end, fd, None, 0, 0, ())
+    return pages, absent, hits, calls, nbytes, supported
+
+
+def read_images_into(
+    fences: Sequence[bytes],
+    n_blocks: int,
+    blocks: MutableMapping[tuple[int, int], Any],
+    file_id: int,
+    keys: Sequence[bytes],
+    cont: int,
+    floor: int,
+    data_start: int,
+    data_end: int,
+    fd: int,
+    out: bytearray,
+    dest: int,
+    stride: int,
+    slots: Sequence[int],
+) -> tuple[bytes, bytes, int, int, int, bool]:
+    """See the module docstring."""
+    pages, absent, hits, calls, nbytes, supported = _read(
+        fences, n_blocks, blocks, file_id, keys, cont, floor, data_start, data_end, fd, out, dest, stride, slots)
+    return bytes(page is not None for page in pages), absent, hits, calls, nbytes, supported
+
+
+def _read(
+    fences: Sequence[bytes],
+    n_blocks: int,
+    blocks: MutableMapping[tuple[int, int], Any],
+    file_id: int,
+    keys: Sequence[bytes],
+    cont: int,
+    floor: int,
+    data_start: int,
+    data_end: int,
+    fd: int,
+    out: bytearray | None,
+    dest: int,
+    stride: int,
+    slots: Sequence[int],
+) -> tuple[list[Any], bytes, int, int, int, bool]:
     for key in keys:
         if not isinstance(key, bytes) or len(key) != _KEY:
             raise ValueError("keys must be 18-byte bytes")
@@ -102,6 +153,20 @@ def read_images(
     _check_u64("floor", floor)
     _check_u64("data_start", data_start)
     _check_u64("data_end", data_end)
+    view: memoryview | None = None
+    if out is not None:
+        if not isinstance(out, bytearray):
+            raise TypeError("out must be a bytearray")
+        if stride < BLCKSZ or dest < 0:
+            raise ValueError(f"dest {dest} and stride {stride}: pages would overlap or fall outside")
+        slots = list(slots)
+        if len(slots) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(slots)} slots")
+        room = len(out) - BLCKSZ - dest if dest <= len(out) else -1
+        for slot in slots:
+            if not slot >= 0 or room < 0 or slot > room // stride:
+                raise ValueError(f"slot {slot} is outside out")
+        view = memoryview(out)
     move_to_end = getattr(blocks, "move_to_end", None)
     tail = cont.to_bytes(8, "big")
     hits = 0
@@ -145,7 +210,7 @@ def read_images(
             continue
         plan.append((n, off, int.from_bytes(e[_PREFIX + 12 : ENTRY_SIZE], "big")))
     # 2. read: runs of adjacent blobs, one preadv each
-    pages: list[bytes | None] = [None] * len(keys)
+    pages: list[Any] = [None] * len(keys)
     calls = nbytes = 0
     supported = True
     at = 0
@@ -155,8 +220,10 @@ def read_images(
             end += 1
         run = plan[at:end]
         tags = [bytearray(1) for _ in run]
-        bufs = [bytearray(BLCKSZ) for _ in run]
-        iov: list[bytearray] = []
+        bufs: list[bytearray | memoryview] = (
+            [bytearray(BLCKSZ) for _ in run] if view is None
+            else [view[dest + slots[n] * stride : dest + slots[n] * stride + BLCKSZ] for n, _o, _c in run])
+        iov: list[bytearray | memoryview] = []
         for tag, buf in zip(tags, bufs, strict=True):
             iov += (tag, buf)
         total = len(run) * _IMAGE_BLOB
@@ -175,6 +242,6 @@ def read_images(
             break  # cold (or the file ended): this run and every later one to the general path
         for (n, _off, crc), tag, buf in zip(run, tags, bufs, strict=True):
             if tag[0] == 0 and crc32c(buf, crc32c(tag)) == crc:
-                pages[n] = bytes(buf)
+                pages[n] = bytes(buf) if view is None else True
         at = end
     return pages, bytes(absent), hits, calls, nbytes, supported

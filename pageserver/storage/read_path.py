@@ -43,7 +43,7 @@ import bisect
 import functools
 import heapq
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from pageserver.storage import _images_select, delta_layer
 from pageserver.storage.delta_layer import (
@@ -309,6 +309,7 @@ async def get_one(tl: ReadableTimeline, key: Key, lsn: Lsn, st: KeyState, ctx: R
 
 # the image kernel (a module attribute, so tests can put the twin in its place)
 _read_images = _images_select.read_images
+_read_images_into = _images_select.read_images_into
 
 
 # How many layers down the image path follows keys a delta layer has nothing of (the walk's
@@ -316,13 +317,22 @@ _read_images = _images_select.read_images
 _IMAGE_DEPTH = 4
 
 
-async def read_images(tl: ReadableTimeline, keys: Sequence[Key], lsn: Lsn) -> list[bytes | None] | None:
+# Where ``read_images`` puts pages instead of bytes objects (the page service's response
+# buffer): ``(out, dest, stride)``, key i's page at ``out[dest + i * stride:][:BLCKSZ]``.
+Into = tuple[bytearray, int, int]
+
+
+async def read_images(
+    tl: ReadableTimeline, keys: Sequence[Key], lsn: Lsn, into: Into | None = None,
+    slots: Sequence[int] | None = None,
+) -> list[Any] | None:
     """The page of every key of ``keys`` (distinct) at ``lsn`` that the layer where the walk
     would find its newest version holds as an image (None in a declined key's place), or None
     when an in-memory layer is below ``lsn`` (the walk would visit it first), no persistent
     layer holds any of the keys, or the file system refuses ``RWF_NOWAIT``. A page given is
     what ``get_vectored`` finds for a key with nothing cached: its newest version below
-    ``lsn + 1``, an image.
+    ``lsn + 1``, an image. With ``into``, key i's page is read into ``out`` at
+    ``dest + slots[i] * stride`` (``slots`` default: i) and its entry is 1, not bytes.
 
     The keys are routed as the walk routes them: one layer for all of them
     (``LayerMap.search_span``), then, for the keys that layer has nothing of in its range (a
@@ -337,13 +347,15 @@ async def read_images(tl: ReadableTimeline, keys: Sequence[Key], lsn: Lsn) -> li
     mem = tl.in_memory_layers()
     if mem and mem[-1].start_lsn < cont:  # the oldest: the walk would visit one first
         return None
+    if into is not None and slots is None:
+        slots = range(len(keys))
     layer_map = tl.layer_map
     first, last = min(keys), max(keys)
     hit = layer_map.search_span(first, last, cont)
     if hit is None:
-        return await _images_split(layer_map, keys, first, last, cont)
+        return await _images_split(layer_map, keys, first, last, cont, into, slots)
     layer, floor = hit
-    got = await _images_in(layer, floor, keys, cont)
+    got = await _images_in(layer, floor, keys, cont, into, slots)
     if got is None:
         return None
     pages, absent = got
@@ -358,13 +370,13 @@ async def read_images(tl: ReadableTimeline, keys: Sequence[Key], lsn: Lsn) -> li
         if hit is None or hit[1] >= cont:
             break
         layer, floor = hit
-        got = await _images_in(layer, floor, todo_keys, cont)
+        got = await _images_in(layer, floor, todo_keys, cont, into, None if slots is None else [slots[i] for i in todo])
         if got is None:
             break
         below, absent = got
         rest: list[int] = []
         for i, page, flag in zip(todo, below, absent, strict=True):
-            if page is not None:
+            if page:
                 pages[i] = page
             elif flag and not layer.completes_keys:
                 rest.append(i)
@@ -375,28 +387,35 @@ async def read_images(tl: ReadableTimeline, keys: Sequence[Key], lsn: Lsn) -> li
 
 
 async def _images_split(
-    layer_map: LayerMap, keys: Sequence[Key], first: Key, last: Key, cont: int
-) -> list[bytes | None]:
+    layer_map: LayerMap, keys: Sequence[Key], first: Key, last: Key, cont: int, into: Into | None,
+    slots: Sequence[int] | None,
+) -> list[Any]:
     """``read_images``'s first step over several layers: per layer of ``range_search``, its keys
     in key order (keys a delta layer has nothing of are declined)."""
     found, _missing = layer_map.range_search(KeyRange(first, key_next(last)), cont)
-    ordered = sorted(keys)
-    got: dict[Key, bytes | None] = {}
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    ordered = [keys[i] for i in order]
+    out: list[Any] = [None] * len(keys)
     for layer, floor, sub in found:
         lo = bisect.bisect_left(ordered, sub.start)
         hi = bisect.bisect_left(ordered, sub.end, lo)
         if lo < hi:
-            part = ordered[lo:hi]
-            answer = await _images_in(layer, floor, part, cont)
+            part = order[lo:hi]
+            answer = await _images_in(layer, floor, ordered[lo:hi], cont, into,
+                                      None if slots is None else [slots[i] for i in part])
             if answer is not None:
-                got.update(zip(part, answer[0], strict=True))
-    return [got.get(key) for key in keys]
+                for i, page in zip(part, answer[0], strict=True):
+                    if page:
+                        out[i] = page
+    return out
 
 
 async def _images_in(
-    layer: PersistentLayer, floor: int, keys: Sequence[Key], cont: int
-) -> tuple[list[bytes | None], bytes] | None:
-    """One image-kernel call over ``layer``'s cached index and file: (pages, absent)."""
+    layer: PersistentLayer, floor: int, keys: Sequence[Key], cont: int, into: Into | None,
+    slots: Sequence[int] | None,
+) -> tuple[list[Any], bytes] | None:
+    """One image-kernel call over ``layer``'s cached index and file: (pages, absent); with
+    ``into``, 1 in place of a page read into its slot, else None."""
     if not layer.resident:
         return None
     r = layer.reader
@@ -405,16 +424,24 @@ async def _images_in(
         return None  # (the general path raises LayerClosedError)
     summary = r.summary
     engine = file.engine
-    pages, absent, hits, calls, nbytes, supported = await engine.run_sync(
-        _read_images, r.fences, summary.n_index_blocks, r.cache._blocks, r.file_id, keys, cont, floor,
-        DATA_START, summary.data_end, file.fd,
-    )
+    if into is None:
+        pages, absent, hits, calls, nbytes, supported = await engine.run_sync(
+            _read_images, r.fences, summary.n_index_blocks, r.cache._blocks, r.file_id, keys, cont, floor,
+            DATA_START, summary.data_end, file.fd,
+        )
+        values: list[Any] = pages
+    else:
+        placed, absent, hits, calls, nbytes, supported = await engine.run_sync(
+            _read_images_into, r.fences, summary.n_index_blocks, r.cache._blocks, r.file_id, keys, cont,
+            floor, DATA_START, summary.data_end, file.fd, into[0], into[1], into[2], slots,
+        )
+        values = [flag or None for flag in placed]
     r.cache.hits += hits
     engine.stats.preadvs += calls
     engine.stats.bytes_read += nbytes
     if not supported:
         delta_layer._nowait[0] = False
-    return pages, absent
+    return values, absent
 
 
 async def get_vectored(

@@ -29,6 +29,7 @@ import trio
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from pageserver.page_service.config import PageServiceConfig, PipelinedPipelining, SerialPipelining
 from pageserver.page_service.reader import PageRead
 from pageserver.page_service.timeline_adapter import TimelinePageReader
 from pageserver.storage import _images_select, read_path
@@ -43,10 +44,10 @@ from pageserver.timeline import Timeline
 from protocol import _native
 from protocol.ids import TenantId, TimelineId
 from protocol.lsn import Lsn
-from protocol.pagestream import RelTag
+from protocol.pagestream import GetPageRequest, NblocksRequest, RelTag
 from tests.conftest import kernel
 from tests.fuzz_helpers import harness_takes_its_seeds_and_catches
-from tests.pageserver.test_page_service_timeline import NBLOCKS, REL, build_timeline, page
+from tests.pageserver.test_page_service_timeline import NBLOCKS, REL, build_timeline, page, serve
 
 BLCKSZ = 8192
 KEYS = [rel_block_key(1663, 5, 1000 + i // 16, 0, i % 16) for i in range(48)]
@@ -220,12 +221,25 @@ def _call(impl: str, layer: PersistentLayer, blocks: Any, keys: list[Any], cont:
           data_end: Any = None, fd: int | None = None) -> tuple[str, Any]:
     r = layer.reader
     fn = kernel(impl, "pageserver.storage._images_c").read_images
+    args = (r.fences, r.summary.n_index_blocks, blocks, r.file_id, keys, cont, floor, DATA_START,
+            r.summary.data_end if data_end is None else data_end, r.file.fd if fd is None else fd)
     try:
-        got = fn(r.fences, r.summary.n_index_blocks, blocks, r.file_id, keys, cont, floor, DATA_START,
-                 r.summary.data_end if data_end is None else data_end, r.file.fd if fd is None else fd)
+        got = fn(*args)
     except Exception as exc:
         return "error", type(exc)
-    return "ok", (got, list(blocks))
+    # the same read into a response buffer (slots in reverse order, a header's room before
+    # each): the same pages there, the same flags, and the same bytes everywhere in it
+    stride = BLCKSZ + 47
+    out = bytearray(b"\xa5" * (7 + stride * len(keys)))
+    into = kernel(impl, "pageserver.storage._images_c").read_images_into(
+        *args, out, 7, stride, list(range(len(keys)))[::-1])
+    pages = got[0]
+    assert into[0] == bytes(p is not None for p in pages) and into[1:] == got[1:]
+    for i, p in enumerate(pages):
+        if p is not None:
+            at = 7 + (len(keys) - 1 - i) * stride
+            assert out[at : at + BLCKSZ] == p
+    return "ok", (got, list(blocks), bytes(out))
 
 
 async def _loaded(layer: PersistentLayer) -> OrderedDict[tuple[int, int], Any]:
@@ -280,6 +294,20 @@ async def test_kernel_equals_twin_on_layers(tmp_path: Path) -> None:
         assert _both_kernels(layer, blocks, bad_keys, cont, floor) == ("error", ValueError)
     assert _both_kernels(layer, blocks, [KEYS[0]], 10**9, 0, data_end=-1) == ("error", ValueError)
     assert _both_kernels(layer, blocks, KEYS, 10**9, 0, fd=10**6) == ("error", OSError)  # EBADF
+    # the response buffer's bounds and type: the same error from both, before anything is read
+    r = layer.reader
+    for out, dest, stride, slots in [(bytearray(BLCKSZ), 0, BLCKSZ - 1, [0]), (bytearray(BLCKSZ), -1, BLCKSZ, [0]),
+                                     (bytearray(BLCKSZ), 1, BLCKSZ, [0]), (bytearray(2 * BLCKSZ), 0, BLCKSZ, [2]),
+                                     (bytearray(2 * BLCKSZ), 0, BLCKSZ, [-1]), (bytearray(2 * BLCKSZ), 0, BLCKSZ, []),
+                                     (bytes(BLCKSZ), 0, BLCKSZ, [0]), (bytearray(), 0, BLCKSZ, [0])]:
+        outcomes = []
+        for impl in IMPLS:
+            fn = kernel(impl, "pageserver.storage._images_c").read_images_into
+            with pytest.raises((ValueError, TypeError)) as caught:
+                fn(r.fences, r.summary.n_index_blocks, blocks, r.file_id, [KEYS[0]], 10**9, 0, DATA_START,
+                   r.summary.data_end, r.file.fd, out, dest, stride, slots)
+            outcomes.append(caught.type)
+        assert len(set(outcomes)) == 1, (dest, stride, slots, outcomes)
     await tenant.shutdown()
 
 
@@ -331,7 +359,7 @@ async def test_kernel_equals_twin_on_hostile_blobs(tmp_path: Path) -> None:
     lsn = int(layer.desc.lsn_end)
     keys = [k for k in KEYS if layer.desc.key_range.start <= k < layer.desc.key_range.end]
     assert len(keys) >= 10
-    _kind, (got, _) = _both_kernels(layer, blocks, keys, lsn, 0)
+    _kind, (got, _, _) = _both_kernels(layer, blocks, keys, lsn, 0)
     assert got[0].count(None) == 0
     path = layer.path
     size = os.path.getsize(path)
@@ -342,11 +370,11 @@ async def test_kernel_equals_twin_on_hostile_blobs(tmp_path: Path) -> None:
             b = f.read(1)
             f.seek(at)
             f.write(bytes([b[0] ^ 0x10]))
-    _kind, (got, _) = _both_kernels(layer, blocks, keys, lsn, 0)
+    _kind, (got, _, _) = _both_kernels(layer, blocks, keys, lsn, 0)
     assert 0 < got[0].count(None) <= 5
     # a file cut inside its data: the reads past the end come back short (declined)
     os.truncate(path, DATA_START + (layer.reader.summary.data_end - DATA_START) // 2)
-    _kind, (got, _) = _both_kernels(layer, blocks, keys, lsn, 0)
+    _kind, (got, _, _) = _both_kernels(layer, blocks, keys, lsn, 0)
     assert got[0].count(None) >= len(keys) // 2 - 5
     assert size > 0
     await tenant.shutdown()
@@ -441,3 +469,92 @@ def test_fuzz_harness_takes_its_seeds_and_catches_a_planted_difference(tmp_path:
                     if cut:
                         cut[rng.randrange(len(cut))] = rng.randrange(256)
                 assert fuzz.images_outcome(native, bytes(cut)) == fuzz.images_outcome(_images_py, bytes(cut))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(data=st.data(), impl=st.sampled_from(IMPLS))
+def test_page_service_answers_the_same_bytes(data: st.DataObject, impl: str,
+                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The pipeline's batches through ``get_pages_into`` (pages read into their responses'
+    slots, the rest filled in or answered one by one) give byte for byte what the general path
+    gives, and what serial mode gives: random GetPages over one fork at a few LSNs, blocks past
+    its end, a missing relation, other requests between them."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    other = RelTag(1663, 5, 16385, 0)
+    lsns = [Lsn(0x150), Lsn(0x200), Lsn(0xFFFF_FFFF_FFFF_FFFF)]
+    reqs: list[Any] = []
+    for i in range(data.draw(st.integers(1, 120), label="requests")):
+        kind = data.draw(st.sampled_from(["page"] * 8 + ["past", "missing", "nblocks"]), label="kind")
+        lsn = data.draw(st.sampled_from(lsns), label="lsn")
+        if kind == "nblocks":
+            reqs.append(NblocksRequest(i, lsn, Lsn(0x100), REL))
+        else:
+            blkno = data.draw(st.integers(0, NBLOCKS - 1), label="blkno") + (NBLOCKS if kind == "past" else 0)
+            reqs.append(GetPageRequest(i, lsn, Lsn(0x100), other if kind == "missing" else REL, blkno))
+
+    async def go() -> None:
+        tenant = await build_timeline(tmp)
+        tl = next(iter(tenant.timelines.values()))
+        await tl.flush()
+        tl.config = attrs.evolve(tl.config, validate_get=False)
+        serial = await serve(tenant, PageServiceConfig(page_service_pipelining=SerialPipelining()), reqs)
+        config = PageServiceConfig(page_service_pipelining=PipelinedPipelining(32, "scattered-lsn"))
+        tl.image_fast_path = False
+        general = await serve(tenant, config, reqs)
+        tl.image_fast_path = True
+        before = tl.image_fast_pages
+        fast = await serve(tenant, config, reqs)
+        assert fast == general == serial
+        event(f"kernel pages: {tl.image_fast_pages > before}")
+        await tenant.shutdown()
+
+    read_path._read_images_into = kernel(impl, "pageserver.storage._images_c").read_images_into
+    try:
+        trio.run(go)
+    finally:
+        read_path._read_images_into = _images_select.read_images_into
+
+
+async def test_page_service_reads_pages_into_their_responses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of one fork at one LSN: every page read by the kernel into its slot (no page
+    answered by the general path), the responses those of the general path."""
+    tenant = await build_timeline(tmp_path)
+    tl = next(iter(tenant.timelines.values()))
+    await tl.flush()
+    tl.config = attrs.evolve(tl.config, validate_get=False)
+    lsn = tl.last_record_lsn
+    reqs: list[Any] = [GetPageRequest(0, lsn, lsn, REL, 0)]  # (the first batch caches the size)
+    reqs += [GetPageRequest(i, lsn, lsn, REL, i % NBLOCKS) for i in range(1, 1 + 4 * NBLOCKS)]
+    config = PageServiceConfig(page_service_pipelining=PipelinedPipelining(NBLOCKS, "scattered-lsn"))
+    tl.image_fast_path = False
+    general = await serve(tenant, config, reqs)
+    tl.image_fast_path = True
+    got: list[Any] = []
+    real = read_path._read_images_into
+
+    def counting(*args: Any) -> Any:
+        out = real(*args)
+        got.append(out[0])
+        return out
+
+    monkeypatch.setattr(read_path, "_read_images_into", counting)
+    fast = await serve(tenant, config, reqs)
+    assert fast == general
+    assert sum(placed.count(1) for placed in got) >= 3 * NBLOCKS
+    await tenant.shutdown()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("v3", [True, False])
+def test_encoder_leaves_slots_for_pages(impl: str, v3: bool) -> None:
+    """``encode_getpage_responses`` with None pages: the responses framed as with pages, their
+    page bytes zero (the slots ``ResponseWriter.reserve_pages`` hands out), in both twins."""
+    mod = kernel(impl, "protocol._pagestream_c")
+    twin = kernel("python", "protocol._pagestream_c")
+    reqs = [GetPageRequest(i, Lsn(0x200 + i), Lsn(0x100), REL, i) for i in range(3)]
+    pages: list[bytes | None] = [page(0, 1), None, page(2, 1)]
+    a, b = bytearray(b"x"), bytearray(b"x")
+    mod.encode_getpage_responses(a, v3, reqs, pages)
+    twin.encode_getpage_responses(b, v3, reqs, [p if p is not None else bytes(BLCKSZ) for p in pages])
+    assert a == b

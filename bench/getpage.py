@@ -174,6 +174,14 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
         from common import tls_stream
 
         tls_stream.STREAM_PIECE = 1 << 62  # one encryption and one write per batch
+    elif security == "auth+tls-thread64":
+        from common import tls_stream
+
+        tls_stream.OFFLOAD_PIECE = tls_stream.STREAM_PIECE  # the thread writes 64 KiB pieces
+    elif security == "auth+tls-switch":
+        sys.setswitchinterval(0.0005)  # as the safekeeper's gil_switch_interval_s
+    elif security == "auth+tls-aes128":
+        _check_prefers_aes128()  # OPENSSL_CONF in this process's environment (_measure)
     authenticator, ssl_context = _server_security(workdir.parent, security)
     server = PgServer(handler, PgServerConfig(port=0, idle_timeout_s=None,
                                               tls_sender_thread=_SENDER_THREAD.get(security, "auto")),
@@ -205,9 +213,41 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
 # compare with it, auth+tls-inline never hands off, auth+tls-thread always does (writes of
 # >= 32 KiB), and auth+tls-whole is inline with each batch's responses encrypted and written
 # whole (tls_stream.STREAM_PIECE raised in the server process).
-SECURITY_MODES = ("off", "auth", "auth+tls", "auth+tls-inline", "auth+tls-thread", "auth+tls-whole")
+SECURITY_MODES = ("off", "auth", "auth+tls", "auth+tls-inline", "auth+tls-thread",
+                  "auth+tls-thread64", "auth+tls-whole", "auth+tls-aes128", "auth+tls-switch")
 _SENDER_THREAD: dict[str, bool] = {"auth+tls-inline": False, "auth+tls-thread": True,
-                                   "auth+tls-whole": False}
+                                   "auth+tls-thread64": True, "auth+tls-whole": False}
+# auth+tls-aes128: the default (auto) with the server preferring TLS_AES_128_GCM_SHA256 (the
+# server's preference decides, so every TLS 1.3 client gets it: RFC 8446 makes that suite
+# mandatory). Python 3.11's ssl has no call that sets TLS 1.3 suites; OpenSSL applies its
+# config's system_default section to every context, and the ssl module does not override the
+# suites, so the server and client processes of this mode run with OPENSSL_CONF naming this
+# file (what an operator would do, docs/auth.md), and the server checks it took.
+AES128_CIPHERSUITES = "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256"
+_AES128_CONF = f"""openssl_conf = pagestore_init
+[pagestore_init]
+ssl_conf = pagestore_ssl
+[pagestore_ssl]
+system_default = pagestore_tls
+[pagestore_tls]
+Ciphersuites = {AES128_CIPHERSUITES}
+"""
+_AES128_CONF_NAME = "openssl-aes128.cnf"
+
+
+def _security_env(base: Path, security: str, env: dict[str, str]) -> dict[str, str]:
+    """The environment of a row's server and client processes."""
+    if security == "auth+tls-aes128":
+        return {**env, "OPENSSL_CONF": str(base / _AES128_CONF_NAME)}
+    return env
+
+
+def _check_prefers_aes128() -> None:
+    import ssl
+
+    first = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).get_ciphers()[0]["name"]
+    if first != "TLS_AES_128_GCM_SHA256":
+        raise SystemExit(f"auth+tls-aes128: OpenSSL prefers {first} (is OPENSSL_CONF read?)")
 
 
 def _write_security(base: Path, targets: list[tuple[str, str]]) -> None:
@@ -222,6 +262,7 @@ def _write_security(base: Path, targets: list[tuple[str, str]]) -> None:
         write_secret(base / "auth" / f"token-{tenant}", token.encode())
     make_local_ca(base / "ca")
     make_node_cert(base / "ca", base / "node", "bench")
+    (base / _AES128_CONF_NAME).write_text(_AES128_CONF)
 
 
 def _server_security(base: Path, security: str) -> tuple[Any, Any]:
@@ -250,24 +291,39 @@ def _client_security(base: Path, security: str, tenant: str) -> dict[str, Any]:
     return kw
 
 
-def _cipher_floor(base: Path, pages: int = 32, batches: int = 50) -> list[dict[str, Any]]:
+def _cipher_floor(
+    base: Path, pages: int = 32, batches: int = 50, *, aes128_child: bool = False
+) -> list[dict[str, Any]]:
     """TLS's floor in this process: CPU µs to encrypt and to decrypt one 8 KiB page (with its
     pagestream framing) in a batch of ``pages``, through memory BIOs as the page service and
-    its client do, with the cipher the server picks (TLS 1.3) and TLS 1.2's alternatives; best
-    of 5 rounds of ``batches`` batches."""
+    its client do, with the cipher the server picks (TLS 1.3), TLS 1.2's alternatives, and
+    TLS 1.3's AES-128-GCM (in a child process with auth+tls-aes128's OPENSSL_CONF); best of
+    5 rounds of ``batches`` batches."""
     import ssl
 
     from common.tls import client_context, server_context
 
     suites: list[str | None] = [None, "ECDHE-ECDSA-AES128-GCM-SHA256",
-                                "ECDHE-ECDSA-CHACHA20-POLY1305"]
-    rows = []
+                                "ECDHE-ECDSA-CHACHA20-POLY1305", "TLS_AES_128_GCM_SHA256"]
+    rows: list[dict[str, Any]] = []
     data = bytes(pages * (8192 + 22))
     plain = bytearray(len(data))
     view = memoryview(plain)
     for suite in suites:
+        if aes128_child and suite != "TLS_AES_128_GCM_SHA256":
+            continue  # the child measures only its own row
+        if suite == "TLS_AES_128_GCM_SHA256" and not aes128_child:
+            child = subprocess.run(
+                [sys.executable, "-m", "bench.getpage", "--cipher-floor-aes128", str(base)],
+                check=True, capture_output=True, text=True, cwd=_REPO,
+                env=_security_env(base, "auth+tls-aes128", dict(os.environ)),
+            )
+            rows.extend(json.loads(line) for line in child.stdout.splitlines() if line)
+            continue
+        if aes128_child:
+            _check_prefers_aes128()
         sctx = server_context(base / "node" / "server.crt", base / "node" / "server.key")
-        if suite is not None:
+        if suite is not None and suite.startswith("ECDHE"):
             sctx.maximum_version = ssl.TLSVersion.TLSv1_2
             sctx.set_ciphers(suite)
         bios = [ssl.MemoryBIO() for _ in range(4)]
@@ -673,6 +729,8 @@ def _measure(
     Server and client processes run the kernels ``args.kernels`` names (``python``: with
     PAGESTORE_PURE_PYTHON=1)."""
     env = _kernel_env(args.kernels)
+    if serve_argv[0] == "--serve":
+        env = _security_env(Path(serve_argv[1]).parent, security, env)
     tree = getattr(args, "tree_path", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.getpage", *serve_argv],
@@ -1085,8 +1143,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "TLS, verified, as the server does it by default: encrypted on the event loop's thread, "
         "a batch's responses written piece by piece, handed to a sender thread only while the "
         "loop's thread waits for a CPU), auth+tls-inline (never handed off), auth+tls-thread "
-        "(large writes always encrypted in the connection's sender thread), auth+tls-whole "
-        "(inline, each batch's responses encrypted and written whole); each configuration is "
+        "(large writes always encrypted in the connection's sender thread), auth+tls-thread64 "
+        "(the thread, writing 64 KiB pieces), auth+tls-whole (inline, each batch's responses "
+        "encrypted and written whole), auth+tls-aes128 (the default with the server preferring "
+        "TLS_AES_128_GCM_SHA256); each configuration is "
         "run once per "
         "security mode, side by side, and "
         "its row carries connect_ms_p50/p95 (connection set-up, 100 in a row)",
@@ -1389,6 +1449,9 @@ def run(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--client-process":
         print(json.dumps(_process_client(*json.loads(sys.argv[2]))), flush=True)
+    elif len(sys.argv) == 3 and sys.argv[1] == "--cipher-floor-aes128":
+        for line in _cipher_floor(Path(sys.argv[2]), aes128_child=True):
+            print(json.dumps(line), flush=True)
     elif len(sys.argv) == 3 and sys.argv[1] == "--null-serve":
         _null_serve(sys.argv[2])
     elif len(sys.argv) == 8 and sys.argv[1] == "--serve":

@@ -164,6 +164,7 @@ class TlsStream(trio.abc.Stream):
         # "auto": only while the event loop's thread is starved of CPU (CpuContention)
         self._contended: Callable[[], bool] | None = CpuContention() if offload == "auto" else None
         self._piece = STREAM_PIECE
+        self._offload_piece = OFFLOAD_PIECE
         # Every call on _obj, _in and _out holds it (free whenever no job is queued).
         self._ssl_lock = threading.Lock()
         # Socket bytes read while the thread held the SSL lock, for the incoming BIO later.
@@ -593,8 +594,9 @@ class TlsStream(trio.abc.Stream):
                     self._backlog -= len(first)
                     left -= len(first)
             view = memoryview(data)
-            for at in range(0, len(view), OFFLOAD_PIECE):
-                piece = view[at : at + OFFLOAD_PIECE]
+            step = self._offload_piece
+            for at in range(0, len(view), step):
+                piece = view[at : at + step]
                 with self._ssl_lock:
                     self._obj.write(piece)
                     out = self._out.read()

@@ -506,3 +506,69 @@ async def test_auto_hands_off_only_while_contended(tls: TlsKit, contended: bool)
         await client.aclose()
         await server.aclose()
         await _no_sender_left()
+
+
+class _WriteSpy:
+    """An SSL object whose writes are recorded: (plaintext bytes, ciphertext bytes the client
+    could read at that moment)."""
+
+    def __init__(self, obj: object, client: TlsStream) -> None:
+        self._obj = obj
+        self._client = client
+        self.writes: list[tuple[int, int]] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self.writes.append((len(data), _readable_bytes(self._client.transport_stream.socket)))
+        return int(self._obj.write(data))  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._obj, name)
+
+
+async def test_sender_thread_in_pieces_keeps_the_order_under_a_full_socket(tls: TlsKit) -> None:
+    """The sender thread writing in ``STREAM_PIECE`` pieces (``bench getpage --security
+    auth+tls-thread64``): a batch-sized job leaves piece by piece, the first on the client's
+    socket before the second is encrypted; with a client that does not read, the socket fills
+    and the thread's backlog holds the writer back, small writes queue behind the thread's;
+    once the client reads, every byte arrives in order."""
+    rng = random.Random(64)
+    batch = 32 * (8192 + 22)  # a pipelined batch's responses
+    with trio.fail_after(30):
+        server, client = await _pair(tls, tls.ca_cert)
+        await _handshake(server, client)
+        await server.send_all(b"hello")  # the client also takes the session tickets here
+        assert await client.receive_some(100) == b"hello"
+        server._offload_piece = STREAM_PIECE
+        spy = _WriteSpy(server._obj, client)
+        server._obj = spy  # type: ignore[assignment]
+        sends = [rng.randbytes(batch)]
+        assert server.send_nowait(sends[0])
+        while not spy.writes:
+            await trio.sleep(0.01)
+        assert server.offloaded == 1
+        assert spy.writes[0] == (STREAM_PIECE, 0), spy.writes
+        while len(spy.writes) < 2:  # the thread is at its second piece
+            await trio.sleep(0.01)
+        assert spy.writes[1][1] > 0, spy.writes  # the first piece is on the wire
+        while True:  # nobody reads: the socket fills, then the backlog
+            data = rng.randbytes(rng.choice([batch, 100, 9000, batch]))
+            sends.append(data)
+            if not server.send_nowait(data):
+                break
+            assert len(sends) < 2000
+            await trio.sleep(0)
+        assert server.unsent
+        received = bytearray()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_drain, client, sum(map(len, sends)) + 4, received)
+            await server.flush()
+            await server.send_all(b"tail")
+        assert bytes(received) == b"".join(sends) + b"tail"
+        pieces = [n for n, _ in spy.writes]
+        assert pieces[: batch // STREAM_PIECE + 1] == [STREAM_PIECE] * (batch // STREAM_PIECE) + [
+            batch % STREAM_PIECE
+        ], pieces
+        assert max(pieces) <= STREAM_PIECE
+        await client.aclose()
+        await server.aclose()
+        await _no_sender_left()

@@ -556,7 +556,7 @@ async def test_sender_thread_in_pieces_keeps_the_order_under_a_full_socket(tls: 
             if not server.send_nowait(data):
                 break
             assert len(sends) < 2000
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
         assert server.unsent
         received = bytearray()
         async with trio.open_nursery() as nursery:

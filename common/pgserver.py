@@ -49,7 +49,7 @@ Example (a safekeeper-like START_WAL_PUSH handler)::
                 send, recv = trio.open_memory_channel[bytes](16)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(writer, copy, recv)     # the only sender
-                    async with send:
+                    with send:
                         while (payload := await copy.receive()) is not None:
                             await send.send(handle(payload))
             else:

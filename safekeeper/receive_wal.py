@@ -207,7 +207,7 @@ async def _read_stage(
     version: ProtocolVersion,
     budget: _ByteBudget,
 ) -> None:
-    async with out:
+    with out:  # close() without aclose()'s checkpoint (see _write_stage)
         while True:
             if budget.used > budget.limit:
                 await budget.wait_below()
@@ -250,7 +250,7 @@ async def _read_views_stage(
     ``run_bytes`` of WAL (0: never, as without write coalescing, where every message is its
     own write)."""
     decode = decode_proposer_message
-    async with out:
+    with out:  # close() without aclose()'s checkpoint (see _write_stage)
         while True:
             if budget.used > budget.limit:
                 await budget.wait_below()
@@ -296,7 +296,7 @@ async def _read_scan_stage(
     of the receive buffer; whatever it left (another message, or a malformed one, which the
     decoder then reports) is decoded on its own."""
     decode = decode_proposer_message
-    async with out:
+    with out:  # close() without aclose()'s checkpoint (see _write_stage)
         while True:
             if budget.used > budget.limit:
                 await budget.wait_below()
@@ -362,59 +362,64 @@ async def _write_stage(
         while pendings:
             await finish_oldest()
 
-    async with messages, trio.open_nursery() as syncs:
-        while True:
-            try:
-                if pendings:
-                    try:
-                        first = messages.receive_nowait()
-                    except trio.WouldBlock:
-                        # Nothing queued: acknowledge the oldest pending group once it can
-                        # be, unless the next message arrives first (then it is submitted
-                        # while the oldest's write or fdatasync still runs).
-                        item = await _next_or_ready(messages, pendings[0])
-                        if item is None:
+    # ``with``, not ``async with``: aclose() closes and then checkpoints, and closing wakes
+    # the reader blocked in send() with BrokenResourceError, whose nursery cancellation then
+    # hits that checkpoint and replaces the error in flight (a WalStorageBroken) with a
+    # Cancelled the nursery absorbs: the connection would end as if the client went away.
+    with messages:
+        async with trio.open_nursery() as syncs:
+            while True:
+                try:
+                    if pendings:
+                        try:
+                            first = messages.receive_nowait()
+                        except trio.WouldBlock:
+                            # Nothing queued: acknowledge the oldest pending group once it can
+                            # be, unless the next message arrives first (then it is submitted
+                            # while the oldest's write or fdatasync still runs).
+                            item = await _next_or_ready(messages, pendings[0])
+                            if item is None:
+                                await finish_oldest()
+                                continue
+                            first = item
+                    else:
+                        first = await messages.receive()
+                except trio.EndOfChannel:
+                    await finish_all()
+                    return
+                batch, stop, appends, wal_bytes = _collect(first, messages, max_write_bytes)
+                if pipelined and batch and len(appends) == len(batch):
+                    replies, new_pending, error = await timeline.write_appends(appends, wal_bytes)
+                    del batch, appends
+                    if new_pending is None:
+                        budget.release(wal_bytes)
+                    if replies:
+                        # Refusals of this batch follow the acknowledgements of earlier groups.
+                        await finish_all()
+                        await send(replies)
+                    if new_pending is not None:
+                        while len(pendings) >= SYNCS_IN_FLIGHT:
                             await finish_oldest()
-                            continue
-                        first = item
-                else:
-                    first = await messages.receive()
-            except trio.EndOfChannel:
-                await finish_all()
-                return
-            batch, stop, appends, wal_bytes = _collect(first, messages, max_write_bytes)
-            if pipelined and batch and len(appends) == len(batch):
-                replies, new_pending, error = await timeline.write_appends(appends, wal_bytes)
-                del batch, appends
-                if new_pending is None:
+                        pendings.append(new_pending)
+                        if not timeline.no_sync:
+                            # fsync off there is nothing to run beside the next group's write:
+                            # finish() waits for the write itself (no task per group).
+                            new_pending.syncing = True  # before the task runs: finish() must not
+                            syncs.start_soon(timeline.sync, new_pending, name="wal_push.sync")
+                    if error is not None:
+                        await finish_all()
+                        raise error
+                elif batch:
+                    await finish_all()
+                    replies, error = await timeline.process_batch(batch)
+                    del batch, appends
                     budget.release(wal_bytes)
-                if replies:
-                    # Refusals of this batch follow the acknowledgements of earlier groups.
-                    await finish_all()
                     await send(replies)
-                if new_pending is not None:
-                    while len(pendings) >= SYNCS_IN_FLIGHT:
-                        await finish_oldest()
-                    pendings.append(new_pending)
-                    if not timeline.no_sync:
-                        # fsync off there is nothing to run beside the next group's write:
-                        # finish() waits for the write itself (no task per group).
-                        new_pending.syncing = True  # before the task runs: finish() must not
-                        syncs.start_soon(timeline.sync, new_pending, name="wal_push.sync")
-                if error is not None:
+                    if error is not None:
+                        raise error
+                if stop is not None:
                     await finish_all()
-                    raise error
-            elif batch:
-                await finish_all()
-                replies, error = await timeline.process_batch(batch)
-                del batch, appends
-                budget.release(wal_bytes)
-                await send(replies)
-                if error is not None:
-                    raise error
-            if stop is not None:
-                await finish_all()
-                raise stop
+                    raise stop
 
 
 async def _next_or_ready(

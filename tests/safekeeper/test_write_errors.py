@@ -444,12 +444,14 @@ async def test_node_write_error_with_a_sync_in_flight_still_ends_with_58030(
     start = Lsn(WAL_SEGMENT_SIZE)
     wal = synthetic_wal(start, PIECE + (2 << 20))
     gate = threading.Event()
+    holding = threading.Event()
     hold = [False]
     real_fdatasync = WalStorage.fdatasync
 
     def held(self: WalStorage, fd: int) -> None:
         if hold[0]:
             hold[0] = False
+            holding.set()
             assert gate.wait(10)
         real_fdatasync(self, fd)
 
@@ -459,6 +461,9 @@ async def test_node_write_error_with_a_sync_in_flight_still_ends_with_58030(
     def second_write_fails(fd: int, buffers: list[memoryview], offset: int) -> int:
         writes[0] += 1
         if writes[0] == 2:
+            # Only once A's fdatasync is held: were B's failure first, A's sync task could
+            # be cancelled before it starts and nothing would be in flight.
+            assert holding.wait(10)
             raise OSError(errno.EIO, "Input/output error")
         return real_pwritev(fd, buffers, offset)
 

@@ -198,7 +198,11 @@ async def _serve(workdir: Path, mode: str, get_impl: str, cache: str, writes_per
                 if signum != signal.SIGUSR1:
                     break
                 print(json.dumps({"loop_iterations": loop.iterations}), flush=True)
-        print(json.dumps({"batching_factor": metrics.batching_factor()}), flush=True)
+        # The share of the pages served that the image kernel read (Timeline._read_images),
+        # so that a row shows whether the fast path was in play at all.
+        fast = sum(tl.image_fast_pages for tl in timelines)
+        print(json.dumps({"batching_factor": metrics.batching_factor(),
+                          "image_fast_pages": fast}), flush=True)
         server.shutdown()
         nursery.cancel_scope.cancel()
 
@@ -671,6 +675,7 @@ def _run_config(
         "pages": args.pages,
         **_measured_fields(count, hist, elapsed, server_cpu_s),
         "batching_factor": round(server["batching_factor"], 2),
+        "image_fast_share": round(server.get("image_fast_pages", 0) / count, 3) if count else 0.0,
         **{k: v for k, v in server.items()
            if k.startswith(("connect_ms", "client_cpu", "server_loop"))},
     }

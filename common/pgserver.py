@@ -70,7 +70,7 @@ import itertools
 import math
 import secrets
 import ssl
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
@@ -78,6 +78,7 @@ import attrs
 import structlog
 import trio
 
+from common.linger import LINGER_S, linger
 from common.pgcopy import CopyBothStream
 from common.tls_stream import Offload, TlsStream
 from protocol.buffer import WriteBuffer
@@ -229,6 +230,8 @@ class PgConnection:
         # True while a send_all is in flight; if it was interrupted the framing towards the
         # client is unknown and nothing more may be written.
         self._send_broken = False
+        # A FATAL ErrorResponse was sent: the close lingers (serve_connection).
+        self._sent_error = False
         self._query_scope: trio.CancelScope | None = None
         self.shutdown_requested = False
         # Set by the authenticator (common.pgauth: the token's claims); None under trust.
@@ -550,12 +553,16 @@ class PgConnection:
         log.error("connection failed", exc_info=raw)
         await self._try_fatal(f"internal error: {exc}", sqlstate.INTERNAL_ERROR)
 
-    async def _try_fatal(self, message: str, code: str) -> None:
+    async def _try_fatal(self, message: str, code: str, *, linger: bool = True) -> None:
+        """Send a FATAL ErrorResponse if the framing towards the client is intact. ``linger``:
+        the connection's close then lingers (``serve_connection``), as for any error; not for
+        a server shutdown, which must not wait for clients."""
         if self._send_broken:
             return
         with trio.move_on_after(1.0):
             try:
                 await self.send_message(m.ErrorResponse.build(message, code, severity="FATAL"))
+                self._sent_error = linger
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
 
@@ -822,20 +829,44 @@ class PgServer:
                     await conn._try_fatal(
                         "terminating connection due to administrator command",
                         sqlstate.ADMIN_SHUTDOWN,
+                        linger=False,
                     )
         finally:
             self._open -= 1
             self._by_key.pop((conn.process_id, conn.secret_key), None)
             structlog.contextvars.clear_contextvars()
             structlog.contextvars.bind_contextvars(**saved_log_context)
-            if conn.tls and not conn._send_broken:
-                # close_notify, so the client sees an orderly end rather than a TLS EOF error.
-                with trio.move_on_after(0.5):
-                    try:
-                        await conn.transport.aclose()
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        pass
-            await trio.aclose_forcefully(stream)
+            try:
+                # Ended with an error the client was told of: a lingering close, so that a
+                # client still sending reads the error instead of a reset (common.linger).
+                lingering = conn._sent_error and not conn._send_broken
+                if conn.tls and not conn._send_broken:
+                    transport = conn.transport
+                    if lingering and isinstance(transport, TlsStream):
+                        transport.linger_on_close = True
+                    # close_notify, so the client sees an orderly end rather than a TLS EOF
+                    # error.
+                    await self._unless_shutdown(transport.aclose, 0.5 + (LINGER_S if lingering else 0.0))
+                elif lingering and isinstance(stream, trio.SocketStream):
+                    await self._unless_shutdown(partial(linger, stream), LINGER_S)
+            finally:
+                await trio.aclose_forcefully(stream)
+
+    async def _unless_shutdown(self, close: Callable[[], Awaitable[object]], seconds: float) -> None:
+        """``close()``, given up after ``seconds`` or when the server shuts down (a lingering
+        connection must not hold the server's shutdown)."""
+        async with trio.open_nursery() as nursery:
+            async def on_shutdown() -> None:
+                await self._shutting_down.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(on_shutdown)
+            with trio.move_on_after(seconds):
+                try:
+                    await close()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            nursery.cancel_scope.cancel()
 
     async def _watch_shutdown(self, conn: PgConnection, scope: trio.CancelScope) -> None:
         await self._shutting_down.wait()

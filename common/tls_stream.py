@@ -55,6 +55,8 @@ from typing import Literal, cast
 
 import trio
 
+from common.linger import linger
+
 RECEIVE_SIZE = 256 * 1024
 # send_nowait encrypts and writes a large write inline in pieces of this many plaintext bytes.
 STREAM_PIECE = 64 * 1024
@@ -133,6 +135,9 @@ class TlsStream(trio.abc.Stream):
         offload: Offload = False,
     ) -> None:
         self.transport_stream = transport
+        # Set by a server ending the connection with an error: aclose() then lingers after
+        # close_notify (common.linger), so the error is not lost to a reset.
+        self.linger_on_close = False
         self._in = ssl.MemoryBIO()
         self._out = ssl.MemoryBIO()
         self._obj = context.wrap_bio(
@@ -437,7 +442,8 @@ class TlsStream(trio.abc.Stream):
         await self.transport_stream.wait_send_all_might_not_block()
 
     async def aclose(self) -> None:
-        """close_notify (best effort), then close the socket (and end the sender thread)."""
+        """close_notify (best effort), with ``linger_on_close`` a lingering close (``common.linger``),
+        then close the socket (and end the sender thread)."""
         try:
             with trio.move_on_after(0.5):
                 try:
@@ -453,6 +459,8 @@ class TlsStream(trio.abc.Stream):
                         pass
                 with trio.move_on_after(0.5):
                     await self._flush_quietly()
+                if self.linger_on_close:
+                    await linger(self.transport_stream)
         finally:
             self._stop_sender()
             await self.transport_stream.aclose()

@@ -8,6 +8,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -26,10 +27,12 @@ from common.pgserver import (
     PgServer,
     PgServerConfig,
 )
+from common.tls import client_context, server_context
 from protocol.errors import RemoteProtocolError
 from protocol.pgwire import CLOSED, NEED_DATA, BackendDecoder, FrontendDecoder, sqlstate
 from protocol.pgwire import messages as m
 from protocol.pgwire.errors import PgError
+from tests.auth_helpers import TlsKit
 
 PSQL = "/usr/lib/postgresql/15/bin/psql"
 
@@ -101,6 +104,12 @@ class Handler:
                 digest.update(v)
             self.view_batches.append(batches)
             await copy.send(digest.digest())
+        elif words[:1] == ["fatal_copy"]:
+            # A push the server gives up on after its first message (as the safekeeper does on
+            # a WAL write error) while the client is still sending.
+            copy = await conn.enter_copy_both("FATAL_COPY")
+            await copy.receive()
+            raise PgError("could not write", "58030", severity="FATAL")
         elif words[:1] == ["basebackup"]:
             out = await conn.enter_copy_out("BASEBACKUP")
             for i in range(3):
@@ -364,6 +373,79 @@ async def test_copy_receive_views_over_tcp_keeps_every_view_intact(handler: Hand
             assert len(await conn.query("select")) == 2
             await conn.aclose()
     assert handler.view_batches and handler.view_batches[0] > 1
+
+
+async def test_a_fatal_error_reaches_a_client_that_is_still_sending(handler: Handler) -> None:
+    """The server ends a COPY with FATAL while megabytes the client sent are still unread.
+    Closing with unread bytes makes the kernel answer with a reset, which can destroy the
+    ErrorResponse before the client reads it; the server closes its sending side first and
+    drains what the client still sends (bounded), so the client reads the FATAL and then EOF."""
+    with trio.fail_after(20):
+        async with tcp_server(handler) as server:
+            assert server.port is not None
+            for _ in range(5):
+                stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+                await _raw_exchange(stream, m.encode(m.StartupMessage({"user": "u"})), m.ReadyForQuery)
+                await _raw_exchange(stream, m.encode(m.Query("fatal_copy")), m.CopyBothResponse)
+                piece = m.encode(*[m.CopyData(bytes(8192))] * 8)
+                for _ in range(64):  # 4 MiB, more than both socket buffers
+                    await stream.send_all(piece)
+                msgs = await _raw_exchange(stream, b"", m.ErrorResponse)
+                err = msgs[-1]
+                assert isinstance(err, m.ErrorResponse), msgs
+                assert (err.sqlstate, err.severity) == ("58030", "FATAL")
+                assert await stream.receive_some(65536) == b""  # then an orderly end
+                await stream.aclose()
+
+
+def _push_until_fatal_over_tls(port: int, ca: Path) -> tuple[list[object], bytes]:
+    """A blocking TLS client (its own thread): startup, ``fatal_copy``, 4 MiB of CopyData
+    sent without reading, then every message up to the ErrorResponse and what follows it."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+    with raw:
+        raw.sendall(m.encode(m.SSLRequest()))
+        assert raw.recv(1) == b"S"
+        with client_context(ca).wrap_socket(raw, server_hostname="localhost") as sock:
+            decoder = BackendDecoder()
+
+            def until(kind: type) -> list[object]:
+                out: list[object] = []
+                while True:
+                    ev = decoder.next_event()
+                    if ev is NEED_DATA:
+                        decoder.receive_data(sock.recv(65536))
+                        continue
+                    out.append(ev)
+                    if ev is CLOSED or isinstance(ev, kind):
+                        return out
+
+            sock.sendall(m.encode(m.StartupMessage({"user": "u"})))
+            until(m.ReadyForQuery)
+            sock.sendall(m.encode(m.Query("fatal_copy")))
+            until(m.CopyBothResponse)
+            piece = m.encode(*[m.CopyData(bytes(8192))] * 8)
+            for _ in range(64):
+                sock.sendall(piece)
+            msgs = until(m.ErrorResponse)
+            return msgs, sock.recv(65536)
+
+
+async def test_a_fatal_error_reaches_a_tls_client_that_is_still_sending(
+    handler: Handler, tmp_path: Path
+) -> None:
+    """The same over TLS: close_notify, then the lingering close on the socket beneath."""
+    kit = TlsKit.create(tmp_path)
+    server = PgServer(handler, PgServerConfig(), ssl_context=server_context(kit.cert, kit.key))
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve)
+            for _ in range(3):
+                msgs, rest = await trio.to_thread.run_sync(_push_until_fatal_over_tls, port, kit.ca_cert)
+                err = msgs[-1]
+                assert isinstance(err, m.ErrorResponse), msgs
+                assert (err.sqlstate, err.severity) == ("58030", "FATAL")
+                assert rest == b""  # close_notify: an orderly end
+            server.shutdown()
 
 
 async def test_idle_timeout_on_a_socket(handler: Handler) -> None:

@@ -839,14 +839,21 @@ class PgServer:
             try:
                 # Ended with an error the client was told of: a lingering close, so that a
                 # client still sending reads the error instead of a reset (common.linger).
-                lingering = conn._sent_error and not conn._send_broken
+                lingering = (conn._sent_error and not conn._send_broken
+                             and not self._shutting_down.is_set())
                 if conn.tls and not conn._send_broken:
+                    # close_notify, so the client sees an orderly end rather than a TLS EOF
+                    # error.
                     transport = conn.transport
                     if lingering and isinstance(transport, TlsStream):
                         transport.linger_on_close = True
-                    # close_notify, so the client sees an orderly end rather than a TLS EOF
-                    # error.
-                    await self._unless_shutdown(transport.aclose, 0.5 + (LINGER_S if lingering else 0.0))
+                        await self._unless_shutdown(transport.aclose, 0.5 + LINGER_S)
+                    else:
+                        with trio.move_on_after(0.5):
+                            try:
+                                await transport.aclose()
+                            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                                pass
                 elif lingering and isinstance(stream, trio.SocketStream):
                     await self._unless_shutdown(partial(linger, stream), LINGER_S)
             finally:

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import common.pgserver as pgserver
+from common.linger import LINGER_S
 from common.pgclient import PgClientConnection, connect
 from common.pgserver import (
     CleartextPasswordAuthenticator,
@@ -396,6 +397,25 @@ async def test_a_fatal_error_reaches_a_client_that_is_still_sending(handler: Han
                 assert (err.sqlstate, err.severity) == ("58030", "FATAL")
                 assert await stream.receive_some(65536) == b""  # then an orderly end
                 await stream.aclose()
+
+
+async def test_a_lingering_connection_does_not_hold_the_servers_shutdown(handler: Handler) -> None:
+    """A client that read the FATAL and neither closes nor sends keeps the server's side
+    lingering; a shutdown ends that at once rather than after the linger's bound."""
+    with trio.fail_after(10):
+        async with tcp_server(handler) as server:
+            assert server.port is not None
+            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await _raw_exchange(stream, m.encode(m.StartupMessage({"user": "u"})), m.ReadyForQuery)
+            await _raw_exchange(stream, m.encode(m.Query("fatal_copy")), m.CopyBothResponse)
+            msgs = await _raw_exchange(stream, m.encode(m.CopyData(b"x")), m.ErrorResponse)
+            assert isinstance(msgs[-1], m.ErrorResponse)
+            while server.connection_count:  # the FATAL is out: the connection's close lingers
+                await trio.sleep(0.01)
+            started = trio.current_time()
+        assert trio.current_time() - started < LINGER_S / 2
+        assert await stream.receive_some(65536) == b""  # the server's FIN came with the FATAL
+        await stream.aclose()
 
 
 def _push_until_fatal_over_tls(port: int, ca: Path) -> tuple[list[object], bytes]:

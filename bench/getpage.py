@@ -305,7 +305,7 @@ def _cipher_floor(
     5 rounds of ``batches`` batches."""
     import ssl
 
-    from common.tls import client_context, server_context
+    from common.tls import client_context, handshake_in_memory, server_context
 
     suites: list[str | None] = [None, "ECDHE-ECDSA-AES128-GCM-SHA256",
                                 "ECDHE-ECDSA-CHACHA20-POLY1305", "TLS_AES_128_GCM_SHA256"]
@@ -330,23 +330,7 @@ def _cipher_floor(
         if suite is not None and suite.startswith("ECDHE"):
             sctx.maximum_version = ssl.TLSVersion.TLSv1_2
             sctx.set_ciphers(suite)
-        bios = [ssl.MemoryBIO() for _ in range(4)]
-        server = sctx.wrap_bio(bios[0], bios[1], server_side=True)
-        client = client_context(base / "ca" / "ca.crt").wrap_bio(
-            bios[2], bios[3], server_hostname="localhost"
-        )
-        while True:  # the handshake, in memory
-            done = 0
-            for obj in (client, server):
-                try:
-                    obj.do_handshake()
-                    done += 1
-                except ssl.SSLWantReadError:
-                    pass
-            bios[0].write(bios[3].read())
-            bios[2].write(bios[1].read())
-            if done == 2:
-                break
+        server, client, bios = handshake_in_memory(sctx, client_context(base / "ca" / "ca.crt"))
         enc, dec = [], []
         for _ in range(5):
             e = d = 0.0

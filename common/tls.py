@@ -68,6 +68,31 @@ def client_context(ca_file: Path) -> ssl.SSLContext:
     return ctx
 
 
+def handshake_in_memory(
+    server: ssl.SSLContext, client: ssl.SSLContext, server_hostname: str = "localhost", rounds: int = 10
+) -> tuple[ssl.SSLObject, ssl.SSLObject, list[ssl.MemoryBIO]]:
+    """Both ends of one TLS connection over memory BIOs, handshaken, without a socket (the
+    cipher floor of ``bench getpage``, the suite tests): ``(server, client, bios)``, ``bios``
+    being the server's incoming and outgoing BIO, then the client's. ``RuntimeError`` if the
+    handshake has not finished after ``rounds`` exchanges."""
+    bios = [ssl.MemoryBIO() for _ in range(4)]
+    s = server.wrap_bio(bios[0], bios[1], server_side=True)
+    c = client.wrap_bio(bios[2], bios[3], server_hostname=server_hostname)
+    for _ in range(rounds):
+        done = 0
+        for obj in (c, s):
+            try:
+                obj.do_handshake()
+                done += 1
+            except ssl.SSLWantReadError:
+                pass
+        bios[0].write(bios[3].read())
+        bios[2].write(bios[1].read())
+        if done == 2:
+            return s, c, bios
+    raise RuntimeError(f"the TLS handshake did not finish in {rounds} exchanges")
+
+
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
     from cryptography.hazmat.primitives import serialization
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.getpage import _AES128_CONF
-from common.tls import client_context, server_context
+from common.tls import client_context, handshake_in_memory, server_context
 from tests.auth_helpers import TlsKit
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,24 +30,10 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsKit:
 
 def _negotiate(server: ssl.SSLContext, client: ssl.SSLContext) -> tuple[str | None, str | None]:
     """(version, suite) of a handshake between the two contexts, over memory BIOs."""
-    bios = [ssl.MemoryBIO() for _ in range(4)]
-    s = server.wrap_bio(bios[0], bios[1], server_side=True)
-    c = client.wrap_bio(bios[2], bios[3], server_hostname="localhost")
-    for _ in range(10):
-        done = 0
-        for obj in (c, s):
-            try:
-                obj.do_handshake()
-                done += 1
-            except ssl.SSLWantReadError:
-                pass
-        bios[0].write(bios[3].read())
-        bios[2].write(bios[1].read())
-        if done == 2:
-            cipher = c.cipher()
-            assert cipher == s.cipher()
-            return c.version(), cipher[0] if cipher else None
-    raise AssertionError("the handshake did not finish")
+    s, c, _ = handshake_in_memory(server, client)
+    cipher = c.cipher()
+    assert cipher == s.cipher()
+    return c.version(), cipher[0] if cipher else None
 
 
 def test_default_is_tls13_aes256_gcm(tls: TlsKit) -> None:
@@ -110,3 +96,19 @@ def test_the_servers_openssl_config_chooses_the_suite(
     want = "TLS_AES_128_GCM_SHA256" if server_conf else "TLS_AES_256_GCM_SHA384"
     assert ours == ("TLSv1.3", want)
     assert (theirs["version"], theirs["cipher"]) == ours
+
+
+def test_the_bench_cipher_floor_measures_each_suite_it_names(tmp_path: Path) -> None:
+    """``bench getpage``'s cipher floor (memory BIOs, the AES-128 row from a child process
+    with the OpenSSL config): one row per suite, each with the suite it names negotiated."""
+    from bench.getpage import _cipher_floor, _write_security
+
+    _write_security(tmp_path, [("00" * 16, "11" * 16)])
+    rows = _cipher_floor(tmp_path, pages=2, batches=1)
+    assert [(r["cipher"], r["tls_version"]) for r in rows] == [
+        ("TLS_AES_256_GCM_SHA384", "TLSv1.3"),
+        ("ECDHE-ECDSA-AES128-GCM-SHA256", "TLSv1.2"),
+        ("ECDHE-ECDSA-CHACHA20-POLY1305", "TLSv1.2"),
+        ("TLS_AES_128_GCM_SHA256", "TLSv1.3"),
+    ]
+    assert all(r["encrypt_us_per_page"] > 0 and r["decrypt_us_per_page"] > 0 for r in rows)

@@ -49,9 +49,12 @@ Example (a safekeeper-like START_WAL_PUSH handler)::
                 send, recv = trio.open_memory_channel[bytes](16)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(writer, copy, recv)     # the only sender
-                    with send:
+                    with send:  # not ``async with``: see safekeeper.receive_wal._write_stage
                         while (payload := await copy.receive()) is not None:
-                            await send.send(handle(payload))
+                            try:
+                                await send.send(handle(payload))
+                            except trio.BrokenResourceError:
+                                break  # the writer failed: its error ends the query
             else:
                 raise PgError(f"unsupported command {query!r}", sqlstate.SYNTAX_ERROR)
 

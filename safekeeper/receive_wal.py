@@ -201,6 +201,17 @@ async def serve_wal_push(
         timeline.push_connections -= 1
 
 
+async def _send_or_gone(out: trio.MemorySendChannel[Item], item: Item) -> bool:
+    """Wait for room for ``item``. False once the write stage is gone: it closed its end
+    because it failed, and its error is the connection's; the reader then ends quietly rather
+    than raising a BrokenResourceError beside it (which would hide it from ``_single``)."""
+    try:
+        await out.send(item)
+    except trio.BrokenResourceError:
+        return False
+    return True
+
+
 async def _read_stage(
     copy: CopyBothStream,
     out: trio.MemorySendChannel[Item],
@@ -224,7 +235,10 @@ async def _read_stage(
                 try:
                     out.send_nowait(item)
                 except trio.WouldBlock:
-                    await out.send(item)
+                    if not await _send_or_gone(out, item):
+                        return
+                except trio.BrokenResourceError:
+                    return  # the write stage failed (see _send_or_gone)
                 if isinstance(item, RemoteProtocolError):
                     return
                 if budget.used > budget.limit:
@@ -280,7 +294,10 @@ async def _read_views_stage(
                 try:
                     out.send_nowait(item)
                 except trio.WouldBlock:
-                    await out.send(item)
+                    if not await _send_or_gone(out, item):
+                        return
+                except trio.BrokenResourceError:
+                    return  # the write stage failed (see _send_or_gone)
                 if isinstance(item, RemoteProtocolError):
                     return
 
@@ -320,7 +337,10 @@ async def _read_scan_stage(
                 try:
                     out.send_nowait(item)
                 except trio.WouldBlock:
-                    await out.send(item)
+                    if not await _send_or_gone(out, item):
+                        return
+                except trio.BrokenResourceError:
+                    return  # the write stage failed (see _send_or_gone)
                 if isinstance(item, RemoteProtocolError):
                     return
 

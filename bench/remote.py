@@ -268,11 +268,12 @@ async def _ingest(tl: Timeline, mib: int, pages: list[bytes], start_block: int =
 # settings with SigV4 over the body (``payload_signing``); on-no-coalesce: one index PUT per
 # flush (only back-to-back queued indexes coalesced: ``coalesce_indexes = False``);
 # on-no-probe: every layer compressed whole, whatever its sample says; on-zstd / on-lz4: the
-# node's settings with that codec (``compression = "zstd"`` / ``"lz4"``); on-no-stage: the
-# L0 writer process does not compress its L0s, the uploads compress every layer in the
-# pageserver's own threads (``stage_in_l0_writer = False``)
+# node's settings with that codec (``compression = "zstd"`` / ``"lz4"``); on-stage: the L0
+# writer process compresses each L0 it writes and the upload sends that object
+# (``stage_in_l0_writer = True``; off by default, where the uploads compress every layer in
+# the pageserver's own threads)
 INGEST_CONFIGS = ("off", "on", "on-uncompressed", "on-signed", "on-no-coalesce", "on-no-probe", "on-zstd", "on-lz4",
-                  "on-no-stage")
+                  "on-stage")
 _CODECS: dict[str, Compression] = {"on-uncompressed": "none", "on-zstd": "zstd", "on-lz4": "lz4"}
 _SENT = "pageserver_remote_upload_stored_bytes_total"
 _LAYER_BYTES = "pageserver_remote_upload_bytes_total"
@@ -294,7 +295,7 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: l
             await storage.list("nothing/")
             remote = TenantRemote(storage, 1, coalesce_indexes=config != "on-no-coalesce",
                                   compression_probe=config != "on-no-probe",
-                                  stage_in_l0_writer=config != "on-no-stage")
+                                  stage_in_l0_writer=config == "on-stage")
             codec = _CODECS.get(config)
             if codec is not None:  # else the node's default codec
                 remote = attrs.evolve(remote, compression=codec)

@@ -76,9 +76,12 @@ class TenantRemote:
     index_upload_interval_s: float = 0.5
     # A layer whose sample does not compress is stored as it is (``remote_compression``)
     compression_probe: bool = True
-    # The L0 writer process compresses the L0s it writes; their uploads send that object
-    # (``RemoteTimelineClient.stage_spec``)
-    stage_in_l0_writer: bool = True
+    # The L0 writer process compresses the L0s it writes and their uploads send that object
+    # (``RemoteTimelineClient.stage_spec``). Off by default: in `bench remote` (256 MiB L0s,
+    # 4 runs of 5 rounds) the ingest with uploads was 0.82-0.87 of no uploads with it and
+    # 0.91-0.92 without (docs/benchmarks.md): the worker's compression competes for the same
+    # two cores and delays the upload behind its claim.
+    stage_in_l0_writer: bool = False
 
 
 async def list_remote_tenants(storage: RemoteStorage) -> list[TenantId]:

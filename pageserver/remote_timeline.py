@@ -249,7 +249,7 @@ class RemoteTimelineClient:
         coalesce_indexes: bool = True,
         index_upload_interval_s: float = 0.5,
         compression_probe: bool = True,
-        stage_in_l0_writer: bool = True,
+        stage_in_l0_writer: bool = False,
     ) -> None:
         self.storage = storage
         self.tenant_id = tenant_id

@@ -89,7 +89,7 @@ async def test_l0s_go_up_as_the_worker_staged_them_and_load_back(
     tenant_id, timeline_id = TenantId.generate(), TimelineId.generate()
     staged0 = _counter("pageserver_remote_staged_layers_total")
     async with trio.open_nursery() as nursery:
-        tenant = Tenant(tmp_path / "a", tenant_id, CFG, nursery=nursery, remote=TenantRemote(remote_store, 1))
+        tenant = Tenant(tmp_path / "a", tenant_id, CFG, nursery=nursery, remote=TenantRemote(remote_store, 1, stage_in_l0_writer=True))
         tl = await tenant.create_timeline(timeline_id)
         assert tl.remote is not None
         await tl.remote.wait_uploaded()
@@ -117,7 +117,7 @@ async def test_l0s_go_up_as_the_worker_staged_them_and_load_back(
 
         # a fresh node (empty disk) attaches and reads every page back through those objects
         restored = await Tenant.load(tmp_path / "b", tenant_id, CFG, nursery=nursery,
-                                     remote=TenantRemote(remote_store, 2))
+                                     remote=TenantRemote(remote_store, 2, stage_in_l0_writer=True))
         rtl = restored.timelines[timeline_id]
         for i in range(120):
             assert await rtl.get(rel_block_key(1663, 5, 16384, 0, i), lsn) == _page(i)
@@ -185,7 +185,8 @@ async def test_a_staged_object_that_does_not_pass_is_remade(tmp_path: Path, dama
     damage(staged, path)
     rejected0 = _counter("pageserver_remote_rejected_staged_layers_total")
     staged0 = _counter("pageserver_remote_staged_layers_total")
-    client = RemoteTimelineClient(storage, TenantId.generate(), TimelineId.generate(), 1, tmp_path)
+    client = RemoteTimelineClient(storage, TenantId.generate(), TimelineId.generate(), 1, tmp_path,
+                                  stage_in_l0_writer=True)
     part = await _upload(client, path)
     stored = part.stored_layer(path.name)
     assert stored.compression == "zstd"
@@ -217,7 +218,7 @@ async def test_an_intact_staged_object_is_sent_byte_for_byte(
 
     monkeypatch.setattr(rc, "compress_file", refuse)
     client = RemoteTimelineClient(storage, TenantId.generate(), TimelineId.generate(), 1, tmp_path,
-                                  compression=codec)
+                                  compression=codec, stage_in_l0_writer=True)
     # the first PUT fails: the retry sends the same object (the staged one is used up by then)
     storage.fail("upload", "*" + path.name + "*", times=1)
     part = await _upload(client, path)
@@ -231,15 +232,16 @@ async def test_an_intact_staged_object_is_sent_byte_for_byte(
 def test_stage_spec_follows_the_queue(tmp_path: Path) -> None:
     storage = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote"))
     client = RemoteTimelineClient(storage, TenantId.generate(), TimelineId.generate(), 1, tmp_path,
-                                  compression_level=3, compression_probe=False)
+                                  compression_level=3, compression_probe=False, stage_in_l0_writer=True)
     assert client.stage_spec() is None, "an inactive queue may never upload the layer"
     client.activate()
     assert client.stage_spec() == rc.StageSpec("zstd", 3, False)
     client.stop()
     assert client.stage_spec() is None
-    for kw in ({"compression": "none"}, {"stage_in_l0_writer": False}):
-        other = RemoteTimelineClient(storage, TenantId.generate(), TimelineId.generate(), 1, tmp_path,
-                                     **kw)
+    uncompressed = RemoteTimelineClient(storage, TenantId.generate(), TimelineId.generate(), 1, tmp_path,
+                                        compression="none", stage_in_l0_writer=True)
+    by_default = RemoteTimelineClient(storage, TenantId.generate(), TimelineId.generate(), 1, tmp_path)
+    for other in (uncompressed, by_default):  # nothing to stage; staging is off by default
         other.activate()
         assert other.stage_spec() is None
 
@@ -265,7 +267,7 @@ async def test_a_failed_staging_is_not_a_failed_flush(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(rc, "compress_file", counting)
     async with trio.open_nursery() as nursery:
-        tenant = Tenant(tmp_path / "a", TenantId.generate(), CFG, nursery=nursery, remote=TenantRemote(store, 1))
+        tenant = Tenant(tmp_path / "a", TenantId.generate(), CFG, nursery=nursery, remote=TenantRemote(store, 1, stage_in_l0_writer=True))
         tl = await tenant.create_timeline(TimelineId.generate())
         assert tl.remote is not None
         await tl.remote.wait_uploaded()
@@ -301,7 +303,7 @@ async def test_the_flush_does_not_wait_for_the_staging_and_the_upload_does(
     store = make_remote_storage(LocalStorageConfig(path=tmp_path / "remote"))
     staged0 = _counter("pageserver_remote_staged_layers_total")
     async with trio.open_nursery() as nursery:
-        tenant = Tenant(tmp_path / "a", TenantId.generate(), CFG, nursery=nursery, remote=TenantRemote(store, 1))
+        tenant = Tenant(tmp_path / "a", TenantId.generate(), CFG, nursery=nursery, remote=TenantRemote(store, 1, stage_in_l0_writer=True))
         tl = await tenant.create_timeline(TimelineId.generate())
         tl.l0_worker = L0Worker(worker_args=["--stage-stall-s=3"])
         assert tl.remote is not None
@@ -329,7 +331,8 @@ async def test_the_upload_waits_for_a_claimed_staging(tmp_path: Path, finish: bo
     path = _layer(tmp_path)
     claim = rc.begin_staging(path)
     staged0 = _counter("pageserver_remote_staged_layers_total")
-    client = RemoteTimelineClient(storage, TenantId.generate(), TimelineId.generate(), 1, tmp_path)
+    client = RemoteTimelineClient(storage, TenantId.generate(), TimelineId.generate(), 1, tmp_path,
+                                  stage_in_l0_writer=True)
     done = trio.Event()
     part: list[IndexPart] = []
 

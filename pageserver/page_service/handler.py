@@ -127,6 +127,11 @@ class LazyResolver:
             self.resolved.set()
         return self._reader
 
+    @property
+    def constant(self) -> PageReader | None:
+        """Once resolved, every request's reader (``SingleTimeline.constant``)."""
+        return self._reader
+
     async def wait_shutdown(self) -> None:
         """Return when the resolved timeline shuts down (never, before it is resolved)."""
         await self.resolved.wait()

@@ -187,8 +187,11 @@ Item: TypeAlias = Pending | Fatal
 # What Reading hands to Batching: every request already buffered when it looked, so a burst
 # from a pipelining client crosses the channel (and gets folded) in one go instead of one
 # task switch per request. A decode error can only be the last element; the first element
-# may already be prepared (Reading folded the ones before it itself, see ``_read_stage``).
-ReadItem: TypeAlias = list[tuple[Request, float] | RemoteProtocolError | Pending | Fatal]
+# may already be prepared (Reading folded the ones before it itself, see ``_read_stage``), and
+# the GetPages of a connection's DirectStreamIO are prepared as they are read (a run at once,
+# ``prepare_getpages``).
+ReadEntry: TypeAlias = tuple[Request, float] | RemoteProtocolError | Pending | Fatal
+ReadItem: TypeAlias = list[ReadEntry]
 MAX_READ_BURST: Final = 128
 
 
@@ -438,6 +441,18 @@ class DirectStreamIO:
         event = self._next_event()
         return None if event is NEED_DATA else event
 
+    def take_ready(self, head: GetPageRequest, limit: int) -> list[GetPageRequest]:
+        """``head`` (the GetPage just returned) and up to ``limit - 1`` more that the batch
+        kernel decoded with it: what ``receive_nowait`` would return next, in one call."""
+        ready, at = self._ready, self._ready_at
+        if at >= len(ready):
+            return [head]
+        end = min(len(ready), at + limit - 1)
+        self._ready_at = end
+        if at == 1 and end == len(ready) and ready[0] is head:
+            return ready  # the whole run (the usual burst): no copy
+        return [head, *ready[at:end]]
+
     def _next_event(self) -> Request | StreamEnd | _NeedData:
         if self._ready_at < len(self._ready):
             req = self._ready[self._ready_at]
@@ -647,7 +662,48 @@ def prepare(request: Request, received_at: float, resolver: TimelineResolver) ->
     return Pending(request, timeline, lsn, lsn > last, None, received_at)
 
 
+def prepare_getpages(
+    requests: Sequence[GetPageRequest],
+    received_at: float,
+    resolver: TimelineResolver,
+    out: list[ReadEntry],
+) -> None:
+    """``prepare`` of each of ``requests`` (GetPages read in one burst), appended to ``out``.
+
+    The same items ``prepare`` makes one by one. When the resolver names the one reader of
+    the connection (``constant``), the run is resolved and its timeline's LSNs read once, with
+    no call per request; a request failing a check still goes through ``prepare``, so its
+    error is worded the same. (Nothing can change the LSNs between the requests: no await.)
+    """
+    timeline: PageReader | None = getattr(resolver, "constant", None)
+    if timeline is None:
+        for r in requests:
+            out.append(prepare(r, received_at, resolver))
+        return
+    last = timeline.last_record_lsn
+    gc_cutoff = timeline.gc_cutoff_lsn
+    append = out.append
+    for r in requests:
+        rel, lsn, nms = r.rel, r.request_lsn, r.not_modified_since
+        if rel.relnode == 0 or rel.forknum > MAX_FORKNUM or lsn < nms or lsn == 0 or lsn < gc_cutoff:
+            append(prepare(r, received_at, resolver))
+        elif nms > last:
+            append(Pending(r, timeline, nms, True, None, received_at))
+        else:
+            append(Pending(r, timeline, lsn if lsn < last else last, False, None, received_at))
+
+
 def make_can_fold(cfg: PipelinedPipelining) -> Callable[[list[Item], Item], bool]:
+    return make_folding(cfg)[0]
+
+
+def make_folding(
+    cfg: PipelinedPipelining,
+) -> tuple[Callable[[list[Item], Item], bool], Callable[[list[Item], list[Item], int], int]]:
+    """The ``FoldChannel``'s rule for one connection: ``can_fold(batch, item)`` and
+    ``fold_run(batch, items, start)``, which appends to ``batch`` what ``can_fold`` would take
+    of ``items[start:]`` one by one, checking a run of alike requests (the usual burst: one
+    timeline, one LSN, none waiting) without a call per request."""
     max_batch_size = cfg.max_batch_size
     scattered = cfg.batching == "scattered-lsn"
     index = _LsnIndex()
@@ -666,7 +722,39 @@ def make_can_fold(cfg: PipelinedPipelining) -> Callable[[list[Item], Item], bool
             return item.lsn == last.lsn
         return index.allows(batch, item)  # type: ignore[arg-type]
 
-    return can_fold
+    def fold_run(batch: list[Item], items: list[Item], start: int) -> int:
+        i, n = start, len(items)
+        first, last = batch[0], batch[-1]
+        if (
+            type(first) is Pending
+            and first.foldable
+            and type(last) is Pending
+            # scattered-lsn: a batch all at one LSN takes any request at that LSN
+            and (not scattered or index.uniform_lsn(batch) == last.lsn)  # type: ignore[arg-type]
+        ):
+            # exactly can_fold's checks for an item at the batch's (last) LSN
+            timeline, lsn, waits = first.timeline, last.lsn, last.needs_wait
+            stop = min(n, start + max_batch_size - len(batch))
+            while i < stop:
+                item = items[i]
+                if (
+                    type(item) is not Pending
+                    or not item.foldable
+                    or item.timeline is not timeline
+                    or item.lsn != lsn
+                    or (item.needs_wait and not waits)
+                ):
+                    break
+                waits = item.needs_wait
+                i += 1
+            if i > start:
+                batch += items[start:i]
+        while i < n and can_fold(batch, items[i]):  # the rest, one by one
+            batch.append(items[i])
+            i += 1
+        return i - start
+
+    return can_fold, fold_run
 
 
 class _LsnIndex:
@@ -689,7 +777,8 @@ class _LsnIndex:
         self.by_blkno: dict[int, list[Pending]] = {}
         self.indexed = 0  # batch[:indexed] are in by_blkno
 
-    def allows(self, batch: list[Pending], item: Pending) -> bool:
+    def uniform_lsn(self, batch: list[Pending]) -> Lsn | None:
+        """The LSN of every request in ``batch``, None if they differ."""
         n = len(batch)
         if batch is not self.batch or n < self.seen:
             self.batch, self.lsn, self.seen, self.uniform = batch, batch[0].lsn, 1, True
@@ -701,8 +790,12 @@ class _LsnIndex:
                     self.uniform = False
                     break
             self.seen = n
-            if self.uniform and item.lsn == lsn:
-                return True
+        return self.lsn if self.uniform else None
+
+    def allows(self, batch: list[Pending], item: Pending) -> bool:
+        n = len(batch)
+        if self.uniform_lsn(batch) == item.lsn:
+            return True
         by_blkno = self.by_blkno
         for i in range(self.indexed, n):
             p = batch[i]
@@ -1029,7 +1122,16 @@ def _fold_directly(burst: ReadItem, batches: FoldChannel[Item], resolver: Timeli
     Returns how many entries were folded; the first refused one is left in ``burst`` already
     prepared (so it is not prepared twice) and the rest, as they were, for Batching.
     """
-    for i, entry in enumerate(burst):
+    i, n = 0, len(burst)
+    items = cast(list[Item], burst)  # fold_run takes only Pendings
+    while i < n:
+        entry = burst[i]
+        if type(entry) is Pending:  # prepared as read: fold the run at once
+            took = batches.send_run_nowait(items, i)
+            if not took:
+                return i
+            i += took
+            continue
         prepared = (
             Fatal(entry)
             if isinstance(entry, RemoteProtocolError)
@@ -1040,7 +1142,8 @@ def _fold_directly(burst: ReadItem, batches: FoldChannel[Item], resolver: Timeli
         if not batches.send_nowait(prepared):
             burst[i] = prepared
             return i
-    return len(burst)
+        i += 1
+    return n
 
 
 class _Answerer:
@@ -1077,6 +1180,9 @@ async def _read_stage(
     answerer: _Answerer,
 ) -> None:
     flight = answerer.flight
+    # The connection's own decoder hands over each run of GetPages its kernel decoded at once,
+    # prepared at once (``prepare_getpages``); other sources request by request.
+    take_ready = source.take_ready if isinstance(source, DirectStreamIO) else None
     try:
         while True:
             burst: ReadItem = []
@@ -1086,7 +1192,11 @@ async def _read_stage(
                 event = await source.receive()
                 now = time.perf_counter()
                 while event is not None and not isinstance(event, StreamEnd):
-                    burst.append((event, now))
+                    if take_ready is not None and type(event) is GetPageRequest:
+                        run = take_ready(event, MAX_READ_BURST - len(burst))
+                        prepare_getpages(run, now, resolver, burst)
+                    else:
+                        burst.append((event, now))
                     if len(burst) >= MAX_READ_BURST:
                         break
                     event = source.receive_nowait()
@@ -1106,8 +1216,12 @@ async def _read_stage(
                     # stay in one nursery: an error raised here tears the pipeline down
                     # exactly as one raised by Execution.
                     head = burst[0]
-                    if len(burst) == 1 and type(head) is tuple and batches.receiver_idle:
-                        item = prepare(head[0], head[1], resolver)
+                    if (
+                        len(burst) == 1
+                        and (type(head) is tuple or type(head) is Pending)
+                        and batches.receiver_idle
+                    ):
+                        item = prepare(head[0], head[1], resolver) if type(head) is tuple else head
                         if type(item) is Pending and not item.needs_wait:
                             await answerer.answer([item])
                             burst = []
@@ -1145,17 +1259,28 @@ async def _batch_stage(
                 burst = await requests.get()
             except trio.EndOfChannel:
                 return
-            for entry in burst:
-                prepared = (
-                    prepare(entry[0], entry[1], resolver)
-                    if isinstance(entry, tuple)
-                    else Fatal(entry)
-                    if isinstance(entry, RemoteProtocolError)
-                    else entry
-                )
+            items = cast(list[Item], burst)  # fold_run takes only Pendings
+            i, n = 0, len(burst)
+            while i < n:
+                entry = burst[i]
+                if type(entry) is Pending:  # prepared as read: fold the run at once
+                    took = batches.send_run_nowait(items, i)
+                    if took:
+                        i += took
+                        continue
+                    prepared: Item = entry
+                else:
+                    prepared = (
+                        prepare(entry[0], entry[1], resolver)
+                        if isinstance(entry, tuple)
+                        else Fatal(entry)
+                        if isinstance(entry, RemoteProtocolError)
+                        else entry
+                    )
                 # Fold without a task switch while the batch accepts; park only when not.
                 if not batches.send_nowait(prepared):
                     await batches.send(prepared)
+                i += 1
     finally:
         requests.close_receiver()
         batches.close()
@@ -1184,7 +1309,7 @@ async def _serve_pipelined(
 ) -> StreamEnd:
     state = _ReadState()
     requests = HandoffQueue[ReadItem](ctx.config.read_queue)
-    batches = FoldChannel[Item](make_can_fold(cfg))
+    batches = FoldChannel[Item](*make_folding(cfg))
     if isinstance(source, DirectStreamIO):
         flight = source.in_flight
         source.park_when_drained = True

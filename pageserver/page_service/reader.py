@@ -150,3 +150,9 @@ class SingleTimeline:
 
     def resolve(self, request: Request) -> PageReader:
         return self.reader
+
+    @property
+    def constant(self) -> PageReader:
+        """The reader every request resolves to (the pipeline then resolves a burst once;
+        a resolver without this attribute, or answering None, is asked per request)."""
+        return self.reader

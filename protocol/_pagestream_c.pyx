@@ -11,6 +11,7 @@ from libc.stdlib cimport free, malloc
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_GET_SIZE
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.object cimport PyObject_GenericSetAttr
 
 cdef extern from "_bytes.h":
     uint32_t ps_be32(const unsigned char *p) nogil
@@ -44,6 +45,42 @@ cdef enum:
     TAG_GET_PAGE_RESPONSE = 102
 
 
+_REQUEST_FIELDS = ("reqid", "request_lsn", "not_modified_since", "rel", "blkno")
+# make_request classes seen, and whether they are plain records (below)
+cdef dict _plain_records = {}
+cdef object _object_new = object.__new__
+
+
+cdef bint _plain_record(object cls) except -1:
+    """Whether ``cls(...)`` does nothing but set the five fields: an attrs class (frozen or
+    not) with exactly ``_REQUEST_FIELDS``, no validator, converter, on_setattr hook, pre- or
+    post-init, and ``object.__new__``. Then an instance is made as attrs' own ``__init__``
+    makes it (``object.__setattr__`` per field) without the Python frame: the same object,
+    a third of the cost. Decided once per class."""
+    got = _plain_records.get(cls)
+    if got is None:
+        got = False
+        fields = getattr(cls, "__attrs_attrs__", None)
+        if (
+            isinstance(cls, type)
+            and cls.__new__ is _object_new
+            and fields is not None
+            and tuple(f.name for f in fields) == _REQUEST_FIELDS
+            and not hasattr(cls, "__attrs_post_init__")
+            and not hasattr(cls, "__attrs_pre_init__")
+            # attrs' generated __init__, not one of the class's own
+            and "attrs generated" in getattr(getattr(cls.__init__, "__code__", None), "co_filename", "")
+        ):
+            got = all(
+                f.init and f.validator is None and f.converter is None and f.on_setattr is None
+                for f in fields
+            )
+        if len(_plain_records) >= 64:
+            _plain_records.clear()
+        _plain_records[cls] = got
+    return got
+
+
 def decode_getpages(buf, pos, end, v3, limit, make_request, make_rel, rels):
     """Every framed GetPage at ``buf[pos:end]`` at once; see the twin."""
     cdef const unsigned char[::1] view = memoryview(buf).cast("B")
@@ -62,6 +99,12 @@ def decode_getpages(buf, pos, end, v3, limit, make_request, make_rel, rels):
     cdef uint32_t spc, db, relnode, blk
     cdef unsigned char fork
     cdef Py_ssize_t body
+    cdef bint plain = _plain_record(make_request)
+    # the previous request's relation: a run of one relation skips the key and the lookup
+    cdef bint have_prev = False
+    cdef uint32_t pspc = 0, pdb = 0, prelnode = 0
+    cdef unsigned char pfork = 0
+    rel = None
     out = []
     while count < most and e - p >= size:
         m = b + p
@@ -81,14 +124,27 @@ def decode_getpages(buf, pos, end, v3, limit, make_request, make_rel, rels):
         fork = m[body + 28]
         blk = ps_be32(m + body + 29)
         p += size
-        key = (spc, db, relnode, fork)
-        rel = rels.get(key)
-        if rel is None:
-            if len(rels) >= MAX_CACHED_RELS:
-                rels.clear()
-            rel = make_rel(spc, db, relnode, fork)
-            rels[key] = rel
-        out.append(make_request(reqid, lsn, nms, rel, blk))
+        if not (have_prev and spc == pspc and db == pdb and relnode == prelnode and fork == pfork):
+            # (the same relation as the previous request is in ``rels`` already: the cache
+            # is only emptied when a new one goes in)
+            key = (spc, db, relnode, fork)
+            rel = rels.get(key)
+            if rel is None:
+                if len(rels) >= MAX_CACHED_RELS:
+                    rels.clear()
+                rel = make_rel(spc, db, relnode, fork)
+                rels[key] = rel
+            have_prev, pspc, pdb, prelnode, pfork = True, spc, db, relnode, fork
+        if plain:
+            req = _object_new(make_request)
+            PyObject_GenericSetAttr(req, "reqid", reqid)
+            PyObject_GenericSetAttr(req, "request_lsn", lsn)
+            PyObject_GenericSetAttr(req, "not_modified_since", nms)
+            PyObject_GenericSetAttr(req, "rel", rel)
+            PyObject_GenericSetAttr(req, "blkno", blk)
+        else:
+            req = make_request(reqid, lsn, nms, rel, blk)
+        out.append(req)
         count += 1
     return out, p
 

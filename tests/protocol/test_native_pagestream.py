@@ -11,7 +11,9 @@ pure-Python twin and against the one-message codec of protocol/pagestream.py.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -79,6 +81,52 @@ def test_relation_tags_are_shared_and_the_cache_bounded(impl: str) -> None:
     many = _stream([GetPageRequest(i, Lsn(9), Lsn(0), RelTag(1663, 5, i, 0), i) for i in range(mod.MAX_CACHED_RELS + 5)], 3)
     mod.decode_getpages(many, 0, len(many), True, 10_000, GetPageRequest, RelTag, rels)
     assert len(rels) <= mod.MAX_CACHED_RELS
+
+
+@attrs.frozen
+class _Checked:
+    """The request's fields with a validator: ``cls(...)`` does more than set them."""
+
+    reqid: int
+    request_lsn: int
+    not_modified_since: int
+    rel: RelTag
+    blkno: int = attrs.field(validator=attrs.validators.lt(10**6))
+
+
+@attrs.define
+class _OwnInit:
+    reqid: int
+    request_lsn: int
+    not_modified_since: int
+    rel: RelTag
+    blkno: int
+
+    def __init__(self, *args: Any) -> None:
+        calls.append(args)
+        self.__attrs_init__(*args)  # type: ignore[attr-defined]
+
+
+calls: list[tuple[Any, ...]] = []
+
+
+@pytest.mark.parametrize("make", [GetPageRequest, _Checked, _OwnInit, lambda *a: ("made", *a)])
+def test_every_kind_of_make_request_gets_what_calling_it_makes(impl: str, make: Any) -> None:
+    """A plain attrs record (GetPageRequest) may be built without its ``__init__`` frame by
+    the kernel; anything that does more (a validator, its own ``__init__``, any callable) is
+    called. Either way the requests equal ``make(...)`` of each message's fields, and a
+    class's own ``__init__`` runs once per request."""
+    mod = kernel(impl, PS)
+    reqs = [_gp(i, 3) for i in range(6)]
+    data = _stream(reqs, 3)  # type: ignore[arg-type]
+    calls.clear()
+    got, end = mod.decode_getpages(data, 0, len(data), True, 100, make, RelTag, {})
+    fields = [(r.reqid, r.request_lsn, r.not_modified_since, r.rel, r.blkno) for r in reqs]
+    expected = [make(*f) for f in fields]
+    assert got == expected and end == len(data)
+    assert [type(g) for g in got] == [type(e) for e in expected]
+    if make is _OwnInit:
+        assert calls == fields + fields  # the kernel's six, then ours
 
 
 @pytest.mark.parametrize(

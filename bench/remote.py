@@ -271,10 +271,13 @@ async def _ingest(tl: Timeline, mib: int, pages: list[bytes], start_block: int =
 # node's settings with that codec (``compression = "zstd"`` / ``"lz4"``); on-stage: the L0
 # writer process compresses each L0 it writes and the upload sends that object
 # (``stage_in_l0_writer = True``; off by default, where the uploads compress every layer in
-# the pageserver's own threads)
+# the pageserver's own threads); on-zstd-fast: zstd at its fast level -1
+# (``compression_level = -1``) instead of 1
 INGEST_CONFIGS = ("off", "on", "on-uncompressed", "on-signed", "on-no-coalesce", "on-no-probe", "on-zstd", "on-lz4",
-                  "on-stage")
-_CODECS: dict[str, Compression] = {"on-uncompressed": "none", "on-zstd": "zstd", "on-lz4": "lz4"}
+                  "on-stage", "on-zstd-fast")
+_CODECS: dict[str, Compression] = {"on-uncompressed": "none", "on-zstd": "zstd", "on-lz4": "lz4",
+                                   "on-zstd-fast": "zstd"}
+_LEVELS: dict[str, int] = {"on-zstd-fast": -1}
 _SENT = "pageserver_remote_upload_stored_bytes_total"
 _LAYER_BYTES = "pageserver_remote_upload_bytes_total"
 _CODEC_CPU = "pageserver_remote_codec_cpu_seconds_total"
@@ -299,6 +302,8 @@ async def _ingest_run(work: Path, mib: int, endpoint: str, config: str, pages: l
             codec = _CODECS.get(config)
             if codec is not None:  # else the node's default codec
                 remote = attrs.evolve(remote, compression=codec)
+            if config in _LEVELS:  # else the node's default level
+                remote = attrs.evolve(remote, compression_level=_LEVELS[config])
         tenant = Tenant(work, TenantId.generate(), cfg, nursery=nursery, remote=remote)
         tl = await tenant.create_timeline(TimelineId.generate())
         if tl.remote is not None:

@@ -44,7 +44,11 @@ def test_kinds_round_trip() -> None:
     fast = load_config(Node, 'remote_storage = {kind = "s3", bucket = "b-1", compression = "lz4", compression_level = 16}',
                        converter=_conv())
     assert isinstance(fast.remote_storage, S3StorageConfig) and fast.remote_storage.compression == "lz4"
-    for cfg in (local, s3, plain, level3, fast, Node()):
+    zstd_fast = load_config(Node, 'remote_storage = {kind = "local", path = "/r", compression_level = -1}',
+                            converter=_conv())
+    assert isinstance(zstd_fast.remote_storage, LocalStorageConfig)
+    assert zstd_fast.remote_storage.compression_level == -1
+    for cfg in (local, s3, plain, level3, fast, zstd_fast, Node()):
         assert load_config(Node, dump_config(cfg, converter=_conv()), converter=_conv()) == cfg
 
 
@@ -60,7 +64,10 @@ def test_kinds_round_trip() -> None:
         ('remote_storage = {kind = "s3", bucket = "okay", compression_level = 0}', "compression_level"),
         ('remote_storage = {kind = "local", path = "/x", compression_level = 20}', "compression_level"),
         ('remote_storage = {kind = "local", path = "/x", compression = "lz4", compression_level = 17}',
-         "compression_level must be at most 16"),
+         "compression_level must be 1..16 (not 0)"),
+        ('remote_storage = {kind = "local", path = "/x", compression = "lz4", compression_level = -1}',
+         "compression_level must be 1..16"),
+        ('remote_storage = {kind = "local", path = "/x", compression_level = -8}', "compression_level"),
         ('remote_storage = {kind = "s3", bucket = "okay", compression = "lz4", compression_level = 0}',
          "compression_level"),
         ('remote_storage = {kind = "s3", bucket = "okay", compression = "LZ4"}', "remote_storage.compression"),

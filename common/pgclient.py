@@ -14,8 +14,10 @@ safekeeper), the pagestream client and tests.
     await conn.finish_copy()    # CopyDone both ways, then CommandComplete/ReadyForQuery
     await conn.aclose()
 
-An ErrorResponse raises ``PgError`` (``.sqlstate``, ``.message``, ``.severity``); a server that
-breaks the protocol raises ``RemoteProtocolError``. Auth: trust, cleartext password, MD5.
+An ErrorResponse raises ``PgError`` (``.sqlstate``, ``.message``, ``.severity``); after a FATAL
+or PANIC one the session is over: the stream is closed before the error is raised (during COPY,
+marked closed for ``aclose()``), and no Terminate is sent. A server that breaks the protocol
+raises ``RemoteProtocolError``. Auth: trust, cleartext password, MD5.
 One task sends and one task receives at a time (the CopyBoth rule of ``common.pgcopy``).
 """
 
@@ -64,6 +66,9 @@ class QueryResult:
     rows: list[Row]
     command_tag: str
 
+
+# Error severities after which the server closes the connection.
+_SESSION_ENDING = frozenset({"FATAL", "PANIC"})
 
 def format_options(options: Mapping[str, str]) -> str:
     """``{"a": "x y"}`` -> ``-c a=x\\ y`` (the startup ``options`` syntax)."""
@@ -277,9 +282,12 @@ class PgClientConnection:
             if msg is None:
                 self._closed = True
                 raise trio.BrokenResourceError("server closed the connection")
-            if isinstance(msg, m.ErrorResponse) and msg.severity in ("FATAL", "PANIC"):
-                # The server closes the connection after a FATAL error: report it now.
+            if isinstance(msg, m.ErrorResponse) and msg.severity in _SESSION_ENDING:
+                # The server ends the session after a FATAL error: report it now, and close our
+                # side at once (nothing more can come, and a peer that lingers reading until we
+                # close is not kept waiting for the caller's aclose()).
                 self._closed = True
+                await trio.aclose_forcefully(self._stream)
                 raise PgError.from_response(msg)
             if not self._asynchronous(msg):
                 return msg
@@ -383,9 +391,13 @@ class PgClientConnection:
             stream.peer_done = True
             return None
         if isinstance(msg, m.ErrorResponse):
-            # The error ends COPY; ReadyForQuery follows and finish_copy() consumes it.
+            # The error ends COPY; ReadyForQuery follows and finish_copy() consumes it, except
+            # after a FATAL one: the session is over (no Terminate; aclose() closes the stream).
             stream.peer_done = True
             stream.sent_done = True
+            if msg.severity in _SESSION_ENDING:
+                self._closed = True
+                stream.peer_closed = True
             raise PgError.from_response(msg)
         raise RemoteProtocolError(f"unexpected {type(msg).__name__} during COPY")
 

@@ -70,6 +70,7 @@ class QueryResult:
 # Error severities after which the server closes the connection.
 _SESSION_ENDING = frozenset({"FATAL", "PANIC"})
 
+
 def format_options(options: Mapping[str, str]) -> str:
     """``{"a": "x y"}`` -> ``-c a=x\\ y`` (the startup ``options`` syntax)."""
 

@@ -7,8 +7,8 @@ Credentials are not config: boto3 finds them the usual way (environment, ``~/.aw
 any. A relative local ``path`` is taken relative to the node's workdir by the node.
 
 ``compression`` (``"zstd"``, the default, ``"lz4"`` or ``"none"``) and ``compression_level``
-(zstd 1-19 or its fast levels -7..-1, lz4 1-16) say how the pageserver stores layer files in the store
-(``pageserver.remote_compression``); the index records it per layer, so a change applies to
+(zstd 1-19 or its fast levels -7..-1, lz4 1-16) say how the pageserver stores layer files in
+the store (``pageserver.remote_compression``); the index records it per layer, so a change applies to
 new uploads and every object stays readable.
 Indexes and WAL segments are stored as they are.
 """
@@ -26,19 +26,17 @@ from common.config import register_tagged_union
 
 Compression = Literal["none", "zstd", "lz4"]
 COMPRESSIONS: Final[tuple[Compression, ...]] = ("none", "zstd", "lz4")
-# zstd levels 1-3 cost 2-5 ms of CPU per MiB; higher ones are far slower for little more.
-# Its negative ("fast") levels trade ratio for speed: on pgbench pages -1 took a third less
-# CPU than 1 for 5.2 % of the bytes instead of 4.7 % (docs/remote-storage.md); below -7 the
-# ratio falls off with no more speed. 0 is refused: zstd reads it as "its default" (3).
-_LEVELS = attrs.validators.and_(attrs.validators.ge(-7), attrs.validators.le(19))
-# lz4: 1-2 are its fast mode, 3-16 its HC levels (far slower to write, as fast to read)
-_MIN_LEVEL: Final[dict[str, int]] = {"none": 1, "zstd": -7, "lz4": 1}
-_MAX_LEVEL: Final[dict[str, int]] = {"none": 19, "zstd": 19, "lz4": 16}
+# The levels each codec takes. zstd: 1-3 cost 2-5 ms of CPU per MiB, higher ones are far
+# slower for little more; its negative ("fast") levels trade ratio for speed (-1: a third less
+# CPU than 1 in one call, but no saving in the upload path: docs/remote-storage.md), and below
+# -7 the ratio falls off with no more speed; 0 is refused, zstd reads it as "its default" (3).
+# lz4: 1-2 are its fast mode, 3-16 its HC levels (far slower to write, as fast to read).
+_LEVEL_RANGE: Final[dict[str, tuple[int, int]]] = {"none": (1, 19), "zstd": (-7, 19), "lz4": (1, 16)}
 
 
 def _check_level(cfg: LocalStorageConfig | S3StorageConfig) -> None:
     level = cfg.compression_level
-    bottom, top = _MIN_LEVEL[cfg.compression], _MAX_LEVEL[cfg.compression]
+    bottom, top = _LEVEL_RANGE[cfg.compression]
     if level == 0 or not bottom <= level <= top:
         raise ValueError(f"compression_level must be {bottom}..{top} (not 0) with "
                          f"compression = {cfg.compression!r}, got {level}")
@@ -66,7 +64,7 @@ class LocalStorageConfig:
     path: Path
     concurrency_limit: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     compression: Compression = "zstd"
-    compression_level: int = attrs.field(default=1, validator=_LEVELS)
+    compression_level: int = 1  # checked against the codec's range (_check_level)
 
     def __attrs_post_init__(self) -> None:
         _check_level(self)
@@ -92,7 +90,7 @@ class S3StorageConfig:
     # block and the summary, checked when the file is opened and read.
     payload_signing: bool = False
     compression: Compression = "zstd"
-    compression_level: int = attrs.field(default=1, validator=_LEVELS)
+    compression_level: int = 1  # checked against the codec's range (_check_level)
 
     def __attrs_post_init__(self) -> None:
         _check_level(self)

@@ -25,12 +25,13 @@ async def _read_until_eof(stream: trio.abc.ReceiveStream) -> bytes:
 async def test_a_fatal_error_closes_the_client_side_before_aclose(severity: str) -> None:
     client_stream, server_stream = trio.testing.memory_stream_pair()
     conn = PgClientConnection(client_stream, 1 << 20)
-    error = m.ErrorResponse.build("boom", "57P01", severity=severity)
-    ready = m.ReadyForQuery("I") if severity == "ERROR" else None
+    replies: list[m.Message] = [m.ErrorResponse.build("boom", "57P01", severity=severity)]
+    if severity == "ERROR":
+        replies.append(m.ReadyForQuery("I"))  # the session goes on
 
     async def server() -> bytes:
         await server_stream.receive_some(65536)  # the Query
-        await server_stream.send_all(m.encode(error, *([ready] if ready else [])))
+        await server_stream.send_all(m.encode(*replies))
         with trio.fail_after(5):
             return await _read_until_eof(server_stream)
 

@@ -437,20 +437,29 @@ def test_pipelined_over_a_socket_answers_like_serial(bursts: list[list[int]], cu
         ours, server = _socket_pair()
         client = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
         raw = bytearray()
+        want = sum(len(burst) for burst in bursts) * (5 + 8234)
+
+        async def receive_responses() -> None:
+            # Read while sending, as a client does: the serial server does not read while its
+            # send is blocked, so a client that only reads after its last byte deadlocks once
+            # the responses in flight fill the socket's buffer.
+            nonlocal raw
+            while len(raw) < want:
+                raw += await client.receive_some()
+
         reqid = 0
         async with trio.open_nursery() as nursery:
             nursery.start_soon(serve_pagestream_bytes, server, ctx)
-            for burst in bursts:
-                wire = bytearray()
-                for blk in burst:
-                    wire += frame_requests([GetPageRequest(reqid, MAX, Lsn(0x100), REL, blk)], 3)
-                    reqid += 1
-                for at in range(0, len(wire), cut):
-                    await client.send_all(wire[at : at + cut])
-                    await trio.lowlevel.checkpoint()
-            want = reqid * (5 + 8234)
-            while len(raw) < want:
-                raw += await client.receive_some()
+            async with trio.open_nursery() as receiving:
+                receiving.start_soon(receive_responses)
+                for burst in bursts:
+                    wire = bytearray()
+                    for blk in burst:
+                        wire += frame_requests([GetPageRequest(reqid, MAX, Lsn(0x100), REL, blk)], 3)
+                        reqid += 1
+                    for at in range(0, len(wire), cut):
+                        await client.send_all(wire[at : at + cut])
+                        await trio.lowlevel.checkpoint()
             await client.send_all(m.encode(m.CopyDone()))
         await client.aclose()
         return bytes(raw)

@@ -7,9 +7,11 @@ process, the proposer, pushes pre-framed AppendRequests as fast as the socket ta
 prints the best (the machine is shared; the other runs are listed in ``runs_mib_s``). The rate is the acknowledged
 flush_lsn progress divided by the time of the last acknowledgement. The same run measures
 the disk's raw rate for 1 MiB ``pwrite`` s (about one write group) into a preallocated file,
-with and without ``fdatasync`` after each, as the ceiling; without fsync twice, into fresh
-pages (``"page_cache": "fresh"``, what a new WAL segment gets) and over pages already in the
-page cache (``"cached"``), with the writer's MiB per CPU-second; because the fsynced rate of a virtual disk swings
+with and without ``fdatasync`` after each, as the ceiling; each twice, into fresh pages
+of a fallocated file (``"page_cache": "fresh"``, what a new WAL segment gets) and over a file
+written and synced once before (``"cached"``: its pages in the page cache and its blocks
+initialized, what a segment recycled PostgreSQL's way would be), with the writer's MiB per
+CPU-second; because the fsynced rate of a virtual disk swings
 between minutes, every fsynced run is also preceded by a short raw fsynced measurement, and
 the line reports the median of run / adjacent raw (``median_pct_of_raw_fsync``), plus the
 median rate and MiB per CPU-second of the safekeeper over the runs. One JSON line per
@@ -249,10 +251,12 @@ def raw_disk_rate(
     directory: Path, *, fsync: bool, seconds: float, max_mib: int, cached: bool = False
 ) -> dict[str, object]:
     """1 MiB ``pwrite`` s (about one write group) into a preallocated file, each followed by
-    an ``fdatasync`` if ``fsync``. ``cached``: the file's pages were written once before the
-    timed pass, so the pass only overwrites pages already in the page cache (a fresh file
+    an ``fdatasync`` if ``fsync``. ``cached``: the file was written once and synced before
+    the timed pass, so the pass only overwrites pages already in the page cache (a fresh file
     needs a new page-cache page for every 4 KiB, which is most of a no-fsync write's cost
-    on this machine)."""
+    on this machine) over blocks already initialized (a fallocated block is "unwritten" in
+    ext4 until its first write, and the ``fdatasync`` after that write commits the change
+    in the journal)."""
     path = directory / "raw-disk-test"
     block = os.urandom(1 << 20)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -263,6 +267,7 @@ def raw_disk_rate(
         if cached:
             for off in range(0, max_mib << 20, len(block)):
                 os.pwrite(fd, block, off)
+            os.fsync(fd)
         written = 0
         cpu0 = time.process_time()
         t0 = time.perf_counter()
@@ -715,7 +720,7 @@ def run(args: argparse.Namespace) -> int:
     base = Path(tempfile.mkdtemp(prefix="pagestore-bench-sk-", dir=args.dir))
     rows: list[dict[str, object]] = []
     try:
-        for fsync, cached in ((True, False), (False, False), (False, True)):
+        for fsync, cached in ((True, False), (True, True), (False, False), (False, True)):
             raws = [
                 raw_disk_rate(
                     base, fsync=fsync, seconds=args.seconds, max_mib=args.max_mib, cached=cached

@@ -47,6 +47,12 @@ Anything the real safekeeper does beyond these (pgwire, acceptor, trio) is the g
 its row and the floor's; the floor's own distance to the raw fsynced rate is what no Python
 receiver structured like this can close on this machine.
 
+``--wal-direct-io off,on`` runs the safekeeper rows with buffered and with ``O_DIRECT`` segment
+writes (``wal_direct_io``), side by side, and adds raw rows of 1 MiB ``O_DIRECT`` writes
+(``"io": "direct"``); an fsynced run's adjacent raw measurement then uses the run's own IO
+(``median_pct_of_raw_fsync``), and a direct run is also set against the buffered raw rate
+measured beside it (``median_pct_of_raw_fsync_buffered``).
+
 ``--wal-io-engine writer-thread,threadpool`` runs the safekeeper rows once per WAL IO engine
 (``safekeeper.wal_io``), side by side; ``--gil-switch-interval 0.005,0.0005`` once per
 ``gil_switch_interval_s`` of the node (0.005 s is Python's own default).
@@ -57,6 +63,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import mmap
 import os
 import queue
 import shutil
@@ -159,10 +166,11 @@ async def run_config(
     workdir: Path, stream: bytes, start: Lsn, end: Lsn, msg_size: int, *, fsync: bool,
     coalescing: bool, seconds: float, impl: str = "native",
     wal_io_engine: str = "writer-thread", gil_switch_interval_s: float | None = None,
+    direct_io: bool = False,
 ) -> dict[str, object]:
     settings: dict[str, Any] = {
         "no_sync": not fsync, "max_write_bytes": (1 << 20) if coalescing else 0,
-        "wal_io_engine": wal_io_engine,
+        "wal_io_engine": wal_io_engine, "wal_direct_io": direct_io,
     }
     if gil_switch_interval_s is not None:
         settings["gil_switch_interval_s"] = gil_switch_interval_s
@@ -223,6 +231,7 @@ async def run_config(
         "fsync": fsync,
         "coalescing": coalescing,
         "wal_io_engine": wal_io_engine,
+        "wal_direct_io": direct_io,
         # None: the node's default (SafekeeperConfig.gil_switch_interval_s).
         "gil_switch_interval_s": gil_switch_interval_s,
         "acked_mib": round(acked / (1 << 20), 2),
@@ -248,7 +257,8 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def raw_disk_rate(
-    directory: Path, *, fsync: bool, seconds: float, max_mib: int, cached: bool = False
+    directory: Path, *, fsync: bool, seconds: float, max_mib: int, cached: bool = False,
+    direct: bool = False,
 ) -> dict[str, object]:
     """1 MiB ``pwrite`` s (about one write group) into a preallocated file, each followed by
     an ``fdatasync`` if ``fsync``. ``cached``: the file was written once and synced before
@@ -256,10 +266,16 @@ def raw_disk_rate(
     needs a new page-cache page for every 4 KiB, which is most of a no-fsync write's cost
     on this machine) over blocks already initialized (a fallocated block is "unwritten" in
     ext4 until its first write, and the ``fdatasync`` after that write commits the change
-    in the journal)."""
+    in the journal). ``direct``: the file is written with ``O_DIRECT`` from an aligned
+    buffer (no page cache at all; ``cached`` then only means initialized blocks)."""
     path = directory / "raw-disk-test"
-    block = os.urandom(1 << 20)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    block: bytes | mmap.mmap = os.urandom(1 << 20)
+    if direct:
+        aligned = mmap.mmap(-1, 1 << 20)
+        aligned.write(block)
+        block = aligned
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o600)
     cpu0 = 0.0
     try:
         os.posix_fallocate(fd, 0, max_mib << 20)
@@ -286,6 +302,7 @@ def raw_disk_rate(
         "write_size": 1 << 20,
         "fsync": fsync,
         "page_cache": "cached" if cached else "fresh",
+        "io": "direct" if direct else "buffered",
         "mib": written >> 20,
         "seconds": round(elapsed, 3),
         "mib_s": round(written / (1 << 20) / elapsed, 2),
@@ -604,6 +621,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the safekeeper's wal_io_engine: writer-thread, threadpool or both, side by side",
     )
     parser.add_argument(
+        "--wal-direct-io", default="off",
+        help="the safekeeper's wal_direct_io: off (buffered writes), on (O_DIRECT) or both, side by side",
+    )
+    parser.add_argument(
         "--gil-switch-interval", default="node",
         help="the safekeeper's gil_switch_interval_s (seconds; 'node': its default), several "
         "side by side: e.g. 0.005,0.0005 (0.005 is Python's own default)",
@@ -628,21 +649,29 @@ def _flags(text: str) -> list[bool]:
 
 def _repeat(
     args: argparse.Namespace, base: Path, adjacent_raw: bool,
-    one: Callable[[int], dict[str, object]],
+    one: Callable[[int], dict[str, object]], direct: bool = False,
 ) -> dict[str, object]:
     """Run one configuration ``--repeat`` times (each fsynced or floor run right after its
-    own 1 s raw fsynced measurement) and summarise: the best run, plus every run's rate,
-    the medians and the median ratio to the adjacent raw fsynced rate."""
+    own 1 s raw fsynced measurement, with the run's IO: ``direct`` for O_DIRECT runs, which
+    also get a buffered one) and summarise: the best run, plus every run's rate, the medians
+    and the median ratio to the adjacent raw fsynced rate."""
     runs = []
     raw_near: list[float] = []
+    raw_near_buffered: list[float] = []
     for i in range(max(args.repeat, 1)):
         if adjacent_raw:
             # This virtual disk's fsynced rate swings several-fold between minutes:
             # measure it right next to every fsynced run.
             near = raw_disk_rate(
-                base, fsync=True, seconds=min(args.seconds, 1.0), max_mib=args.max_mib
+                base, fsync=True, seconds=min(args.seconds, 1.0), max_mib=args.max_mib,
+                direct=direct,
             )
             raw_near.append(float(near["mib_s"]))  # type: ignore[arg-type]
+            if direct:
+                near = raw_disk_rate(
+                    base, fsync=True, seconds=min(args.seconds, 1.0), max_mib=args.max_mib
+                )
+                raw_near_buffered.append(float(near["mib_s"]))  # type: ignore[arg-type]
         runs.append(one(i))
     result = max(runs, key=lambda r: float(r["mib_s"]))  # type: ignore[arg-type]
     result["runs_mib_s"] = [r["mib_s"] for r in runs]
@@ -660,19 +689,30 @@ def _repeat(
         ]
         result["raw_fsync_near_mib_s"] = raw_near
         result["median_pct_of_raw_fsync"] = round(100 * statistics.median(ratios), 1)
+        if raw_near_buffered:
+            result["raw_fsync_near_buffered_mib_s"] = raw_near_buffered
+            result["median_pct_of_raw_fsync_buffered"] = round(
+                100 * statistics.median(
+                    float(r["mib_s"]) / raw  # type: ignore[arg-type]
+                    for r, raw in zip(runs, raw_near_buffered, strict=True)
+                    if raw > 0
+                ),
+                1,
+            )
     result["record_size"] = args.record_size
     return result
 
 
 def _one_real(
     workdir: Path, stream: bytes, start: Lsn, end: Lsn, msg_size: int, fsync: bool,
-    coalescing: bool, seconds: float, impl: str, engine: str, switch: float | None, i: int,
+    coalescing: bool, seconds: float, impl: str, engine: str, switch: float | None,
+    direct: bool, i: int,
 ) -> dict[str, object]:
     return trio.run(
         partial(
             run_config, workdir.with_name(f"{workdir.name}-{i}"), stream, start, end, msg_size,
             fsync=fsync, coalescing=coalescing, seconds=seconds, impl=impl,
-            wal_io_engine=engine, gil_switch_interval_s=switch,
+            wal_io_engine=engine, gil_switch_interval_s=switch, direct_io=direct,
         )
     )
 
@@ -720,10 +760,15 @@ def run(args: argparse.Namespace) -> int:
     base = Path(tempfile.mkdtemp(prefix="pagestore-bench-sk-", dir=args.dir))
     rows: list[dict[str, object]] = []
     try:
-        for fsync, cached in ((True, False), (True, True), (False, False), (False, True)):
+        directs = _flags(args.wal_direct_io)
+        raw_kinds = [(True, False, False), (True, True, False), (False, False, False), (False, True, False)]
+        if True in directs:
+            raw_kinds += [(True, False, True), (True, True, True)]
+        for fsync, cached, direct in raw_kinds:
             raws = [
                 raw_disk_rate(
-                    base, fsync=fsync, seconds=args.seconds, max_mib=args.max_mib, cached=cached
+                    base, fsync=fsync, seconds=args.seconds, max_mib=args.max_mib, cached=cached,
+                    direct=direct,
                 )
                 for _ in range(max(args.repeat, 1))
             ]
@@ -743,17 +788,19 @@ def run(args: argparse.Namespace) -> int:
                 for fsync in _flags(args.fsync) if args.floors != "only" else []:
                     for coalescing in _flags(args.coalescing):
                         for impl in _impls(args.impl):
-                            for engine, switch in itertools.product(
+                            for engine, switch, direct in itertools.product(
                                 _engines(args.wal_io_engine),
                                 _switch_intervals(args.gil_switch_interval),
+                                directs,
                             ):
                                 n += 1
 
                                 real = partial(
                                     _one_real, base / f"sk{n}", stream, start, end, msg_size,
                                     fsync, coalescing, args.seconds, impl, engine, switch,
+                                    direct,
                                 )
-                                result = _repeat(args, base, fsync, real)
+                                result = _repeat(args, base, fsync, real, direct and fsync)
                                 result["commit_advancing"] = commit
                                 result["impl"] = impl
                                 rows.append(result)
@@ -802,6 +849,7 @@ def plot_impls(rows: list[dict[str, object]], path: Path) -> None:
 
     several_engines = len({r.get("wal_io_engine") for r in rows}) > 1
     several_switches = len({r.get("gil_switch_interval_s") for r in rows}) > 1
+    several_io = len({r.get("wal_direct_io") for r in rows}) > 1
 
     def series(r: dict[str, object]) -> str:
         # One bar per implementation, and per WAL IO engine / GIL switch interval when the
@@ -810,6 +858,8 @@ def plot_impls(rows: list[dict[str, object]], path: Path) -> None:
         if several_switches:
             switch = r.get("gil_switch_interval_s")
             name += " switch " + ("node" if switch is None else f"{float(switch) * 1e3:g} ms")  # type: ignore[arg-type]
+        if several_io:
+            name += " O_DIRECT" if r.get("wal_direct_io") else " buffered"
         return name
 
     configs = list(dict.fromkeys(label(r) for r in rows))

@@ -11,6 +11,7 @@ Unknown keys and bad values stop start-up with a message naming the key.
     max_write_bytes = 1048576    # coalesce up to this much WAL per write+fsync; 0 = off
     ingest_queue_bytes = 8388608 # WAL received but not yet written, at most (about)
     wal_io_engine = "writer-thread"  # or "threadpool": how WAL writes leave the event loop (safekeeper.wal_io)
+    wal_direct_io = true         # write WAL segments with O_DIRECT (no page-cache copy; safekeeper.wal_storage)
     gil_switch_interval_s = 0.0005  # sys.setswitchinterval: how soon the WAL writer thread gets the GIL back
     wal_removal_period_s = 10.0  # how often old WAL segments are removed; 0 = never
     remote_storage = {kind = "local", path = "/var/lib/pagestore/remote_storage"}  # WAL backup
@@ -97,6 +98,11 @@ class SafekeeperConfig:
     # after each pwritev/CRC call (both release it) to hand its result to the event loop;
     # with Python's 5 ms default it waits up to 5 ms behind the event loop's thread, longer
     # than a 1 MiB write group takes (docs/safekeeper.md, "the GIL").
+    # O_DIRECT writes of the WAL segments (safekeeper.wal_storage): no copy into new
+    # page-cache pages, which under a sustained stream cost a buffered write most of its CPU
+    # (docs/benchmarks.md, "O_DIRECT"). A filesystem without O_DIRECT fails the timeline's
+    # load or creation with the reason; false writes through the page cache.
+    wal_direct_io: bool = True
     gil_switch_interval_s: float = attrs.field(default=0.0005, validator=_switch_interval)
     wal_removal_period_s: float = attrs.field(default=10.0, validator=_non_negative_float)
     log_level: str = attrs.field(default="info", validator=attrs.validators.in_(LEVELS))

@@ -144,7 +144,7 @@ class SafekeeperNode:
                     continue
                 tl = Timeline.load(
                     tl_dir, self.cfg.id, no_sync=self.cfg.no_sync,
-                    wal_io_engine=self.cfg.wal_io_engine,
+                    wal_io_engine=self.cfg.wal_io_engine, direct_io=self.cfg.wal_direct_io,
                 )
                 if (tl.tenant_id.hex, tl.timeline_id.hex) != (tenant_dir.name, tl_dir.name):
                     # A copied directory: two timelines would claim one id, one silently lost.
@@ -176,6 +176,7 @@ class SafekeeperNode:
                         timeline_id,
                         no_sync=self.cfg.no_sync,
                         wal_io_engine=self.cfg.wal_io_engine,
+                        direct_io=self.cfg.wal_direct_io,
                     )
                 )
                 self.timelines[key] = tl
@@ -273,6 +274,7 @@ class SafekeeperNode:
             "ingest_queue": self.cfg.ingest_queue,
             "max_write_bytes": self.cfg.max_write_bytes,
             "wal_io_engine": self.cfg.wal_io_engine,
+            "wal_direct_io": self.cfg.wal_direct_io,
             "wal_removal_period_s": self.cfg.wal_removal_period_s,
             "wal_backup": self.remote is not None,
             "wal_backup_peers": list(self.cfg.wal_backup_peers),
@@ -454,8 +456,9 @@ def run(args: argparse.Namespace) -> int:
     sys.setswitchinterval(cfg.gil_switch_interval_s)
     try:
         trio.run(node.run)
-    except ControlFileError as exc:
-        # Never started afresh over a damaged timeline: terms would go back to 0.
+    except (ControlFileError, WalStorageError) as exc:
+        # Never started afresh over a damaged timeline: terms would go back to 0. A WAL
+        # directory whose filesystem refuses wal_direct_io stops start-up the same way.
         print(f"safekeeper: cannot start: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -194,14 +194,16 @@ class Timeline:
     @classmethod
     def load(
         cls, directory: Path, node_id: int, *, no_sync: bool,
-        wal_io_engine: WalIoEngine = "writer-thread",
+        wal_io_engine: WalIoEngine = "writer-thread", direct_io: bool = False,
     ) -> Timeline:
         """Open an existing timeline: read the control file, scan for the end of WAL."""
         control = ControlFile(directory, no_sync=no_sync)
         state = control.read()
         if state is None:
             raise FileNotFoundError(f"no control file in {directory}")
-        storage = WalStorage(directory, seg_size=state.wal_seg_size, no_sync=no_sync)
+        storage = WalStorage(
+            directory, seg_size=state.wal_seg_size, no_sync=no_sync, direct_io=direct_io
+        )
         commit = state.commit_lsn
         if commit % state.wal_seg_size and storage.segment_path(commit // state.wal_seg_size) is None:
             # The scan would end WAL right at commit_lsn and report it as flushed: votes and
@@ -223,7 +225,7 @@ class Timeline:
     @classmethod
     def create(
         cls, directory: Path, node_id: int, tenant_id: TenantId, timeline_id: TimelineId, *,
-        no_sync: bool, wal_io_engine: WalIoEngine = "writer-thread",
+        no_sync: bool, wal_io_engine: WalIoEngine = "writer-thread", direct_io: bool = False,
     ) -> Timeline:
         directory.mkdir(parents=True, exist_ok=True)
         if has_wal_segments(directory):
@@ -234,6 +236,11 @@ class Timeline:
                 "timeline over them"
             )
         state = PersistentState(tenant_id=tenant_id, timeline_id=timeline_id)
+        # Made first: a filesystem that refuses direct IO stops the creation here, before a
+        # control file claims the timeline.
+        storage = WalStorage(
+            directory, seg_size=state.wal_seg_size, no_sync=no_sync, direct_io=direct_io
+        )
         control = ControlFile(directory, no_sync=no_sync)
         control.write(state)
         if not no_sync:
@@ -241,7 +248,6 @@ class Timeline:
             # timeline, votes included, though its control file was fsynced.
             fsync_dir(directory.parent)
             fsync_dir(directory.parent.parent)
-        storage = WalStorage(directory, seg_size=state.wal_seg_size, no_sync=no_sync)
         return cls(
             directory, Acceptor(node_id, state, INVALID_LSN), storage, no_sync=no_sync,
             wal_io_engine=wal_io_engine, control=control,

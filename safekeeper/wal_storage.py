@@ -27,6 +27,17 @@ Rules:
 - ``open`` finds the end of WAL by a CRC-checked record scan from a known record boundary
   (the persisted commit_lsn): the first invalid or missing byte ends WAL.
 - ``no_sync`` skips every fsync/fdatasync (tests, benchmarks of the CPU path).
+- ``direct_io`` writes the segments with ``O_DIRECT`` (``wal_direct_io``): no copy into the
+  page cache, which under a sustained stream is most of a buffered write's CPU.
+  ``O_DIRECT`` wants offsets, lengths and buffer addresses in units of ``DIRECT_ALIGN``, so
+  every write goes through an aligned staging buffer: it starts at the block holding
+  ``write_lsn`` (the bytes before ``write_lsn`` in that block, kept from the previous write
+  or read back from the file, are written again unchanged, as a buffered write's page would
+  be, so a torn rewrite leaves them as they were) and its last block is padded with zeros,
+  which is what a preallocated segment holds past the end of WAL anyway. A write error is the ``pwrite``'s own (no writeback later); the group's
+  ``fdatasync`` still commits the extent conversion and flushes the device's cache. Reads
+  (replication, the restart scan) stay buffered; the kernel keeps them coherent. A
+  filesystem that refuses ``O_DIRECT`` fails the storage's construction, never falls back.
 - One thread at a time changes the storage (the WAL IO engine), but the event loop's thread
   publishes a finished group's flush (``mark_flushed``) while the engine may be cutting WAL
   back for a later group's invalid WAL. ``flush_lsn``, ``flush_record_lsn`` and ``epoch``
@@ -47,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import threading
 from collections import deque
@@ -67,6 +79,13 @@ TMP_SEGMENT = "waltmp"
 SPARE_SEGMENT = "waltmp.spare"
 IOV_MAX = 1024
 SCAN_CHUNK = 1 << 20
+# The unit of O_DIRECT offsets, lengths and buffer addresses: 4096 covers every logical block
+# size Linux filesystems use for it (512 or 4096).
+DIRECT_ALIGN = 4096
+# The staging buffer of direct writes: one default write group (1 MiB) and the block before
+# it; bigger pieces are written in several such steps.
+DIRECT_STAGE = (1 << 20) + DIRECT_ALIGN
+_ZEROS = bytes(DIRECT_ALIGN)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -152,11 +171,25 @@ class WalStorage:
     """See the module docstring. One caller at a time, except ``mark_flushed``."""
 
     def __init__(
-        self, directory: Path, *, seg_size: int = WAL_SEGMENT_SIZE, no_sync: bool = False
+        self, directory: Path, *, seg_size: int = WAL_SEGMENT_SIZE, no_sync: bool = False,
+        direct_io: bool = False,
     ) -> None:
         self.directory = directory
         self.seg_size = seg_size
         self.no_sync = no_sync
+        self.direct_io = direct_io
+        # Direct writes: the aligned staging buffer (made at the first write), and the file
+        # block its first DIRECT_ALIGN bytes hold, as (segment, offset) of that block's
+        # start, or None when they hold nothing known.
+        self._stage: memoryview | None = None
+        self._stage_block: tuple[int, int] | None = None
+        if direct_io:
+            if seg_size % DIRECT_ALIGN:
+                raise WalStorageError(
+                    f"direct IO needs a segment size that is a multiple of {DIRECT_ALIGN}, "
+                    f"not {seg_size}"
+                )
+            self._probe_direct()
         # Guards write_lsn/flush_lsn/flush_record_lsn/epoch between the WAL IO engine's thread
         # and mark_flushed on the event loop's thread (see the module docstring).
         self.lsn_lock = threading.Lock()
@@ -193,6 +226,19 @@ class WalStorage:
         # and before anything in the new segment is acknowledged.
         self.dir_changes = 0
         self._dir_synced = 0
+
+    def _probe_direct(self) -> None:
+        """Fail now, with the reason, if this directory's filesystem refuses ``O_DIRECT``."""
+        probe = self.directory / (TMP_SEGMENT + ".direct-probe")
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        except OSError as exc:
+            raise WalStorageError(
+                f"wal_direct_io is on, but {self.directory} refuses O_DIRECT ({exc}); "
+                "turn wal_direct_io off or put the data directory on a filesystem that has it"
+            ) from exc
+        os.close(fd)
+        probe.unlink()
 
     # -- naming ------------------------------------------------------------------------------
 
@@ -317,7 +363,7 @@ class WalStorage:
                 self.dir_changes += 1  # the write path: synced with the group (flush, sync)
             else:
                 fsync_dir(self.directory)
-        self._fd = os.open(partial, os.O_RDWR)
+        self._fd = os.open(partial, os.O_RDWR | (os.O_DIRECT if self.direct_io else 0))
         self._fd_path = str(partial)
         self._segno = segno
         if make_spare and not self._spare_ready and self._spare is None:
@@ -409,6 +455,7 @@ class WalStorage:
             os.close(self._fd)
         self._fd = -1
         self._segno = -1
+        self._stage_block = None
 
     def _complete_segment(self) -> None:
         """The open segment is full: make it durable and give it its final name."""
@@ -496,7 +543,7 @@ class WalStorage:
         pos = begin
         for segno, offset, iov, size in split_at_segments(begin, views, self.seg_size):
             fd = self._open_segment(segno, make_spare=True)
-            self._pwritev_all(fd, iov, offset, size)
+            self._write_at(fd, iov, offset, size)
             pos = Lsn(pos + size)
             self.write_lsn = pos
             if offset + size == self.seg_size:
@@ -505,6 +552,55 @@ class WalStorage:
                 self._complete_segment()
                 with self.lsn_lock:
                     self.flush_lsn = Lsn(max(self.flush_lsn, pos))
+
+    def _write_at(self, fd: int, iov: list[memoryview], offset: int, size: int) -> None:
+        """Write ``iov`` (``size`` bytes) at ``offset`` of the open segment ``fd``."""
+        if self.direct_io:
+            self._direct_write(fd, iov, offset, size)
+        else:
+            self._pwritev_all(fd, iov, offset, size)
+
+    def _direct_write(self, fd: int, iov: list[memoryview], offset: int, size: int) -> None:
+        """The ``O_DIRECT`` write (module docstring): staged in aligned blocks, the block
+        before ``offset`` completed from the previous write or the file, the end padded."""
+        stage = self._stage
+        if stage is None:
+            stage = self._stage = memoryview(mmap.mmap(-1, DIRECT_STAGE))
+        pending = deque(v for v in iov if len(v))
+        pos, end_pos = offset, offset + size
+        while pos < end_pos:
+            start = pos - pos % DIRECT_ALIGN
+            head = pos - start
+            if head and self._stage_block != (self._segno, start):
+                self._preadv_all(fd, stage[:DIRECT_ALIGN], start)
+            fill = head
+            room = min(DIRECT_STAGE, head + end_pos - pos)
+            while fill < room:
+                buf = pending[0]
+                take = min(len(buf), room - fill)
+                stage[fill : fill + take] = buf[:take]
+                if take == len(buf):
+                    pending.popleft()
+                else:
+                    pending[0] = buf[take:]
+                fill += take
+            padded = -(-fill // DIRECT_ALIGN) * DIRECT_ALIGN
+            stage[fill:padded] = _ZEROS[: padded - fill]
+            self._stage_block = None  # until the tail is kept below
+            self._pwritev_all(fd, [stage[:padded]], start, padded)
+            pos = start + fill
+            # Keep the last, partial block at the stage's start for the next write.
+            last = fill - fill % DIRECT_ALIGN
+            if last < fill:
+                if last:
+                    stage[: fill - last] = stage[last:fill]
+                self._stage_block = (self._segno, start + last)
+
+    @staticmethod
+    def _preadv_all(fd: int, buf: memoryview, offset: int) -> None:
+        got = os.preadv(fd, [buf], offset)
+        if got != len(buf):
+            raise OSError(errno.EIO, f"read {got} of {len(buf)} bytes at offset {offset} of a WAL segment")
 
     @staticmethod
     def _pwritev_all(fd: int, iov: list[memoryview], offset: int, size: int) -> None:
@@ -609,7 +705,7 @@ class WalStorage:
         with self.write_io("initialising the first WAL segment"):
             fd = self._open_segment(segno)
             # Only the bytes before lsn: what follows is the proposer's.
-            self._pwritev_all(fd, [memoryview(image)[: lsn - seg_start]], 0, lsn - seg_start)
+            self._write_at(fd, [memoryview(image)[: lsn - seg_start]], 0, lsn - seg_start)
 
     def truncate(self, lsn: Lsn) -> None:
         """Forget all WAL at and after ``lsn`` (a record boundary); WAL continues there."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from safekeeper.control_file import CONTROL_FILE_NAME, ControlFileError, write_c
 from safekeeper.node import SafekeeperNode
 from safekeeper.testing import SafekeeperProcess, synthetic_wal
 from safekeeper.timeline import Timeline
+from safekeeper.wal_storage import WalStorageError
 
 TENANT = TenantId(bytes(range(16)))
 TIMELINE = TimelineId(bytes(range(16, 32)))
@@ -108,3 +110,46 @@ def test_missing_segment_holding_commit_lsn_is_refused(tmp_path: Path) -> None:
     (directory / (segment_file_name(1) + ".partial")).unlink()
     with pytest.raises(ControlFileError, match=r"holding commit_lsn .* is missing"):
         Timeline.load(directory, 1, no_sync=True)
+
+
+def _refuse_direct_io(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def no_direct(path: str | os.PathLike[str], flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+
+
+def test_a_filesystem_without_direct_io_stops_the_node_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """wal_direct_io (the default) on a filesystem that refuses O_DIRECT: a timeline is
+    neither created (no control file claims it) nor loaded; nothing falls back to buffered
+    writes behind the operator's back."""
+    directory = make_timeline(tmp_path / "sk")
+    assert SafekeeperConfig(data_dir="x").wal_direct_io
+    _refuse_direct_io(monkeypatch)
+    node = SafekeeperNode(
+        SafekeeperConfig(
+            data_dir=str(tmp_path / "sk"), listen_pg="127.0.0.1:0", listen_http="127.0.0.1:0",
+            no_sync=True,
+        )
+    )
+    with pytest.raises(WalStorageError, match=r"refuses O_DIRECT.*wal_direct_io"):
+        node.load_timelines()
+    fresh = tmp_path / "other" / TENANT.hex / TIMELINE.hex
+    with pytest.raises(WalStorageError, match="refuses O_DIRECT"):
+        Timeline.create(fresh, 1, TENANT, TIMELINE, no_sync=True, direct_io=True)
+    assert not (fresh / CONTROL_FILE_NAME).exists()
+    # With wal_direct_io off the same timeline loads.
+    buffered = SafekeeperNode(
+        SafekeeperConfig(
+            data_dir=str(tmp_path / "sk"), listen_pg="127.0.0.1:0", listen_http="127.0.0.1:0",
+            no_sync=True, wal_direct_io=False,
+        )
+    )
+    buffered.load_timelines()
+    assert len(buffered.timelines) == 1 and directory.is_dir()

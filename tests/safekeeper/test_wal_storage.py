@@ -22,6 +22,12 @@ from tests.safekeeper.conftest import RealWal
 SEG = WAL_SEGMENT_SIZE
 
 
+@pytest.fixture(params=[False, True], ids=["buffered", "direct"])
+def direct(request: pytest.FixtureRequest) -> bool:
+    """The storage's write mode: page-cache writes, or O_DIRECT through the aligned stage."""
+    return bool(request.param)
+
+
 def _chunks(data: bytes, seed: int, max_len: int = 200_000) -> list[bytes]:
     rng = random.Random(seed)
     out = []
@@ -69,8 +75,8 @@ def test_tracker_rejects_corrupt_record(real_wal: RealWal) -> None:
     assert tracker.record_end <= real_wal.record_starts[101]
 
 
-def test_write_segments_and_restart_scan(real_wal: RealWal, tmp_path: Path) -> None:
-    storage = WalStorage(tmp_path)
+def test_write_segments_and_restart_scan(direct: bool, real_wal: RealWal, tmp_path: Path) -> None:
+    storage = WalStorage(tmp_path, direct_io=direct)
     storage.truncate(real_wal.start)
     _write_all(storage, real_wal.start, real_wal.data)
     assert storage.flush_record_lsn == real_wal.end
@@ -82,15 +88,15 @@ def test_write_segments_and_restart_scan(real_wal: RealWal, tmp_path: Path) -> N
     assert on_disk[: len(real_wal.data)] == real_wal.data
     assert len((tmp_path / (segment_file_name(3) + ".partial")).read_bytes()) == SEG
 
-    reopened = WalStorage(tmp_path)
+    reopened = WalStorage(tmp_path, direct_io=direct)
     assert reopened.open(real_wal.record_starts[5]) == real_wal.end
     # Writing continues where the scan ended.
     with pytest.raises(WalStorageError):
         reopened.write(Lsn(real_wal.end + 8), [b"x"])
 
 
-def test_write_rejects_invalid_wal_after_valid_part(real_wal: RealWal, tmp_path: Path) -> None:
-    storage = WalStorage(tmp_path)
+def test_write_rejects_invalid_wal_after_valid_part(direct: bool, real_wal: RealWal, tmp_path: Path) -> None:
+    storage = WalStorage(tmp_path, direct_io=direct)
     storage.truncate(real_wal.start)
     good = real_wal.data[:100_000]
     with pytest.raises(InvalidWal):
@@ -100,11 +106,11 @@ def test_write_rejects_invalid_wal_after_valid_part(real_wal: RealWal, tmp_path:
     last = max(s for s in real_wal.record_starts if s <= real_wal.start + len(good))
     assert storage.write_lsn == storage.flush_record_lsn
     assert storage.write_lsn in (last, last - last % 8192)
-    assert WalStorage(tmp_path).open(real_wal.start) == storage.write_lsn
+    assert WalStorage(tmp_path, direct_io=direct).open(real_wal.start) == storage.write_lsn
 
 
-def test_truncate_removes_later_segments_and_zeroes_tail(real_wal: RealWal, tmp_path: Path) -> None:
-    storage = WalStorage(tmp_path)
+def test_truncate_removes_later_segments_and_zeroes_tail(direct: bool, real_wal: RealWal, tmp_path: Path) -> None:
+    storage = WalStorage(tmp_path, direct_io=direct)
     storage.truncate(real_wal.start)
     _write_all(storage, real_wal.start, real_wal.data, seed=3)
     cut = next(s for s in real_wal.record_starts if s > real_wal.start + SEG // 2 and s % 8192)
@@ -117,20 +123,20 @@ def test_truncate_removes_later_segments_and_zeroes_tail(real_wal: RealWal, tmp_
     assert len(seg) == SEG
     assert seg[: cut - SEG] == real_wal.data[: cut - SEG]
     assert seg[cut - SEG :] == bytes(2 * SEG - cut)
-    assert WalStorage(tmp_path).open(real_wal.start) == cut
+    assert WalStorage(tmp_path, direct_io=direct).open(real_wal.start) == cut
 
     # The rest can be written again from the cut.
-    storage = WalStorage(tmp_path)
+    storage = WalStorage(tmp_path, direct_io=direct)
     storage.open(real_wal.start)
     _write_all(storage, cut, real_wal.data[cut - real_wal.start :], seed=4)
     assert storage.flush_record_lsn == real_wal.end
 
 
 def test_first_segment_mid_segment_is_readable_by_pg_waldump(
-    real_wal: RealWal, pg_tmp_path: Path
+    direct: bool, real_wal: RealWal, pg_tmp_path: Path
 ) -> None:
     start = next(s for s in real_wal.record_starts if s > real_wal.start + 3 * 8192 + 100 and s % 8192 > 24)
-    storage = WalStorage(pg_tmp_path)
+    storage = WalStorage(pg_tmp_path, direct_io=direct)
     storage.init_first_segment(start, real_wal.system_id)
     storage.truncate(start)
     end = real_wal.record_starts[real_wal.record_starts.index(start) + 2000]
@@ -198,12 +204,12 @@ def test_split_at_segments_cuts_views_at_segment_ends(
 
 
 def test_read_finds_a_segment_renamed_while_it_looks(
-    real_wal: RealWal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    direct: bool, real_wal: RealWal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The writer renames a completed segment from ``.partial`` to its full name in another
     thread while a walsender reads it: the read must find it under either name (it answered
     "WAL segment ... is not here" to pg_receivewal when the rename fell between its looks)."""
-    storage = WalStorage(tmp_path)
+    storage = WalStorage(tmp_path, direct_io=direct)
     storage.truncate(real_wal.start)
     _write_all(storage, real_wal.start, real_wal.data[:100_000], seed=5)
     partial = tmp_path / (segment_file_name(1) + ".partial")
@@ -228,9 +234,9 @@ def _segment_files(directory: Path) -> list[str]:
 
 
 def test_segments_are_taken_from_spares_made_ahead_and_a_stale_spare_is_never_trusted(
-    real_wal: RealWal, tmp_path: Path
+    direct: bool, real_wal: RealWal, tmp_path: Path
 ) -> None:
-    storage = WalStorage(tmp_path)
+    storage = WalStorage(tmp_path, direct_io=direct)
     storage.truncate(real_wal.start)
     _write_all(storage, real_wal.start, real_wal.data)
     # Segments 2 and 3 were spares made in the background while 1 and 2 were written; the
@@ -243,10 +249,10 @@ def test_segments_are_taken_from_spares_made_ahead_and_a_stale_spare_is_never_tr
     assert storage.segments() == list(range(1, last + 1))
     # What a kill -9 leaves: no close, and a spare that may be half made. A new process
     # makes its own spare (never renames one it did not make and sync).
-    survivor = tmp_path.parent / "after-crash"
+    survivor = tmp_path.parent / (tmp_path.name + "-after-crash")
     shutil.copytree(tmp_path, survivor)
     (survivor / "waltmp.spare").write_bytes(b"stale WAL?" * 1000)
-    reopened = WalStorage(survivor)
+    reopened = WalStorage(survivor, direct_io=direct)
     assert reopened.open(real_wal.record_starts[3]) == real_wal.end
     cut = max(s for s in real_wal.record_starts if s < real_wal.end - SEG // 4)
     reopened.truncate(cut)
@@ -255,14 +261,14 @@ def test_segments_are_taken_from_spares_made_ahead_and_a_stale_spare_is_never_tr
     assert reopened.flush_record_lsn == real_wal.end
     reopened.close()
     assert (survivor / "waltmp.spare").read_bytes() == bytes(SEG)
-    assert WalStorage(survivor).open(real_wal.start) == real_wal.end
+    assert WalStorage(survivor, direct_io=direct).open(real_wal.start) == real_wal.end
     on_disk = b"".join((survivor / n).read_bytes() for n in _segment_files(survivor))
     assert on_disk[: len(real_wal.data)] == real_wal.data
     assert on_disk[len(real_wal.data) :] == bytes(len(on_disk) - len(real_wal.data))
 
 
 def test_a_failed_spare_is_made_inline_and_breaks_nothing(
-    real_wal: RealWal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    direct: bool, real_wal: RealWal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_make = WalStorage.make_zeroed_file
     failed: list[str] = []
@@ -275,11 +281,73 @@ def test_a_failed_spare_is_made_inline_and_breaks_nothing(
         real_make(self, name)
 
     monkeypatch.setattr(WalStorage, "make_zeroed_file", make)
-    storage = WalStorage(tmp_path)
+    storage = WalStorage(tmp_path, direct_io=direct)
     storage.truncate(real_wal.start)
     _write_all(storage, real_wal.start, real_wal.data)
     storage.close()
     assert len(failed) >= 2 and storage.spares_used == 0 and storage.broken is None
     assert storage.flush_record_lsn == real_wal.end
     assert not (tmp_path / "waltmp.spare").exists()
-    assert WalStorage(tmp_path).open(real_wal.start) == real_wal.end
+    assert WalStorage(tmp_path, direct_io=direct).open(real_wal.start) == real_wal.end
+
+
+def _wal_files(directory: Path) -> dict[str, bytes]:
+    return {n: (directory / n).read_bytes() for n in _segment_files(directory)}
+
+
+def test_direct_writes_leave_the_files_a_buffered_storage_leaves(
+    real_wal: RealWal, tmp_path: Path
+) -> None:
+    """O_DIRECT through the aligned stage: unaligned groups, a piece bigger than the stage,
+    a restart inside a block (the block's head read back from the file) and a truncation
+    inside a block give byte for byte the segments the buffered writes give."""
+    cut = next(s for s in real_wal.record_starts if s > real_wal.start + SEG // 3 and s % 4096)
+    results = {}
+    for direct in (False, True):
+        d = tmp_path / ("direct" if direct else "buffered")
+        d.mkdir()
+        storage = WalStorage(d, direct_io=direct)
+        storage.truncate(real_wal.start)
+        first = SEG // 2 + 12_345  # not a multiple of 4 KiB
+        _write_all(storage, real_wal.start, real_wal.data[:first], seed=11)
+        storage.close()
+        # A new process continues in the middle of a 4 KiB block.
+        storage = WalStorage(d, direct_io=direct)
+        resumed = storage.open(real_wal.start)
+        assert resumed % 4096
+        rest = real_wal.data[resumed - real_wal.start :]
+        # One piece of 3 MiB in a single chunk (more than the 1 MiB stage), then the rest.
+        storage.write(resumed, [rest[: 3 << 20]])
+        _write_all(storage, Lsn(resumed + (3 << 20)), rest[3 << 20 :], seed=12)
+        assert storage.flush_record_lsn == real_wal.end
+        storage.truncate(cut)
+        _write_all(storage, cut, real_wal.data[cut - real_wal.start :], seed=13)
+        assert storage.flush_record_lsn == real_wal.end
+        if direct:
+            flags = int((Path("/proc/self/fdinfo") / str(storage._fd)).read_text().split()[3], 8)
+            assert flags & os.O_DIRECT, "the open segment is not written with O_DIRECT"
+        storage.close()
+        results[direct] = _wal_files(d)
+        assert WalStorage(d, direct_io=direct).open(real_wal.start) == real_wal.end
+    assert results[True].keys() == results[False].keys()
+    for name, data in results[False].items():
+        assert results[True][name] == data, name
+
+
+def test_direct_io_refused_by_the_filesystem_fails_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = os.open
+
+    def no_direct(path: str | os.PathLike[str], flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with pytest.raises(WalStorageError, match=r"refuses O_DIRECT.*wal_direct_io"):
+        WalStorage(tmp_path, direct_io=True)
+    assert list(tmp_path.iterdir()) == []  # no probe left behind
+    WalStorage(tmp_path)  # buffered is not affected
+    with pytest.raises(WalStorageError, match="multiple of 4096"):
+        WalStorage(tmp_path, seg_size=1000, direct_io=True)

@@ -51,7 +51,8 @@ receiver structured like this can close on this machine.
 writes (``wal_direct_io``), side by side, and adds raw rows of 1 MiB ``O_DIRECT`` writes
 (``"io": "direct"``); an fsynced run's adjacent raw measurement then uses the run's own IO
 (``median_pct_of_raw_fsync``), and a direct run is also set against the buffered raw rate
-measured beside it (``median_pct_of_raw_fsync_buffered``).
+measured beside it (``median_pct_of_raw_fsync_buffered``). Rows without fsync run buffered only (a
+``no_sync`` node never writes direct).
 
 ``--wal-io-engine writer-thread,threadpool`` runs the safekeeper rows once per WAL IO engine
 (``safekeeper.wal_io``), side by side; ``--gil-switch-interval 0.005,0.0005`` once per
@@ -793,6 +794,10 @@ def run(args: argparse.Namespace) -> int:
                                 _switch_intervals(args.gil_switch_interval),
                                 directs,
                             ):
+                                if direct and not fsync:
+                                    # no_sync writes through the page cache in both modes
+                                    # (SafekeeperConfig.direct_io): the row would repeat.
+                                    continue
                                 n += 1
 
                                 real = partial(

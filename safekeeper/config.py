@@ -101,7 +101,9 @@ class SafekeeperConfig:
     # O_DIRECT writes of the WAL segments (safekeeper.wal_storage): no copy into new
     # page-cache pages, which under a sustained stream cost a buffered write most of its CPU
     # (docs/benchmarks.md, "O_DIRECT"). A filesystem without O_DIRECT fails the timeline's
-    # load or creation with the reason; false writes through the page cache.
+    # load or creation with the reason; false writes through the page cache. With no_sync
+    # (nothing is made durable: tests, CPU benchmarks) the page cache is used either way: a
+    # direct write waits for the device, a buffered one without fsync never does.
     wal_direct_io: bool = True
     gil_switch_interval_s: float = attrs.field(default=0.0005, validator=_switch_interval)
     wal_removal_period_s: float = attrs.field(default=10.0, validator=_non_negative_float)
@@ -140,6 +142,12 @@ class SafekeeperConfig:
     @property
     def auth_enabled(self) -> bool:
         return "NeonJWT" in (self.pg_auth_type, self.http_auth_type)
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether WAL segments are written with O_DIRECT: ``wal_direct_io``, for durable
+        writes only (see the key)."""
+        return self.wal_direct_io and not self.no_sync
 
     @property
     def data_path(self) -> Path:

@@ -144,7 +144,7 @@ class SafekeeperNode:
                     continue
                 tl = Timeline.load(
                     tl_dir, self.cfg.id, no_sync=self.cfg.no_sync,
-                    wal_io_engine=self.cfg.wal_io_engine, direct_io=self.cfg.wal_direct_io,
+                    wal_io_engine=self.cfg.wal_io_engine, direct_io=self.cfg.direct_io,
                 )
                 if (tl.tenant_id.hex, tl.timeline_id.hex) != (tenant_dir.name, tl_dir.name):
                     # A copied directory: two timelines would claim one id, one silently lost.
@@ -176,7 +176,7 @@ class SafekeeperNode:
                         timeline_id,
                         no_sync=self.cfg.no_sync,
                         wal_io_engine=self.cfg.wal_io_engine,
-                        direct_io=self.cfg.wal_direct_io,
+                        direct_io=self.cfg.direct_io,
                     )
                 )
                 self.timelines[key] = tl
@@ -275,6 +275,7 @@ class SafekeeperNode:
             "max_write_bytes": self.cfg.max_write_bytes,
             "wal_io_engine": self.cfg.wal_io_engine,
             "wal_direct_io": self.cfg.wal_direct_io,
+            "direct_io": self.cfg.direct_io,
             "wal_removal_period_s": self.cfg.wal_removal_period_s,
             "wal_backup": self.remote is not None,
             "wal_backup_peers": list(self.cfg.wal_backup_peers),

@@ -130,12 +130,13 @@ def test_a_filesystem_without_direct_io_stops_the_node_with_the_reason(
     neither created (no control file claims it) nor loaded; nothing falls back to buffered
     writes behind the operator's back."""
     directory = make_timeline(tmp_path / "sk")
-    assert SafekeeperConfig(data_dir="x").wal_direct_io
+    assert SafekeeperConfig(data_dir="x").direct_io
+    # no_sync makes nothing durable: its writes stay in the page cache either way.
+    assert not SafekeeperConfig(data_dir="x", no_sync=True).direct_io
     _refuse_direct_io(monkeypatch)
     node = SafekeeperNode(
         SafekeeperConfig(
             data_dir=str(tmp_path / "sk"), listen_pg="127.0.0.1:0", listen_http="127.0.0.1:0",
-            no_sync=True,
         )
     )
     with pytest.raises(WalStorageError, match=r"refuses O_DIRECT.*wal_direct_io"):
@@ -148,7 +149,7 @@ def test_a_filesystem_without_direct_io_stops_the_node_with_the_reason(
     buffered = SafekeeperNode(
         SafekeeperConfig(
             data_dir=str(tmp_path / "sk"), listen_pg="127.0.0.1:0", listen_http="127.0.0.1:0",
-            no_sync=True, wal_direct_io=False,
+            wal_direct_io=False,
         )
     )
     buffered.load_timelines()

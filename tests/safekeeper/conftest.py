@@ -163,3 +163,17 @@ async def wait_until(condition: Callable[[], bool]) -> None:
     a guessed sleep before an assertion."""
     while not condition():
         await trio.sleep(0.005)
+
+
+@pytest.fixture
+def refuse_direct_io(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem that refuses O_DIRECT: every ``os.open`` asking for it fails with EINVAL,
+    as tmpfs did before Linux 6.6."""
+    real_open = os.open
+
+    def no_direct(path: str | os.PathLike[str], flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)

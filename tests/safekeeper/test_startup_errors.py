@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,19 +111,8 @@ def test_missing_segment_holding_commit_lsn_is_refused(tmp_path: Path) -> None:
         Timeline.load(directory, 1, no_sync=True)
 
 
-def _refuse_direct_io(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_open = os.open
-
-    def no_direct(path: str | os.PathLike[str], flags: int, *args: int) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(22, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", no_direct)
-
-
 def test_a_filesystem_without_direct_io_stops_the_node_with_the_reason(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, refuse_direct_io: None
 ) -> None:
     """wal_direct_io (the default) on a filesystem that refuses O_DIRECT: a timeline is
     neither created (no control file claims it) nor loaded; nothing falls back to buffered
@@ -133,7 +121,6 @@ def test_a_filesystem_without_direct_io_stops_the_node_with_the_reason(
     assert SafekeeperConfig(data_dir="x").direct_io
     # no_sync makes nothing durable: its writes stay in the page cache either way.
     assert not SafekeeperConfig(data_dir="x", no_sync=True).direct_io
-    _refuse_direct_io(monkeypatch)
     node = SafekeeperNode(
         SafekeeperConfig(
             data_dir=str(tmp_path / "sk"), listen_pg="127.0.0.1:0", listen_http="127.0.0.1:0",

@@ -335,16 +335,8 @@ def test_direct_writes_leave_the_files_a_buffered_storage_leaves(
 
 
 def test_direct_io_refused_by_the_filesystem_fails_with_the_reason(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, refuse_direct_io: None
 ) -> None:
-    real_open = os.open
-
-    def no_direct(path: str | os.PathLike[str], flags: int, *args: int) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(22, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", no_direct)
     with pytest.raises(WalStorageError, match=r"refuses O_DIRECT.*wal_direct_io"):
         WalStorage(tmp_path, direct_io=True)
     assert list(tmp_path.iterdir()) == []  # no probe left behind

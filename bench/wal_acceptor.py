@@ -682,26 +682,23 @@ def _repeat(
         float(r["mib_per_cpu_s"]) for r in runs  # type: ignore[arg-type]
     )
     if raw_near:
-        # Each run against the raw fsynced rate measured just before it.
-        ratios = [
-            float(r["mib_s"]) / raw  # type: ignore[arg-type]
-            for r, raw in zip(runs, raw_near, strict=True)
-            if raw > 0
-        ]
         result["raw_fsync_near_mib_s"] = raw_near
-        result["median_pct_of_raw_fsync"] = round(100 * statistics.median(ratios), 1)
-        if raw_near_buffered:
-            result["raw_fsync_near_buffered_mib_s"] = raw_near_buffered
-            result["median_pct_of_raw_fsync_buffered"] = round(
-                100 * statistics.median(
-                    float(r["mib_s"]) / raw  # type: ignore[arg-type]
-                    for r, raw in zip(runs, raw_near_buffered, strict=True)
-                    if raw > 0
-                ),
-                1,
-            )
+        result["median_pct_of_raw_fsync"] = _median_pct(runs, raw_near)
+    if raw_near_buffered:
+        result["raw_fsync_near_buffered_mib_s"] = raw_near_buffered
+        result["median_pct_of_raw_fsync_buffered"] = _median_pct(runs, raw_near_buffered)
     result["record_size"] = args.record_size
     return result
+
+
+def _median_pct(runs: list[dict[str, object]], raws: list[float]) -> float:
+    """The median of each run's rate over the raw fsynced rate measured just before it, in %."""
+    ratios = [
+        float(r["mib_s"]) / raw  # type: ignore[arg-type]
+        for r, raw in zip(runs, raws, strict=True)
+        if raw > 0
+    ]
+    return round(100 * statistics.median(ratios), 1)
 
 
 def _one_real(
@@ -805,7 +802,7 @@ def run(args: argparse.Namespace) -> int:
                                     fsync, coalescing, args.seconds, impl, engine, switch,
                                     direct,
                                 )
-                                result = _repeat(args, base, fsync, real, direct and fsync)
+                                result = _repeat(args, base, fsync, real, direct)
                                 result["commit_advancing"] = commit
                                 result["impl"] = impl
                                 rows.append(result)

@@ -94,10 +94,6 @@ class SafekeeperConfig:
     wal_io_engine: WalIoEngine = attrs.field(
         default="writer-thread", validator=attrs.validators.in_(ENGINES)
     )
-    # sys.setswitchinterval for the node's process. The WAL writer thread needs the GIL back
-    # after each pwritev/CRC call (both release it) to hand its result to the event loop;
-    # with Python's 5 ms default it waits up to 5 ms behind the event loop's thread, longer
-    # than a 1 MiB write group takes (docs/safekeeper.md, "the GIL").
     # O_DIRECT writes of the WAL segments (safekeeper.wal_storage): no copy into new
     # page-cache pages, which under a sustained stream cost a buffered write most of its CPU
     # (docs/benchmarks.md, "O_DIRECT"). A filesystem without O_DIRECT fails the timeline's
@@ -105,6 +101,10 @@ class SafekeeperConfig:
     # (nothing is made durable: tests, CPU benchmarks) the page cache is used either way: a
     # direct write waits for the device, a buffered one without fsync never does.
     wal_direct_io: bool = True
+    # sys.setswitchinterval for the node's process. The WAL writer thread needs the GIL back
+    # after each pwritev/CRC call (both release it) to hand its result to the event loop;
+    # with Python's 5 ms default it waits up to 5 ms behind the event loop's thread, longer
+    # than a 1 MiB write group takes (docs/safekeeper.md, "the GIL").
     gil_switch_interval_s: float = attrs.field(default=0.0005, validator=_switch_interval)
     wal_removal_period_s: float = attrs.field(default=10.0, validator=_non_negative_float)
     log_level: str = attrs.field(default="info", validator=attrs.validators.in_(LEVELS))

@@ -32,6 +32,7 @@ NATIVE_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "pageserver.storage._plan_c": ("pageserver/storage/_plan_c.pyx", "protocol/_bytes.h"),
     "pageserver.storage._images_c": ("pageserver/storage/_images_c.pyx", "protocol/_crc32c.h", "protocol/_bytes.h"),
     "pageserver.storage._l0_c": ("pageserver/storage/_l0_c.pyx", "protocol/_crc32c.h", "protocol/_bytes.h"),
+    "safekeeper._direct_write_c": ("safekeeper/_direct_write_c.pyx",),
 }
 
 # compiled module -> its pure-Python twin (the reference).

@@ -1,10 +1,12 @@
 """Types of the compiled WAL kernels (protocol/_wal_c.pyx); the reference is protocol/_wal_py.py."""
 
+from collections.abc import Sequence
 from typing import Final
 
 from typing_extensions import Buffer, disjoint_base
 
 from protocol.lsn import Lsn
+from protocol.wal.errors import InvalidWal
 
 __all__ = ["IMPL", "RecordTracker", "crc32c", "crc32c_kernel", "scan_records"]
 
@@ -23,3 +25,4 @@ class RecordTracker:
     def seg_size(self) -> int: ...
     def __init__(self, start_lsn: Lsn, seg_size: int = 16777216) -> None: ...
     def feed(self, data: Buffer) -> Lsn: ...
+    def feed_many(self, chunks: Sequence[Buffer]) -> tuple[int, Lsn, InvalidWal | None]: ...

@@ -11,6 +11,7 @@ from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport getenv
 from libc.string cimport memcpy, strcmp
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 
 cdef extern from "_crc32c.h":
     int ps_crc32c_choose(int force_software) nogil
@@ -315,6 +316,54 @@ cdef class RecordTracker:
         if rc != E_NONE:
             raise self._error()
         return self.record_end
+
+    def feed_many(self, chunks):
+        """``feed`` each of ``chunks`` in order, in one call and (at 64 KiB or more in all) one
+        stretch without the GIL: a WAL writer thread that took the GIL back after every chunk
+        would wait for it each time the event loop holds it. Returns ``(fed, good_end,
+        error)``: the chunks consumed without error, ``record_end`` before the chunk that
+        failed (or after the last one), and that chunk's ``InvalidWal`` (None if none)."""
+        cdef Py_ssize_t count = len(chunks)
+        cdef Py_ssize_t i, got = 0, fed = 0
+        cdef int64_t total = 0
+        cdef uint64_t good_end = self.record_end
+        cdef int rc = E_NONE
+        cdef Py_buffer *bufs
+        if count == 0:
+            return 0, self.record_end, None
+        bufs = <Py_buffer *>PyMem_Malloc(count * sizeof(Py_buffer))
+        if bufs == NULL:
+            raise MemoryError()
+        try:
+            for i in range(count):
+                PyObject_GetBuffer(chunks[i], &bufs[i], PyBUF_SIMPLE)
+                got += 1
+                total += bufs[i].len
+            if total >= 65536:
+                with nogil:
+                    fed = self._run_many(bufs, count, &good_end, &rc)
+            else:
+                fed = self._run_many(bufs, count, &good_end, &rc)
+        finally:
+            for i in range(got):
+                PyBuffer_Release(&bufs[i])
+            PyMem_Free(bufs)
+        if rc != E_NONE:
+            return fed, good_end, self._error()
+        return fed, self.record_end, None
+
+    cdef Py_ssize_t _run_many(
+        self, Py_buffer *bufs, Py_ssize_t count, uint64_t *good_end, int *rc
+    ) noexcept nogil:
+        cdef Py_ssize_t i
+        for i in range(count):
+            good_end[0] = self.record_end
+            if bufs[i].len == 0:
+                continue
+            rc[0] = self._run(<const unsigned char *>bufs[i].buf, bufs[i].len)
+            if rc[0] != E_NONE:
+                return i
+        return count
 
     cdef object _error(self):
         cdef int code = self.err

@@ -72,6 +72,8 @@ from common.fsync import fsync_dir
 from protocol.lsn import INVALID_LSN, WAL_SEGMENT_SIZE, XLOG_BLCKSZ, Lsn, format_lsn
 from protocol.lsn import segment_file_name as _seg_name
 from protocol.wal.page import XLP_BKP_REMOVABLE, XLP_FIRST_IS_CONTRECORD, encode_page_header
+from safekeeper.direct_write import ALIGN as KERNEL_ALIGN
+from safekeeper.direct_write import write_staged
 from safekeeper.record_tracker import InvalidWal, RecordTracker
 
 TMP_SEGMENT = "waltmp"
@@ -81,11 +83,10 @@ IOV_MAX = 1024
 SCAN_CHUNK = 1 << 20
 # The unit of O_DIRECT offsets, lengths and buffer addresses: 4096 covers every logical block
 # size Linux filesystems use for it (512 or 4096).
-DIRECT_ALIGN = 4096
+DIRECT_ALIGN = KERNEL_ALIGN
 # The staging buffer of direct writes: one default write group (1 MiB) and the block before
 # it; bigger pieces are written in several such steps.
 DIRECT_STAGE = (1 << 20) + DIRECT_ALIGN
-_ZEROS = bytes(DIRECT_ALIGN)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -183,6 +184,13 @@ class WalStorage:
         # start, or None when they hold nothing known.
         self._stage: memoryview | None = None
         self._stage_block: tuple[int, int] | None = None
+        # Direct and durable: a write group is made durable by its own write call (the
+        # write kernel's fdatasync after the group's last write, then the directory's if a
+        # segment was renamed in), on the WAL IO engine's thread and without the GIL; there is
+        # no later sync worker to hand it to. ``synced_lsn``: WAL up to here is durable that
+        # way (``sync_handle`` and ``flush`` have nothing left to do below it).
+        self.sync_in_write = direct_io and not no_sync
+        self.synced_lsn = INVALID_LSN
         if direct_io:
             if seg_size % DIRECT_ALIGN:
                 raise WalStorageError(
@@ -280,6 +288,7 @@ class WalStorage:
         with self.lsn_lock:
             self.epoch += 1
         self.cut_by_invalid_wal = False
+        self.synced_lsn = INVALID_LSN
         if scan_from == INVALID_LSN:
             with self.lsn_lock:
                 self.write_lsn = self.flush_lsn = self.flush_record_lsn = INVALID_LSN
@@ -509,16 +518,13 @@ class WalStorage:
             raise WalStorageError(
                 f"tracking at {format_lsn(begin)} but the tracker is at {format_lsn(tracker.pos)}"
             )
-        valid: list[memoryview] = []
-        for chunk in chunks:
-            view = memoryview(chunk).cast("B")
-            good_end = tracker.record_end
-            try:
-                tracker.feed(view)
-            except InvalidWal as exc:
-                return TrackedGroup(valid, good_end, exc)
-            valid.append(view)
-        return TrackedGroup(valid, tracker.record_end, None)
+        views = [memoryview(chunk).cast("B") for chunk in chunks]
+        # All chunks in one kernel call: the compiled tracker checks them without taking the
+        # GIL back between chunks (the writer thread would wait for it each time).
+        fed, good_end, error = tracker.feed_many(views)
+        if error is not None:
+            return TrackedGroup(views[:fed], good_end, error)
+        return TrackedGroup(views, good_end, None)
 
     def write_tracked(self, begin: Lsn, group: TrackedGroup) -> None:
         """The IO half: one ``pwritev`` per segment. Invalid WAL raises ``InvalidWal`` after
@@ -541,60 +547,58 @@ class WalStorage:
 
     def _pwrite_group(self, begin: Lsn, views: list[memoryview]) -> None:
         pos = begin
+        end = begin + sum(len(v) for v in views)
         for segno, offset, iov, size in split_at_segments(begin, views, self.seg_size):
             fd = self._open_segment(segno, make_spare=True)
-            self._write_at(fd, iov, offset, size)
+            completes = offset + size == self.seg_size
+            # The group's last piece syncs in the write itself (sync_in_write), unless it
+            # completes its segment: _complete_segment syncs that one.
+            sync = self.sync_in_write and pos + size == end and not completes
+            self._write_at(fd, iov, offset, size, sync)
             pos = Lsn(pos + size)
             self.write_lsn = pos
-            if offset + size == self.seg_size:
+            if sync:
+                self.fsync_count += 1
+            if completes:
                 # Durable now; flush_record_lsn follows in flush(), because the tracker has
                 # already seen the whole group and cannot say which record ended here.
                 self._complete_segment()
                 with self.lsn_lock:
                     self.flush_lsn = Lsn(max(self.flush_lsn, pos))
+        if self.sync_in_write and pos > begin:
+            # A segment renamed in by this group: its name is durable before the ack too.
+            self.sync_directory(self.dir_changes)
+            self.synced_lsn = pos
 
-    def _write_at(self, fd: int, iov: list[memoryview], offset: int, size: int) -> None:
-        """Write ``iov`` (``size`` bytes) at ``offset`` of the open segment ``fd``."""
+    def _write_at(
+        self, fd: int, iov: list[memoryview], offset: int, size: int, sync: bool = False
+    ) -> None:
+        """Write ``iov`` (``size`` bytes) at ``offset`` of the open segment ``fd``; ``sync``
+        (direct IO only): fdatasync it in the same call."""
         if self.direct_io:
-            self._direct_write(fd, iov, offset, size)
+            self._direct_write(fd, iov, offset, size, sync)
         else:
+            assert not sync, "buffered writes are synced by flush() or the group's sync worker"
             self._pwritev_all(fd, iov, offset, size)
 
-    def _direct_write(self, fd: int, iov: list[memoryview], offset: int, size: int) -> None:
-        """The ``O_DIRECT`` write (module docstring): staged in aligned blocks, the block
-        before ``offset`` completed from the previous write or the file, the end padded."""
+    def _direct_write(
+        self, fd: int, iov: list[memoryview], offset: int, size: int, sync: bool
+    ) -> None:
+        """The ``O_DIRECT`` write (module docstring): the block before ``offset`` completed
+        from the previous write or the file, then the staged copies, writes and (``sync``)
+        the fdatasync in one call of the write kernel (``safekeeper.direct_write``)."""
         stage = self._stage
         if stage is None:
             stage = self._stage = memoryview(mmap.mmap(-1, DIRECT_STAGE))
-        pending = deque(v for v in iov if len(v))
-        pos, end_pos = offset, offset + size
-        while pos < end_pos:
-            start = pos - pos % DIRECT_ALIGN
-            head = pos - start
-            if head and self._stage_block != (self._segno, start):
-                self._preadv_all(fd, stage[:DIRECT_ALIGN], start)
-            fill = head
-            room = min(DIRECT_STAGE, head + end_pos - pos)
-            while fill < room:
-                buf = pending[0]
-                take = min(len(buf), room - fill)
-                stage[fill : fill + take] = buf[:take]
-                if take == len(buf):
-                    pending.popleft()
-                else:
-                    pending[0] = buf[take:]
-                fill += take
-            padded = -(-fill // DIRECT_ALIGN) * DIRECT_ALIGN
-            stage[fill:padded] = _ZEROS[: padded - fill]
-            self._stage_block = None  # until the tail is kept below
-            self._pwritev_all(fd, [stage[:padded]], start, padded)
-            pos = start + fill
-            # Keep the last, partial block at the stage's start for the next write.
-            last = fill - fill % DIRECT_ALIGN
-            if last < fill:
-                if last:
-                    stage[: fill - last] = stage[last:fill]
-                self._stage_block = (self._segno, start + last)
+        start = offset - offset % DIRECT_ALIGN
+        head = offset - start
+        if head and self._stage_block != (self._segno, start):
+            self._preadv_all(fd, stage[:DIRECT_ALIGN], start)
+        self._stage_block = None  # until the kernel has kept the tail below
+        kept = write_staged(fd, stage, head, iov, start, sync)
+        if kept:
+            # The last, partial block is at the stage's start for the next write.
+            self._stage_block = (self._segno, offset + size - kept)
 
     @staticmethod
     def _preadv_all(fd: int, buf: memoryview, offset: int) -> None:
@@ -634,7 +638,7 @@ class WalStorage:
         flight on dup'ed descriptors the later group's call could take the EIO that belongs
         to the earlier group's pages, and the earlier group would be acknowledged over lost
         WAL. A description opened before the failed writeback reports it on its own."""
-        if self._fd < 0 or self.no_sync:
+        if self._fd < 0 or self.no_sync or self.synced_lsn >= self.write_lsn:
             return -1
         try:
             # The open segment is always the .partial file (it is renamed only when closed).
@@ -659,7 +663,10 @@ class WalStorage:
         """Make everything written durable; returns the new ``flush_record_lsn``."""
         self.check_usable()
         self.sync_directory(self.dir_changes)
-        if self._fd >= 0 and self.flush_lsn < self.write_lsn and not self.no_sync:
+        if (
+            self._fd >= 0 and self.flush_lsn < self.write_lsn and not self.no_sync
+            and self.synced_lsn < self.write_lsn
+        ):
             self.fdatasync(self._fd)
             self.fsync_count += 1
         with self.lsn_lock:
@@ -702,6 +709,7 @@ class WalStorage:
         image = bytearray(last_page + XLOG_BLCKSZ - seg_start)
         for offset, hdr in headers:
             image[offset : offset + len(hdr)] = hdr
+        self.synced_lsn = INVALID_LSN  # these headers are synced by the next flush
         with self.write_io("initialising the first WAL segment"):
             fd = self._open_segment(segno)
             # Only the bytes before lsn: what follows is the proposer's.
@@ -714,6 +722,7 @@ class WalStorage:
             # From here no flush of an earlier group is published (mark_flushed).
             self.epoch += 1
         self.cut_by_invalid_wal = False
+        self.synced_lsn = INVALID_LSN
         if self._fd >= 0 and not self.no_sync:
             self.fdatasync(self._fd)
         with self.write_io(f"truncating WAL at {format_lsn(lsn)}"):

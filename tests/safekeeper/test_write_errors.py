@@ -33,6 +33,7 @@ from protocol.safekeeper import (
     VoteRequest,
     decode_acceptor_message,
 )
+from safekeeper import wal_storage
 from safekeeper.config import SafekeeperConfig
 from safekeeper.node import SafekeeperNode
 from safekeeper.receive_wal import _ByteBudget, _write_stage
@@ -342,6 +343,15 @@ async def synced_node(tmp_path: Path) -> AsyncIterator[SafekeeperNode]:
         yield sk
 
 
+@pytest.fixture
+async def buffered_synced_node(tmp_path: Path) -> AsyncIterator[SafekeeperNode]:
+    """Durable and buffered: its groups' fdatasyncs run in sync workers beside the next
+    write (with O_DIRECT, the default, a group is synced by its own write call)."""
+    async with running_node(tmp_path / "sk", no_sync=False, wal_direct_io=False) as sk:
+        assert not sk.cfg.direct_io
+        yield sk
+
+
 async def test_node_ends_the_push_with_58030_and_refuses_until_restart(
     synced_node: SafekeeperNode, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -359,7 +369,10 @@ async def test_node_ends_the_push_with_58030_and_refuses_until_restart(
             last_record_end = Lsn(RecordTracker(start).feed(wal[:PIECE]))
             acked = (await p.wait_flush(last_record_end)).flush_lsn
             assert acked == last_record_end
-            monkeypatch.setattr(os, "pwritev", failing(OSError(errno.EIO, "Input/output error")))
+            eio = failing(OSError(errno.EIO, "Input/output error"))
+            monkeypatch.setattr(os, "pwritev", eio)
+            # The node writes with O_DIRECT (its default): the write kernel does the pwrite.
+            monkeypatch.setattr(wal_storage, "write_staged", eio)
             await p.append_many(end, [wal[PIECE : 2 * PIECE]])
             with pytest.raises(PgError) as info:
                 while True:
@@ -433,13 +446,13 @@ def test_scan_end_is_the_last_complete_record_before_a_torn_one(
 
 
 async def test_node_write_error_with_a_sync_in_flight_still_ends_with_58030(
-    synced_node: SafekeeperNode, monkeypatch: pytest.MonkeyPatch
+    buffered_synced_node: SafekeeperNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Group A's fdatasync is held (before the storage's own check) while group B's write
     fails: the writer and A's then refused sync both raise. The connection must still end
     with FATAL 58030 (not the server's generic answer to an exception group), and neither A
     nor B is acknowledged."""
-    node = synced_node
+    node = buffered_synced_node
     assert node.pg_port is not None
     start = Lsn(WAL_SEGMENT_SIZE)
     wal = synthetic_wal(start, PIECE + (2 << 20))
